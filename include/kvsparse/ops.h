@@ -1,0 +1,77 @@
+// Compute kernels. Every fast kernel has a plain scalar twin in namespace `ref`
+// (same signature) that the tests compare against on random, ragged inputs.
+// Layout conventions follow GGUF: a weight matrix is [rows, cols] with cols contiguous
+// (GGUF ne0 = cols), so y = W x means y[r] = sum_c W[r, c] * x[c].
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvsparse/dtype.h"
+
+namespace kvsparse {
+
+// A read-only weight matrix in any supported DType (usually pointing into an mmap).
+struct WeightView {
+  DType type = DType::kF32;
+  const void* data = nullptr;
+  int64_t rows = 0;  // output features
+  int64_t cols = 0;  // input features (contiguous); multiple of the block size
+};
+
+enum class RopeStyle {
+  kAdjacentPairs,  // llama / llama2.c: rotate (x[2i], x[2i+1])
+  kNeox,           // qwen2 / GPT-NeoX: rotate (x[i], x[i + head_dim/2])
+};
+
+namespace ops {
+
+// ---- row conversion (any DType <-> f32) ----
+void DequantizeRow(DType type, const void* src, float* dst, int64_t n);
+// Quantizes (or converts) n floats into `type` (used by convert/synth and for activations).
+void QuantizeRow(DType type, const float* src, void* dst, int64_t n);
+
+// ---- matrix products ----
+// y[t, r] = sum_c W[r, c] * x[t, c]
+// x: [n_tokens, w.cols] f32, y: [n_tokens, w.rows] f32.
+// Quantized weights use ggml's scheme: activations are quantized once per call
+// (Q8_0 for Q8_0/Q4_0 weights, Q8_K for Q4_K) and dotted in integer arithmetic.
+// Runs on n_threads threads (OpenMP); n_threads <= 0 means all available.
+void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads);
+
+// ---- vector kernels ----
+float Dot(const float* a, const float* b, int64_t n);
+// out[i] = x[i] / sqrt(mean(x^2) + eps) * weight[i]
+void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps);
+// Rotates x: [n_heads, head_dim] in place for position `pos`.
+// inv_freq: [head_dim/2], theta_i = pos * inv_freq[i].
+void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style);
+// gate[i] = silu(gate[i]) * up[i]
+void SiluMul(float* gate, const float* up, int64_t n);
+// In-place numerically stable softmax.
+void Softmax(float* x, int64_t n);
+// y[i] += x[i]
+void Add(float* y, const float* x, int64_t n);
+
+// ---- machine limits ----
+// Sustained read bandwidth (GB/s) of a multi-threaded streaming sum over a `bytes` buffer,
+// best of a few passes. Decode-time matvec cannot beat weight_bytes / this.
+double MeasureReadBandwidthGBs(int n_threads, size_t bytes = 1ull << 30);
+
+}  // namespace ops
+
+// Scalar reference twins: straightforward loops, no SIMD, no threads.
+// Quantized MatMul here dequantizes W to f32 and accumulates in double.
+namespace ref {
+void DequantizeRow(DType type, const void* src, float* dst, int64_t n);
+void QuantizeRow(DType type, const float* src, void* dst, int64_t n);
+void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y);
+float Dot(const float* a, const float* b, int64_t n);
+void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps);
+void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style);
+void SiluMul(float* gate, const float* up, int64_t n);
+void Softmax(float* x, int64_t n);
+void Add(float* y, const float* x, int64_t n);
+}  // namespace ref
+
+}  // namespace kvsparse

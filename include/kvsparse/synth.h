@@ -1,0 +1,49 @@
+// Random-weight GGUF models with the exact shapes (and llama.cpp tensor names/keys)
+// of real models, so speed and memory work needs no download.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+struct SynthShape {
+  std::string name;  // "tinyllama-1.1b", "tiny-llama", ...
+  std::string arch;  // GGUF general.architecture: "llama" | "qwen2"
+  int n_vocab = 0;
+  int dim = 0;         // embedding length
+  int hidden_dim = 0;  // feed-forward length
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int context = 0;
+  float rope_theta = 10000.0f;
+  float rms_eps = 1e-5f;
+  bool tied_output = false;  // no output.weight: the classifier reuses token_embd.weight
+  bool qkv_bias = false;     // qwen2: attn_{q,k,v}.bias
+  // Llama 3.1/3.2 "llama3" RoPE scaling factor (low 1, high 4, original context 8192),
+  // written as llama.cpp does: a rope_freqs.weight tensor [head_dim/2]. 0 = none.
+  float rope_llama3_factor = 0.0f;
+};
+
+// Real shapes (tinyllama-1.1b, llama-3.2-1b, qwen2.5-0.5b, llama-3.1-8b) and tiny test shapes.
+const std::vector<SynthShape>& SynthShapes();
+// Errors list the valid names.
+StatusOr<SynthShape> FindSynthShape(std::string_view name);
+
+struct SynthOptions {
+  DType weight_type = DType::kQ8_0;  // 2-D weights; norms and biases are always f32
+  uint64_t seed = 1;
+  std::string vocab_gguf;  // copy tokenizer.* keys from this vocab GGUF when non-empty
+  int n_layers_override = 0;  // > 0: use this many layers instead of the shape's
+};
+
+// Writes a GGUF v3 model with random weights scaled so activations stay finite.
+Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, const std::string& out_path);
+
+}  // namespace kvsparse

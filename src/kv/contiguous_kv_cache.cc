@@ -1,0 +1,126 @@
+#include "kvsparse/contiguous_kv_cache.h"
+
+#include <cstring>
+#include <string>
+
+#include "kvsparse/dtype.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace kvsparse {
+
+namespace {
+
+size_t StorageElementBytes(KvStorage storage) { return storage == KvStorage::kF16 ? sizeof(f16_bits) : sizeof(float); }
+
+// Converts n floats to f16 (round to nearest even, as F32ToF16).
+void ConvertToF16(const float* src, f16_bits* dst, size_t n) {
+  size_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = F32ToF16(src[i]);
+}
+
+}  // namespace
+
+ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage storage, int n_seqs, int32_t max_tokens)
+    : geometry_(geometry), storage_(storage), n_seqs_(n_seqs), max_tokens_(max_tokens) {
+  KVS_CHECK(geometry.n_layers > 0 && geometry.n_kv_heads > 0 && geometry.head_dim > 0);
+  KVS_CHECK(n_seqs > 0 && max_tokens > 0);
+  row_bytes_ = static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
+  slots_.resize(static_cast<size_t>(n_seqs) * geometry.n_layers);
+  for (Slot& s : slots_) {
+    s.k.resize(row_bytes_ * max_tokens);
+    s.v.resize(row_bytes_ * max_tokens);
+    s.positions.resize(max_tokens);
+  }
+}
+
+ContiguousKvCache::Slot& ContiguousKvCache::slot(int seq, int layer) {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_ && layer >= 0 && layer < geometry_.n_layers,
+                "seq " + std::to_string(seq) + " layer " + std::to_string(layer) + " out of range");
+  return slots_[static_cast<size_t>(seq) * geometry_.n_layers + layer];
+}
+
+const ContiguousKvCache::Slot& ContiguousKvCache::slot(int seq, int layer) const {
+  return const_cast<ContiguousKvCache*>(this)->slot(seq, layer);
+}
+
+Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, const float* v,
+                                 const int32_t* positions) {
+  if (seq < 0 || seq >= n_seqs_) {
+    return InvalidArgumentError("KV cache append: seq " + std::to_string(seq) + " out of range [0, " +
+                                std::to_string(n_seqs_) + ")");
+  }
+  if (layer < 0 || layer >= geometry_.n_layers) {
+    return InvalidArgumentError("KV cache append: layer " + std::to_string(layer) + " out of range [0, " +
+                                std::to_string(geometry_.n_layers) + ")");
+  }
+  if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
+  if (n == 0) return Status::Ok();
+  if (k == nullptr || v == nullptr || positions == nullptr) {
+    return InvalidArgumentError("KV cache append: null k, v or positions for " + std::to_string(n) + " tokens");
+  }
+  Slot& s = slot(seq, layer);
+  if (n > max_tokens_ - s.n) {
+    return ResourceExhaustedError("KV cache full: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                                  " holds " + std::to_string(s.n) + " of " + std::to_string(max_tokens_) +
+                                  " tokens; cannot append " + std::to_string(n) +
+                                  " more (raise the context size / max_tokens)");
+  }
+  // Validate every position before writing anything, so a failed append leaves the cache unchanged.
+  for (int32_t i = 0; i < n; ++i) {
+    const bool has_prev = i > 0 || s.n > 0;
+    const int32_t prev = i > 0 ? positions[i - 1] : (s.n > 0 ? s.positions[s.n - 1] : 0);
+    if (positions[i] < 0 || (has_prev && positions[i] <= prev)) {
+      return InvalidArgumentError("KV cache append: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                                  ": position " + std::to_string(positions[i]) + " (token " + std::to_string(i) +
+                                  " of the batch) must be >= 0 and greater than the previous position " +
+                                  (has_prev ? std::to_string(prev) : std::string("(none)")));
+    }
+  }
+
+  const size_t n_elems = static_cast<size_t>(n) * geometry_.n_kv_heads * geometry_.head_dim;
+  uint8_t* k_dst = s.k.data() + row_bytes_ * s.n;
+  uint8_t* v_dst = s.v.data() + row_bytes_ * s.n;
+  if (storage_ == KvStorage::kF32) {
+    std::memcpy(k_dst, k, n_elems * sizeof(float));
+    std::memcpy(v_dst, v, n_elems * sizeof(float));
+  } else {
+    ConvertToF16(k, reinterpret_cast<f16_bits*>(k_dst), n_elems);
+    ConvertToF16(v, reinterpret_cast<f16_bits*>(v_dst), n_elems);
+  }
+  std::memcpy(s.positions.data() + s.n, positions, n * sizeof(int32_t));
+  s.n += n;
+  return Status::Ok();
+}
+
+void ContiguousKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) const {
+  const Slot& s = slot(seq, layer);
+  out->clear();
+  if (s.n == 0) return;
+  out->push_back(KvSpan{s.k.data(), s.v.data(), s.positions.data(), s.n});
+}
+
+int32_t ContiguousKvCache::NumTokens(int seq, int layer) const { return slot(seq, layer).n; }
+
+void ContiguousKvCache::Clear(int seq) {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_, "Clear: seq " + std::to_string(seq) + " out of range");
+  for (int layer = 0; layer < geometry_.n_layers; ++layer) slot(seq, layer).n = 0;
+}
+
+size_t ContiguousKvCache::AllocatedBytes() const { return slots_.size() * row_bytes_ * max_tokens_ * 2; }
+
+size_t ContiguousKvCache::LiveBytes() const {
+  size_t tokens = 0;
+  for (const Slot& s : slots_) tokens += static_cast<size_t>(s.n);
+  return tokens * row_bytes_ * 2;
+}
+
+}  // namespace kvsparse

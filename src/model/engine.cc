@@ -1,0 +1,177 @@
+// The batched forward pass of a llama-family decoder (llama, qwen2) over a KvCache.
+#include <algorithm>
+#include <cmath>
+#include <fmt/format.h>
+#include <omp.h>
+
+#include "kvsparse/attention.h"
+#include "kvsparse/model.h"
+
+namespace kvsparse {
+
+namespace {
+// Long prompts run in chunks of this many tokens, which bounds the scratch memory
+// (the FFN buffers are [chunk, hidden]); chunking is exact because attention is causal.
+constexpr int32_t kMaxChunkTokens = 512;
+// Per-row elementwise work is spread over threads only when there are enough rows to pay for it.
+constexpr int32_t kParallelRowThreshold = 16;
+}  // namespace
+
+// Activations for one chunk; sized once for kMaxChunkTokens rows (or fewer, growing on
+// demand), so decode steps never allocate.
+struct Engine::Scratch {
+  int32_t rows = 0;
+  std::vector<float> x;            // [rows, dim] residual stream
+  std::vector<float> normed;       // [rows, dim] RmsNorm output fed to projections
+  std::vector<float> q;            // [rows, n_heads, head_dim]
+  std::vector<float> k;            // [rows, n_kv_heads, head_dim]
+  std::vector<float> v;            // [rows, n_kv_heads, head_dim]
+  std::vector<float> att;          // [rows, n_heads, head_dim]
+  std::vector<float> proj;         // [rows, dim] attention output / FFN output before the residual add
+  std::vector<float> gate;         // [rows, hidden]
+  std::vector<float> up;           // [rows, hidden]
+  std::vector<int32_t> positions;  // [rows]
+  std::vector<KvSpan> spans;       // live K/V of the current (seq, layer)
+
+  void Reserve(const ModelConfig& c, int32_t n) {
+    if (n <= rows) return;
+    const size_t r = static_cast<size_t>(n);
+    const size_t q_dim = static_cast<size_t>(c.n_heads) * c.head_dim;
+    const size_t kv_dim = static_cast<size_t>(c.n_kv_heads) * c.head_dim;
+    x.resize(r * c.dim);
+    normed.resize(r * c.dim);
+    q.resize(r * q_dim);
+    k.resize(r * kv_dim);
+    v.resize(r * kv_dim);
+    att.resize(r * q_dim);
+    proj.resize(r * c.dim);
+    gate.resize(r * c.hidden_dim);
+    up.resize(r * c.hidden_dim);
+    positions.resize(r);
+    rows = n;
+  }
+};
+
+Engine::Engine(const Model& model, KvCache* cache, int n_threads)
+    : model_(model), cache_(cache), n_threads_(n_threads), scratch_(std::make_unique<Scratch>()) {
+  KVS_CHECK(cache != nullptr);
+  const ModelConfig& c = model.config();
+  const KvGeometry& g = cache->geometry();
+  KVS_CHECK_MSG(g.n_layers == c.n_layers && g.n_kv_heads == c.n_kv_heads && g.head_dim == c.head_dim,
+                fmt::format("KV cache geometry (layers {}, kv heads {}, head_dim {}) does not match the model "
+                            "(layers {}, kv heads {}, head_dim {})",
+                            g.n_layers, g.n_kv_heads, g.head_dim, c.n_layers, c.n_kv_heads, c.head_dim));
+  // Decode needs one row; prefill grows the scratch up to kMaxChunkTokens on first use.
+  scratch_->Reserve(c, 1);
+  scratch_->spans.reserve(16);
+}
+
+Engine::~Engine() = default;
+
+Status Engine::Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits, bool all_logits) {
+  const ModelConfig& c = model_.config();
+  if (tokens == nullptr || logits == nullptr) return InvalidArgumentError("Forward: tokens and logits must be non-null");
+  if (n <= 0) return InvalidArgumentError(fmt::format("Forward: token count must be positive, got {}", n));
+  if (pos0 < 0) return InvalidArgumentError(fmt::format("Forward: start position must be >= 0, got {}", pos0));
+  if (static_cast<int64_t>(pos0) + n - 1 > INT32_MAX) {
+    return OutOfRangeError(fmt::format("Forward: positions {}..{} overflow int32", pos0, static_cast<int64_t>(pos0) + n - 1));
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.n_vocab) {
+      return OutOfRangeError(fmt::format("Forward: token id {} at index {} is out of range [0, {}) for model '{}'",
+                                         tokens[i], i, c.n_vocab, model_.path()));
+    }
+  }
+  for (int32_t done = 0; done < n; done += kMaxChunkTokens) {
+    const int32_t chunk = std::min(kMaxChunkTokens, n - done);
+    const bool last_chunk = done + chunk == n;
+    float* chunk_logits = nullptr;  // null: this chunk's logits are not wanted
+    if (all_logits) {
+      chunk_logits = logits + static_cast<size_t>(done) * c.n_vocab;
+    } else if (last_chunk) {
+      chunk_logits = logits;
+    }
+    KVS_RETURN_IF_ERROR(ForwardChunk(seq, tokens + done, chunk, pos0 + done, chunk_logits, all_logits));
+  }
+  return Status::Ok();
+}
+
+Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits,
+                            bool all_logits) {
+  const ModelConfig& c = model_.config();
+  Scratch& s = *scratch_;
+  s.Reserve(c, n);
+  const int64_t dim = c.dim, hidden = c.hidden_dim;
+  const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+  const bool parallel_rows = n >= kParallelRowThreshold;
+  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+
+  // Embedding lookup: dequantize one row of token_embd per token.
+  const WeightView& embd = model_.token_embedding;
+  const size_t embd_row_bytes = DTypeRowBytes(embd.type, embd.cols);
+  for (int32_t i = 0; i < n; ++i) {
+    const auto* row = static_cast<const uint8_t*>(embd.data) + static_cast<size_t>(tokens[i]) * embd_row_bytes;
+    ops::DequantizeRow(embd.type, row, &s.x[static_cast<size_t>(i) * dim], dim);
+    s.positions[static_cast<size_t>(i)] = pos0 + i;
+  }
+
+  auto norm_rows = [&](const float* weight) {
+#pragma omp parallel for num_threads(n_threads_ > 0 ? n_threads_ : omp_get_max_threads()) if (parallel_rows)
+    for (int32_t i = 0; i < n; ++i) {
+      ops::RmsNorm(&s.x[static_cast<size_t>(i) * dim], weight, &s.normed[static_cast<size_t>(i) * dim], dim,
+                   c.rms_eps);
+    }
+  };
+
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
+
+    // ---- attention ----
+    norm_rows(w.attn_norm);
+    ops::MatMul(w.wq, s.normed.data(), n, s.q.data(), n_threads_);
+    ops::MatMul(w.wk, s.normed.data(), n, s.k.data(), n_threads_);
+    ops::MatMul(w.wv, s.normed.data(), n, s.v.data(), n_threads_);
+#pragma omp parallel for num_threads(n_threads_ > 0 ? n_threads_ : omp_get_max_threads()) if (parallel_rows)
+    for (int32_t i = 0; i < n; ++i) {
+      float* q_row = &s.q[static_cast<size_t>(i) * q_dim];
+      float* k_row = &s.k[static_cast<size_t>(i) * kv_dim];
+      float* v_row = &s.v[static_cast<size_t>(i) * kv_dim];
+      if (w.bq != nullptr) ops::Add(q_row, w.bq, q_dim);
+      if (w.bk != nullptr) ops::Add(k_row, w.bk, kv_dim);
+      if (w.bv != nullptr) ops::Add(v_row, w.bv, kv_dim);
+      ops::Rope(q_row, c.n_heads, c.head_dim, pos0 + i, model_.rope_inv_freq.data(), c.rope_style);
+      ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos0 + i, model_.rope_inv_freq.data(), c.rope_style);
+    }
+    Status appended = cache_->Append(seq, layer, n, s.k.data(), s.v.data(), s.positions.data());
+    if (!appended.ok()) {
+      return Status(appended.code(), fmt::format("Forward: storing K/V of sequence {} layer {} (positions {}..{}): {}",
+                                                 seq, layer, pos0, pos0 + n - 1, appended.message()));
+    }
+    cache_->Spans(seq, layer, &s.spans);
+    ops::Attention(shape, cache_->storage(), s.q.data(), s.positions.data(), n, s.spans.data(),
+                   static_cast<int32_t>(s.spans.size()), s.att.data(), n_threads_);
+    ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
+    ops::Add(s.x.data(), s.proj.data(), n * dim);
+
+    // ---- feed-forward (SwiGLU) ----
+    norm_rows(w.ffn_norm);
+    ops::MatMul(w.w_gate, s.normed.data(), n, s.gate.data(), n_threads_);
+    ops::MatMul(w.w_up, s.normed.data(), n, s.up.data(), n_threads_);
+    ops::SiluMul(s.gate.data(), s.up.data(), n * hidden);
+    ops::MatMul(w.w_down, s.gate.data(), n, s.proj.data(), n_threads_);
+    ops::Add(s.x.data(), s.proj.data(), n * dim);
+  }
+
+  if (logits == nullptr) return Status::Ok();
+  // Only the rows whose logits are wanted go through the [vocab, dim] output projection.
+  const int32_t first = all_logits ? 0 : n - 1;
+  for (int32_t i = first; i < n; ++i) {
+    ops::RmsNorm(&s.x[static_cast<size_t>(i) * dim], model_.output_norm, &s.normed[static_cast<size_t>(i) * dim],
+                 dim, c.rms_eps);
+  }
+  ops::MatMul(model_.output, &s.normed[static_cast<size_t>(first) * dim], n - first, logits, n_threads_);
+  return Status::Ok();
+}
+
+}  // namespace kvsparse

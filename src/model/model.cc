@@ -1,0 +1,117 @@
+// Model: format detection, shared validation and size accounting.
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fmt/format.h>
+
+#include "kvsparse/model.h"
+#include "model/model_loader.h"
+
+namespace kvsparse {
+
+std::string_view ArchName(Arch a) {
+  switch (a) {
+    case Arch::kLlama: return "llama";
+    case Arch::kQwen2: return "qwen2";
+  }
+  return "unknown";
+}
+
+Model::~Model() = default;
+
+StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return NotFoundError(fmt::format("cannot open model file '{}': {}", path, std::strerror(errno)));
+  }
+  char magic[4] = {0, 0, 0, 0};
+  const size_t got = std::fread(magic, 1, sizeof(magic), f);
+  std::fclose(f);
+  if (got == sizeof(magic) && std::memcmp(magic, "GGUF", 4) == 0) return LoadGguf(path);
+  // llama2.c checkpoints have no magic; the loader validates the header and file size instead.
+  return LoadLlama2c(path);
+}
+
+StatusOr<std::unique_ptr<Model>> Model::LoadGguf(const std::string& path) { return ModelLoader::FromGguf(path); }
+
+StatusOr<std::unique_ptr<Model>> Model::LoadLlama2c(const std::string& path) {
+  return ModelLoader::FromLlama2c(path);
+}
+
+namespace {
+int64_t Elements(const WeightView& w) { return w.rows * w.cols; }
+size_t Bytes(const WeightView& w) { return static_cast<size_t>(w.rows) * DTypeRowBytes(w.type, w.cols); }
+}  // namespace
+
+int64_t Model::ParameterCount() const {
+  const ModelConfig& c = config_;
+  int64_t total = Elements(token_embedding) + c.dim;  // + output_norm
+  if (!c.tied_output) total += Elements(output);
+  for (const LayerWeights& l : layers) {
+    total += 2 * static_cast<int64_t>(c.dim);  // attn_norm, ffn_norm
+    for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Elements(*w);
+    if (l.bq != nullptr) total += l.wq.rows;
+    if (l.bk != nullptr) total += l.wk.rows;
+    if (l.bv != nullptr) total += l.wv.rows;
+  }
+  return total;
+}
+
+size_t Model::WeightBytes() const {
+  const ModelConfig& c = config_;
+  const size_t norm_bytes = sizeof(float) * static_cast<size_t>(c.dim);
+  size_t total = Bytes(token_embedding) + norm_bytes;
+  if (!c.tied_output) total += Bytes(output);
+  for (const LayerWeights& l : layers) {
+    total += 2 * norm_bytes;
+    for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Bytes(*w);
+    if (l.bq != nullptr) total += sizeof(float) * static_cast<size_t>(l.wq.rows);
+    if (l.bk != nullptr) total += sizeof(float) * static_cast<size_t>(l.wk.rows);
+    if (l.bv != nullptr) total += sizeof(float) * static_cast<size_t>(l.wv.rows);
+  }
+  return total;
+}
+
+std::vector<float> ModelLoader::RopeInvFreq(int head_dim, float theta) {
+  std::vector<float> inv_freq(static_cast<size_t>(head_dim / 2));
+  for (int i = 0; i < head_dim / 2; ++i) {
+    inv_freq[i] = static_cast<float>(std::pow(static_cast<double>(theta), -2.0 * i / head_dim));
+  }
+  return inv_freq;
+}
+
+Status ValidateModelConfig(const ModelConfig& c, const std::string& source) {
+  struct Field {
+    const char* name;
+    int value;
+  };
+  for (const Field& f : {Field{"n_vocab", c.n_vocab}, Field{"dim", c.dim}, Field{"hidden_dim", c.hidden_dim},
+                         Field{"n_layers", c.n_layers}, Field{"n_heads", c.n_heads},
+                         Field{"n_kv_heads", c.n_kv_heads},
+                         Field{"context_length", c.max_context}}) {
+    if (f.value <= 0) {
+      return DataLossError(fmt::format("{}: {} must be positive, found {}", source, f.name, f.value));
+    }
+  }
+  if (c.dim % c.n_heads != 0 || c.head_dim != c.dim / c.n_heads) {
+    return DataLossError(fmt::format("{}: dim ({}) must be a multiple of n_heads ({}) with head_dim = dim / n_heads",
+                                     source, c.dim, c.n_heads));
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    return DataLossError(fmt::format("{}: n_heads ({}) must be a multiple of n_kv_heads ({})", source, c.n_heads,
+                                     c.n_kv_heads));
+  }
+  if (c.head_dim % 2 != 0) {
+    return DataLossError(fmt::format("{}: head_dim ({}) must be even for RoPE", source, c.head_dim));
+  }
+  if (!(c.rms_eps > 0.f) || !std::isfinite(c.rms_eps)) {
+    return DataLossError(fmt::format("{}: RMSNorm epsilon must be positive and finite, found {}", source, c.rms_eps));
+  }
+  if (!(c.rope_theta > 0.f) || !std::isfinite(c.rope_theta)) {
+    return DataLossError(fmt::format("{}: RoPE theta must be positive and finite, found {}", source, c.rope_theta));
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvsparse

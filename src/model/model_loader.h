@@ -1,0 +1,44 @@
+// Internal: the loaders that fill a Model from a GGUF file or a llama2.c checkpoint.
+// ModelLoader is Model's friend so the loaders can fill its private state; nothing
+// outside src/model uses this header.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvsparse/model.h"
+
+namespace kvsparse {
+
+class ModelLoader {
+ public:
+  static StatusOr<std::unique_ptr<Model>> FromGguf(const std::string& path);
+  static StatusOr<std::unique_ptr<Model>> FromLlama2c(const std::string& path);
+
+  // inv_freq[i] = theta^(-2i / head_dim), i in [0, head_dim/2).
+  static std::vector<float> RopeInvFreq(int head_dim, float theta);
+
+ private:
+  static std::unique_ptr<Model> NewModel(const std::string& path) {
+    std::unique_ptr<Model> model(new Model());
+    model->path_ = path;
+    return model;
+  }
+  static ModelConfig& Config(Model& m) { return m.config_; }
+  static void SetGguf(Model& m, std::unique_ptr<GgufFile> file) { m.gguf_ = std::move(file); }
+  // Hands a buffer to the model; the returned pointer stays valid for the model's life.
+  static uint8_t* Own(Model& m, std::vector<uint8_t> bytes) {
+    m.owned_.push_back(std::move(bytes));
+    return m.owned_.back().data();
+  }
+  friend class GgufModelBuilder;
+  friend class Llama2cModelBuilder;
+};
+
+// Checks the config's internal consistency (positive sizes, head divisibility, even head_dim).
+// `source` names the file for the message.
+Status ValidateModelConfig(const ModelConfig& c, const std::string& source);
+
+}  // namespace kvsparse

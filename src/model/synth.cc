@@ -1,0 +1,337 @@
+// Random-weight GGUF models with the exact shapes, keys and tensor names (llama.cpp
+// conventions) of real models. Weights are generated row by row from a counter-based
+// PRNG, so the output is identical for any thread count, and streamed to disk one tensor
+// at a time through GgufWriter.
+#include "kvsparse/synth.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "kvsparse/gguf.h"
+#include "kvsparse/ops.h"
+
+namespace kvsparse {
+
+namespace {
+
+SynthShape Shape(std::string name, std::string arch, int n_vocab, int dim, int hidden, int layers, int heads,
+                 int kv_heads, int context, float theta, float eps, bool tied, bool bias, float llama3_factor = 0) {
+  SynthShape s;
+  s.name = std::move(name);
+  s.arch = std::move(arch);
+  s.n_vocab = n_vocab;
+  s.dim = dim;
+  s.hidden_dim = hidden;
+  s.n_layers = layers;
+  s.n_heads = heads;
+  s.n_kv_heads = kv_heads;
+  s.context = context;
+  s.rope_theta = theta;
+  s.rms_eps = eps;
+  s.tied_output = tied;
+  s.qkv_bias = bias;
+  s.rope_llama3_factor = llama3_factor;
+  return s;
+}
+
+// splitmix64: a tiny, high-quality mixer; used as a counter-based generator.
+inline uint64_t SplitMix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Fills out[0..n) with uniform values of mean `center` and half-width `half_width`,
+// determined only by (stream, row).
+void UniformRow(uint64_t stream, int64_t row, float center, float half_width, float* out, int64_t n) {
+  uint64_t state = SplitMix(stream ^ SplitMix(static_cast<uint64_t>(row) + 0x51ed270b27a4f1ull));
+  constexpr float kScale = 1.0f / 8388608.0f;  // 2^-23
+  int64_t i = 0;
+  for (; i + 1 < n; i += 2) {
+    uint64_t r = SplitMix(state++);
+    // Two 23-bit uniforms in [0, 1) from one 64-bit draw.
+    float a = static_cast<float>(r >> 41) * kScale;
+    float b = static_cast<float>((r >> 9) & 0x7fffff) * kScale;
+    out[i] = center + half_width * (2.0f * a - 1.0f);
+    out[i + 1] = center + half_width * (2.0f * b - 1.0f);
+  }
+  if (i < n) {
+    float a = static_cast<float>(SplitMix(state) >> 41) * kScale;
+    out[i] = center + half_width * (2.0f * a - 1.0f);
+  }
+}
+
+// llama.cpp's general.file_type (llama_ftype) for a uniform weight type.
+uint32_t FileType(DType t) {
+  switch (t) {
+    case DType::kF32: return 0;
+    case DType::kF16: return 1;
+    case DType::kQ4_0: return 2;
+    case DType::kQ8_0: return 7;
+    case DType::kQ4_K: return 14;  // Q4_K_S: every matrix q4_k
+    case DType::kBF16: return 32;
+    default: return 0;
+  }
+}
+
+// Per-frequency divisors of llama3 RoPE scaling, as llama.cpp's converter writes them
+// into rope_freqs.weight: long wavelengths are slowed by `factor`, short ones kept, and
+// the band between interpolated smoothly.
+std::vector<float> Llama3RopeFactors(int64_t head_dim, float theta, float factor) {
+  constexpr double kLowFreqFactor = 1.0, kHighFreqFactor = 4.0, kOriginalContext = 8192.0;
+  const double low_freq_wavelen = kOriginalContext / kLowFreqFactor;
+  const double high_freq_wavelen = kOriginalContext / kHighFreqFactor;
+  std::vector<float> factors(static_cast<size_t>(head_dim / 2));
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    const double freq = 1.0 / std::pow(static_cast<double>(theta), 2.0 * static_cast<double>(i) / head_dim);
+    const double wavelen = 2.0 * std::numbers::pi / freq;
+    double f = 1.0;
+    if (wavelen > low_freq_wavelen) {
+      f = factor;
+    } else if (wavelen >= high_freq_wavelen) {
+      const double smooth = (kOriginalContext / wavelen - kLowFreqFactor) / (kHighFreqFactor - kLowFreqFactor);
+      f = 1.0 / ((1.0 - smooth) / factor + smooth);
+    }
+    factors[static_cast<size_t>(i)] = static_cast<float>(f);
+  }
+  return factors;
+}
+
+bool IsSynthWeightType(DType t) {
+  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16 || t == DType::kQ8_0 || t == DType::kQ4_0 ||
+         t == DType::kQ4_K;
+}
+
+// Type used for a matrix with `cols` inputs: the requested one when its block divides the
+// row, else (like llama.cpp's quantizer) q8_0, f16 or f32.
+DType MatrixType(DType wanted, int64_t cols) {
+  for (DType t : {wanted, DType::kQ8_0, DType::kF16}) {
+    if (cols % DTypeBlockSize(t) == 0) return t;
+  }
+  return DType::kF32;
+}
+
+// A generated SentencePiece-style vocab: <unk> <s> </s>, 256 byte tokens, then unique
+// pieces "a".."z", "▁a".."▁z", "aa", "▁aa", ... with decreasing scores.
+void AddGeneratedVocab(int n_vocab, GgufWriter* w) {
+  std::vector<std::string> tokens;
+  std::vector<float> scores;
+  std::vector<int32_t> types;
+  tokens.reserve(n_vocab);
+  auto add = [&](std::string piece, float score, int32_t type) {
+    tokens.push_back(std::move(piece));
+    scores.push_back(score);
+    types.push_back(type);
+  };
+  constexpr int32_t kNormal = 1, kUnknown = 2, kControl = 3, kByte = 6;
+  add("<unk>", 0.0f, kUnknown);
+  add("<s>", 0.0f, kControl);
+  add("</s>", 0.0f, kControl);
+  for (int b = 0; b < 256 && static_cast<int>(tokens.size()) < n_vocab; ++b) {
+    char buf[8];
+    std::snprintf(buf, sizeof(buf), "<0x%02X>", b);
+    add(buf, 0.0f, kByte);
+  }
+  const std::string kSpace = "\xe2\x96\x81";  // U+2581, SentencePiece's word-boundary marker
+  std::string letters;
+  for (int len = 1; static_cast<int>(tokens.size()) < n_vocab; ++len) {
+    // Enumerate all lowercase strings of length `len` in lexicographic order.
+    std::vector<int> digits(len, 0);
+    while (static_cast<int>(tokens.size()) < n_vocab) {
+      letters.assign(len, 'a');
+      for (int k = 0; k < len; ++k) letters[k] = static_cast<char>('a' + digits[k]);
+      float score = -static_cast<float>(tokens.size());
+      add(kSpace + letters, score, kNormal);
+      if (static_cast<int>(tokens.size()) < n_vocab) add(letters, score - 0.5f, kNormal);
+      int k = len - 1;
+      while (k >= 0 && ++digits[k] == 26) digits[k--] = 0;
+      if (k < 0) break;
+    }
+  }
+  w->SetString("tokenizer.ggml.model", "llama");
+  w->SetStringArray("tokenizer.ggml.tokens", tokens);
+  w->SetF32Array("tokenizer.ggml.scores", scores);
+  w->SetI32Array("tokenizer.ggml.token_type", types);
+  w->SetU32("tokenizer.ggml.bos_token_id", 1);
+  w->SetU32("tokenizer.ggml.eos_token_id", 2);
+  w->SetU32("tokenizer.ggml.unknown_token_id", 0);
+  w->SetBool("tokenizer.ggml.add_bos_token", true);
+  w->SetBool("tokenizer.ggml.add_eos_token", false);
+}
+
+Status CopyVocab(const std::string& vocab_path, const SynthShape& shape, GgufWriter* w,
+                 std::unique_ptr<GgufFile>* keep_alive) {
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> vocab, GgufFile::Open(vocab_path));
+  KVS_ASSIGN_OR_RETURN(const std::vector<std::string_view>* tokens, vocab->GetStringArray("tokenizer.ggml.tokens"));
+  if (tokens->size() != static_cast<size_t>(shape.n_vocab)) {
+    return InvalidArgumentError("vocab " + vocab_path + " has " + std::to_string(tokens->size()) +
+                                " tokens (tokenizer.ggml.tokens) but shape '" + shape.name + "' needs n_vocab = " +
+                                std::to_string(shape.n_vocab));
+  }
+  for (const auto& [key, value] : vocab->metadata()) {
+    if (key.rfind("tokenizer.", 0) != 0) continue;
+    w->SetValue(key, value);
+  }
+  // SetValue copies the bytes, but keep the mapping until Write() for clarity of lifetime.
+  *keep_alive = std::move(vocab);
+  return Status::Ok();
+}
+
+Status ValidateShape(const SynthShape& s, int n_layers) {
+  auto bad = [&](const std::string& what) {
+    return InvalidArgumentError("synth shape '" + s.name + "': " + what);
+  };
+  if (s.arch != "llama" && s.arch != "qwen2") return bad("arch must be llama or qwen2, found '" + s.arch + "'");
+  if (s.n_vocab <= 0 || s.dim <= 0 || s.hidden_dim <= 0 || n_layers <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 ||
+      s.context <= 0) {
+    return bad("all sizes must be positive");
+  }
+  if (s.dim % s.n_heads != 0) return bad("dim " + std::to_string(s.dim) + " is not a multiple of n_heads");
+  if (s.n_heads % s.n_kv_heads != 0) return bad("n_heads is not a multiple of n_kv_heads");
+  if ((s.dim / s.n_heads) % 2 != 0) return bad("head_dim must be even for RoPE");
+  if (s.dim % 32 != 0 || s.hidden_dim % 32 != 0) {
+    return bad("dim and hidden_dim must be multiples of 32 (quantization block), found " + std::to_string(s.dim) +
+               " and " + std::to_string(s.hidden_dim));
+  }
+  if (s.n_vocab < 3 + 256 + 1) return bad("n_vocab must be at least 260 (specials + 256 byte tokens)");
+  return Status::Ok();
+}
+
+}  // namespace
+
+const std::vector<SynthShape>& SynthShapes() {
+  static const std::vector<SynthShape> shapes = {
+      // name, arch, vocab, dim, hidden, layers, heads, kv, ctx, theta, eps, tied, qkv_bias[, llama3 rope factor]
+      Shape("tinyllama-1.1b", "llama", 32000, 2048, 5632, 22, 32, 4, 2048, 10000.0f, 1e-5f, false, false),
+      Shape("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 131072, 500000.0f, 1e-5f, true, false, 32.0f),
+      Shape("qwen2.5-0.5b", "qwen2", 151936, 896, 4864, 24, 14, 2, 32768, 1000000.0f, 1e-6f, true, true),
+      Shape("llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 131072, 500000.0f, 1e-5f, false, false, 8.0f),
+      // Tiny shapes for tests (seconds to write, milliseconds to run).
+      Shape("tiny-llama", "llama", 512, 64, 160, 2, 4, 4, 256, 10000.0f, 1e-5f, false, false),
+      Shape("tiny-qwen2", "qwen2", 512, 64, 128, 2, 4, 2, 256, 1000000.0f, 1e-6f, true, true),
+      // Also exercises llama3 RoPE scaling (rope_freqs.weight).
+      Shape("tiny-gqa-untied", "llama", 512, 128, 256, 3, 8, 2, 512, 10000.0f, 1e-5f, false, false, 8.0f),
+      // Every row a multiple of 256, so q4_k applies to every matrix without fallback.
+      Shape("tiny-llama-256", "llama", 1024, 256, 512, 2, 4, 2, 512, 10000.0f, 1e-5f, false, false),
+  };
+  return shapes;
+}
+
+StatusOr<SynthShape> FindSynthShape(std::string_view name) {
+  std::string names;
+  for (const SynthShape& s : SynthShapes()) {
+    if (s.name == name) return s;
+    names += (names.empty() ? "" : ", ") + s.name;
+  }
+  return NotFoundError("unknown synth shape '" + std::string(name) + "'; valid shapes: " + names);
+}
+
+Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, const std::string& out_path) {
+  const int n_layers = options.n_layers_override > 0 ? options.n_layers_override : shape.n_layers;
+  KVS_RETURN_IF_ERROR(ValidateShape(shape, n_layers));
+  if (!IsSynthWeightType(options.weight_type)) {
+    return InvalidArgumentError("synth weight type must be f32, f16, bf16, q8_0, q4_0 or q4_k, found " +
+                                std::string(DTypeName(options.weight_type)));
+  }
+  const std::string& arch = shape.arch;
+  const int64_t dim = shape.dim;
+  const int64_t head_dim = shape.dim / shape.n_heads;
+  const int64_t q_dim = shape.n_heads * head_dim;
+  const int64_t kv_dim = shape.n_kv_heads * head_dim;
+  const int64_t hidden = shape.hidden_dim;
+  const int64_t n_vocab = shape.n_vocab;
+
+  GgufWriter w;
+  w.SetString("general.architecture", arch);
+  w.SetString("general.name", shape.name + " (synthetic random weights)");
+  w.SetU32("general.file_type", FileType(options.weight_type));
+  w.SetU32(arch + ".context_length", static_cast<uint32_t>(shape.context));
+  w.SetU32(arch + ".embedding_length", static_cast<uint32_t>(dim));
+  w.SetU32(arch + ".block_count", static_cast<uint32_t>(n_layers));
+  w.SetU32(arch + ".feed_forward_length", static_cast<uint32_t>(hidden));
+  w.SetU32(arch + ".attention.head_count", static_cast<uint32_t>(shape.n_heads));
+  w.SetU32(arch + ".attention.head_count_kv", static_cast<uint32_t>(shape.n_kv_heads));
+  w.SetF32(arch + ".attention.layer_norm_rms_epsilon", shape.rms_eps);
+  w.SetF32(arch + ".rope.freq_base", shape.rope_theta);
+  w.SetU32(arch + ".rope.dimension_count", static_cast<uint32_t>(head_dim));
+  w.SetU32(arch + ".vocab_size", static_cast<uint32_t>(n_vocab));
+
+  std::unique_ptr<GgufFile> vocab_file;
+  if (!options.vocab_gguf.empty()) {
+    KVS_RETURN_IF_ERROR(CopyVocab(options.vocab_gguf, shape, &w, &vocab_file));
+  } else {
+    AddGeneratedVocab(shape.n_vocab, &w);
+  }
+
+  uint64_t tensor_index = 0;
+  // Each tensor gets its own PRNG stream, so its values do not depend on the others.
+  auto next_stream = [&]() { return SplitMix(options.seed * 0x2545f4914f6cdd1dull + (++tensor_index)); };
+
+  // A [rows, cols] matrix (GGUF ne = {cols, rows}) with uniform values of std 1/sqrt(cols),
+  // so y = W x keeps the scale of a unit-RMS input.
+  auto add_matrix = [&](const std::string& name, int64_t rows, int64_t cols) {
+    const DType type = MatrixType(options.weight_type, cols);
+    const uint64_t stream = next_stream();
+    const float half_width = std::sqrt(3.0f / static_cast<float>(cols));
+    w.AddTensor(name, type, {cols, rows}, [=](void* dst, size_t nbytes) {
+      const size_t row_bytes = DTypeRowBytes(type, cols);
+      KVS_CHECK(row_bytes * static_cast<size_t>(rows) == nbytes);
+      uint8_t* out = static_cast<uint8_t*>(dst);
+#pragma omp parallel
+      {
+        std::vector<float> row(static_cast<size_t>(cols));  // [cols]
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+          UniformRow(stream, r, 0.0f, half_width, row.data(), cols);
+          ops::QuantizeRow(type, row.data(), out + static_cast<size_t>(r) * row_bytes, cols);
+        }
+      }
+    });
+  };
+  // An f32 vector: norms ~1 (center 1), biases ~0.
+  auto add_vector = [&](const std::string& name, int64_t n, float center, float half_width) {
+    const uint64_t stream = next_stream();
+    w.AddTensor(name, DType::kF32, {n}, [=](void* dst, size_t nbytes) {
+      KVS_CHECK(nbytes == static_cast<size_t>(n) * sizeof(float));
+      UniformRow(stream, 0, center, half_width, static_cast<float*>(dst), n);
+    });
+  };
+
+  add_matrix("token_embd.weight", n_vocab, dim);
+  if (shape.rope_llama3_factor > 0) {
+    auto factors = std::make_shared<std::vector<float>>(
+        Llama3RopeFactors(head_dim, shape.rope_theta, shape.rope_llama3_factor));  // [head_dim/2]
+    w.AddTensor("rope_freqs.weight", DType::kF32, {head_dim / 2}, [factors](void* dst, size_t nbytes) {
+      KVS_CHECK(nbytes == factors->size() * sizeof(float));
+      std::memcpy(dst, factors->data(), nbytes);
+    });
+  }
+  add_vector("output_norm.weight", dim, 1.0f, 0.05f);
+  if (!shape.tied_output) add_matrix("output.weight", n_vocab, dim);
+  for (int l = 0; l < n_layers; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    add_vector(b + "attn_norm.weight", dim, 1.0f, 0.05f);
+    add_matrix(b + "attn_q.weight", q_dim, dim);
+    add_matrix(b + "attn_k.weight", kv_dim, dim);
+    add_matrix(b + "attn_v.weight", kv_dim, dim);
+    if (shape.qkv_bias) {
+      add_vector(b + "attn_q.bias", q_dim, 0.0f, 0.1f);
+      add_vector(b + "attn_k.bias", kv_dim, 0.0f, 0.1f);
+      add_vector(b + "attn_v.bias", kv_dim, 0.0f, 0.1f);
+    }
+    add_matrix(b + "attn_output.weight", dim, q_dim);
+    add_vector(b + "ffn_norm.weight", dim, 1.0f, 0.05f);
+    add_matrix(b + "ffn_gate.weight", hidden, dim);
+    add_matrix(b + "ffn_up.weight", hidden, dim);
+    add_matrix(b + "ffn_down.weight", dim, hidden);
+  }
+  return w.Write(out_path);
+}
+
+}  // namespace kvsparse

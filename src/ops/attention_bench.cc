@@ -1,0 +1,123 @@
+// Attention speed at the TinyLlama-1.1B shape (32 heads, 4 kv heads, head_dim 64).
+// bytes_per_second counts the K and V bytes one call must read; compare it with the
+// machine's read bandwidth (BM_ReadBandwidth) — decode attention is memory-bound.
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kvsparse/attention.h"
+#include "kvsparse/dtype.h"
+#include "kvsparse/ops.h"
+
+namespace kvsparse {
+namespace {
+
+constexpr int kHeads = 32;
+constexpr int kKvHeads = 4;
+constexpr int kHeadDim = 64;
+
+// K/V for `depth` tokens split into spans of `span_tokens` (one span = contiguous cache).
+struct BenchCache {
+  KvStorage storage;
+  std::vector<uint8_t> k, v;     // [depth, kKvHeads, kHeadDim] in storage type
+  std::vector<int32_t> positions;  // [depth]
+  std::vector<KvSpan> spans;
+
+  BenchCache(KvStorage st, int64_t depth, int64_t span_tokens) : storage(st) {
+    const size_t elems = static_cast<size_t>(depth) * kKvHeads * kHeadDim;
+    const size_t elem_bytes = st == KvStorage::kF16 ? 2 : 4;
+    k.resize(elems * elem_bytes);
+    v.resize(elems * elem_bytes);
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> dist(-1.f, 1.f);
+    for (size_t i = 0; i < elems; ++i) {
+      const float kv[2] = {dist(rng), dist(rng)};
+      if (st == KvStorage::kF16) {
+        reinterpret_cast<f16_bits*>(k.data())[i] = F32ToF16(kv[0]);
+        reinterpret_cast<f16_bits*>(v.data())[i] = F32ToF16(kv[1]);
+      } else {
+        reinterpret_cast<float*>(k.data())[i] = kv[0];
+        reinterpret_cast<float*>(v.data())[i] = kv[1];
+      }
+    }
+    positions.resize(depth);
+    for (int64_t t = 0; t < depth; ++t) positions[t] = static_cast<int32_t>(t);
+    const size_t row_bytes = kKvHeads * kHeadDim * elem_bytes;
+    for (int64_t t0 = 0; t0 < depth; t0 += span_tokens) {
+      const int32_t n = static_cast<int32_t>(std::min(span_tokens, depth - t0));
+      spans.push_back({k.data() + t0 * row_bytes, v.data() + t0 * row_bytes, positions.data() + t0, n});
+    }
+  }
+  size_t Bytes() const { return k.size() + v.size(); }
+};
+
+std::vector<float> RandomQ(size_t n) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> q(n);
+  for (float& x : q) x = dist(rng);
+  return q;
+}
+
+// Args: depth, storage (0 = f32, 1 = f16), threads, span tokens (0 = one span).
+void BM_AttentionDecode(benchmark::State& state) {
+  const int64_t depth = state.range(0);
+  const KvStorage storage = state.range(1) ? KvStorage::kF16 : KvStorage::kF32;
+  const int threads = static_cast<int>(state.range(2));
+  const int64_t span_tokens = state.range(3) > 0 ? state.range(3) : depth;
+  BenchCache cache(storage, depth, span_tokens);
+  const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  std::vector<float> q = RandomQ(kHeads * kHeadDim), out(kHeads * kHeadDim);
+  const int32_t q_pos = static_cast<int32_t>(depth);
+  for (auto _ : state) {
+    ops::Attention(shape, storage, q.data(), &q_pos, 1, cache.spans.data(), static_cast<int32_t>(cache.spans.size()),
+                   out.data(), threads);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(cache.Bytes()));
+  // Milliseconds for a 22-layer decode step at this depth (TinyLlama), from this one layer.
+  state.counters["ms_per_22_layers"] =
+      benchmark::Counter(state.iterations() / 22e3, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+// Causal prefill of n queries over n tokens (positions 0..n-1).
+void BM_AttentionPrefill(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const KvStorage storage = state.range(1) ? KvStorage::kF16 : KvStorage::kF32;
+  const int threads = static_cast<int>(state.range(2));
+  BenchCache cache(storage, n, n);
+  const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  std::vector<float> q = RandomQ(static_cast<size_t>(n) * kHeads * kHeadDim), out(q.size());
+  for (auto _ : state) {
+    ops::Attention(shape, storage, q.data(), cache.positions.data(), static_cast<int32_t>(n), cache.spans.data(),
+                   static_cast<int32_t>(cache.spans.size()), out.data(), threads);
+    benchmark::DoNotOptimize(out.data());
+  }
+  // Useful multiply-adds under the causal mask: QK and PV, n(n+1)/2 pairs per head.
+  const double flops = 4.0 * kHeadDim * kHeads * (static_cast<double>(n) * (n + 1) / 2);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
+}
+
+void BM_ReadBandwidth(benchmark::State& state) {
+  double gbs = 0;
+  for (auto _ : state) gbs = ops::MeasureReadBandwidthGBs(static_cast<int>(state.range(0)), 256ull << 20);
+  state.counters["GB_per_s"] = gbs;
+}
+
+BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionDecode)
+    ->ArgNames({"depth", "f16", "threads", "span"})
+    ->ArgsProduct({{512, 4096, 32768}, {1, 0}, {1, 2}, {0}})
+    ->Args({4096, 1, 2, 16})  // paged layout: one span per 16-token page
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AttentionPrefill)
+    ->ArgNames({"n", "f16", "threads"})
+    ->ArgsProduct({{512}, {1, 0}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvsparse

@@ -1,0 +1,134 @@
+// MatMul driver: packs (quantizes) activations once per call, splits weight rows across
+// threads (each thread streams a disjoint slice of W), and walks register tiles of
+// kMaxTileRows x kMaxTileTokens. Tokens are processed in blocks whose packed activations stay
+// in L2, so each weight row tile is read from memory once per token block and then reused from L1.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "kvsparse/ops.h"
+#include "kvsparse/status.h"
+#include "ops/matmul_kernels.h"
+
+namespace kvsparse {
+namespace {
+
+// Budget for one token block's packed activations (about half of a Zen4 core's 1 MiB L2).
+constexpr size_t kTokenBlockBytes = 512 * 1024;
+// Below this many multiply-adds a call runs on the calling thread only (fork/join costs more).
+constexpr int64_t kMinParallelMacs = 1 << 18;
+
+const matmul::Kernel& KernelFor(DType type) {
+  switch (type) {
+    case DType::kQ8_0: return matmul::KernelQ8_0();
+    case DType::kQ4_0: return matmul::KernelQ4_0();
+    case DType::kQ4_K: return matmul::KernelQ4_K();
+    case DType::kF32: return matmul::KernelF32();
+    case DType::kF16: return matmul::KernelF16();
+    case DType::kBF16: return matmul::KernelBF16();
+    case DType::kQ8_K: break;
+  }
+  KVS_CHECK_MSG(false, "MatMul: weights of type q8_K are not supported (it is an activation-only type)");
+  std::abort();
+}
+
+// Grow-only, 64-byte aligned scratch for packed activations, one per calling thread.
+uint8_t* PackScratch(size_t bytes) {
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<uint8_t, FreeDeleter> buffer;
+  thread_local size_t capacity = 0;
+  if (bytes > capacity) {
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    buffer.reset(static_cast<uint8_t*>(std::aligned_alloc(64, rounded)));
+    KVS_CHECK_MSG(buffer != nullptr, "MatMul: out of memory for packed activations");
+    capacity = rounded;
+  }
+  return buffer.get();
+}
+
+// Computes weight rows [row_begin, row_end) for all tokens.
+void MatMulRows(const matmul::Kernel& kernel, const WeightView& w, const uint8_t* x, size_t x_token_bytes,
+                int64_t n_tokens, float* y, int64_t row_begin, int64_t row_end) {
+  const size_t row_bytes = DTypeRowBytes(w.type, w.cols);
+  const uint8_t* w_bytes = static_cast<const uint8_t*>(w.data);
+  int64_t block_tokens = static_cast<int64_t>(kTokenBlockBytes / std::max<size_t>(x_token_bytes, 1));
+  block_tokens = std::max<int64_t>(matmul::kMaxTileTokens, block_tokens / matmul::kMaxTileTokens * matmul::kMaxTileTokens);
+  for (int64_t t_block = 0; t_block < n_tokens; t_block += block_tokens) {
+    const int64_t t_block_end = std::min(n_tokens, t_block + block_tokens);
+    for (int64_t r0 = row_begin; r0 < row_end; r0 += matmul::kMaxTileRows) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(matmul::kMaxTileRows, row_end - r0));
+      const int64_t next_r0 = r0 + matmul::kMaxTileRows;
+      for (int64_t t0 = t_block; t0 < t_block_end; t0 += matmul::kMaxTileTokens) {
+        matmul::TileArgs args;
+        args.w = w_bytes + r0 * row_bytes;
+        args.w_row_bytes = row_bytes;
+        args.n_rows = n_rows;
+        args.x = x + t0 * x_token_bytes;
+        args.x_token_bytes = x_token_bytes;
+        args.n_tokens = static_cast<int>(std::min<int64_t>(matmul::kMaxTileTokens, t_block_end - t0));
+        args.cols = w.cols;
+        args.y = y + t0 * w.rows + r0;
+        args.y_stride = w.rows;
+        // While the last token tile runs, pull the next row tile toward L1.
+        const bool last_token_tile = t0 + matmul::kMaxTileTokens >= t_block_end;
+        args.w_prefetch = (last_token_tile && next_r0 + matmul::kMaxTileRows <= row_end) ? w_bytes + next_r0 * row_bytes
+                                                                                          : nullptr;
+        kernel.tile(args);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace ops {
+
+void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads) {
+  KVS_CHECK(w.rows >= 0 && w.cols >= 0 && n_tokens >= 0);
+  if (w.rows == 0 || n_tokens == 0) return;
+  if (w.cols == 0) {
+    std::memset(y, 0, sizeof(float) * static_cast<size_t>(w.rows * n_tokens));
+    return;
+  }
+  KVS_CHECK_MSG(w.cols % DTypeBlockSize(w.type) == 0, "MatMul: cols must be a multiple of the weight block size");
+  KVS_CHECK(w.data != nullptr && x != nullptr && y != nullptr);
+  const matmul::Kernel& kernel = KernelFor(w.type);
+
+  if (n_threads <= 0) n_threads = omp_get_max_threads();
+  const int64_t row_tiles = (w.rows + matmul::kMaxTileRows - 1) / matmul::kMaxTileRows;
+  if (w.rows * w.cols * n_tokens < kMinParallelMacs) n_threads = 1;
+  n_threads = static_cast<int>(std::min<int64_t>(n_threads, row_tiles));
+
+  const uint8_t* packed = reinterpret_cast<const uint8_t*>(x);
+  size_t token_bytes = sizeof(float) * static_cast<size_t>(w.cols);
+  uint8_t* scratch = nullptr;
+  if (kernel.pack_token != nullptr) {
+    token_bytes = kernel.packed_token_bytes(w.cols);
+    scratch = PackScratch(token_bytes * static_cast<size_t>(n_tokens));
+    packed = scratch;
+  }
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    if (scratch != nullptr) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < n_tokens; ++t) kernel.pack_token(x + t * w.cols, w.cols, scratch + t * token_bytes);
+    }
+    // Contiguous row-tile ranges keep each thread's weight reads one sequential stream.
+    const int n = omp_get_num_threads();
+    const int id = omp_get_thread_num();
+    const int64_t tile_begin = row_tiles * id / n;
+    const int64_t tile_end = row_tiles * (id + 1) / n;
+    const int64_t row_begin = tile_begin * matmul::kMaxTileRows;
+    const int64_t row_end = std::min(w.rows, tile_end * matmul::kMaxTileRows);
+    if (row_begin < row_end) MatMulRows(kernel, w, packed, token_bytes, n_tokens, y, row_begin, row_end);
+  }
+}
+
+}  // namespace ops
+}  // namespace kvsparse

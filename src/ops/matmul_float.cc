@@ -1,0 +1,145 @@
+// F32 / F16 / BF16 weights x f32 activations. Weights are widened to f32 in registers (F16C for
+// f16, a 16-bit shift for bf16) and multiplied in f32 FMA; activations are used as given.
+#include <algorithm>
+#include <cstring>
+
+#include "kvsparse/dtype.h"
+#include "ops/matmul_kernels.h"
+#include "ops/simd_isa.h"
+#include "ops/tile_dispatch.h"
+
+namespace kvsparse::matmul {
+
+namespace {
+
+template <DType kType>
+struct WeightElem;
+template <>
+struct WeightElem<DType::kF32> {
+  using T = float;
+  static float ToFloat(float v) { return v; }
+};
+template <>
+struct WeightElem<DType::kF16> {
+  using T = f16_bits;
+  static float ToFloat(f16_bits v) { return F16ToF32(v); }
+};
+template <>
+struct WeightElem<DType::kBF16> {
+  using T = bf16_bits;
+  static float ToFloat(bf16_bits v) { return BF16ToF32(v); }
+};
+
+#if KVS_ISA_AVX512VNNI
+// Loads 16 weights starting at element c as f32; `mask` selects the valid ones of a tail.
+template <DType kType>
+inline __m512 LoadWeights16(const void* row, int64_t c, __mmask16 mask) {
+  if constexpr (kType == DType::kF32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row) + c);
+  } else if constexpr (kType == DType::kF16) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const f16_bits*>(row) + c));
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const bf16_bits*>(row) + c);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+#elif KVS_ISA_AVX2
+// Loads 8 weights starting at element c as f32 (caller guarantees 8 valid elements).
+template <DType kType>
+inline __m256 LoadWeights8(const void* row, int64_t c) {
+  if constexpr (kType == DType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + c);
+  } else if constexpr (kType == DType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const f16_bits*>(row) + c)));
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const bf16_bits*>(row) + c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+inline float HorizontalSum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#endif
+
+template <DType kType>
+struct FloatTile {
+  using Elem = typename WeightElem<kType>::T;
+
+  template <int R, int T>
+  static void Run(const TileArgs& a) {
+    const int64_t n = a.cols;
+    const Elem* w[R];
+    const float* x[T];
+    for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const Elem*>(a.w + r * a.w_row_bytes);
+    for (int t = 0; t < T; ++t) x[t] = reinterpret_cast<const float*>(a.x + t * a.x_token_bytes);
+#if KVS_ISA_AVX512VNNI
+    __m512 acc[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16) {
+      const __mmask16 mask = n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1);
+      __m512 wv[R];
+      for (int r = 0; r < R; ++r) {
+        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + c * sizeof(Elem)), _MM_HINT_T0);
+        wv[r] = LoadWeights16<kType>(w[r], c, mask);
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, x[t] + c);
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+#elif KVS_ISA_AVX2
+    __m256 acc[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) {
+        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + c * sizeof(Elem)), _MM_HINT_T0);
+        wv[r] = LoadWeights8<kType>(w[r], c);
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m256 xv = _mm256_loadu_ps(x[t] + c);
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      for (int r = 0; r < R; ++r) {
+        float sum = HorizontalSum(acc[r][t]);
+        for (int64_t i = c; i < n; ++i) sum += WeightElem<kType>::ToFloat(w[r][i]) * x[t][i];
+        a.y[t * a.y_stride + r] = sum;
+      }
+    }
+#else
+    for (int t = 0; t < T; ++t) {
+      for (int r = 0; r < R; ++r) {
+        float sum = 0.f;
+        for (int64_t i = 0; i < n; ++i) sum += WeightElem<kType>::ToFloat(w[r][i]) * x[t][i];
+        a.y[t * a.y_stride + r] = sum;
+      }
+    }
+#endif
+  }
+};
+
+}  // namespace
+
+const Kernel& KernelF32() {
+  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF32>>};
+  return kernel;
+}
+const Kernel& KernelF16() {
+  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF16>>};
+  return kernel;
+}
+const Kernel& KernelBF16() {
+  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kBF16>>};
+  return kernel;
+}
+
+}  // namespace kvsparse::matmul

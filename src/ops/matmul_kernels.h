@@ -1,0 +1,49 @@
+// Internal interface between the MatMul driver (matmul.cc) and the per-weight-type kernels
+// (matmul_<type>.cc). The driver quantizes/packs activations once per call, splits weight rows
+// across threads and walks tiles; a kernel computes one tile of at most kMaxTileRows weight rows
+// by kMaxTileTokens tokens over the full inner dimension.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvsparse/dtype.h"
+
+namespace kvsparse::matmul {
+
+inline constexpr int kMaxTileRows = 4;
+inline constexpr int kMaxTileTokens = 4;
+
+struct TileArgs {
+  const uint8_t* w;       // first weight row of the tile (GGUF row layout)
+  size_t w_row_bytes;     // bytes between consecutive weight rows
+  int n_rows;             // 1..kMaxTileRows
+  const uint8_t* x;       // first token's packed activations
+  size_t x_token_bytes;   // bytes between consecutive tokens' packed activations
+  int n_tokens;           // 1..kMaxTileTokens
+  int64_t cols;           // inner dimension (multiple of the weight block size)
+  float* y;               // y[t * y_stride + r] for the tile's local r, t
+  int64_t y_stride;
+  const uint8_t* w_prefetch;  // weight bytes the caller will need next (may be null)
+};
+
+struct Kernel {
+  // Bytes of one token's packed activations for `cols` inputs.
+  size_t (*packed_token_bytes)(int64_t cols);
+  // Packs one token's f32 activations [cols] into dst (PackedTokenBytes(cols) bytes, 64-aligned).
+  void (*pack_token)(const float* x, int64_t cols, uint8_t* dst);
+  void (*tile)(const TileArgs& args);
+};
+
+// Fast kernels for this build's ISA (AVX512-VNNI, AVX2 or scalar, chosen at compile time).
+const Kernel& KernelQ8_0();
+const Kernel& KernelQ4_0();
+const Kernel& KernelQ4_K();
+const Kernel& KernelF32();
+const Kernel& KernelF16();
+const Kernel& KernelBF16();
+
+// Human-readable name of the compiled integer-dot path, for benchmarks/logs.
+const char* IsaName();
+
+}  // namespace kvsparse::matmul

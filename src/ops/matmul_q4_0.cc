@@ -1,0 +1,149 @@
+// Q4_0 weights x Q8_0 activations (packed_q8.h). Weight nibbles are used as unsigned bytes
+// (q in 0..15, value = q - 8); the packed activations' `init` holds -8 * sum(x) per lane, so
+// the integer dot starts pre-corrected -- ggml's vec_dot_q4_0_q8_0 arithmetic.
+#include <algorithm>
+
+#include "kvsparse/dtype.h"
+#include "ops/matmul_kernels.h"
+#include "ops/packed_q8.h"
+#include "ops/simd_isa.h"
+#include "ops/tile_dispatch.h"
+
+namespace kvsparse::matmul {
+
+namespace {
+
+constexpr int kNibbleOffset = 8;
+
+inline const BlockQ4_0* RowBlocks(const TileArgs& a, int r) {
+  return reinterpret_cast<const BlockQ4_0*>(a.w + r * a.w_row_bytes);
+}
+
+struct Q4_0Tile {
+#if KVS_ISA_AVX512VNNI
+  // One step = 2 blocks. Byte order [b0 e0-15 | b1 e0-15 | b0 e16-31 | b1 e16-31] (kQ4NibbleHalves)
+  // falls straight out of the nibble split, so int32 lanes 0-3, 8-11 are block 0 and 4-7, 12-15 block 1.
+  template <int R, int T>
+  static void Run(const TileArgs& a) {
+    const int64_t n_blocks = a.cols / kQK4_0;
+    const int64_t n_steps = PackedSteps(a.cols);
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    __m512 acc[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n_steps; ++s) {
+      const int64_t b0 = 2 * s;
+      const int64_t b1 = std::min(b0 + 1, n_blocks - 1);  // odd tail: padded activations cancel it
+      __m512i w[R];
+      __m512 w_scale[R];
+      for (int r = 0; r < R; ++r) {
+        const BlockQ4_0* blocks = RowBlocks(a, r);
+        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 36), _MM_HINT_T0);
+        const __m256i packed = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[b1].qs)),
+                                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[b0].qs)));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
+        // Upper 256 bits take the high nibbles.
+        w[r] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low_nibbles);
+        const __m128i d16 = _mm_cvtsi32_si128(static_cast<int>(blocks[b0].d | (static_cast<uint32_t>(blocks[b1].d) << 16)));
+        w_scale[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(d16)));
+      }
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* step = a.x + t * a.x_token_bytes + s * kStepBytes;
+        const __m512i xq = _mm512_load_si512(step);
+        const __m512i init = _mm512_load_si512(step + 64);
+        const __m512 x_scale = _mm512_load_ps(reinterpret_cast<const float*>(step + 128));
+        for (int r = 0; r < R; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(init, w[r], xq);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale[r], x_scale), acc[r][t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+  }
+#elif KVS_ISA_AVX2
+  // One step = 1 block: [e0-15 low nibbles | e16-31 high nibbles] is the natural order.
+  template <int R, int T>
+  static void Run(const TileArgs& a) {
+    const int64_t n_steps = PackedSteps(a.cols);
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    __m256 acc[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < n_steps; ++s) {
+      __m256i w[R];
+      __m256 w_scale[R];
+      for (int r = 0; r < R; ++r) {
+        const BlockQ4_0& block = RowBlocks(a, r)[s];
+        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 18), _MM_HINT_T0);
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs));
+        w[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_nibbles);
+        w_scale[r] = _mm256_set1_ps(_cvtsh_ss(block.d));
+      }
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* step = a.x + t * a.x_token_bytes + s * kStepBytes;
+        const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(step));
+        const __m256i init = _mm256_load_si256(reinterpret_cast<const __m256i*>(step + 32));
+        const __m256 x_scale = _mm256_load_ps(reinterpret_cast<const float*>(step + 64));
+        for (int r = 0; r < R; ++r) {
+#if defined(__AVXVNNI__)
+          const __m256i dot = _mm256_dpbusd_avx_epi32(init, w[r], xq);
+#else
+          // Nibble x int8 pairs stay far inside int16 (2 * 15 * 127).
+          const __m256i dot =
+              _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], xq), _mm256_set1_epi16(1)));
+#endif
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(w_scale[r], x_scale), acc[r][t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      for (int r = 0; r < R; ++r) {
+        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][t]), _mm256_extractf128_ps(acc[r][t], 1));
+        const __m128 v2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        a.y[t * a.y_stride + r] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
+      }
+    }
+  }
+#else
+  template <int R, int T>
+  static void Run(const TileArgs& a) {
+    const int64_t n_blocks = a.cols / kQK4_0;
+    float acc[R][T] = {};
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* step = a.x + t * a.x_token_bytes + b * kStepBytes;
+        const int8_t* xq = reinterpret_cast<const int8_t*>(step);
+        const float x_scale = reinterpret_cast<const float*>(step + kStepElems + 4 * simd::kLanes)[0];
+        for (int r = 0; r < R; ++r) {
+          const BlockQ4_0& block = RowBlocks(a, r)[b];
+          int32_t dot = 0;
+          for (int e = 0; e < kQK4_0 / 2; ++e) {
+            dot += ((block.qs[e] & 0x0F) - kNibbleOffset) * xq[e];
+            dot += ((block.qs[e] >> 4) - kNibbleOffset) * xq[e + kQK4_0 / 2];
+          }
+          acc[r][t] += static_cast<float>(dot) * (F16ToF32(block.d) * x_scale);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = acc[r][t];
+  }
+#endif
+};
+
+size_t PackedBytes(int64_t cols) { return PackedQ8TokenBytes(cols); }
+
+void PackToken(const float* x, int64_t cols, uint8_t* dst) {
+  PackQ8Token(x, cols, dst, kNibbleOffset, KVS_ISA_AVX512VNNI ? Q8Order::kQ4NibbleHalves : Q8Order::kNatural);
+}
+
+}  // namespace
+
+const Kernel& KernelQ4_0() {
+  static const Kernel kernel{&PackedBytes, &PackToken, &DispatchTile<Q4_0Tile>};
+  return kernel;
+}
+
+}  // namespace kvsparse::matmul

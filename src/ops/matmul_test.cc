@@ -1,0 +1,149 @@
+// ops::MatMul (SIMD, threaded, quantized activations) against ref::MatMul on ragged shapes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/ops.h"
+#include "ops/ops_test_util.h"
+
+namespace kvsparse {
+namespace {
+
+using testing::QuantizeMatrix;
+using testing::RandomFloats;
+
+// The activation type the fast path quantizes x to for a given weight type (nullopt: none).
+std::optional<DType> ActivationType(DType weight) {
+  switch (weight) {
+    case DType::kQ8_0:
+    case DType::kQ4_0: return DType::kQ8_0;
+    case DType::kQ4_K: return DType::kQ8_K;
+    default: return std::nullopt;
+  }
+}
+
+// x after the fast path's activation quantization (quantize + dequantize), [n_tokens, cols].
+std::vector<float> RoundTripActivations(DType weight, const std::vector<float>& x, int64_t n_tokens, int64_t cols) {
+  auto act = ActivationType(weight);
+  if (!act) return x;
+  std::vector<float> out(x.size());
+  std::vector<uint8_t> buf(DTypeRowBytes(*act, cols));
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    ref::QuantizeRow(*act, x.data() + t * cols, buf.data(), cols);
+    ref::DequantizeRow(*act, buf.data(), out.data() + t * cols, cols);
+  }
+  return out;
+}
+
+struct Case {
+  DType type;
+  int64_t rows, cols, n_tokens;
+  int threads;
+};
+
+std::string Describe(const Case& c) {
+  return std::string(DTypeName(c.type)) + " rows=" + std::to_string(c.rows) + " cols=" + std::to_string(c.cols) +
+         " n_tokens=" + std::to_string(c.n_tokens) + " threads=" + std::to_string(c.threads);
+}
+
+// Checks ops::MatMul against two references:
+//  1. ref::MatMul on the quantize-dequantized activations: only f32 rounding may differ
+//     (the integer dot products are exact), so the tolerance is 2e-5 of sum |w x|.
+//  2. ref::MatMul on the raw activations: the difference is bounded by the activation
+//     quantization error, sum_c |w_c| * max_err(x_c).
+void CheckCase(const Case& c, uint32_t seed) {
+  SCOPED_TRACE(Describe(c));
+  const std::vector<float> w_f32 = RandomFloats(c.rows * c.cols, seed, 0.5f);
+  const std::vector<uint8_t> w_data = QuantizeMatrix(c.type, w_f32, c.rows, c.cols);
+  const WeightView w{c.type, w_data.data(), c.rows, c.cols};
+  const std::vector<float> x = RandomFloats(c.n_tokens * c.cols, seed + 1, 2.f);
+  const std::vector<float> x_rt = RoundTripActivations(c.type, x, c.n_tokens, c.cols);
+
+  std::vector<float> y(c.n_tokens * c.rows, -1.f);  // [n_tokens, rows]
+  ops::MatMul(w, x.data(), c.n_tokens, y.data(), c.threads);
+  std::vector<float> y_exact(y.size()), y_raw(y.size());
+  ref::MatMul(w, x_rt.data(), c.n_tokens, y_exact.data());
+  ref::MatMul(w, x.data(), c.n_tokens, y_raw.data());
+
+  std::vector<float> w_deq(c.cols);
+  const size_t row_bytes = DTypeRowBytes(c.type, c.cols);
+  int failures = 0;
+  for (int64_t r = 0; r < c.rows; ++r) {
+    ref::DequantizeRow(c.type, w_data.data() + r * row_bytes, w_deq.data(), c.cols);
+    for (int64_t t = 0; t < c.n_tokens && failures < 5; ++t) {
+      double magnitude = 0.0, quant_bound = 0.0;
+      for (int64_t col = 0; col < c.cols; ++col) {
+        const double xv = x[t * c.cols + col];
+        magnitude += std::fabs(w_deq[col] * xv);
+        quant_bound += std::fabs(w_deq[col]) * std::fabs(x_rt[t * c.cols + col] - xv);
+      }
+      const float got = y[t * c.rows + r];
+      const double tol_exact = 2e-5 * magnitude + 1e-6;
+      if (std::fabs(got - y_exact[t * c.rows + r]) > tol_exact) {
+        ++failures;
+        ADD_FAILURE() << "row " << r << " token " << t << ": got " << got << " want " << y_exact[t * c.rows + r]
+                      << " (tol " << tol_exact << ")";
+      }
+      const double tol_raw = quant_bound * 1.001 + tol_exact;
+      if (std::fabs(got - y_raw[t * c.rows + r]) > tol_raw) {
+        ++failures;
+        ADD_FAILURE() << "row " << r << " token " << t << ": got " << got << " vs unquantized " << y_raw[t * c.rows + r]
+                      << " (tol " << tol_raw << ")";
+      }
+    }
+  }
+}
+
+void RunShapes(DType type, const std::vector<int64_t>& col_sizes) {
+  uint32_t seed = 1000;
+  int threads = 1;
+  for (int64_t rows : {1, 3, 17, 33}) {
+    for (int64_t cols : col_sizes) {
+      for (int64_t n_tokens : {1, 2, 5, 17, 64}) {
+        CheckCase({type, rows, cols, n_tokens, threads}, seed++);
+        threads = threads % 3 + 1;
+      }
+    }
+  }
+}
+
+TEST(MatMulTest, Q8_0MatchesReference) { RunShapes(DType::kQ8_0, {32, 96, 288, 2816}); }
+TEST(MatMulTest, Q4_0MatchesReference) { RunShapes(DType::kQ4_0, {32, 96, 288, 2816}); }
+TEST(MatMulTest, Q4_KMatchesReference) { RunShapes(DType::kQ4_K, {256, 768, 2816}); }
+TEST(MatMulTest, F32MatchesReference) { RunShapes(DType::kF32, {1, 7, 16, 33, 96, 288}); }
+TEST(MatMulTest, F16MatchesReference) { RunShapes(DType::kF16, {1, 7, 16, 33, 96, 288}); }
+TEST(MatMulTest, BF16MatchesReference) { RunShapes(DType::kBF16, {1, 7, 16, 33, 96, 288}); }
+
+// Many row tiles per thread, a ragged row tail and more tokens than one L2 token block.
+TEST(MatMulTest, LargeShapesCrossTokenBlocks) {
+  uint32_t seed = 77;
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16}) {
+    CheckCase({type, 130, 2048, 200, 2}, seed++);
+  }
+}
+
+TEST(MatMulTest, EmptyShapesDoNothing) {
+  const std::vector<float> x(64, 1.f);
+  std::vector<float> y(4, 7.f);
+  ops::MatMul(WeightView{DType::kF32, x.data(), 0, 16}, x.data(), 1, y.data(), 2);
+  ops::MatMul(WeightView{DType::kF32, x.data(), 4, 16}, x.data(), 0, y.data(), 2);
+  EXPECT_EQ(y[0], 7.f);
+}
+
+TEST(MatMulTest, ResultDoesNotDependOnThreadCount) {
+  const int64_t rows = 67, cols = 512, n_tokens = 9;
+  const std::vector<float> w_f32 = RandomFloats(rows * cols, 5);
+  const std::vector<uint8_t> w_data = QuantizeMatrix(DType::kQ8_0, w_f32, rows, cols);
+  const std::vector<float> x = RandomFloats(n_tokens * cols, 6);
+  std::vector<float> y1(rows * n_tokens), y2(rows * n_tokens);
+  const WeightView w{DType::kQ8_0, w_data.data(), rows, cols};
+  ops::MatMul(w, x.data(), n_tokens, y1.data(), 1);
+  ops::MatMul(w, x.data(), n_tokens, y2.data(), 2);
+  EXPECT_EQ(y1, y2);
+}
+
+}  // namespace
+}  // namespace kvsparse

@@ -1,0 +1,36 @@
+// Internal helpers shared by the quantizers, dequantizers and quantized matmul kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "kvsparse/dtype.h"
+
+namespace kvsparse::quant {
+
+// ggml's nearest_int (round half to even; |x| < 2^22).
+int NearestInt(float x);
+
+// Unpacks the 6-bit scale and min of sub-block j (0..7) from a Q4_K `scales` array.
+void GetScaleMinK4(int j, const uint8_t* scales, uint8_t* scale, uint8_t* min);
+// Packs 8 six-bit scales and mins into the 12-byte layout GetScaleMinK4 reads; `scales` must be zeroed.
+void PackScaleMinK4(const uint8_t* scale, const uint8_t* min, uint8_t* scales);
+
+// Scalar reference (de)quantizers; n is a multiple of the block size.
+void QuantizeRowQ8_0Ref(const float* x, BlockQ8_0* y, int64_t n);
+void QuantizeRowQ4_0Ref(const float* x, BlockQ4_0* y, int64_t n);
+void QuantizeRowQ8_KRef(const float* x, BlockQ8_K* y, int64_t n);
+void QuantizeRowQ4_KRef(const float* x, BlockQ4_K* y, int64_t n);
+void DequantizeRowQ8_0Ref(const BlockQ8_0* x, float* y, int64_t n);
+void DequantizeRowQ4_0Ref(const BlockQ4_0* x, float* y, int64_t n);
+void DequantizeRowQ4_KRef(const BlockQ4_K* x, float* y, int64_t n);
+void DequantizeRowQ8_KRef(const BlockQ8_K* x, float* y, int64_t n);
+
+}  // namespace kvsparse::quant
+
+namespace kvsparse::quant {
+
+// Quantizes one block of 32 floats exactly like QuantizeRowQ8_0Ref (SIMD where available);
+// writes q[32] and returns the f16 block scale.
+f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q);
+
+}  // namespace kvsparse::quant

@@ -1,0 +1,72 @@
+// Row (de)quantization entry points. Q8_0 quantization (the activation path of every Q8_0/Q4_0
+// matmul) and the float conversions are vectorized; the rest defer to the ggml-exact reference.
+#include <cmath>
+#include <cstring>
+
+#include "kvsparse/ops.h"
+#include "kvsparse/status.h"
+#include "ops/quant_internal.h"
+#include "ops/simd_isa.h"
+
+namespace kvsparse {
+namespace quant {
+
+f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q) {
+#if KVS_ISA_AVX512VNNI
+  const __m512 v0 = _mm512_loadu_ps(x);
+  const __m512 v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  const __m512 vid = _mm512_set1_ps(id);
+  // round() semantics (half away from zero), matching the scalar reference bit for bit.
+  auto round_away = [](__m512 t) {
+    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, whole)), _mm512_set1_ps(0.5f),
+                                            _CMP_GE_OQ);
+    const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.f), _mm512_and_ps(t, _mm512_set1_ps(-0.f)));
+    return _mm512_cvttps_epi32(_mm512_mask_add_ps(whole, up, whole, one));
+  };
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(round_away(_mm512_mul_ps(v0, vid))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(round_away(_mm512_mul_ps(v1, vid))));
+  return F32ToF16(d);
+#else
+  BlockQ8_0 block;
+  QuantizeRowQ8_0Ref(x, &block, kQK8_0);
+  std::memcpy(q, block.qs, kQK8_0);
+  return block.d;
+#endif
+}
+
+}  // namespace quant
+
+namespace ops {
+
+void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
+  KVS_CHECK(n >= 0 && n % DTypeBlockSize(type) == 0);
+#if !KVS_ISA_SCALAR
+  if (type == DType::kF16) {
+    const f16_bits* h = static_cast<const f16_bits*>(src);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    }
+    for (; i < n; ++i) dst[i] = F16ToF32(h[i]);
+    return;
+  }
+#endif
+  ref::DequantizeRow(type, src, dst, n);
+}
+
+void QuantizeRow(DType type, const float* src, void* dst, int64_t n) {
+  KVS_CHECK(n >= 0 && n % DTypeBlockSize(type) == 0);
+  if (type == DType::kQ8_0) {
+    BlockQ8_0* blocks = static_cast<BlockQ8_0*>(dst);
+    for (int64_t b = 0; b < n / kQK8_0; ++b) blocks[b].d = quant::QuantizeBlockQ8_0(src + b * kQK8_0, blocks[b].qs);
+    return;
+  }
+  ref::QuantizeRow(type, src, dst, n);
+}
+
+}  // namespace ops
+}  // namespace kvsparse

@@ -1,0 +1,103 @@
+#include "kvsparse/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <unordered_set>
+
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+namespace {
+
+// Higher logit first; the lower token id wins ties so results never depend on sort stability.
+bool Before(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+}  // namespace
+
+Sampler::Sampler(const SamplerParams& p) : params_(p), rng_(p.seed) {}
+
+void Sampler::Reset() {
+  history_.clear();
+  rng_.seed(params_.seed);
+}
+
+void Sampler::Accept(int32_t token) {
+  if (params_.repeat_last_n == 0) return;
+  history_.push_back(token);
+  if (params_.repeat_last_n > 0) {
+    while (history_.size() > static_cast<size_t>(params_.repeat_last_n)) history_.pop_front();
+  }
+}
+
+double Sampler::NextUniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
+
+int32_t Sampler::Sample(const float* logits, int32_t n_vocab) {
+  KVS_CHECK(logits != nullptr && n_vocab > 0);
+  penalized_.resize(n_vocab);
+  for (int32_t i = 0; i < n_vocab; ++i) {
+    penalized_[i] = std::isnan(logits[i]) ? -std::numeric_limits<float>::infinity() : logits[i];
+  }
+
+  // Repetition penalty: once per distinct recent token, pushing its logit towards "less likely".
+  if (params_.repeat_penalty != 1.0f && params_.repeat_penalty > 0.0f && !history_.empty()) {
+    std::unordered_set<int32_t> seen;
+    for (int32_t token : history_) {
+      if (token < 0 || token >= n_vocab || !seen.insert(token).second) continue;
+      float& logit = penalized_[token];
+      logit = logit <= 0.0f ? logit * params_.repeat_penalty : logit / params_.repeat_penalty;
+    }
+  }
+
+  if (params_.temperature <= 0.0f) {
+    // max_element returns the first maximum: the lowest index on ties.
+    return static_cast<int32_t>(std::max_element(penalized_.begin(), penalized_.end()) - penalized_.begin());
+  }
+
+  candidates_.resize(n_vocab);
+  for (int32_t i = 0; i < n_vocab; ++i) candidates_[i] = {penalized_[i], i};
+
+  // Top-k: keep the k best, sorted best first.
+  size_t kept = static_cast<size_t>(n_vocab);
+  if (params_.top_k > 0 && static_cast<size_t>(params_.top_k) < kept) kept = static_cast<size_t>(params_.top_k);
+  std::partial_sort(candidates_.begin(), candidates_.begin() + kept, candidates_.end(), Before);
+  candidates_.resize(kept);
+
+  const float max_logit = candidates_[0].first;
+  if (!std::isfinite(max_logit)) return candidates_[0].second;  // every logit is -inf (or +inf wins outright)
+
+  // Top-p on the untempered distribution: the smallest prefix reaching probability p.
+  if (params_.top_p < 1.0f && kept > 1) {
+    double total = 0;
+    for (const auto& c : candidates_) total += std::exp(static_cast<double>(c.first - max_logit));
+    double cumulative = 0;
+    size_t prefix = kept;
+    for (size_t i = 0; i < kept; ++i) {
+      cumulative += std::exp(static_cast<double>(candidates_[i].first - max_logit)) / total;
+      if (cumulative >= params_.top_p) {
+        prefix = i + 1;
+        break;
+      }
+    }
+    candidates_.resize(std::max<size_t>(prefix, 1));
+  }
+
+  // Temperature, then draw by inverting the CDF.
+  std::vector<double> weights(candidates_.size());  // [n_candidates] unnormalized probabilities
+  double total = 0;
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    weights[i] = std::exp(static_cast<double>(candidates_[i].first - max_logit) / params_.temperature);
+    total += weights[i];
+  }
+  const double target = NextUniform() * total;
+  double cumulative = 0;
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    cumulative += weights[i];
+    if (target < cumulative) return candidates_[i].second;
+  }
+  return candidates_.back().second;  // rounding left target at the very top
+}
+
+}  // namespace kvsparse

@@ -1,0 +1,34 @@
+// Locates ../shared test data. Tests call SharedPath("models/stories260K.bin") and
+// GTEST_SKIP() with a clear message when it returns nullopt.
+#pragma once
+
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+namespace kvsparse::testing {
+
+// KVSPARSE_SHARED overrides the compiled-in location (the checkout's ../shared).
+inline std::optional<std::string> SharedPath(const std::string& rel) {
+  const char* env = std::getenv("KVSPARSE_SHARED");
+  std::filesystem::path root = env ? env : KVS_SHARED_DIR;
+  std::filesystem::path p = root / rel;
+  if (!std::filesystem::exists(p)) return std::nullopt;
+  return p.string();
+}
+
+// Scratch directory for files a test writes (unique per test binary run).
+inline std::string TempPath(const std::string& name) {
+  std::filesystem::path dir = std::filesystem::temp_directory_path() / "kvsparse_tests";
+  std::filesystem::create_directories(dir);
+  return (dir / name).string();
+}
+
+}  // namespace kvsparse::testing
+
+#define KVS_SKIP_IF_NO_SHARED(var, rel)                                                     \
+  auto var##_opt = ::kvsparse::testing::SharedPath(rel);                                    \
+  if (!var##_opt) GTEST_SKIP() << "test data " << (rel) << " not found under ../shared "    \
+                               "(set KVSPARSE_SHARED to its folder); skipping";             \
+  const std::string var = *var##_opt

@@ -1,0 +1,63 @@
+// `kvsparse synth --shape NAME --type q8_0 -o FILE`: random weights, a real model's exact shape.
+#include <cstdio>
+
+#include "commands.h"
+#include "kvsparse/synth.h"
+
+namespace kvsparse::cli {
+namespace {
+struct SynthArgs {
+  std::string shape, type = "q8_0", out, vocab;
+  uint64_t seed = 1;
+  int layers = 0;
+  bool list = false;
+};
+}  // namespace
+
+void RegisterSynth(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<SynthArgs>();
+  CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight GGUF with the exact shape of a real model");
+  cmd->add_option("--shape", a->shape, "shape name (see --list)");
+  cmd->add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0, q4_0, q4_k")->capture_default_str();
+  cmd->add_option("-o,--output", a->out, "GGUF file to write");
+  cmd->add_option("--vocab", a->vocab, "vocab-only GGUF to copy the tokenizer from (token count must match)");
+  cmd->add_option("--seed", a->seed, "weight seed")->capture_default_str();
+  cmd->add_option("--layers", a->layers, "override the layer count (0 = the shape's)")->capture_default_str();
+  cmd->add_flag("--list", a->list, "list the known shapes");
+  cmd->callback([a, exit_code] {
+    if (a->list) {
+      for (const SynthShape& s : SynthShapes()) {
+        std::printf("%-16s %-6s vocab %6d dim %5d ffn %5d layers %3d heads %3d kv %2d ctx %6d\n", s.name.c_str(),
+                    s.arch.c_str(), s.n_vocab, s.dim, s.hidden_dim, s.n_layers, s.n_heads, s.n_kv_heads, s.context);
+      }
+      return;
+    }
+    if (a->shape.empty() || a->out.empty()) {
+      *exit_code = Fail(InvalidArgumentError("synth needs --shape NAME and -o FILE (see --list)"));
+      return;
+    }
+    auto shape = FindSynthShape(a->shape);
+    if (!shape.ok()) {
+      *exit_code = Fail(shape.status());
+      return;
+    }
+    auto type = DTypeFromName(a->type);
+    if (!type || *type == DType::kQ8_K) {
+      *exit_code = Fail(InvalidArgumentError("--type: expected f32, f16, bf16, q8_0, q4_0 or q4_k, found '" + a->type + "'"));
+      return;
+    }
+    SynthOptions options;
+    options.weight_type = *type;
+    options.seed = a->seed;
+    options.vocab_gguf = a->vocab;
+    options.n_layers_override = a->layers;
+    Status s = WriteSynthModel(*shape, options, a->out);
+    if (!s.ok()) {
+      *exit_code = Fail(s);
+      return;
+    }
+    std::printf("wrote %s\n", a->out.c_str());
+  });
+}
+
+}  // namespace kvsparse::cli

@@ -1,0 +1,29 @@
+// Subcommands of the `kvsparse` binary. Each Register* adds a CLI11 subcommand whose
+// callback sets *exit_code. Front ends stay thin: the work lives in the library.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "kvsparse/kv_cache.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse::cli {
+
+void RegisterGenerate(CLI::App& app, int* exit_code);
+void RegisterInspect(CLI::App& app, int* exit_code);
+void RegisterConvert(CLI::App& app, int* exit_code);
+void RegisterSynth(CLI::App& app, int* exit_code);
+void RegisterBenchSpeed(CLI::App& app, int* exit_code);
+
+// Prints "error: <status>" to stderr and returns 1.
+int Fail(const Status& status);
+
+// The model a command runs on: `path` when given, else the built-in default —
+// a random-weight model of TinyLlama-1.1B's exact shape (Q8_0), synthesized once into
+// $KVSPARSE_CACHE (default ~/.cache/kvsparse) so no download is needed.
+StatusOr<std::string> ResolveModelPath(const std::string& path);
+
+StatusOr<KvStorage> ParseKvStorage(const std::string& name);
+
+}  // namespace kvsparse::cli
