@@ -40,6 +40,7 @@ class Sampler {
   std::deque<int32_t> history_;                   // most recent last; at most repeat_last_n when >= 0
   std::vector<float> penalized_;                  // [n_vocab] scratch
   std::vector<std::pair<float, int32_t>> candidates_;  // [n_candidates] (logit, token) scratch
+  std::vector<double> weights_;                        // [n_candidates] unnormalized probabilities
 };
 
 }  // namespace kvsparse

@@ -52,7 +52,8 @@ struct TokenizerSpec {
 
 class Tokenizer {
  public:
-  // Reads the tokenizer.ggml.* keys. Errors name the file and the key at fault.
+  // Reads the tokenizer.ggml.* keys. Errors name the file and the key at fault. The
+  // tokenizer copies what it needs, so `file` may be closed afterwards.
   static StatusOr<std::unique_ptr<Tokenizer>> FromGguf(const GgufFile& file);
   // Validates the spec (array lengths, ids in range, merges over known tokens,
   // supported model/pre-tokenizer). Errors name the GGUF key at fault.
@@ -85,9 +86,8 @@ class Tokenizer {
   std::string_view TokenText(int32_t token) const;
   TokenType GetTokenType(int32_t token) const;  // kUndefined when out of range
 
-  struct Impl;
-
  private:
+  struct Impl;
   explicit Tokenizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -165,8 +165,8 @@ void AddGeneratedVocab(int n_vocab, GgufWriter* w) {
   w->SetBool("tokenizer.ggml.add_eos_token", false);
 }
 
-Status CopyVocab(const std::string& vocab_path, const SynthShape& shape, GgufWriter* w,
-                 std::unique_ptr<GgufFile>* keep_alive) {
+// Copies every tokenizer.* key (SetValue copies the bytes, so the vocab file may close).
+Status CopyVocab(const std::string& vocab_path, const SynthShape& shape, GgufWriter* w) {
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> vocab, GgufFile::Open(vocab_path));
   KVS_ASSIGN_OR_RETURN(const std::vector<std::string_view>* tokens, vocab->GetStringArray("tokenizer.ggml.tokens"));
   if (tokens->size() != static_cast<size_t>(shape.n_vocab)) {
@@ -178,8 +178,6 @@ Status CopyVocab(const std::string& vocab_path, const SynthShape& shape, GgufWri
     if (key.rfind("tokenizer.", 0) != 0) continue;
     w->SetValue(key, value);
   }
-  // SetValue copies the bytes, but keep the mapping until Write() for clarity of lifetime.
-  *keep_alive = std::move(vocab);
   return Status::Ok();
 }
 
@@ -262,9 +260,8 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
   w.SetU32(arch + ".rope.dimension_count", static_cast<uint32_t>(head_dim));
   w.SetU32(arch + ".vocab_size", static_cast<uint32_t>(n_vocab));
 
-  std::unique_ptr<GgufFile> vocab_file;
   if (!options.vocab_gguf.empty()) {
-    KVS_RETURN_IF_ERROR(CopyVocab(options.vocab_gguf, shape, &w, &vocab_file));
+    KVS_RETURN_IF_ERROR(CopyVocab(options.vocab_gguf, shape, &w));
   } else {
     AddGeneratedVocab(shape.n_vocab, &w);
   }

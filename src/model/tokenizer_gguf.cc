@@ -11,6 +11,7 @@ namespace {
 StatusOr<int32_t> ReadTokenId(const GgufFile& file, std::string_view key) {
   if (file.Find(key) == nullptr) return -1;
   KVS_ASSIGN_OR_RETURN(const int64_t id, file.GetInt(key));
+  if (id == 0xFFFFFFFF) return -1;  // -1 stored as u32 by some converters: "no such token"
   if (id < -1 || id > std::numeric_limits<int32_t>::max()) {
     return InvalidArgumentError(file.path() + ": " + std::string(key) + " = " + std::to_string(id) +
                                 " is not a valid token id");

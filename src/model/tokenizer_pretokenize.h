@@ -30,9 +30,8 @@ class PreTokenizer {
   // Whether tokenizer.ggml.add_bos_token defaults to true for this pre-tokenizer.
   bool default_add_bos() const { return default_add_bos_; }
 
-  struct Regex;
-
  private:
+  struct Regex;
   PreTokenizer() = default;
   std::vector<std::unique_ptr<Regex>> regexes_;
   bool ignore_merges_ = false;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 
@@ -248,11 +249,125 @@ TEST(BpeTokenizer, BytesWithoutTokensAreSkipped) {
   EXPECT_EQ(ids, std::vector<int32_t>{IdOf(**tok, "low")});
 }
 
+TEST(TokenizerSpecValidation, OddButValidVocabsDoNotCrash) {
+  // Empty and duplicate token texts, control tokens with empty text.
+  TokenizerSpec spm = SmallSpmSpec();
+  spm.tokens.push_back("");
+  spm.tokens.push_back(Sp("_he"));
+  spm.scores.insert(spm.scores.end(), {0.0f, 5.0f});
+  spm.token_types.insert(spm.token_types.end(), {3, 1});
+  auto spm_tok = Tokenizer::FromSpec(spm);
+  ASSERT_TRUE(spm_tok.ok()) << spm_tok.status().ToString();
+  TokenizerSpec bpe = SmallBpeSpec();
+  bpe.tokens.push_back("");
+  bpe.token_types.push_back(4);
+  auto bpe_tok = Tokenizer::FromSpec(bpe);
+  ASSERT_TRUE(bpe_tok.ok()) << bpe_tok.status().ToString();
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::string text;
+    for (int i = 0; i < 64; ++i) text.push_back(static_cast<char>(rng() % 256));
+    for (bool parse_special : {false, true}) {
+      for (const auto* tok : {spm_tok.value().get(), bpe_tok.value().get()}) {
+        const std::vector<int32_t> ids = tok->Encode(text, true, parse_special);
+        for (int32_t id : ids) ASSERT_TRUE(id >= 0 && id < tok->n_vocab());
+        (void)tok->Decode(ids);
+      }
+    }
+  }
+}
+
 TEST(SupportedPreTokenizers, IncludesRequiredNames) {
   const std::vector<std::string_view> names = SupportedBpePreTokenizers();
   for (std::string_view want : {"gpt-2", "gpt-neox", "falcon", "starcoder", "refact", "mpt", "deepseek-llm",
                                 "deepseek-coder", "llama3", "llama-bpe", "qwen2"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  }
+}
+
+// ---- FromGguf on written files ----
+
+// Writes `spec` as a vocab-only GGUF; `mutate` may break it first.
+std::string WriteVocab(const std::string& name, const TokenizerSpec& spec,
+                       const std::function<void(GgufWriter&)>& mutate = nullptr) {
+  GgufWriter w;
+  w.SetString("general.architecture", "llama");
+  w.SetString("tokenizer.ggml.model", spec.model);
+  if (!spec.pre.empty()) w.SetString("tokenizer.ggml.pre", spec.pre);
+  w.SetStringArray("tokenizer.ggml.tokens", spec.tokens);
+  if (!spec.scores.empty()) w.SetF32Array("tokenizer.ggml.scores", spec.scores);
+  w.SetI32Array("tokenizer.ggml.token_type", spec.token_types);
+  if (!spec.merges.empty()) w.SetStringArray("tokenizer.ggml.merges", spec.merges);
+  if (spec.bos >= 0) w.SetU32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(spec.bos));
+  if (spec.eos >= 0) w.SetU32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(spec.eos));
+  if (spec.unk >= 0) w.SetU32("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(spec.unk));
+  if (mutate) mutate(w);
+  const std::string path = testing::TempPath("tokenizer_" + name + ".gguf");
+  const Status st = w.Write(path);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return path;
+}
+
+Status LoadStatus(const std::string& path) {
+  auto file = GgufFile::Open(path);
+  if (!file.ok()) return file.status();
+  auto tok = Tokenizer::FromGguf(**file);
+  return tok.ok() ? Status::Ok() : tok.status();
+}
+
+TEST(TokenizerFromGguf, LoadsWrittenVocabs) {
+  for (const TokenizerSpec& spec : {SmallSpmSpec(), SmallBpeSpec()}) {
+    const std::string path = WriteVocab("ok_" + spec.model, spec);
+    auto file = GgufFile::Open(path);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    auto from_file = Tokenizer::FromGguf(**file);
+    ASSERT_TRUE(from_file.ok()) << from_file.status().ToString();
+    auto from_spec = Tokenizer::FromSpec(spec);
+    ASSERT_TRUE(from_spec.ok());
+    EXPECT_EQ(from_file.value()->n_vocab(), from_spec.value()->n_vocab());
+    EXPECT_EQ(from_file.value()->bos(), from_spec.value()->bos());
+    for (const char* text : {"hello world", "lower low", "<|user|>he"}) {
+      EXPECT_EQ(from_file.value()->Encode(text, true), from_spec.value()->Encode(text, true)) << text;
+    }
+  }
+}
+
+TEST(TokenizerFromGguf, BrokenVocabsNameTheKey) {
+  struct Case {
+    const char* name;
+    TokenizerSpec spec;
+    std::function<void(GgufWriter&)> mutate;
+    const char* needle;
+  };
+  TokenizerSpec short_scores = SmallSpmSpec();
+  short_scores.scores.resize(10);
+  TokenizerSpec bad_merge = SmallBpeSpec();
+  bad_merge.merges.push_back("zz q");
+  TokenizerSpec bad_pre = SmallBpeSpec();
+  bad_pre.pre = "klingon";
+  TokenizerSpec no_merges = SmallBpeSpec();
+  no_merges.merges.clear();
+  TokenizerSpec big_bos = SmallSpmSpec();
+  big_bos.bos = 1 << 20;
+  const std::vector<Case> cases = {
+      {"short_scores", short_scores, nullptr, "tokenizer.ggml.scores"},
+      {"bad_merge", bad_merge, nullptr, "tokenizer.ggml.merges"},
+      {"bad_pre", bad_pre, nullptr, "klingon"},
+      {"no_merges", no_merges, nullptr, "tokenizer.ggml.merges"},
+      {"big_bos", big_bos, nullptr, "tokenizer.ggml.bos_token_id"},
+      {"types_as_strings", SmallSpmSpec(),
+       [](GgufWriter& w) { w.SetStringArray("tokenizer.ggml.token_type", {"1", "2"}); }, "tokenizer.ggml.token_type"},
+      {"tokens_as_floats", SmallSpmSpec(),
+       [](GgufWriter& w) { w.SetF32Array("tokenizer.ggml.tokens", {1.0f}); }, "tokenizer.ggml.tokens"},
+      {"model_as_int", SmallSpmSpec(), [](GgufWriter& w) { w.SetU32("tokenizer.ggml.model", 3); },
+       "tokenizer.ggml.model"},
+      {"unknown_model", SmallSpmSpec(), [](GgufWriter& w) { w.SetString("tokenizer.ggml.model", "t5"); }, "'t5'"},
+  };
+  for (const Case& c : cases) {
+    const std::string path = WriteVocab(c.name, c.spec, c.mutate);
+    const Status st = LoadStatus(path);
+    ASSERT_FALSE(st.ok()) << c.name;
+    EXPECT_NE(st.message().find(c.needle), std::string::npos) << c.name << ": " << st.ToString();
   }
 }
 
@@ -386,7 +501,9 @@ TEST_P(VocabVectors, ArbitraryBytesRoundTrip) {
     const std::string one(1, static_cast<char>(b));
     if (tok->Decode(tok->Encode(one, false)) == one) spellable.push_back(static_cast<char>(b));
   }
-  if (name == "gpt-2" || name == "llama-spm") EXPECT_EQ(spellable.size(), 256u);
+  if (name == "gpt-2" || name == "llama-spm") {
+    EXPECT_EQ(spellable.size(), 256u);
+  }
   std::vector<char> continuation;
   for (char c : spellable) {
     if ((static_cast<uint8_t>(c) & 0xC0) == 0x80) continuation.push_back(c);

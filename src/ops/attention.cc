@@ -1,13 +1,13 @@
 // Fast attention over KV spans: flash-decoding style online softmax.
 //
-// Work is split into units of (query tile, kv head, token chunk). A unit owns
-// R = tile_queries * group "rows" (one per (query, query head) pair of that kv head)
-// and walks its token chunk in blocks of kBlock tokens: each block's K and V rows are
-// read once and used by all R rows, so GQA heads share every load. Per row it keeps
+// Work is split into units of (query tile, token chunk). A unit owns one "row" per
+// (query, query head) pair of its tile and walks its token chunk in blocks of kBlock
+// tokens; for each kv head, the block's K and V rows are read once and used by all
+// tile_queries * group rows of that head, so GQA heads share every load. Per row it keeps
 // a running max m, running sum l and an unnormalized accumulator acc[head_dim].
 // Scores live in the log2 domain (q is pre-scaled by scale*log2(e)) so the softmax
-// uses exp2. When a kv head's tokens are split into several chunks (decode with few
-// kv heads or many threads), the partial (m, l, acc) of each chunk are merged at the end.
+// uses exp2. When the tokens are split into several chunks (decode: one query tile for
+// all threads), the partial (m, l, acc) of each chunk are merged at the end.
 #include <omp.h>
 
 #include <algorithm>
@@ -23,6 +23,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVS_ATTN_AVX512 1
 #include <immintrin.h>
+// GCC 12 flags the _mm512_undefined_ps() inside several AVX-512 intrinsics as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #else
 #define KVS_ATTN_AVX512 0
 #endif
@@ -34,8 +36,9 @@ namespace {
 constexpr int kBlock = 16;          // tokens per block: one 16-lane register of scores per row
 constexpr int kLanes = 16;          // head_dim is padded to a multiple of this in scratch
 constexpr int kTileRows = 32;       // target rows (queries x group heads) per prefill unit
-constexpr int64_t kMinChunkTokens = 512;  // smallest token chunk worth a separate unit
-constexpr int64_t kPrefetchTokens = 32;   // how far ahead of the current block K/V rows are prefetched
+constexpr int64_t kMinChunkTokens = 128;  // smallest token chunk worth a separate unit
+constexpr int kUnitsPerThread = 4;         // split tokens until there are this many units per thread
+constexpr int64_t kPrefetchTokens = 16;   // how far ahead of the current block K/V rows are prefetched
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -164,7 +167,8 @@ inline __m512 Exp2(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  // Taylor series of 2^f = e^(f ln2) to degree 7: relative error < 1e-8 on [-0.5, 0.5].
+  // Taylor series of 2^f = e^(f ln2) to degree 7: truncation error < 1e-8 on [-0.5, 0.5], so
+  // float rounding (about 1 ulp) dominates.
   __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
@@ -195,7 +199,8 @@ inline float SoftmaxStep(__m512 scores, int valid, float* m, float* l_lanes, flo
 
 inline float SumLanes(const float* l_lanes) { return _mm512_reduce_add_ps(_mm512_load_ps(l_lanes)); }
 
-inline void Prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T0); }
+// Into L2 only: an L1 prefetch this far ahead gets evicted by the block's own scratch traffic.
+inline void Prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T2); }
 
 // acc[r] = acc[r] * correction[r] + sum_j p[r][j] * v_j (row j at v + j * v_stride), for kRows rows at once,
 // so each V chunk load serves kRows rows. acc rows have stride dp, p rows stride kBlock.
@@ -256,7 +261,7 @@ inline float SumLanes(const float* l_lanes) {
   return sum;
 }
 
-inline void Prefetch(const void* address) { __builtin_prefetch(address); }
+inline void Prefetch(const void* address) { __builtin_prefetch(address, 0, 1); }
 
 template <int kRows>
 inline void AccumulateRows(const float* p, const float* correction, const float* v, size_t v_stride, int n_valid,
@@ -282,143 +287,163 @@ struct Plan {
   int dp = 0;                 // head_dim padded to kLanes
   int tile_queries = 0;       // queries per unit
   int n_tiles = 0;
-  int n_chunks = 0;           // token chunks per (tile, kv head)
+  int n_chunks = 0;           // token chunks per tile
   int64_t chunk_tokens = 0;   // multiple of kBlock
   bool direct_f32 = false;    // f32 rows with head_dim % 16 == 0 are read in place, no copy
 };
 
-// Output of one unit for its rows: the unnormalized state, or (single chunk) the final rows.
+// Unnormalized per-row state of one token chunk, for the split-K merge.
 struct PartialState {
-  float* m;    // [n_q * n_heads] per chunk
-  float* l;    // [n_q * n_heads]
+  float* m;    // [n_q * n_heads] running max (log2 domain)
+  float* l;    // [n_q * n_heads] running sum
   float* acc;  // [n_q * n_heads, dp]
 };
 
-// Runs one (tile, kv head, chunk) unit. With partial == nullptr the chunk is the whole
-// context and the normalized result goes straight to out.
+// Runs one (query tile, token chunk) unit over every kv head. Walking all heads of a token
+// range together streams whole cache rows from memory ([n, n_kv_heads, head_dim] is
+// token-major); a unit per kv head would stride through memory and waste DRAM bandwidth.
+// With partial == nullptr the chunk is the whole context and normalized rows go to out.
 void RunUnit(const Plan& plan, const TokenSequence& seq, const float* q, const int64_t* visible, int32_t n_q,
-             int tile, int kv_head, int chunk, float* out, const PartialState* partial) {
+             int tile, int chunk, float* out, const PartialState* partial) {
   const AttentionShape& shape = plan.shape;
   const int d = shape.head_dim, dp = plan.dp, group = plan.group;
   const int q_begin = tile * plan.tile_queries;
-  const int q_end = std::min<int>(n_q, q_begin + plan.tile_queries);
-  const int rows = (q_end - q_begin) * group;  // row r: query q_begin + r / group, head kv_head*group + r % group
+  const int tile_queries = std::min<int>(n_q, q_begin + plan.tile_queries) - q_begin;
+  // Rows are kv-head-major so each kv head's rows are contiguous:
+  // row r = kv_head * head_rows + query_in_tile * group + head_in_group.
+  const int head_rows = tile_queries * group;
+  const int rows = head_rows * shape.n_kv_heads;
+  auto row_query = [&](int r) { return q_begin + (r % head_rows) / group; };
+  auto row_head = [&](int r) { return (r / head_rows) * group + r % group; };
 
   int64_t max_visible = 0;
-  for (int i = q_begin; i < q_end; ++i) max_visible = std::max(max_visible, visible[i]);
+  for (int i = q_begin; i < q_begin + tile_queries; ++i) max_visible = std::max(max_visible, visible[i]);
   const int64_t t_begin = static_cast<int64_t>(chunk) * plan.chunk_tokens;
   const int64_t t_end = std::min(max_visible, t_begin + plan.chunk_tokens);
 
-  // Per-thread scratch: q rows, accumulators, block probabilities, and (when converting) K/V blocks.
+  // Per-thread scratch, reused across calls.
   static thread_local AlignedBuffer buffer;
   const size_t q_floats = static_cast<size_t>(rows) * dp;
   const size_t kv_floats = static_cast<size_t>(kBlock) * dp;
   float* const scratch = buffer.Get(2 * q_floats + static_cast<size_t>(rows) * (2 * kBlock + 2) + 2 * kv_floats);
-  // Every region but the last three is a multiple of 16 floats long, so all vector rows stay 64-byte aligned.
-  float* q_rows = scratch;                                // [rows, dp] pre-scaled queries
-  float* acc = q_rows + q_floats;                         // [rows, dp]
-  float* p = acc + q_floats;                              // [rows, kBlock]
-  float* l_lanes = p + static_cast<size_t>(rows) * kBlock;  // [rows, kBlock] running sums, lane-wise
-  float* k_block = l_lanes + static_cast<size_t>(rows) * kBlock;  // [kBlock, dp] (when not read in place)
-  float* v_block = k_block + kv_floats;                   // [kBlock, dp]
-  float* m = v_block + kv_floats;                               // [rows] running max (log2 domain)
-  float* correction = m + rows;                           // [rows]
+  // Every region but the last two is a multiple of 16 floats long, so vector rows stay 64-byte aligned.
+  float* q_rows = scratch;                                        // [rows, dp] pre-scaled queries
+  float* acc = q_rows + q_floats;                                 // [rows, dp]
+  float* p = acc + q_floats;                                      // [rows, kBlock] this block's probabilities
+  float* l_lanes = p + static_cast<size_t>(rows) * kBlock;        // [rows, kBlock] running sums, lane-wise
+  float* k_block = l_lanes + static_cast<size_t>(rows) * kBlock;  // [kBlock, dp] one head's K (when copied)
+  float* v_block = k_block + kv_floats;                           // [kBlock, dp]
+  float* m = v_block + kv_floats;                                 // [rows] running max (log2 domain)
+  float* correction = m + rows;                                   // [rows]
 
   const float q_scale = shape.scale * kLog2e;
   for (int r = 0; r < rows; ++r) {
-    const int i = q_begin + r / group;
-    const int h = kv_head * group + r % group;
-    const float* src = q + (static_cast<size_t>(i) * shape.n_heads + h) * d;
-    for (int c = 0; c < d; ++c) q_rows[static_cast<size_t>(r) * dp + c] = src[c] * q_scale;
-    for (int c = d; c < dp; ++c) q_rows[static_cast<size_t>(r) * dp + c] = 0.f;
+    const float* src = q + (static_cast<size_t>(row_query(r)) * shape.n_heads + row_head(r)) * d;
+    float* dst = q_rows + static_cast<size_t>(r) * dp;
+    for (int c = 0; c < d; ++c) dst[c] = src[c] * q_scale;
+    for (int c = d; c < dp; ++c) dst[c] = 0.f;
     m[r] = kNegInf;
   }
   std::fill(acc, acc + q_floats, 0.f);
   std::fill(l_lanes, l_lanes + static_cast<size_t>(rows) * kBlock, 0.f);
 
   const size_t elem_bytes = plan.storage == KvStorage::kF16 ? sizeof(f16_bits) : sizeof(float);
-  const size_t token_stride = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;
-  const size_t head_offset = static_cast<size_t>(kv_head) * d * elem_bytes;
-  const size_t row_bytes = static_cast<size_t>(d) * elem_bytes;
+  const size_t token_bytes = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;  // one token, all heads
+  const size_t head_bytes = static_cast<size_t>(d) * elem_bytes;
   const size_t span_stride = static_cast<size_t>(shape.n_kv_heads) * d;  // floats between f32 rows in a span
-  int32_t span = t_begin < t_end ? seq.SpanOf(t_begin) : 0;
-  int32_t prefetch_span = span;
-  int64_t prefetch_next = t_begin;  // first token not yet prefetched
+  int32_t block_span = t_begin < t_end ? seq.SpanOf(t_begin) : 0;
+  int32_t prefetch_span = block_span;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kBlock) {
     const int n_block = static_cast<int>(std::min<int64_t>(kBlock, t_end - t0));
-    // Request the rows kPrefetchTokens ahead so DRAM latency hides behind this block's math.
-    for (const int64_t until = std::min(t_end, t0 + kBlock + kPrefetchTokens); prefetch_next < until; ++prefetch_next) {
-      while (prefetch_next >= seq.span_start[prefetch_span + 1]) ++prefetch_span;
+    // Addresses of the token rows kPrefetchTokens ahead; each kv head below prefetches its
+    // part of them, which spreads the requests over the block's math.
+    const uint8_t* prefetch_k[kBlock];
+    const uint8_t* prefetch_v[kBlock];
+    int n_prefetch = 0;
+    for (int64_t t = t0 + kPrefetchTokens; t < std::min(t_end, t0 + kPrefetchTokens + kBlock); ++t) {
+      while (t >= seq.span_start[prefetch_span + 1]) ++prefetch_span;
       const KvSpan& s = seq.spans[prefetch_span];
-      const size_t offset = static_cast<size_t>(prefetch_next - seq.span_start[prefetch_span]) * token_stride + head_offset;
-      for (size_t b = 0; b < row_bytes; b += 64) {
-        Prefetch(static_cast<const uint8_t*>(s.k) + offset + b);
-        Prefetch(static_cast<const uint8_t*>(s.v) + offset + b);
-      }
+      const size_t offset = static_cast<size_t>(t - seq.span_start[prefetch_span]) * token_bytes;
+      prefetch_k[n_prefetch] = static_cast<const uint8_t*>(s.k) + offset;
+      prefetch_v[n_prefetch++] = static_cast<const uint8_t*>(s.v) + offset;
     }
-    // The block's K/V rows: read in place when they are f32, full and inside one span;
-    // otherwise converted/copied into zero-padded scratch rows.
-    while (t0 >= seq.span_start[span + 1]) ++span;
-    const float* k_rows;
-    const float* v_rows;
-    size_t row_stride;
-    if (plan.direct_f32 && n_block == kBlock && t0 + kBlock <= seq.span_start[span + 1]) {
-      const KvSpan& s = seq.spans[span];
-      const size_t offset = static_cast<size_t>(t0 - seq.span_start[span]) * token_stride + head_offset;
-      k_rows = reinterpret_cast<const float*>(static_cast<const uint8_t*>(s.k) + offset);
-      v_rows = reinterpret_cast<const float*>(static_cast<const uint8_t*>(s.v) + offset);
-      row_stride = span_stride;
-    } else {
-      for (int j = 0; j < n_block; ++j) {
-        const int64_t t = t0 + j;
-        while (t >= seq.span_start[span + 1]) ++span;
-        const KvSpan& s = seq.spans[span];
-        const size_t offset = static_cast<size_t>(t - seq.span_start[span]) * token_stride + head_offset;
-        LoadRowF32(plan.storage, static_cast<const uint8_t*>(s.k) + offset, d, k_block + static_cast<size_t>(j) * dp);
-        LoadRowF32(plan.storage, static_cast<const uint8_t*>(s.v) + offset, d, v_block + static_cast<size_t>(j) * dp);
-      }
-      // Rows past the block end must be finite: their scores are masked, their p is 0.
-      std::fill(k_block + static_cast<size_t>(n_block) * dp, k_block + static_cast<size_t>(kBlock) * dp, 0.f);
-      std::fill(v_block + static_cast<size_t>(n_block) * dp, v_block + static_cast<size_t>(kBlock) * dp, 0.f);
-      k_rows = k_block;
-      v_rows = v_block;
-      row_stride = dp;
-    }
+    while (t0 >= seq.span_start[block_span + 1]) ++block_span;
+    // Whole f32 blocks inside one span are read in place; the rest is converted/copied.
+    const bool in_place = plan.direct_f32 && n_block == kBlock && t0 + kBlock <= seq.span_start[block_span + 1];
 
-    // Scores and online softmax per row; rows whose query sees none of this block skip it.
-    for (int r = 0; r < rows; ++r) {
-      const int64_t valid = std::min<int64_t>(n_block, visible[q_begin + r / group] - t0);
-      float* p_row = p + static_cast<size_t>(r) * kBlock;
-      if (valid <= 0) {
-        std::fill(p_row, p_row + kBlock, 0.f);
-        correction[r] = 1.f;
-        continue;
+    for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
+      const size_t head_offset = static_cast<size_t>(kv_head) * head_bytes;
+      for (int j = 0; j < n_prefetch; ++j) {
+        for (size_t b = 0; b < head_bytes; b += 64) {
+          Prefetch(prefetch_k[j] + head_offset + b);
+          Prefetch(prefetch_v[j] + head_offset + b);
+        }
       }
+      const float* k_rows;
+      const float* v_rows;
+      size_t row_stride;
+      if (in_place) {
+        const KvSpan& s = seq.spans[block_span];
+        const size_t offset = static_cast<size_t>(t0 - seq.span_start[block_span]) * token_bytes + head_offset;
+        k_rows = reinterpret_cast<const float*>(static_cast<const uint8_t*>(s.k) + offset);
+        v_rows = reinterpret_cast<const float*>(static_cast<const uint8_t*>(s.v) + offset);
+        row_stride = span_stride;
+      } else {
+        int32_t span = block_span;
+        for (int j = 0; j < n_block; ++j) {
+          const int64_t t = t0 + j;
+          while (t >= seq.span_start[span + 1]) ++span;
+          const KvSpan& s = seq.spans[span];
+          const size_t offset = static_cast<size_t>(t - seq.span_start[span]) * token_bytes + head_offset;
+          LoadRowF32(plan.storage, static_cast<const uint8_t*>(s.k) + offset, d, k_block + static_cast<size_t>(j) * dp);
+          LoadRowF32(plan.storage, static_cast<const uint8_t*>(s.v) + offset, d, v_block + static_cast<size_t>(j) * dp);
+        }
+        // Rows past the block end must be finite: their scores are masked, their p is 0.
+        std::fill(k_block + static_cast<size_t>(n_block) * dp, k_block + kv_floats, 0.f);
+        std::fill(v_block + static_cast<size_t>(n_block) * dp, v_block + kv_floats, 0.f);
+        k_rows = k_block;
+        v_rows = v_block;
+        row_stride = dp;
+      }
+
+      // Scores and online softmax per row; rows whose query sees none of this block skip it.
+      const int r_begin = kv_head * head_rows, r_end = r_begin + head_rows;
+      for (int r = r_begin; r < r_end; ++r) {
+        const int64_t valid = std::min<int64_t>(n_block, visible[row_query(r)] - t0);
+        float* p_row = p + static_cast<size_t>(r) * kBlock;
+        if (valid <= 0) {
+          std::fill(p_row, p_row + kBlock, 0.f);
+          correction[r] = 1.f;
+          continue;
+        }
 #if KVS_ATTN_AVX512
-      const __m512 scores = ScoreBlock(q_rows + static_cast<size_t>(r) * dp, k_rows, row_stride, dp);
+        const __m512 scores = ScoreBlock(q_rows + static_cast<size_t>(r) * dp, k_rows, row_stride, dp);
 #else
-      float scores[kBlock];
-      ScoreBlock(q_rows + static_cast<size_t>(r) * dp, k_rows, row_stride, dp, scores);
+        float scores[kBlock];
+        ScoreBlock(q_rows + static_cast<size_t>(r) * dp, k_rows, row_stride, dp, scores);
 #endif
-      correction[r] = SoftmaxStep(scores, static_cast<int>(valid), &m[r], l_lanes + static_cast<size_t>(r) * kBlock, p_row);
-    }
-    // acc += p v, several rows per V load.
-    int r = 0;
-    for (; r + 8 <= rows; r += 8) {
-      AccumulateRows<8>(p + r * kBlock, correction + r, v_rows, row_stride, n_block, acc + static_cast<size_t>(r) * dp, dp);
-    }
-    for (; r + 4 <= rows; r += 4) {
-      AccumulateRows<4>(p + r * kBlock, correction + r, v_rows, row_stride, n_block, acc + static_cast<size_t>(r) * dp, dp);
-    }
-    for (; r < rows; ++r) {
-      AccumulateRows<1>(p + r * kBlock, correction + r, v_rows, row_stride, n_block, acc + static_cast<size_t>(r) * dp, dp);
+        correction[r] =
+            SoftmaxStep(scores, static_cast<int>(valid), &m[r], l_lanes + static_cast<size_t>(r) * kBlock, p_row);
+      }
+      // acc += p v, several rows per V load.
+      int r = r_begin;
+      for (; r + 8 <= r_end; r += 8) {
+        AccumulateRows<8>(p + r * kBlock, correction + r, v_rows, row_stride, n_block, acc + static_cast<size_t>(r) * dp,
+                          dp);
+      }
+      for (; r + 4 <= r_end; r += 4) {
+        AccumulateRows<4>(p + r * kBlock, correction + r, v_rows, row_stride, n_block, acc + static_cast<size_t>(r) * dp,
+                          dp);
+      }
+      for (; r < r_end; ++r) {
+        AccumulateRows<1>(p + r * kBlock, correction + r, v_rows, row_stride, n_block, acc + static_cast<size_t>(r) * dp,
+                          dp);
+      }
     }
   }
 
   for (int r = 0; r < rows; ++r) {
-    const int i = q_begin + r / group;
-    const int h = kv_head * group + r % group;
-    const size_t row_index = static_cast<size_t>(i) * shape.n_heads + h;
+    const size_t row_index = static_cast<size_t>(row_query(r)) * shape.n_heads + row_head(r);
     const float* a = acc + static_cast<size_t>(r) * dp;
     const float l = SumLanes(l_lanes + static_cast<size_t>(r) * kBlock);
     if (partial != nullptr) {
@@ -456,12 +481,13 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
   plan.n_tiles = (n_q + plan.tile_queries - 1) / plan.tile_queries;
   plan.direct_f32 = storage == KvStorage::kF32 && shape.head_dim % kLanes == 0;
 
-  // Split each kv head's tokens when tiles x kv heads alone cannot keep the threads busy.
+  // Split the tokens (flash-decoding split-K) when query tiles alone give fewer than
+  // kUnitsPerThread units per thread: decode has a single tile, so it always splits
+  // once the context is long enough, and a late thread then costs little.
   const int64_t max_visible = *std::max_element(visible.begin(), visible.end());
-  const int base_units = plan.n_tiles * shape.n_kv_heads;
   int n_chunks = 1;
-  if (n_threads > 1 && base_units < 2 * n_threads) {
-    const int wanted = (2 * n_threads + base_units - 1) / base_units;
+  if (n_threads > 1 && plan.n_tiles < kUnitsPerThread * n_threads) {
+    const int wanted = (kUnitsPerThread * n_threads + plan.n_tiles - 1) / plan.n_tiles;
     const int64_t affordable = std::max<int64_t>(1, max_visible / kMinChunkTokens);
     n_chunks = static_cast<int>(std::min<int64_t>(wanted, affordable));
   }
@@ -480,16 +506,14 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
     }
   }
 
-  const int n_units = plan.n_tiles * shape.n_kv_heads * n_chunks;
+  const int n_units = plan.n_tiles * n_chunks;
   const int threads = std::min(n_threads, n_units);
   // Later tiles see more tokens under the causal mask: hand them out first.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int u = 0; u < n_units; ++u) {
     const int chunk = u % n_chunks;
-    const int kv_head = (u / n_chunks) % shape.n_kv_heads;
-    const int tile = plan.n_tiles - 1 - u / (n_chunks * shape.n_kv_heads);
-    RunUnit(plan, seq, q, visible.data(), n_q, tile, kv_head, chunk, out,
-            n_chunks > 1 ? &partials[chunk] : nullptr);
+    const int tile = plan.n_tiles - 1 - u / n_chunks;
+    RunUnit(plan, seq, q, visible.data(), n_q, tile, chunk, out, n_chunks > 1 ? &partials[chunk] : nullptr);
   }
 
   if (n_chunks > 1) {

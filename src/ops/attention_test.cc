@@ -173,9 +173,11 @@ TEST(AttentionTest, LongContextDecodeAndPrefillMatchReference) {
     AttentionShape shape{8, 1, 64, 0.125f};
     SpanSet set = MakeSpans(storage, {700, 3, 1500}, 1, 64, rng);
     const int32_t last = LastPosition(set);
-    for (int n_q : {1, 40}) {
+    for (int n_q : {1, 3, 40}) {
       std::vector<int32_t> q_pos(n_q);
       for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 37;
+      // One tile split over token chunks: a query that sees nothing, one that sees only the first chunk.
+      if (n_q == 3) q_pos = {-1, last / 5, last};
       std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * 64, rng, 3.f);
       std::vector<float> want(q.size());
       ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, want.data());

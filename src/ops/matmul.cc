@@ -58,27 +58,37 @@ void MatMulRows(const matmul::Kernel& kernel, const WeightView& w, const uint8_t
   const uint8_t* w_bytes = static_cast<const uint8_t*>(w.data);
   int64_t block_tokens = static_cast<int64_t>(kTokenBlockBytes / std::max<size_t>(x_token_bytes, 1));
   block_tokens = std::max<int64_t>(matmul::kMaxTileTokens, block_tokens / matmul::kMaxTileTokens * matmul::kMaxTileTokens);
+  // Only unpacked (f32) activations can be split along K: packed steps span the whole row.
+  const int64_t k_chunk = kernel.k_chunk > 0 && kernel.pack_token == nullptr ? kernel.k_chunk : w.cols;
+  const size_t x_elem_bytes = sizeof(float);
   for (int64_t t_block = 0; t_block < n_tokens; t_block += block_tokens) {
     const int64_t t_block_end = std::min(n_tokens, t_block + block_tokens);
     for (int64_t r0 = row_begin; r0 < row_end; r0 += matmul::kMaxTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(matmul::kMaxTileRows, row_end - r0));
       const int64_t next_r0 = r0 + matmul::kMaxTileRows;
-      for (int64_t t0 = t_block; t0 < t_block_end; t0 += matmul::kMaxTileTokens) {
-        matmul::TileArgs args;
-        args.w = w_bytes + r0 * row_bytes;
-        args.w_row_bytes = row_bytes;
-        args.n_rows = n_rows;
-        args.x = x + t0 * x_token_bytes;
-        args.x_token_bytes = x_token_bytes;
-        args.n_tokens = static_cast<int>(std::min<int64_t>(matmul::kMaxTileTokens, t_block_end - t0));
-        args.cols = w.cols;
-        args.y = y + t0 * w.rows + r0;
-        args.y_stride = w.rows;
-        // While the last token tile runs, pull the next row tile toward L1.
-        const bool last_token_tile = t0 + matmul::kMaxTileTokens >= t_block_end;
-        args.w_prefetch = (last_token_tile && next_r0 + matmul::kMaxTileRows <= row_end) ? w_bytes + next_r0 * row_bytes
-                                                                                          : nullptr;
-        kernel.tile(args);
+      for (int64_t k0 = 0; k0 < w.cols; k0 += k_chunk) {
+        const int64_t k_len = std::min(k_chunk, w.cols - k0);
+        const size_t w_offset = k_len == w.cols ? 0 : DTypeRowBytes(w.type, k0);
+        const size_t x_offset = k_len == w.cols ? 0 : k0 * x_elem_bytes;
+        for (int64_t t0 = t_block; t0 < t_block_end; t0 += matmul::kMaxTileTokens) {
+          matmul::TileArgs args;
+          args.w = w_bytes + r0 * row_bytes + w_offset;
+          args.w_row_bytes = row_bytes;
+          args.n_rows = n_rows;
+          args.x = x + t0 * x_token_bytes + x_offset;
+          args.x_token_bytes = x_token_bytes;
+          args.n_tokens = static_cast<int>(std::min<int64_t>(matmul::kMaxTileTokens, t_block_end - t0));
+          args.cols = k_len;
+          args.y = y + t0 * w.rows + r0;
+          args.y_stride = w.rows;
+          args.accumulate = k0 > 0;
+          // While the last token tile runs, pull the next row tile's chunk toward L1.
+          const bool last_token_tile = t0 + matmul::kMaxTileTokens >= t_block_end;
+          args.w_prefetch = (last_token_tile && next_r0 + matmul::kMaxTileRows <= row_end)
+                                ? w_bytes + next_r0 * row_bytes + w_offset
+                                : nullptr;
+          kernel.tile(args);
+        }
       }
     }
   }

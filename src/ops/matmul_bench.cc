@@ -80,7 +80,7 @@ void BM_ReadBandwidth(benchmark::State& state) {
   for (auto _ : state) gbs = ops::MeasureReadBandwidthGBs(BenchThreads(), 1ull << 30);
   state.counters["GB/s"] = gbs;
 }
-BENCHMARK(BM_ReadBandwidth)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK(BM_ReadBandwidth)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
 
 // Matrix-vector over enough distinct copies of the matrix (>= 512 MiB) that weights stream from DRAM.
 void BM_MatVec(benchmark::State& state, DType type) {
@@ -115,7 +115,7 @@ void BM_Gemm(benchmark::State& state, DType type) {
 }
 
 #define KVS_MATVEC(name, type) \
-  BENCHMARK_CAPTURE(BM_MatVec, name, type)->Args({2048, 2048})->Args({5632, 2048})->Args({2048, 5632})->Unit(benchmark::kMicrosecond)
+  BENCHMARK_CAPTURE(BM_MatVec, name, type)->Args({2048, 2048})->Args({5632, 2048})->Args({2048, 5632})->Unit(benchmark::kMicrosecond)->UseRealTime()
 KVS_MATVEC(q8_0, DType::kQ8_0);
 KVS_MATVEC(q4_0, DType::kQ4_0);
 KVS_MATVEC(q4_K, DType::kQ4_K);
@@ -129,8 +129,8 @@ BENCHMARK_CAPTURE(BM_Gemm, q8_0, DType::kQ8_0)
     ->Args({2048, 5632, 512})
     ->Args({2048, 2048, 64})
     ->Args({2048, 2048, 8})
-    ->Unit(benchmark::kMillisecond);
-#define KVS_GEMM(name, type) BENCHMARK_CAPTURE(BM_Gemm, name, type)->Args({2048, 2048, 512})->Unit(benchmark::kMillisecond)
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+#define KVS_GEMM(name, type) BENCHMARK_CAPTURE(BM_Gemm, name, type)->Args({2048, 2048, 512})->Unit(benchmark::kMillisecond)->UseRealTime()
 KVS_GEMM(q4_0, DType::kQ4_0);
 KVS_GEMM(q4_K, DType::kQ4_K);
 KVS_GEMM(f16, DType::kF16);
@@ -171,7 +171,7 @@ void BM_TinyLlamaDecode(benchmark::State& state) {
   state.counters["GB/s"] =
       benchmark::Counter(static_cast<double>(total_bytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_TinyLlamaDecode)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_TinyLlamaDecode)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // One layer's matmuls for a 512-token prefill; tok/s is scaled to all 22 layers (matmuls only).
 void BM_TinyLlamaPrefillLayer(benchmark::State& state) {
@@ -195,7 +195,7 @@ void BM_TinyLlamaPrefillLayer(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(n_tokens) * state.iterations() / kLayers, benchmark::Counter::kIsRate);
   state.counters["GOP/s"] = benchmark::Counter(2.0 * macs * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_TinyLlamaPrefillLayer)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_TinyLlamaPrefillLayer)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace kvsparse

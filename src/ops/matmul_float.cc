@@ -90,8 +90,12 @@ struct FloatTile {
         for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
       }
     }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; ++t) {
+      for (int r = 0; r < R; ++r) {
+        const float sum = _mm512_reduce_add_ps(acc[r][t]);
+        a.y[t * a.y_stride + r] = a.accumulate ? a.y[t * a.y_stride + r] + sum : sum;
+      }
+    }
 #elif KVS_ISA_AVX2
     __m256 acc[R][T];
     for (int r = 0; r < R; ++r)
@@ -112,7 +116,7 @@ struct FloatTile {
       for (int r = 0; r < R; ++r) {
         float sum = HorizontalSum(acc[r][t]);
         for (int64_t i = c; i < n; ++i) sum += WeightElem<kType>::ToFloat(w[r][i]) * x[t][i];
-        a.y[t * a.y_stride + r] = sum;
+        a.y[t * a.y_stride + r] = a.accumulate ? a.y[t * a.y_stride + r] + sum : sum;
       }
     }
 #else
@@ -120,7 +124,7 @@ struct FloatTile {
       for (int r = 0; r < R; ++r) {
         float sum = 0.f;
         for (int64_t i = 0; i < n; ++i) sum += WeightElem<kType>::ToFloat(w[r][i]) * x[t][i];
-        a.y[t * a.y_stride + r] = sum;
+        a.y[t * a.y_stride + r] = a.accumulate ? a.y[t * a.y_stride + r] + sum : sum;
       }
     }
 #endif
@@ -129,16 +133,19 @@ struct FloatTile {
 
 }  // namespace
 
+// 512 columns: a 4-row chunk is 4-8 KiB and 4 tokens' activations 8 KiB, all L1-resident.
+constexpr int64_t kFloatKChunk = 512;
+
 const Kernel& KernelF32() {
-  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF32>>};
+  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF32>>, kFloatKChunk};
   return kernel;
 }
 const Kernel& KernelF16() {
-  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF16>>};
+  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF16>>, kFloatKChunk};
   return kernel;
 }
 const Kernel& KernelBF16() {
-  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kBF16>>};
+  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kBF16>>, kFloatKChunk};
   return kernel;
 }
 

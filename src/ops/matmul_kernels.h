@@ -25,6 +25,7 @@ struct TileArgs {
   float* y;               // y[t * y_stride + r] for the tile's local r, t
   int64_t y_stride;
   const uint8_t* w_prefetch;  // weight bytes the caller will need next (may be null)
+  bool accumulate = false;    // add to y instead of overwriting (later K chunks)
 };
 
 struct Kernel {
@@ -33,6 +34,9 @@ struct Kernel {
   // Packs one token's f32 activations [cols] into dst (PackedTokenBytes(cols) bytes, 64-aligned).
   void (*pack_token)(const float* x, int64_t cols, uint8_t* dst);
   void (*tile)(const TileArgs& args);
+  // If > 0, the driver splits the inner dimension into chunks of this many columns (a multiple
+  // of the block size) so a row tile's chunk stays in L1; the kernel must honour `accumulate`.
+  int64_t k_chunk = 0;
 };
 
 // Fast kernels for this build's ISA (AVX512-VNNI, AVX2 or scalar, chosen at compile time).

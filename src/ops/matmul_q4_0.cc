@@ -87,8 +87,8 @@ struct Q4_0Tile {
         const __m256i init = _mm256_load_si256(reinterpret_cast<const __m256i*>(step + 32));
         const __m256 x_scale = _mm256_load_ps(reinterpret_cast<const float*>(step + 64));
         for (int r = 0; r < R; ++r) {
-#if defined(__AVXVNNI__)
-          const __m256i dot = _mm256_dpbusd_avx_epi32(init, w[r], xq);
+#if defined(KVS_DPBUSD256)
+          const __m256i dot = KVS_DPBUSD256(init, w[r], xq);
 #else
           // Nibble x int8 pairs stay far inside int16 (2 * 15 * 127).
           const __m256i dot =

@@ -28,9 +28,22 @@ struct ScalesMins {
   uint8_t min[kSubBlocks];
 };
 
+// Unpacks all 8 six-bit scales and mins at once with 32-bit word operations (same result as
+// GetScaleMinK4 for j = 0..7). Bytes 0-3 / 4-7 hold scales / mins 0-3 in their low 6 bits and
+// the top 2 bits of scales / mins 4-7 in their high 2 bits; bytes 8-11 hold the low 4 bits of
+// scale (low nibble) and min (high nibble) 4-7.
 inline ScalesMins Unpack(const BlockQ4_K& block) {
+  uint32_t words[3];
+  std::memcpy(words, block.scales, sizeof(words));
+  const uint32_t scale_lo = words[0] & 0x3F3F3F3Fu;
+  const uint32_t min_lo = words[1] & 0x3F3F3F3Fu;
+  const uint32_t scale_hi = (words[2] & 0x0F0F0F0Fu) | ((words[0] >> 2) & 0x30303030u);
+  const uint32_t min_hi = ((words[2] >> 4) & 0x0F0F0F0Fu) | ((words[1] >> 2) & 0x30303030u);
   ScalesMins out;
-  for (int j = 0; j < kSubBlocks; ++j) quant::GetScaleMinK4(j, block.scales, &out.scale[j], &out.min[j]);
+  std::memcpy(out.scale, &scale_lo, 4);
+  std::memcpy(out.scale + 4, &scale_hi, 4);
+  std::memcpy(out.min, &min_lo, 4);
+  std::memcpy(out.min + 4, &min_hi, 4);
   return out;
 }
 
@@ -67,34 +80,34 @@ struct Q4_KTile {
         d[r] = _cvtsh_ss(block.d);
         dmin[r] = _cvtsh_ss(block.dmin);
       }
-      __m512i isum[R][T];
-      for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
+      // Unpacked nibbles and per-lane scales of the tile's rows for this super-block; they are
+      // reused by every token, and holding them (rather than the int32 sums) in L1 keeps the
+      // accumulators in registers.
+      __m512i w[R][kSubBlocks / 2];
+      __m512i sc[R][kSubBlocks / 2];
       for (int g = 0; g < kSubBlocks / 2; ++g) {
         // int16 lanes 0-15 get scale[2g], lanes 16-31 scale[2g+1].
         const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(2 * g)),
                                                 _mm256_set1_epi16(static_cast<short>(2 * g + 1)), 1);
-        __m512i w[R];
-        __m512i sc[R];
         for (int r = 0; r < R; ++r) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * g));
           const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
-          w[r] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low_nibbles);
-          sc[r] = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(scales16[r]));
-        }
-        for (int t = 0; t < T; ++t) {
-          const __m512i xq = _mm512_loadu_si512(TokenBlocks(a, t)[b].qs + 64 * g);
-          for (int r = 0; r < R; ++r) {
-            isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_maddubs_epi16(w[r], xq), sc[r]);
-          }
+          w[r][g] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low_nibbles);
+          sc[r][g] = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(scales16[r]));
         }
       }
       for (int t = 0; t < T; ++t) {
         const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+        __m512i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+        for (int g = 0; g < kSubBlocks / 2; ++g) {
+          const __m512i xq = _mm512_loadu_si512(xb.qs + 64 * g);
+          for (int r = 0; r < R; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(w[r][g], xq), sc[r][g]);
+        }
         const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
         for (int r = 0; r < R; ++r) {
           const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
-          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), _mm512_set1_ps(d[r] * xb.d), acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d[r] * xb.d), acc[r][t]);
           acc[r][t] = _mm512_fmadd_ps(_mm512_zextps256_ps512(min_sum), _mm512_set1_ps(-dmin[r] * xb.d), acc[r][t]);
         }
       }

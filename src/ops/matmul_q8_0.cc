@@ -82,13 +82,13 @@ struct Q8_0Tile {
         const uint8_t* step = a.x + t * a.x_token_bytes + s * kStepBytes;
         const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(step));
         const __m256 x_scale = _mm256_load_ps(reinterpret_cast<const float*>(step + 64));
-#if defined(__AVXVNNI__)
+#if defined(KVS_DPBUSD256)
         const __m256i init = _mm256_load_si256(reinterpret_cast<const __m256i*>(step + 32));
 #endif
         for (int r = 0; r < R; ++r) {
-#if defined(__AVXVNNI__)
+#if defined(KVS_DPBUSD256)
           const __m256i dot =
-              _mm256_dpbusd_avx_epi32(init, _mm256_xor_si256(w[r], _mm256_set1_epi8(static_cast<char>(0x80))), xq);
+              KVS_DPBUSD256(init, _mm256_xor_si256(w[r], _mm256_set1_epi8(static_cast<char>(0x80))), xq);
 #else
           // |w| * (x * sign(w)) keeps maddubs' u8 x s8 pairs within int16.
           const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[r], w[r]), _mm256_sign_epi8(xq, w[r]));
@@ -145,8 +145,8 @@ const Kernel& KernelQ8_0() {
 const char* IsaName() {
 #if KVS_ISA_AVX512VNNI
   return "avx512-vnni";
-#elif KVS_ISA_AVX2 && defined(__AVXVNNI__)
-  return "avx2+avx-vnni";
+#elif KVS_ISA_AVX2 && defined(KVS_DPBUSD256)
+  return "avx2+vnni256";
 #elif KVS_ISA_AVX2
   return "avx2";
 #else

@@ -39,8 +39,16 @@ inline constexpr int kLanes = 16;
 inline constexpr int kLanes = 8;
 #endif
 
+// 256-bit u8 x s8 dot-accumulate (vpdpbusd) for the AVX2 family: the VEX form (AVX-VNNI) or
+// the EVEX form (AVX512-VNNI + VL on CPUs whose 512-bit path is not selected).
+#if KVS_ISA_AVX2 && defined(__AVXVNNI__)
+#define KVS_DPBUSD256(acc, u8, s8) _mm256_dpbusd_avx_epi32((acc), (u8), (s8))
+#elif KVS_ISA_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVS_DPBUSD256(acc, u8, s8) _mm256_dpbusd_epi32((acc), (u8), (s8))
+#endif
+
 // Whether u8 x s8 dot products run through VNNI (vpdpbusd), which needs one unsigned operand.
-#if KVS_ISA_AVX512VNNI || (KVS_ISA_AVX2 && defined(__AVXVNNI__))
+#if KVS_ISA_AVX512VNNI || defined(KVS_DPBUSD256)
 inline constexpr bool kHasVnni = true;
 #else
 inline constexpr bool kHasVnni = false;

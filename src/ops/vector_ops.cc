@@ -1,17 +1,171 @@
-// Vector kernels used between matmuls.
+// Vector kernels used between matmuls, written with Highway (static dispatch: the build's
+// -march target). Transcendentals use hwy/contrib/math; RoPE angles use libm (shared by heads).
+#include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
 #include "kvsparse/ops.h"
+#include "kvsparse/status.h"
 
 namespace kvsparse::ops {
 
-float Dot(const float* a, const float* b, int64_t n) { return ref::Dot(a, b, n); }
+namespace hn = hwy::HWY_NAMESPACE;
+
+namespace {
+
+using DF = hn::ScalableTag<float>;
+
+// Applies `body(v, offset)` to full vectors, then to a masked tail (lanes past n read as 0).
+template <class Body>
+HWY_INLINE void ForEachVector(int64_t n, const Body& body) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) body(i, hn::FirstN(d, static_cast<size_t>(lanes)), true);
+  if (i < n) body(i, hn::FirstN(d, static_cast<size_t>(n - i)), false);
+}
+
+}  // namespace
+
+float Dot(const float* a, const float* b, int64_t n) {
+  const DF d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  auto acc0 = hn::Zero(d), acc1 = hn::Zero(d), acc2 = hn::Zero(d), acc3 = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 4 * lanes <= n; i += 4 * lanes) {
+    acc0 = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, b + i), acc0);
+    acc1 = hn::MulAdd(hn::LoadU(d, a + i + lanes), hn::LoadU(d, b + i + lanes), acc1);
+    acc2 = hn::MulAdd(hn::LoadU(d, a + i + 2 * lanes), hn::LoadU(d, b + i + 2 * lanes), acc2);
+    acc3 = hn::MulAdd(hn::LoadU(d, a + i + 3 * lanes), hn::LoadU(d, b + i + 3 * lanes), acc3);
+  }
+  for (; i < n; i += lanes) {
+    const auto m = hn::FirstN(d, static_cast<size_t>(std::min(lanes, n - i)));
+    acc0 = hn::MulAdd(hn::MaskedLoad(m, d, a + i), hn::MaskedLoad(m, d, b + i), acc0);
+  }
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(acc0, acc1), hn::Add(acc2, acc3))));
+}
+
 void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps) {
-  ref::RmsNorm(x, weight, out, n, eps);
+  KVS_CHECK(n > 0);
+  const float mean_sq = Dot(x, x, n) / static_cast<float>(n);
+  const DF d;
+  const auto scale = hn::Set(d, 1.f / std::sqrt(mean_sq + eps));
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto v = hn::Mul(hn::Mul(hn::MaskedLoad(m, d, x + i), scale), hn::MaskedLoad(m, d, weight + i));
+    if (full) {
+      hn::StoreU(v, d, out + i);
+    } else {
+      hn::BlendedStore(v, m, d, out + i);
+    }
+  });
 }
+
 void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style) {
-  ref::Rope(x, n_heads, head_dim, pos, inv_freq, style);
+  KVS_CHECK(head_dim % 2 == 0);
+  const int half = head_dim / 2;
+  // cos/sin per frequency, computed once and shared by all heads (same rounding as ref::Rope).
+  thread_local std::vector<float> cos_sin;
+  cos_sin.resize(2 * static_cast<size_t>(half));
+  float* cos_t = cos_sin.data();
+  float* sin_t = cos_sin.data() + half;
+  for (int i = 0; i < half; ++i) {
+    const float theta = static_cast<float>(pos) * inv_freq[i];
+    cos_t[i] = std::cos(theta);
+    sin_t[i] = std::sin(theta);
+  }
+  const DF d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int h = 0; h < n_heads; ++h) {
+    float* head = x + static_cast<int64_t>(h) * head_dim;
+    if (style == RopeStyle::kNeox) {
+      // (head[i], head[i + half]) rotate together: contiguous halves vectorize directly.
+      int i = 0;
+      for (; i + lanes <= half; i += lanes) {
+        const auto a = hn::LoadU(d, head + i), b = hn::LoadU(d, head + half + i);
+        const auto c = hn::LoadU(d, cos_t + i), s = hn::LoadU(d, sin_t + i);
+        hn::StoreU(hn::Sub(hn::Mul(a, c), hn::Mul(b, s)), d, head + i);
+        hn::StoreU(hn::Add(hn::Mul(a, s), hn::Mul(b, c)), d, head + half + i);
+      }
+      for (; i < half; ++i) {
+        const float a = head[i], b = head[i + half];
+        head[i] = a * cos_t[i] - b * sin_t[i];
+        head[i + half] = a * sin_t[i] + b * cos_t[i];
+      }
+    } else {
+      // Interleaved pairs: few elements per head (head_dim <= 256), scalar is fast enough.
+      for (int i = 0; i < half; ++i) {
+        const float a = head[2 * i], b = head[2 * i + 1];
+        head[2 * i] = a * cos_t[i] - b * sin_t[i];
+        head[2 * i + 1] = a * sin_t[i] + b * cos_t[i];
+      }
+    }
+  }
 }
-void SiluMul(float* gate, const float* up, int64_t n) { ref::SiluMul(gate, up, n); }
-void Softmax(float* x, int64_t n) { ref::Softmax(x, n); }
-void Add(float* y, const float* x, int64_t n) { ref::Add(y, x, n); }
+
+void SiluMul(float* gate, const float* up, int64_t n) {
+  const DF d;
+  const auto one = hn::Set(d, 1.f);
+  // exp(-g) overflows past 88: clamp so silu(g) -> g / huge -> 0 for very negative g.
+  const auto max_exp_arg = hn::Set(d, 88.f);
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto g = hn::MaskedLoad(m, d, gate + i);
+    const auto e = hn::Exp(d, hn::Min(hn::Neg(g), max_exp_arg));
+    const auto v = hn::Mul(hn::Div(g, hn::Add(one, e)), hn::MaskedLoad(m, d, up + i));
+    if (full) {
+      hn::StoreU(v, d, gate + i);
+    } else {
+      hn::BlendedStore(v, m, d, gate + i);
+    }
+  });
+}
+
+void Softmax(float* x, int64_t n) {
+  if (n <= 0) return;
+  const DF d;
+  auto vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
+  ForEachVector(n, [&](int64_t i, auto m, bool) {
+    vmax = hn::IfThenElse(m, hn::Max(vmax, hn::MaskedLoad(m, d, x + i)), vmax);
+  });
+  const float max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  const auto vmax_b = hn::Set(d, max);
+  // exp arguments are <= 0; below -104 the result underflows to 0 anyway (and -inf stays safe).
+  const auto min_arg = hn::Set(d, -104.f);
+  auto vsum = hn::Zero(d);
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto e = hn::Exp(d, hn::Max(hn::Sub(hn::MaskedLoad(m, d, x + i), vmax_b), min_arg));
+    const auto e_masked = hn::IfThenElseZero(m, e);
+    vsum = hn::Add(vsum, e_masked);
+    if (full) {
+      hn::StoreU(e, d, x + i);
+    } else {
+      hn::BlendedStore(e, m, d, x + i);
+    }
+  });
+  const auto inv = hn::Set(d, 1.f / hn::GetLane(hn::SumOfLanes(d, vsum)));
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto v = hn::Mul(hn::MaskedLoad(m, d, x + i), inv);
+    if (full) {
+      hn::StoreU(v, d, x + i);
+    } else {
+      hn::BlendedStore(v, m, d, x + i);
+    }
+  });
+}
+
+void Add(float* y, const float* x, int64_t n) {
+  const DF d;
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto v = hn::Add(hn::MaskedLoad(m, d, y + i), hn::MaskedLoad(m, d, x + i));
+    if (full) {
+      hn::StoreU(v, d, y + i);
+    } else {
+      hn::BlendedStore(v, m, d, y + i);
+    }
+  });
+}
 
 }  // namespace kvsparse::ops

@@ -59,11 +59,16 @@ int32_t Sampler::Sample(const float* logits, int32_t n_vocab) {
   candidates_.resize(n_vocab);
   for (int32_t i = 0; i < n_vocab; ++i) candidates_[i] = {penalized_[i], i};
 
-  // Top-k: keep the k best, sorted best first.
+  // Top-k: keep the k best, sorted best first. Without top-k or top-p the order is
+  // irrelevant, so the O(n log n) sort over the whole vocab is skipped.
   size_t kept = static_cast<size_t>(n_vocab);
   if (params_.top_k > 0 && static_cast<size_t>(params_.top_k) < kept) kept = static_cast<size_t>(params_.top_k);
-  std::partial_sort(candidates_.begin(), candidates_.begin() + kept, candidates_.end(), Before);
-  candidates_.resize(kept);
+  if (kept < candidates_.size() || params_.top_p < 1.0f) {
+    std::partial_sort(candidates_.begin(), candidates_.begin() + kept, candidates_.end(), Before);
+    candidates_.resize(kept);
+  } else {
+    std::iter_swap(candidates_.begin(), std::min_element(candidates_.begin(), candidates_.end(), Before));
+  }
 
   const float max_logit = candidates_[0].first;
   if (!std::isfinite(max_logit)) return candidates_[0].second;  // every logit is -inf (or +inf wins outright)
@@ -85,7 +90,8 @@ int32_t Sampler::Sample(const float* logits, int32_t n_vocab) {
   }
 
   // Temperature, then draw by inverting the CDF.
-  std::vector<double> weights(candidates_.size());  // [n_candidates] unnormalized probabilities
+  std::vector<double>& weights = weights_;
+  weights.resize(candidates_.size());
   double total = 0;
   for (size_t i = 0; i < candidates_.size(); ++i) {
     weights[i] = std::exp(static_cast<double>(candidates_[i].first - max_logit) / params_.temperature);

@@ -1,0 +1,214 @@
+// Quantizer / dequantizer tests: ggml block layouts and rounding, round-trip error bounds,
+// and the fast (ops::) entry points against the scalar references, byte for byte.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/ops.h"
+#include "ops/ops_test_util.h"
+#include "ops/quant_internal.h"
+
+namespace kvsparse {
+namespace {
+
+using testing::RandomFloats;
+
+std::vector<uint8_t> Quantize(DType type, const std::vector<float>& x) {
+  std::vector<uint8_t> out(DTypeRowBytes(type, static_cast<int64_t>(x.size())));
+  ref::QuantizeRow(type, x.data(), out.data(), static_cast<int64_t>(x.size()));
+  return out;
+}
+
+std::vector<float> Dequantize(DType type, const std::vector<uint8_t>& data, int64_t n) {
+  std::vector<float> out(n);
+  ref::DequantizeRow(type, data.data(), out.data(), n);
+  return out;
+}
+
+TEST(QuantizeTest, Q8_0FollowsGgmlReference) {
+  // amax = 127 gives d = 1 exactly, so x * id hits .5 ties: ggml's roundf rounds them away from 0.
+  std::vector<float> x(32);
+  for (int i = 0; i < 32; ++i) x[i] = static_cast<float>(i) - 15.5f;  // -15.5 .. 15.5
+  x[0] = 127.f;
+  const auto q = Quantize(DType::kQ8_0, x);
+  BlockQ8_0 block;
+  std::memcpy(&block, q.data(), sizeof(block));
+  EXPECT_EQ(F16ToF32(block.d), 1.f);
+  EXPECT_EQ(block.qs[0], 127);
+  EXPECT_EQ(block.qs[1], -15);   // -14.5 -> -15
+  EXPECT_EQ(block.qs[15], -1);   // -0.5 -> -1
+  EXPECT_EQ(block.qs[16], 1);    // 0.5 -> 1
+  EXPECT_EQ(block.qs[31], 16);   // 15.5 -> 16
+}
+
+TEST(QuantizeTest, Q4_0FollowsGgmlReference) {
+  // Values -16..15: the extreme -16 maps to -8, so d = 2 and q = min(15, (int8)(x/2 + 8.5)).
+  std::vector<float> x(32);
+  for (int i = 0; i < 32; ++i) x[i] = static_cast<float>(i - 16);
+  const auto q = Quantize(DType::kQ4_0, x);
+  BlockQ4_0 block;
+  std::memcpy(&block, q.data(), sizeof(block));
+  EXPECT_EQ(F16ToF32(block.d), 2.f);
+  for (int i = 0; i < 32; ++i) {
+    const int nibble = i < 16 ? (block.qs[i] & 0xF) : (block.qs[i - 16] >> 4);
+    EXPECT_EQ(nibble, std::min(15, (i + 1) / 2)) << "element " << i;
+  }
+  const auto y = Dequantize(DType::kQ4_0, q, 32);
+  EXPECT_EQ(y[0], -16.f);
+  EXPECT_EQ(y[31], 14.f);  // clamped at nibble 15
+}
+
+TEST(QuantizeTest, Q8_KFollowsGgmlReference) {
+  std::vector<float> x = RandomFloats(256, 3, 0.3f);  // |x| <= 2.4 even for outliers
+  x[7] = -3.f;  // the signed extreme: iscale = -127 / -3
+  const auto q = Quantize(DType::kQ8_K, x);
+  BlockQ8_K block;
+  std::memcpy(&block, q.data(), sizeof(block));
+  EXPECT_FLOAT_EQ(block.d, 1.f / (-127.f / -3.f));
+  EXPECT_EQ(block.qs[7], -127);
+  for (int g = 0; g < 16; ++g) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += block.qs[16 * g + i];
+    EXPECT_EQ(block.bsums[g], sum);
+  }
+  // All-zero block: zero scale, zero quants, zero sums.
+  const auto zq = Quantize(DType::kQ8_K, std::vector<float>(256, 0.f));
+  EXPECT_TRUE(std::all_of(zq.begin(), zq.end(), [](uint8_t b) { return b == 0; }));
+}
+
+TEST(QuantizeTest, Q4_KScaleMinPackingRoundTrips) {
+  for (int seed = 0; seed < 200; ++seed) {
+    uint8_t scale[8], min[8];
+    for (int j = 0; j < 8; ++j) {
+      scale[j] = static_cast<uint8_t>((seed * 7 + j * 13) % 64);
+      min[j] = static_cast<uint8_t>((seed * 11 + j * 5 + 63) % 64);
+    }
+    uint8_t packed[kKScaleBytes] = {};
+    quant::PackScaleMinK4(scale, min, packed);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t s, m;
+      quant::GetScaleMinK4(j, packed, &s, &m);
+      EXPECT_EQ(s, scale[j]);
+      EXPECT_EQ(m, min[j]);
+    }
+  }
+}
+
+TEST(QuantizeTest, Q4_KDequantizesGgmlLayout) {
+  // Hand-built block: byte layout per ggml's get_scale_min_k4.
+  BlockQ4_K block{};
+  block.d = F32ToF16(0.5f);
+  block.dmin = F32ToF16(0.25f);
+  block.scales[0] = 0x40 | 3;   // sub 0 scale 3 (+ top bits 01 of sub 4's scale)
+  block.scales[4] = 0x80 | 5;   // sub 0 min 5 (+ top bits 10 of sub 4's min)
+  block.scales[8] = 0x72;       // sub 4: scale low 4 bits 2, min low 4 bits 7
+  block.qs[0] = 0x9A;           // element 0 -> 0xA (sub 0), element 32 -> 0x9 (sub 1)
+  block.qs[64] = 0x0F;          // element 128 -> 0xF (sub 4)
+  std::vector<float> y(256);
+  ref::DequantizeRow(DType::kQ4_K, &block, y.data(), 256);
+  EXPECT_FLOAT_EQ(y[0], 0.5f * 3 * 10 - 0.25f * 5);
+  EXPECT_FLOAT_EQ(y[1], -0.25f * 5);
+  // sub 4: scale = 2 | (1 << 4) = 18, min = 7 | (2 << 4) = 39
+  EXPECT_FLOAT_EQ(y[128], 0.5f * 18 * 15 - 0.25f * 39);
+  EXPECT_FLOAT_EQ(y[129], -0.25f * 39);
+  EXPECT_FLOAT_EQ(y[32], 0.f);  // sub 1 has scale 0 and min 0
+}
+
+// Round trip error per element, relative to the block's scale.
+TEST(QuantizeTest, RoundTripErrorBounds) {
+  for (int64_t n : {256, 768, 2816}) {
+    const std::vector<float> x = RandomFloats(n, static_cast<uint32_t>(n), 3.f);
+    {  // Q8_0: |err| <= d/2 plus the f16 rounding of d (|q| <= 127).
+      const auto q = Quantize(DType::kQ8_0, x);
+      const auto y = Dequantize(DType::kQ8_0, q, n);
+      for (int64_t i = 0; i < n; ++i) {
+        float amax = 0;
+        for (int64_t j = i / 32 * 32; j < i / 32 * 32 + 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+        ASSERT_LE(std::fabs(y[i] - x[i]), amax / 127.f * (0.5f + 127.f / 2048.f) + 1e-6f) << i;
+      }
+    }
+    {  // Q4_0: |err| <= |d| (the side opposite the extreme clamps at +7), plus f16 rounding of d.
+      const auto q = Quantize(DType::kQ4_0, x);
+      const auto y = Dequantize(DType::kQ4_0, q, n);
+      for (int64_t i = 0; i < n; ++i) {
+        const float d = std::fabs(F16ToF32(reinterpret_cast<const BlockQ4_0*>(q.data())[i / 32].d));
+        ASSERT_LE(std::fabs(y[i] - x[i]), d * (1.f + 8.f / 1024.f) + 1e-6f) << i;
+      }
+    }
+    {  // Q8_K: f32 scale, |err| <= d/2.
+      const auto q = Quantize(DType::kQ8_K, x);
+      const auto y = Dequantize(DType::kQ8_K, q, n);
+      for (int64_t i = 0; i < n; ++i) {
+        const float d = std::fabs(reinterpret_cast<const BlockQ8_K*>(q.data())[i / 256].d);
+        ASSERT_LE(std::fabs(y[i] - x[i]), d * 0.5f * 1.0001f) << i;
+      }
+    }
+    {  // Q4_K: within a sub-block step (or the min granularity), and small RMS error overall.
+      const auto q = Quantize(DType::kQ4_K, x);
+      const auto y = Dequantize(DType::kQ4_K, q, n);
+      double err2 = 0, x2 = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const BlockQ4_K& b = reinterpret_cast<const BlockQ4_K*>(q.data())[i / 256];
+        uint8_t sc, m;
+        quant::GetScaleMinK4(static_cast<int>(i % 256 / 32), b.scales, &sc, &m);
+        const float step = F16ToF32(b.d) * sc;
+        ASSERT_LE(std::fabs(y[i] - x[i]), std::max(step * 0.51f, F16ToF32(b.dmin) * 1.01f) + 1e-6f) << i;
+        err2 += (y[i] - x[i]) * (y[i] - x[i]);
+        x2 += x[i] * x[i];
+      }
+      EXPECT_LT(std::sqrt(err2 / x2), 0.12);
+    }
+    for (DType t : {DType::kF16, DType::kBF16, DType::kF32}) {
+      const auto q = Quantize(t, x);
+      const auto y = Dequantize(t, q, n);
+      const float rel = t == DType::kF16 ? 1.f / 2048 : t == DType::kBF16 ? 1.f / 256 : 0.f;
+      for (int64_t i = 0; i < n; ++i) ASSERT_LE(std::fabs(y[i] - x[i]), std::fabs(x[i]) * rel) << i;
+    }
+  }
+}
+
+TEST(QuantizeTest, ZeroBlocksStayZero) {
+  for (DType t : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ8_K}) {
+    const std::vector<float> x(256, 0.f);
+    const auto y = Dequantize(t, Quantize(t, x), 256);
+    for (float v : y) ASSERT_EQ(v, 0.f) << DTypeName(t);
+  }
+}
+
+// ops:: entry points (SIMD where implemented) must produce the reference's exact bytes/values.
+TEST(QuantizeTest, FastPathsMatchReferenceExactly) {
+  for (DType t : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ8_K, DType::kF16, DType::kBF16, DType::kF32}) {
+    for (int64_t n : {256, 512, 2816}) {
+      SCOPED_TRACE(std::string(DTypeName(t)) + " n=" + std::to_string(n));
+      std::vector<float> x = RandomFloats(n, static_cast<uint32_t>(n) + 9, 4.f);
+      // Exact .5 ties for Q8_0: a block whose amax is 127 has d = 1.
+      for (int i = 0; i < 32; ++i) x[i] = i == 0 ? 127.f : (i - 16) + 0.5f;
+      std::vector<uint8_t> want(DTypeRowBytes(t, n)), got(DTypeRowBytes(t, n), 0xAB);
+      ref::QuantizeRow(t, x.data(), want.data(), n);
+      ops::QuantizeRow(t, x.data(), got.data(), n);
+      ASSERT_EQ(want, got);
+      std::vector<float> y_want(n), y_got(n);
+      ref::DequantizeRow(t, want.data(), y_want.data(), n);
+      ops::DequantizeRow(t, want.data(), y_got.data(), n);
+      ASSERT_EQ(0, std::memcmp(y_want.data(), y_got.data(), n * sizeof(float)));
+    }
+  }
+}
+
+TEST(QuantizeTest, F16DequantizeOddLengthsMatchReference) {
+  for (int64_t n : {1, 7, 9, 33}) {
+    std::vector<f16_bits> h(n);
+    for (int64_t i = 0; i < n; ++i) h[i] = static_cast<f16_bits>(0x3C00 + i * 37);
+    std::vector<float> a(n), b(n);
+    ref::DequantizeRow(DType::kF16, h.data(), a.data(), n);
+    ops::DequantizeRow(DType::kF16, h.data(), b.data(), n);
+    EXPECT_EQ(a, b);
+  }
+}
+
+}  // namespace
+}  // namespace kvsparse

@@ -1,0 +1,156 @@
+// End-to-end checks of the `kvsparse` binary: bad inputs give a clear error and a non-zero
+// exit (never a crash), and convert produces a GGUF that generates exactly like the original.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  bool crashed = false;  // killed by a signal (segfault, abort, ASan)
+  std::string output;    // stdout + stderr
+};
+
+std::string Cli() {
+  const char* env = std::getenv("KVS_CLI");
+  return env ? env : std::string(KVS_BINARY_DIR) + "/kvsparse";
+}
+
+Result RunCli(const std::string& args) {
+  Result r;
+  const std::string cmd = Cli() + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+    // A shell reports a child killed by a signal as 128 + signal.
+    r.crashed = r.exit_code >= 128;
+  } else {
+    r.crashed = true;
+  }
+  return r;
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << bytes;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void ExpectCleanFailure(const Result& r, const std::string& must_mention) {
+  EXPECT_FALSE(r.crashed) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("error:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(must_mention), std::string::npos) << "expected the message to mention '" << must_mention
+                                                             << "', got: " << r.output;
+}
+
+TEST(CliBadInput, MissingFile) {
+  ExpectCleanFailure(RunCli("inspect /nonexistent/model.gguf"), "/nonexistent/model.gguf");
+  ExpectCleanFailure(RunCli("generate -m /nonexistent/model.gguf -n 1"), "/nonexistent/model.gguf");
+}
+
+TEST(CliBadInput, WrongMagic) {
+  const std::string path = testing::TempPath("wrong_magic.gguf");
+  WriteFile(path, std::string("NOPE") + std::string(64, '\x01'));
+  const Result r = RunCli("inspect " + path);
+  EXPECT_FALSE(r.crashed) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+}
+
+TEST(CliBadInput, TruncatedGguf) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string gguf = testing::TempPath("cli_trunc_src.gguf");
+  ASSERT_EQ(RunCli("convert " + model + " -o " + gguf).exit_code, 0);
+  const std::string bytes = ReadFile(gguf);
+  for (size_t cut : {size_t{3}, size_t{20}, bytes.size() / 3, bytes.size() - 1}) {
+    const std::string path = testing::TempPath("cli_trunc.gguf");
+    WriteFile(path, bytes.substr(0, cut));
+    ExpectCleanFailure(RunCli("generate -m " + path + " -n 1"), "cli_trunc.gguf");
+  }
+}
+
+TEST(CliBadInput, TruncatedLlama2c) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string path = testing::TempPath("cli_trunc.bin");
+  WriteFile(path, ReadFile(model).substr(0, 5000));
+  ExpectCleanFailure(RunCli("generate -m " + path + " -n 1"), "cli_trunc.bin");
+}
+
+TEST(CliBadInput, PromptLongerThanContext) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  ExpectCleanFailure(RunCli("generate -m " + model + " -c 4 --tokens 1,2,3,4,5,6"), "context");
+}
+
+TEST(CliBadInput, TokenOutOfRange) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  ExpectCleanFailure(RunCli("generate -m " + model + " --tokens 1,100000"), "100000");
+  ExpectCleanFailure(RunCli("generate -m " + model + " --tokens 1,x"), "x");
+}
+
+TEST(CliBadInput, TextPromptWithoutTokenizer) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  ExpectCleanFailure(RunCli("generate -m " + model + " -p hello"), "tokenizer");
+}
+
+TEST(CliBadInput, BadOptions) {
+  ExpectCleanFailure(RunCli("synth --shape no-such-shape -o /tmp/x.gguf"), "no-such-shape");
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  ExpectCleanFailure(RunCli("generate -m " + model + " --kv-type int3"), "int3");
+  ExpectCleanFailure(RunCli("convert " + model + " -o /tmp/x.gguf --type q4_k"), "divisible by 256");
+}
+
+// Generated token ids (the line after "generated:").
+std::string GeneratedIds(const std::string& output) {
+  const size_t at = output.find("generated:");
+  if (at == std::string::npos) return "";
+  return output.substr(at, output.find('\n', at) - at);
+}
+
+TEST(CliConvert, GgufGeneratesLikeTheCheckpoint) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string gguf = testing::TempPath("stories260K_f32.gguf");
+  const Result conv = RunCli("convert " + model + " -o " + gguf + " --type f32");
+  ASSERT_EQ(conv.exit_code, 0) << conv.output;
+  const std::string args = " --tokens 1 -n 100 --temp 0 --kv-type f32 -t 2";
+  const Result a = RunCli("generate -m " + model + args);
+  const Result b = RunCli("generate -m " + gguf + args);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_FALSE(GeneratedIds(a.output).empty()) << a.output;
+  EXPECT_EQ(GeneratedIds(a.output), GeneratedIds(b.output));
+  const Result info = RunCli("inspect " + gguf);
+  EXPECT_EQ(info.exit_code, 0) << info.output;
+  EXPECT_NE(info.output.find("blk.4.ffn_down.weight"), std::string::npos) << info.output;
+}
+
+TEST(CliSynth, TinyShapeRuns) {
+  const std::string path = testing::TempPath("cli_tiny_synth.gguf");
+  const Result s = RunCli("synth --shape tiny-llama --type q8_0 -o " + path);
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+  const Result g = RunCli("generate -m " + path + " -n 8 --temp 0 -t 1");
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  const Result b = RunCli("bench-speed -m " + path + " -p 16 -n 4 -d 0,8 -r 1 -o json");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("\"tg4\""), std::string::npos) << b.output;
+}
+
+}  // namespace
+}  // namespace kvsparse
