@@ -5,24 +5,29 @@
 #include <fstream>
 
 #include "commands.h"
+#include "kv_flags.h"
 #include "kvsparse/speed_bench.h"
 
 namespace kvsparse::cli {
 namespace {
+constexpr const char* kDefaultKvType = "f16";
+
 struct BenchArgs {
-  std::string model, output = "md", out_file, kv_type = "f16";
+  std::string model, output = "md", out_file;
+  KvFlags kv;
   SpeedBenchConfig config;
 };
 
 int Run(BenchArgs& a) {
   auto path = ResolveModelPath(a.model);
   if (!path.ok()) return Fail(path.status());
-  auto storage = ParseKvStorage(a.kv_type);
-  if (!storage.ok()) return Fail(storage.status());
-  a.config.kv_storage = *storage;
   if (a.output != "md" && a.output != "json") return Fail(InvalidArgumentError("-o/--output: expected md or json, found '" + a.output + "'"));
   auto model = Model::Load(*path);
   if (!model.ok()) return Fail(model.status());
+  auto sparsity = ResolveKvFlags(a.kv, kDefaultKvType, (*model)->config().n_layers, &a.config.kv_storage);
+  if (!sparsity.ok()) return Fail(sparsity.status());
+  a.config.kv_sparsity = *sparsity;
+  a.config.kv_stats = a.kv.stats;
   auto report = RunSpeedBench(**model, a.config);
   if (!report.ok()) return Fail(report.status());
   const std::string text = a.output == "json" ? SpeedReportJson(*report) : SpeedReportMarkdown(*report);
@@ -46,7 +51,7 @@ void RegisterBenchSpeed(CLI::App& app, int* exit_code) {
   cmd->add_option("-t,--threads", a->config.n_threads, "threads (0 = all cores)")->capture_default_str();
   cmd->add_option("-r,--repetitions", a->config.repetitions, "timed repetitions per test")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("-b,--batch-size", a->config.prefill_chunk, "tokens per forward pass in prefill")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--kv-type", a->kv_type, "KV cache storage: f16 or f32")->capture_default_str();
+  AddKvFlags(cmd, &a->kv, kDefaultKvType);
   cmd->add_option("-o,--output", a->output, "md or json")->capture_default_str();
   cmd->add_option("--out-file", a->out_file, "also write the report to this file");
   cmd->callback([a, exit_code] { *exit_code = Run(*a); });

@@ -39,10 +39,4 @@ StatusOr<std::string> ResolveModelPath(const std::string& path) {
   return file.string();
 }
 
-StatusOr<KvStorage> ParseKvStorage(const std::string& name) {
-  if (name == "f16") return KvStorage::kF16;
-  if (name == "f32") return KvStorage::kF32;
-  return InvalidArgumentError(fmt::format("--kv-type: expected f16 or f32, found '{}'", name));
-}
-
 }  // namespace kvsparse::cli

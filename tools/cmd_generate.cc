@@ -6,13 +6,17 @@
 #include <sstream>
 
 #include "commands.h"
+#include "kv_flags.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/model.h"
+#include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/sampler.h"
 #include "kvsparse/tokenizer.h"
 
 namespace kvsparse::cli {
 namespace {
+
+constexpr const char* kDefaultKvType = "f16";
 
 struct GenerateArgs {
   std::string model;
@@ -22,7 +26,7 @@ struct GenerateArgs {
   int n_threads = 0;
   int n_ctx = 0;
   int batch = 512;
-  std::string kv_type = "f16";
+  KvFlags kv;
   SamplerParams sampling;
   bool ignore_eos = false;
 };
@@ -84,10 +88,26 @@ int Run(const GenerateArgs& a) {
     return Fail(InvalidArgumentError(
         fmt::format("the prompt has {} tokens but the context is {} (-c); shorten the prompt or raise -c", prompt.size(), n_ctx)));
   }
-  auto storage = ParseKvStorage(a.kv_type);
-  if (!storage.ok()) return Fail(storage.status());
-  ContiguousKvCache cache(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, *storage, 1, n_ctx);
-  Engine engine(model, &cache, a.n_threads);
+  KvStorage dense_storage = KvStorage::kF16;
+  auto sparsity = ResolveKvFlags(a.kv, kDefaultKvType, c.n_layers, &dense_storage);
+  if (!sparsity.ok()) return Fail(sparsity.status());
+  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+  // Dense: one contiguous buffer per layer. Sparse: paged cache + policies (room for n_ctx
+  // tokens per layer is reserved as address space; memory follows the live tokens).
+  std::unique_ptr<KvCache> dense_cache;
+  SparseKvSetup sparse;
+  std::string kv_desc;
+  if (*sparsity) {
+    auto setup = CreateSparseKv(geometry, **sparsity, 1, n_ctx, a.sampling.seed);
+    if (!setup.ok()) return Fail(setup.status());
+    sparse = std::move(*setup);
+    kv_desc = KvSparsityConfigSummary(**sparsity);
+  } else {
+    dense_cache = std::make_unique<ContiguousKvCache>(geometry, dense_storage, 1, n_ctx);
+    kv_desc = std::string("dense ") + KvStorageName(dense_storage);
+  }
+  KvCache& cache = dense_cache ? *dense_cache : *sparse.cache;
+  Engine engine(model, &cache, a.n_threads, sparse.controller.get());
   Sampler sampler(a.sampling);
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
 
@@ -134,7 +154,14 @@ int Run(const GenerateArgs& a) {
                prompt.size(), prefill_s, prompt.size() / std::max(prefill_s, 1e-9), n_generated, decode_s,
                n_generated / std::max(decode_s, 1e-9));
   std::fprintf(stderr, "KV cache: %.2f MiB allocated, %.2f MiB live (%s)\n", cache.AllocatedBytes() / 1048576.0,
-               cache.LiveBytes() / 1048576.0, a.kv_type.c_str());
+               cache.LiveBytes() / 1048576.0, kv_desc.c_str());
+  if (a.kv.stats) {
+    if (sparse.controller) {
+      std::fprintf(stderr, "%s", sparse.controller->FormatStats().c_str());
+    } else {
+      std::fprintf(stderr, "(dense cache: no evictions; per-layer stats need --kv-method or --kv-config)\n");
+    }
+  }
   return 0;
 }
 
@@ -150,7 +177,7 @@ void RegisterGenerate(CLI::App& app, int* exit_code) {
   cmd->add_option("-t,--threads", args->n_threads, "threads (0 = all cores)")->capture_default_str();
   cmd->add_option("-c,--ctx-size", args->n_ctx, "context size in tokens (0 = min(model context, 4096))")->capture_default_str();
   cmd->add_option("-b,--batch-size", args->batch, "prompt tokens per forward pass")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--kv-type", args->kv_type, "KV cache storage: f16 or f32")->capture_default_str();
+  AddKvFlags(cmd, &args->kv, kDefaultKvType);
   cmd->add_option("--temp", args->sampling.temperature, "temperature (0 = greedy)")->capture_default_str();
   cmd->add_option("--top-k", args->sampling.top_k, "top-k (0 = off)")->capture_default_str();
   cmd->add_option("--top-p", args->sampling.top_p, "top-p (1 = off)")->capture_default_str();

@@ -24,6 +24,4 @@ int Fail(const Status& status);
 // $KVSPARSE_CACHE (default ~/.cache/kvsparse) so no download is needed.
 StatusOr<std::string> ResolveModelPath(const std::string& path);
 
-StatusOr<KvStorage> ParseKvStorage(const std::string& name);
-
 }  // namespace kvsparse::cli

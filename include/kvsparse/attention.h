@@ -18,17 +18,21 @@ struct AttentionShape {
 namespace ops {
 // q:   [n_q, n_heads, head_dim] f32, already rotated.
 // q_pos: [n_q] absolute positions; query i attends to cached tokens with position <= q_pos[i].
-// spans: the live tokens (ascending positions), storage type `storage`.
+// spans: the live tokens (ascending positions), storage type `storage` (kInt8 spans carry
+//   k_scale / v_scale).
 // out: [n_q, n_heads, head_dim] f32 = softmax(q k^T * scale) v over the attended tokens.
 // A query that attends to no token gets zeros.
+// row_max_sum (optional): [n_q, n_heads, 2] each row's softmax statistics, natural-log
+//   domain: max_t (scale * q.k_t) and sum_t exp(scale * q.k_t - max) over the attended tokens
+//   (-inf and 0 when none). ops::AttentionScores (attention_scores.h) consumes them.
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out, int n_threads);
+               const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum = nullptr);
 }  // namespace ops
 
 namespace ref {
 // Scalar twin: materializes scores per query head, double accumulation.
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out);
+               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum = nullptr);
 }  // namespace ref
 
 }  // namespace kvsparse

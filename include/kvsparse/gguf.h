@@ -102,7 +102,10 @@ class GgufFile {
 // Byte size of `n` elements of a ggml type id, for every standard ggml type
 // (not only the ones kvsparse computes with), or nullopt for unknown ids / bad n.
 std::optional<size_t> GgmlTypeBytes(uint32_t ggml_type, int64_t n);
+int64_t GgmlTypeBlockSize(uint32_t ggml_type);      // elements per block; 0 for unknown ids
 std::string_view GgmlTypeName(uint32_t ggml_type);  // "q5_k", ... or "unknown"
+// Bytes of one scalar metadata value; 0 for kString and kArray.
+size_t GgufScalarSize(GgufType t);
 
 // Writes GGUF v3. Metadata keys keep insertion order; tensors are written aligned.
 class GgufWriter {
@@ -125,9 +128,13 @@ class GgufWriter {
   void AddTensor(const std::string& name, DType type, std::vector<int64_t> ne, Filler fill);
   // `data` ([nbytes] in `type` layout) must stay valid until Write().
   void AddTensor(const std::string& name, DType type, std::vector<int64_t> ne, const void* data);
+  // Same, for any ggml type id whose size GgmlTypeBytes knows (e.g. 13 = q5_K), including
+  // ones kvsparse cannot compute with; Write() rejects unknown ids.
+  void AddTensor(const std::string& name, uint32_t ggml_type, std::vector<int64_t> ne, Filler fill);
+  void AddTensor(const std::string& name, uint32_t ggml_type, std::vector<int64_t> ne, const void* data);
 
-  // Errors (nothing is written): duplicate tensor names, bad dims, ne[0] not a multiple of the
-  // type's block size, bad general.alignment. Setting a key twice replaces its value.
+  // Errors (nothing is written): duplicate tensor names, bad dims, unknown ggml type ids, ne[0]
+  // not a multiple of the type's block size, general.alignment not a power of two >= 8. Setting a key twice replaces its value.
   Status Write(const std::string& path) const;
 
  private:
@@ -139,7 +146,7 @@ class GgufWriter {
   };
   struct Tensor {
     std::string name;
-    DType type;
+    uint32_t ggml_type;
     std::vector<int64_t> ne;
     Filler fill;
   };

@@ -12,12 +12,17 @@
 
 namespace kvsparse {
 
-enum class KvStorage { kF32, kF16 };
+// kInt8: symmetric per-(token, kv head) quantization, value = scale * q, q in [-127, 127].
+enum class KvStorage { kF32, kF16, kInt8 };
+const char* KvStorageName(KvStorage s);  // "f32", "f16", "int8"
+size_t KvStorageValueBytes(KvStorage s);  // bytes per stored value (4, 2, 1)
 
 struct KvSpan {
   const void* k = nullptr;             // [n, n_kv_heads, head_dim] in the cache's storage type
   const void* v = nullptr;             // [n, n_kv_heads, head_dim]
   const int32_t* positions = nullptr;  // [n] absolute positions, ascending across spans
+  const float* k_scale = nullptr;      // [n, n_kv_heads] (kInt8 only)
+  const float* v_scale = nullptr;      // [n, n_kv_heads] (kInt8 only)
   int32_t n = 0;
 };
 
@@ -31,6 +36,8 @@ class KvCache {
  public:
   virtual ~KvCache() = default;
   virtual KvStorage storage() const = 0;
+  // Storage type of one layer's K/V; caches that mix types per layer override it.
+  virtual KvStorage layer_storage(int layer) const { return storage(); }
   virtual const KvGeometry& geometry() const = 0;
 
   // Stores n tokens of one layer. k, v: [n, n_kv_heads, head_dim] f32 (k already rotated);

@@ -17,6 +17,10 @@ namespace kvsparse {
 enum class Arch { kLlama, kQwen2 };
 std::string_view ArchName(Arch a);
 
+// Weight types the forward pass computes with (what loaders accept and converters write).
+bool IsSupportedWeightType(DType t);
+std::string_view SupportedWeightTypeNames();  // "f32, f16, bf16, q8_0, q4_0, q4_K"
+
 struct ModelConfig {
   Arch arch = Arch::kLlama;
   int n_vocab = 0;
@@ -73,11 +77,19 @@ class Model {
   friend class ModelLoader;
 };
 
+class SparseKvController;
+struct AttentionShape;
+
 // Per-engine scratch and the forward pass. One Engine serves any number of sequences
 // stored in its KvCache; it is not thread-safe (it uses its own threads inside).
 class Engine {
  public:
-  Engine(const Model& model, KvCache* cache, int n_threads);
+  // With a controller (sparse_kv_controller.h; it must manage this same cache) the forward
+  // pass feeds the sparsity policies and evicts after each layer's attention, and prompts
+  // run in chunks of the controller's prefill_chunk (at most 512). A call of n > 1 tokens is
+  // a prompt chunk, n == 1 a decode step; fraction budgets count pos0 + n tokens seen, so a
+  // sequence's positions must start at 0. Without a controller nothing is ever evicted.
+  Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller = nullptr);
   ~Engine();
 
   // Runs n tokens of sequence `seq` at positions pos0 .. pos0+n-1 (prefill when n > 1,
@@ -90,14 +102,18 @@ class Engine {
 
   const Model& model() const { return model_; }
   int n_threads() const { return n_threads_; }
+  SparseKvController* controller() const { return controller_; }
 
  private:
   struct Scratch;
   // One chunk of at most kMaxChunkTokens tokens; logits null when this chunk's are not wanted.
   Status ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits, bool all_logits);
+  // The attention of one layer when a SparseKvController is attached (scratch spans already gathered).
+  Status SparseAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape);
   const Model& model_;
   KvCache* cache_;
   int n_threads_;
+  SparseKvController* controller_;
   std::unique_ptr<Scratch> scratch_;
 };
 

@@ -36,7 +36,10 @@ void QuantizeRow(DType type, const float* src, void* dst, int64_t n);
 // x: [n_tokens, w.cols] f32, y: [n_tokens, w.rows] f32.
 // Quantized weights use ggml's scheme: activations are quantized once per call
 // (Q8_0 for Q8_0/Q4_0 weights, Q8_K for Q4_K) and dotted in integer arithmetic.
-// Runs on n_threads threads (OpenMP); n_threads <= 0 means all available.
+// Runs on n_threads threads (OpenMP); n_threads <= 0 means all available. Each thread streams a
+// disjoint slice of W's rows. Safe to call concurrently from several threads (scratch is per
+// calling thread). With n_tokens <= 4 the weights are streamed once (decode, bandwidth-bound);
+// larger n_tokens use register-tiled GEMM (compute-bound).
 void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads);
 
 // ---- vector kernels ----

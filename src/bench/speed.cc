@@ -12,6 +12,7 @@
 
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/ops.h"
+#include "kvsparse/sparse_kv_controller.h"
 
 namespace kvsparse {
 namespace {
@@ -35,6 +36,16 @@ Status Prefill(Engine& engine, const std::vector<int32_t>& tokens, int32_t pos0,
     KVS_RETURN_IF_ERROR(engine.Forward(0, tokens.data() + i, n, pos0 + static_cast<int32_t>(i), logits.data()));
   }
   return Status::Ok();
+}
+
+// The policy work recorded since the last ResetStats.
+double PolicySeconds(const SparseKvController& controller, int64_t* evictions) {
+  double s = 0;
+  for (const SparseKvLayerStats& l : controller.layer_stats()) {
+    s += l.policy_s();
+    *evictions += l.evictions;
+  }
+  return s;
 }
 
 void MeanStd(const std::vector<double>& v, double* mean, double* sd) {
@@ -63,17 +74,50 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   for (int d : config.depths)
     for (int g : config.n_gen) max_tokens = std::max(max_tokens, d + g);
   KvGeometry geo{c.n_layers, c.n_kv_heads, c.head_dim};
-  ContiguousKvCache cache(geo, config.kv_storage, /*n_seqs=*/1, max_tokens);
-  Engine engine(model, &cache, n_threads);
+  // Dense: one contiguous buffer per layer. Sparse: the paged cache and its policies.
+  std::unique_ptr<KvCache> dense;
+  SparseKvSetup sparse;
+  if (config.kv_sparsity) {
+    KVS_ASSIGN_OR_RETURN(sparse, CreateSparseKv(geo, *config.kv_sparsity, /*n_seqs=*/1, std::max(max_tokens, 1)));
+    report.kv_desc = KvSparsityConfigSummary(*config.kv_sparsity);
+  } else {
+    dense = std::make_unique<ContiguousKvCache>(geo, config.kv_storage, /*n_seqs=*/1, max_tokens);
+    report.kv_desc = std::string("dense ") + KvStorageName(config.kv_storage);
+  }
+  KvCache& cache = dense ? *dense : *sparse.cache;
+  SparseKvController* controller = sparse.controller.get();
+  Engine engine(model, &cache, n_threads, controller);
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
-  const double kv_bytes_per_token =
-      2.0 * c.n_layers * c.n_kv_heads * c.head_dim * (config.kv_storage == KvStorage::kF16 ? 2 : 4);
+  const double dense_kv_bytes_per_token =
+      2.0 * c.n_layers * c.n_kv_heads * c.head_dim * KvStorageValueBytes(config.kv_storage);
+  // After a test's last repetition: the cache's size and the policy work of its timed part.
+  auto finish = [&](SpeedResult& r, double policy_s, int64_t evictions, int reps) {
+    r.kv_allocated_bytes = cache.AllocatedBytes();
+    r.kv_live_bytes = cache.LiveBytes();
+    if (controller != nullptr) {
+      r.policy_ms_per_token = policy_s * 1e3 / (static_cast<double>(r.n_tokens) * reps);
+      r.evictions = evictions / reps;
+      if (config.kv_stats) r.kv_stats_table = controller->FormatStats();
+    }
+  };
 
   for (int depth : config.depths) {
     const std::vector<int32_t> fill = BenchTokens(depth, c.n_vocab, 7);
     auto reset_to_depth = [&]() -> Status {
-      cache.Clear(0);
+      if (controller != nullptr) {
+        KVS_RETURN_IF_ERROR(controller->ResetSequence(0));  // fresh policies too
+      } else {
+        cache.Clear(0);
+      }
       return Prefill(engine, fill, 0, config.prefill_chunk, logits);
+    };
+    // Starts the timed part: policy counters from zero.
+    auto start_timing = [&]() {
+      if (controller != nullptr) controller->ResetStats();
+      return Clock::now();
+    };
+    auto timed_policy_s = [&](int64_t* evictions) {
+      return controller != nullptr ? PolicySeconds(*controller, evictions) : 0.0;
     };
     for (int n : config.n_prompt) {
       if (n <= 0) continue;
@@ -83,14 +127,20 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       r.n_tokens = n;
       r.n_threads = n_threads;
       const std::vector<int32_t> prompt = BenchTokens(n, c.n_vocab, 11);
+      double policy_s = 0;
+      int64_t evictions = 0;
       for (int rep = 0; rep <= config.repetitions; ++rep) {  // rep 0 warms up
         KVS_RETURN_IF_ERROR(reset_to_depth());
-        const auto t0 = Clock::now();
+        const auto t0 = start_timing();
         KVS_RETURN_IF_ERROR(Prefill(engine, prompt, depth, config.prefill_chunk, logits));
         const double s = Seconds(t0, Clock::now());
-        if (rep > 0) r.samples_tokens_per_s.push_back(n / s);
+        if (rep > 0) {
+          r.samples_tokens_per_s.push_back(n / s);
+          policy_s += timed_policy_s(&evictions);
+        }
       }
       MeanStd(r.samples_tokens_per_s, &r.tokens_per_s_mean, &r.tokens_per_s_stddev);
+      finish(r, policy_s, evictions, config.repetitions);
       report.results.push_back(r);
     }
     for (int n : config.n_gen) {
@@ -100,21 +150,33 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       r.depth = depth;
       r.n_tokens = n;
       r.n_threads = n_threads;
-      // Mean KV depth over the run: each step reads the cache as it stands.
-      r.bytes_per_token = report.weight_bytes + kv_bytes_per_token * (depth + (n - 1) / 2.0);
-      if (report.read_bandwidth_gbs > 0) r.limit_tokens_per_s = report.read_bandwidth_gbs * 1e9 / r.bytes_per_token;
+      double policy_s = 0, live_kv_bytes = 0;
+      int64_t evictions = 0;
       for (int rep = 0; rep <= config.repetitions; ++rep) {
         KVS_RETURN_IF_ERROR(reset_to_depth());
         int32_t token = 1 % c.n_vocab;
-        const auto t0 = Clock::now();
+        live_kv_bytes = 0;
+        const auto t0 = start_timing();
         for (int i = 0; i < n; ++i) {
+          // Each step reads the cache as it stands (cheap: per-layer counters).
+          if (controller != nullptr) live_kv_bytes += static_cast<double>(cache.LiveBytes());
           KVS_RETURN_IF_ERROR(engine.Forward(0, &token, 1, depth + i, logits.data()));
           token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
         }
         const double s = Seconds(t0, Clock::now());
-        if (rep > 0) r.samples_tokens_per_s.push_back(n / s);
+        if (rep > 0) {
+          r.samples_tokens_per_s.push_back(n / s);
+          policy_s += timed_policy_s(&evictions);
+        }
       }
       MeanStd(r.samples_tokens_per_s, &r.tokens_per_s_mean, &r.tokens_per_s_stddev);
+      // Decode floor. Dense: the mean KV depth over the run; sparse: the live KV bytes measured
+      // before each step (positions and scales included).
+      const double kv_bytes = controller != nullptr ? live_kv_bytes / n
+                                                    : dense_kv_bytes_per_token * (depth + (n - 1) / 2.0);
+      r.bytes_per_token = report.weight_bytes + kv_bytes;
+      if (report.read_bandwidth_gbs > 0) r.limit_tokens_per_s = report.read_bandwidth_gbs * 1e9 / r.bytes_per_token;
+      finish(r, policy_s, evictions, config.repetitions);
       report.results.push_back(r);
     }
   }
@@ -126,19 +188,25 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   out += fmt::format("model: {} ({})\n", report.model_path, report.model_desc);
   out += fmt::format("weights: {:.1f} MiB, {:.3f} B params", report.weight_bytes / (1 << 20), report.n_params / 1e9);
   if (report.read_bandwidth_gbs > 0) out += fmt::format(", measured read bandwidth {:.1f} GB/s", report.read_bandwidth_gbs);
-  out += "\n\n";
-  out += "| test | depth | threads | t/s | ± | limit t/s | % of limit |\n";
-  out += "|------|------:|--------:|----:|--:|----------:|-----------:|\n";
+  out += "\n";
+  out += fmt::format("KV: {}\n\n", report.kv_desc);
+  out += "| test | depth | threads | t/s | ± | limit t/s | % of limit | KV alloc MiB | KV live MiB | policy ms/tok |\n";
+  out += "|------|------:|--------:|----:|--:|----------:|-----------:|-------------:|------------:|--------------:|\n";
   for (const SpeedResult& r : report.results) {
     std::string limit = "", pct = "";
     if (r.limit_tokens_per_s > 0) {
       limit = fmt::format("{:.2f}", r.limit_tokens_per_s);
       pct = fmt::format("{:.0f}%", 100.0 * r.tokens_per_s_mean / r.limit_tokens_per_s);
     }
-    out += fmt::format("| {} | {} | {} | {:.2f} | {:.2f} | {} | {} |\n", r.test, r.depth, r.n_threads,
-                       r.tokens_per_s_mean, r.tokens_per_s_stddev, limit, pct);
+    out += fmt::format("| {} | {} | {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.3f} |\n", r.test, r.depth,
+                       r.n_threads, r.tokens_per_s_mean, r.tokens_per_s_stddev, limit, pct,
+                       r.kv_allocated_bytes / 1048576.0, r.kv_live_bytes / 1048576.0, r.policy_ms_per_token);
   }
   out += "\nlimit = read bandwidth / (weight bytes + KV bytes read per generated token)\n";
+  for (const SpeedResult& r : report.results) {
+    if (r.kv_stats_table.empty()) continue;
+    out += fmt::format("\nKV stats after {} at depth {}:\n{}", r.test, r.depth, r.kv_stats_table);
+  }
   return out;
 }
 
@@ -149,6 +217,7 @@ std::string SpeedReportJson(const SpeedReport& report) {
   j["weight_bytes"] = report.weight_bytes;
   j["n_params"] = report.n_params;
   j["read_bandwidth_gbs"] = report.read_bandwidth_gbs;
+  j["kv"] = report.kv_desc;
   for (const SpeedResult& r : report.results) {
     j["results"].push_back({{"test", r.test},
                             {"depth", r.depth},
@@ -158,7 +227,12 @@ std::string SpeedReportJson(const SpeedReport& report) {
                             {"tokens_per_s_stddev", r.tokens_per_s_stddev},
                             {"samples", r.samples_tokens_per_s},
                             {"bytes_per_token", r.bytes_per_token},
-                            {"limit_tokens_per_s", r.limit_tokens_per_s}});
+                            {"limit_tokens_per_s", r.limit_tokens_per_s},
+                            {"kv_allocated_bytes", r.kv_allocated_bytes},
+                            {"kv_live_bytes", r.kv_live_bytes},
+                            {"policy_ms_per_token", r.policy_ms_per_token},
+                            {"evictions", r.evictions}});
+    if (!r.kv_stats_table.empty()) j["results"].back()["kv_stats"] = r.kv_stats_table;
   }
   return j.dump(2);
 }

@@ -79,8 +79,8 @@ std::optional<DType> DTypeFromName(std::string_view name) {
     if (info.name.size() != name.size()) continue;
     bool same = true;
     for (size_t i = 0; i < name.size() && same; ++i) {
-      same = std::tolower(static_cast<unsigned char>(name[i])) ==
-             std::tolower(static_cast<unsigned char>(info.name[i]));
+      same =
+          std::tolower(static_cast<unsigned char>(name[i])) == std::tolower(static_cast<unsigned char>(info.name[i]));
     }
     if (same) return info.type;
   }

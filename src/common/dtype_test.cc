@@ -54,21 +54,21 @@ TEST(DTypeTest, F16EdgeCases) {
   EXPECT_EQ(F32ToF16(-0.f), 0x8000);
   EXPECT_EQ(F32ToF16(1.f), 0x3C00);
   EXPECT_EQ(F32ToF16(-2.f), 0xC000);
-  EXPECT_EQ(F32ToF16(65504.f), 0x7BFF);                  // max finite
-  EXPECT_EQ(F32ToF16(65519.99f), 0x7BFF);                // below the half-way point to 65536
-  EXPECT_EQ(F32ToF16(65520.f), 0x7C00);                  // ties to even -> inf
+  EXPECT_EQ(F32ToF16(65504.f), 0x7BFF);    // max finite
+  EXPECT_EQ(F32ToF16(65519.99f), 0x7BFF);  // below the half-way point to 65536
+  EXPECT_EQ(F32ToF16(65520.f), 0x7C00);    // ties to even -> inf
   EXPECT_EQ(F32ToF16(std::numeric_limits<float>::infinity()), 0x7C00);
   EXPECT_EQ(F32ToF16(-std::numeric_limits<float>::infinity()), 0xFC00);
   EXPECT_EQ(F32ToF16(1e10f), 0x7C00);
-  EXPECT_EQ(F32ToF16(std::ldexp(1.f, -14)), 0x0400);     // min normal
-  EXPECT_EQ(F32ToF16(std::ldexp(1.f, -24)), 0x0001);     // min subnormal
-  EXPECT_EQ(F32ToF16(std::ldexp(1.f, -25)), 0x0000);     // tie -> even (0)
-  EXPECT_EQ(F32ToF16(std::ldexp(3.f, -25)), 0x0002);     // tie -> even (2)
+  EXPECT_EQ(F32ToF16(std::ldexp(1.f, -14)), 0x0400);  // min normal
+  EXPECT_EQ(F32ToF16(std::ldexp(1.f, -24)), 0x0001);  // min subnormal
+  EXPECT_EQ(F32ToF16(std::ldexp(1.f, -25)), 0x0000);  // tie -> even (0)
+  EXPECT_EQ(F32ToF16(std::ldexp(3.f, -25)), 0x0002);  // tie -> even (2)
   EXPECT_EQ(F32ToF16(std::ldexp(1.f, -25) * 1.0001f), 0x0001);
-  EXPECT_EQ(F32ToF16(std::ldexp(1023.f, -24)), 0x03FF);  // max subnormal
-  EXPECT_EQ(F32ToF16(std::ldexp(2047.f, -25)), 0x0400);  // rounds up into the normals
-  EXPECT_EQ(F32ToF16(1.f + std::ldexp(1.f, -11)), 0x3C00);      // tie -> even
-  EXPECT_EQ(F32ToF16(1.f + std::ldexp(3.f, -11)), 0x3C02);      // tie -> even (up)
+  EXPECT_EQ(F32ToF16(std::ldexp(1023.f, -24)), 0x03FF);     // max subnormal
+  EXPECT_EQ(F32ToF16(std::ldexp(2047.f, -25)), 0x0400);     // rounds up into the normals
+  EXPECT_EQ(F32ToF16(1.f + std::ldexp(1.f, -11)), 0x3C00);  // tie -> even
+  EXPECT_EQ(F32ToF16(1.f + std::ldexp(3.f, -11)), 0x3C02);  // tie -> even (up)
   EXPECT_EQ(F32ToF16(1e-10f), 0x0000);
   const f16_bits nan = F32ToF16(std::numeric_limits<float>::quiet_NaN());
   EXPECT_EQ(nan & 0x7C00, 0x7C00);
@@ -116,21 +116,23 @@ TEST(DTypeTest, F16MatchesHardwareConversion) {
 TEST(DTypeTest, BF16RoundsToNearestEven) {
   EXPECT_EQ(F32ToBF16(1.f), 0x3F80);
   EXPECT_EQ(F32ToBF16(-1.f), 0xBF80);
-  EXPECT_EQ(F32ToBF16(1.f + std::ldexp(1.f, -8)), 0x3F80);       // tie -> even (down)
-  EXPECT_EQ(F32ToBF16(1.f + std::ldexp(3.f, -8)), 0x3F82);       // tie -> even (up)
+  EXPECT_EQ(F32ToBF16(1.f + std::ldexp(1.f, -8)), 0x3F80);  // tie -> even (down)
+  EXPECT_EQ(F32ToBF16(1.f + std::ldexp(3.f, -8)), 0x3F82);  // tie -> even (up)
   EXPECT_EQ(F32ToBF16(1.f + std::ldexp(1.f, -8) * 1.01f), 0x3F81);
-  EXPECT_EQ(F32ToBF16(FromBits(0x7F7FFFFF)), 0x7F80);            // max float rounds to inf
+  EXPECT_EQ(F32ToBF16(FromBits(0x7F7FFFFF)), 0x7F80);  // max float rounds to inf
   EXPECT_EQ(F32ToBF16(std::numeric_limits<float>::infinity()), 0x7F80);
-  EXPECT_EQ(F32ToBF16(FromBits(0x00008000)), 0x0000);            // subnormal tie -> even
+  EXPECT_EQ(F32ToBF16(FromBits(0x00008000)), 0x0000);  // subnormal tie -> even
   EXPECT_EQ(F32ToBF16(FromBits(0x00018000)), 0x0002);
   EXPECT_EQ(F32ToBF16(FromBits(0x00010001)), 0x0001);
-  const bf16_bits nan = F32ToBF16(FromBits(0x7F800001));         // signalling nan with low payload
+  const bf16_bits nan = F32ToBF16(FromBits(0x7F800001));  // signalling nan with low payload
   EXPECT_TRUE(std::isnan(BF16ToF32(nan)));
   EXPECT_TRUE(std::isnan(BF16ToF32(F32ToBF16(std::numeric_limits<float>::quiet_NaN()))));
   EXPECT_EQ(BF16ToF32(0x4049), 3.140625f);
   for (uint32_t h = 0; h < 0x10000; ++h) {
     const float f = BF16ToF32(static_cast<bf16_bits>(h));
-    if (!std::isnan(f)) ASSERT_EQ(F32ToBF16(f), h) << h;
+    if (!std::isnan(f)) {
+      ASSERT_EQ(F32ToBF16(f), h) << h;
+    }
   }
 }
 

@@ -33,12 +33,16 @@ ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage stora
     : geometry_(geometry), storage_(storage), n_seqs_(n_seqs), max_tokens_(max_tokens) {
   KVS_CHECK(geometry.n_layers > 0 && geometry.n_kv_heads > 0 && geometry.head_dim > 0);
   KVS_CHECK(n_seqs > 0 && max_tokens > 0);
-  row_bytes_ = static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
+  // int8 needs per-row scales this layout has no room for: such a cache stores nothing and its
+  // Append reports Unimplemented (PagedKvCache stores int8).
+  row_bytes_ = storage == KvStorage::kInt8
+                   ? 0
+                   : static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
   slots_.resize(static_cast<size_t>(n_seqs) * geometry.n_layers);
   for (Slot& s : slots_) {
     s.k.resize(row_bytes_ * max_tokens);
     s.v.resize(row_bytes_ * max_tokens);
-    s.positions.resize(max_tokens);
+    s.positions.resize(row_bytes_ > 0 ? max_tokens : 0);
   }
 }
 
@@ -63,6 +67,10 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
                                 std::to_string(geometry_.n_layers) + ")");
   }
   if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
+  if (storage_ == KvStorage::kInt8) {
+    return UnimplementedError(
+        "ContiguousKvCache stores f32 or f16 K/V only; int8 KV storage needs the paged KV cache");
+  }
   if (n == 0) return Status::Ok();
   if (k == nullptr || v == nullptr || positions == nullptr) {
     return InvalidArgumentError("KV cache append: null k, v or positions for " + std::to_string(n) + " tokens");
@@ -105,7 +113,7 @@ void ContiguousKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) cons
   const Slot& s = slot(seq, layer);
   out->clear();
   if (s.n == 0) return;
-  out->push_back(KvSpan{s.k.data(), s.v.data(), s.positions.data(), s.n});
+  out->push_back(KvSpan{.k = s.k.data(), .v = s.v.data(), .positions = s.positions.data(), .n = s.n});
 }
 
 int32_t ContiguousKvCache::NumTokens(int seq, int layer) const { return slot(seq, layer).n; }

@@ -157,6 +157,22 @@ TEST_P(ContiguousKvCacheTest, ByteAccounting) {
   EXPECT_EQ(cache.AllocatedBytes(), n_seqs * geo.n_layers * max_tokens * row_bytes * 2);
 }
 
+// int8 needs per-row scales: the dense cache refuses it with an error instead of misbehaving.
+TEST(ContiguousKvCacheInt8Test, Int8IsUnimplemented) {
+  const KvGeometry geo{2, 2, 8};
+  ContiguousKvCache cache(geo, KvStorage::kInt8, 1, 4);
+  std::vector<float> k(16, 1.f), v(16, 1.f);
+  std::vector<int32_t> pos = {0};
+  Status st = cache.Append(0, 0, 1, k.data(), v.data(), pos.data());
+  EXPECT_EQ(st.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(st.message().find("int8"), std::string::npos) << st.message();
+  EXPECT_EQ(cache.NumTokens(0, 0), 0);
+  EXPECT_EQ(cache.AllocatedBytes(), 0u);
+  std::vector<KvSpan> spans;
+  cache.Spans(0, 0, &spans);
+  EXPECT_TRUE(spans.empty());
+}
+
 INSTANTIATE_TEST_SUITE_P(Storage, ContiguousKvCacheTest, ::testing::Values(KvStorage::kF32, KvStorage::kF16),
                          [](const ::testing::TestParamInfo<KvStorage>& info) {
                            return info.param == KvStorage::kF16 ? std::string("F16") : std::string("F32");

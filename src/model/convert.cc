@@ -28,6 +28,11 @@ GgufWriter::Filler EncodeRows(WeightView w, DType type) {
 }  // namespace
 
 Status ConvertLlama2cToGguf(const std::string& in_path, const std::string& out_path, const ConvertOptions& options) {
+  if (!IsSupportedWeightType(options.weight_type)) {
+    return InvalidArgumentError(fmt::format("convert {}: weight type {} (ggml type id {}) is not one of {}", in_path,
+                                            DTypeName(options.weight_type),
+                                            static_cast<uint32_t>(options.weight_type), SupportedWeightTypeNames()));
+  }
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::LoadLlama2c(in_path));
   const ModelConfig& c = model->config();
   const int64_t block = DTypeBlockSize(options.weight_type);
@@ -60,29 +65,9 @@ Status ConvertLlama2cToGguf(const std::string& in_path, const std::string& out_p
       return InvalidArgumentError(fmt::format("convert: vocab {} has {} tokens but model {} has n_vocab={}",
                                               options.vocab_gguf, tokens->size(), in_path, c.n_vocab));
     }
-    // Tokenizer keys are copied verbatim through the typed setters the writer offers.
+    // SetValue copies each key with its type and bytes unchanged (the writer owns the copy).
     for (const auto& [key, value] : vocab->metadata()) {
-      if (key.rfind("tokenizer.", 0) != 0) continue;
-      switch (value.type) {
-        case GgufType::kString: w.SetString(key, std::string(value.str)); break;
-        case GgufType::kBool: w.SetBool(key, value.b); break;
-        case GgufType::kU8: case GgufType::kU16: case GgufType::kU32: case GgufType::kU64:
-          w.SetU32(key, static_cast<uint32_t>(value.u)); break;
-        case GgufType::kI8: case GgufType::kI16: case GgufType::kI32: case GgufType::kI64:
-          w.SetI32(key, static_cast<int32_t>(value.i)); break;
-        case GgufType::kF32: case GgufType::kF64: w.SetF32(key, static_cast<float>(value.f)); break;
-        case GgufType::kArray:
-          if (value.elem_type == GgufType::kString) {
-            w.SetStringArray(key, std::vector<std::string>(value.strings.begin(), value.strings.end()));
-          } else if (value.elem_type == GgufType::kF32) {
-            KVS_ASSIGN_OR_RETURN(std::vector<float> a, vocab->GetF32Array(key));
-            w.SetF32Array(key, a);
-          } else {
-            KVS_ASSIGN_OR_RETURN(std::vector<int64_t> a, vocab->GetIntArray(key));
-            w.SetI32Array(key, std::vector<int32_t>(a.begin(), a.end()));
-          }
-          break;
-      }
+      if (key.rfind("tokenizer.", 0) == 0) w.SetValue(key, value);
     }
   }
 

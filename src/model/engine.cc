@@ -6,6 +6,7 @@
 
 #include "kvsparse/attention.h"
 #include "kvsparse/model.h"
+#include "kvsparse/sparse_kv_controller.h"
 
 namespace kvsparse {
 
@@ -31,6 +32,7 @@ struct Engine::Scratch {
   std::vector<float> gate;         // [rows, hidden]
   std::vector<float> up;           // [rows, hidden]
   std::vector<int32_t> positions;  // [rows]
+  std::vector<float> row_max_sum;  // [rows, n_heads, 2] softmax statistics (only for observing policies)
   std::vector<KvSpan> spans;       // live K/V of the current (seq, layer)
 
   void Reserve(const ModelConfig& c, int32_t n) {
@@ -52,9 +54,12 @@ struct Engine::Scratch {
   }
 };
 
-Engine::Engine(const Model& model, KvCache* cache, int n_threads)
-    : model_(model), cache_(cache), n_threads_(n_threads), scratch_(std::make_unique<Scratch>()) {
+Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller)
+    : model_(model), cache_(cache), n_threads_(n_threads), controller_(controller),
+      scratch_(std::make_unique<Scratch>()) {
   KVS_CHECK(cache != nullptr);
+  KVS_CHECK_MSG(controller == nullptr || static_cast<KvCache*>(controller->cache()) == cache,
+                "the sparse KV controller must manage the engine's own KV cache");
   const ModelConfig& c = model.config();
   const KvGeometry& g = cache->geometry();
   KVS_CHECK_MSG(g.n_layers == c.n_layers && g.n_kv_heads == c.n_kv_heads && g.head_dim == c.head_dim,
@@ -82,8 +87,11 @@ Status Engine::Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, 
                                          tokens[i], i, c.n_vocab, model_.path()));
     }
   }
-  for (int32_t done = 0; done < n; done += kMaxChunkTokens) {
-    const int32_t chunk = std::min(kMaxChunkTokens, n - done);
+  // A controller may ask for smaller prompt chunks: it evicts between them.
+  const int32_t max_chunk =
+      controller_ != nullptr ? std::clamp(controller_->prefill_chunk(), 1, kMaxChunkTokens) : kMaxChunkTokens;
+  for (int32_t done = 0; done < n; done += max_chunk) {
+    const int32_t chunk = std::min(max_chunk, n - done);
     const bool last_chunk = done + chunk == n;
     float* chunk_logits = nullptr;  // null: this chunk's logits are not wanted
     if (all_logits) {
@@ -149,8 +157,13 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
                                                  seq, layer, pos0, pos0 + n - 1, appended.message()));
     }
     cache_->Spans(seq, layer, &s.spans);
-    ops::Attention(shape, cache_->storage(), s.q.data(), s.positions.data(), n, s.spans.data(),
-                   static_cast<int32_t>(s.spans.size()), s.att.data(), n_threads_);
+    const KvStorage storage = cache_->layer_storage(layer);
+    if (controller_ == nullptr) {
+      ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(),
+                     static_cast<int32_t>(s.spans.size()), s.att.data(), n_threads_);
+    } else {
+      KVS_RETURN_IF_ERROR(SparseAttention(seq, layer, n, pos0, shape));
+    }
     ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
     ops::Add(s.x.data(), s.proj.data(), n * dim);
 
@@ -172,6 +185,29 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
   }
   ops::MatMul(model_.output, &s.normed[static_cast<size_t>(first) * dim], n - first, logits, n_threads_);
   return Status::Ok();
+}
+
+// Attention of one layer with the controller's hooks: the policy sees the chunk's K/V
+// appended, observes the attention probabilities when it reads them (a second, QK-only
+// pass), and evicts right after, so the next step attends to the reduced cache.
+Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape) {
+  Scratch& s = *scratch_;
+  const KvStorage storage = cache_->layer_storage(layer);
+  const int32_t n_spans = static_cast<int32_t>(s.spans.size());
+  controller_->OnAppend(seq, layer, n);
+  if (controller_->WantsScores(seq, layer)) {
+    s.row_max_sum.resize(static_cast<size_t>(n) * shape.n_heads * 2);
+    ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
+                   n_threads_, s.row_max_sum.data());
+    controller_->ObserveAttention(seq, layer, shape, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans,
+                                  s.row_max_sum.data(), n_threads_);
+  } else {
+    ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
+                   n_threads_);
+  }
+  // A multi-token call is a prompt chunk (trimmed straight to the budget); one token is a decode step.
+  const EvictionPoint point = n > 1 ? EvictionPoint::kPrefillChunk : EvictionPoint::kDecodeStep;
+  return controller_->AfterAttention(seq, layer, point, /*n_seen=*/pos0 + n, /*current_position=*/pos0 + n - 1);
 }
 
 }  // namespace kvsparse

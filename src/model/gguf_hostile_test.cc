@@ -179,7 +179,8 @@ TEST(GgufHostile, TensorOffsets) {
 }
 
 TEST(GgufHostile, BadAlignment) {
-  for (uint32_t a : {0u, 24u, 3u}) {
+  // 1, 2 and 4 are powers of two, but the GGUF spec requires a multiple of 8.
+  for (uint32_t a : {0u, 24u, 3u, 1u, 2u, 4u}) {
     RawGguf g;
     g.Header(3, 1, 1).KvU32("general.alignment", a).Tensor("t", {8}, 0, 0).PadTo(32).Zeros(64);
     ExpectError(OpenBytes(g.bytes()), StatusCode::kDataLoss, "general.alignment");

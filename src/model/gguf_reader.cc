@@ -21,6 +21,7 @@ namespace {
 
 constexpr uint32_t kMaxDims = 4;
 constexpr uint64_t kDefaultAlignment = 32;
+constexpr uint64_t kMinAlignment = 8;
 
 struct GgmlTypeTraits {
   uint32_t id;
@@ -52,18 +53,6 @@ const GgmlTypeTraits* FindGgmlType(uint32_t id) {
   return nullptr;
 }
 
-// Size in bytes of one scalar GGUF value, or 0 for strings/arrays/unknown ids.
-size_t ScalarSize(GgufType t) {
-  switch (t) {
-    case GgufType::kU8: case GgufType::kI8: case GgufType::kBool: return 1;
-    case GgufType::kU16: case GgufType::kI16: return 2;
-    case GgufType::kU32: case GgufType::kI32: case GgufType::kF32: return 4;
-    case GgufType::kU64: case GgufType::kI64: case GgufType::kF64: return 8;
-    case GgufType::kString: case GgufType::kArray: return 0;
-  }
-  return 0;
-}
-
 bool IsKnownGgufType(uint32_t raw) { return raw <= static_cast<uint32_t>(GgufType::kF64); }
 
 bool IsUnsignedType(GgufType t) {
@@ -73,7 +62,7 @@ bool IsSignedType(GgufType t) {
   return t == GgufType::kI8 || t == GgufType::kI16 || t == GgufType::kI32 || t == GgufType::kI64;
 }
 
-// Decodes one little-endian scalar of type `t` at `p` (which holds ScalarSize(t) bytes) into `v`.
+// Decodes one little-endian scalar of type `t` at `p` (which holds GgufScalarSize(t) bytes) into `v`.
 void DecodeScalar(GgufType t, const uint8_t* p, GgufValue* v) {
   switch (t) {
     case GgufType::kU8: v->u = p[0]; break;
@@ -136,12 +125,28 @@ std::string_view GgufTypeName(GgufType t) {
   return "unknown";
 }
 
+size_t GgufScalarSize(GgufType t) {
+  switch (t) {
+    case GgufType::kU8: case GgufType::kI8: case GgufType::kBool: return 1;
+    case GgufType::kU16: case GgufType::kI16: return 2;
+    case GgufType::kU32: case GgufType::kI32: case GgufType::kF32: return 4;
+    case GgufType::kU64: case GgufType::kI64: case GgufType::kF64: return 8;
+    case GgufType::kString: case GgufType::kArray: return 0;
+  }
+  return 0;
+}
+
 std::optional<size_t> GgmlTypeBytes(uint32_t ggml_type, int64_t n) {
   const GgmlTypeTraits* t = FindGgmlType(ggml_type);
   if (t == nullptr || n < 0 || n % t->block_elems != 0) return std::nullopt;
   uint64_t blocks = static_cast<uint64_t>(n / t->block_elems);
   if (blocks > std::numeric_limits<size_t>::max() / t->block_bytes) return std::nullopt;
   return static_cast<size_t>(blocks) * t->block_bytes;
+}
+
+int64_t GgmlTypeBlockSize(uint32_t ggml_type) {
+  const GgmlTypeTraits* t = FindGgmlType(ggml_type);
+  return t ? t->block_elems : 0;
 }
 
 std::string_view GgmlTypeName(uint32_t ggml_type) {
@@ -250,7 +255,7 @@ class GgufParser {
     v->type = type;
     if (type == GgufType::kString) return ReadString(&v->str, "value of key " + Quote(key));
     if (type != GgufType::kArray) {
-      size_t sz = ScalarSize(type);
+      size_t sz = GgufScalarSize(type);
       KVS_RETURN_IF_ERROR(Need(sz, "value of key " + Quote(key)));
       DecodeScalar(type, base_ + pos_, v);
       pos_ += sz;
@@ -273,7 +278,7 @@ class GgufParser {
     KVS_RETURN_IF_ERROR(Read(&v->count, "array length of key " + Quote(key)));
     uint64_t remaining = size_ - pos_;
     // Strings need at least their 8-byte length each.
-    uint64_t min_elem = v->elem_type == GgufType::kString ? 8 : ScalarSize(v->elem_type);
+    uint64_t min_elem = v->elem_type == GgufType::kString ? 8 : GgufScalarSize(v->elem_type);
     if (v->count > remaining / min_elem) {
       return DataLossError(Where() + "key " + Quote(key) + ": array of " + std::to_string(v->count) + " " +
                            std::string(GgufTypeName(v->elem_type)) + " at offset " + std::to_string(count_offset) +
@@ -334,9 +339,11 @@ class GgufParser {
     if (a->type != GgufType::kU32) {
       return DataLossError(Where() + "key 'general.alignment': expected type u32, found " + TypeDesc(*a));
     }
-    if (a->u == 0 || (a->u & (a->u - 1)) != 0) {
-      return DataLossError(Where() + "key 'general.alignment': expected a non-zero power of two, found " +
-                           std::to_string(a->u));
+    // The GGUF spec requires a multiple of 8; it also guarantees kernels naturally aligned
+    // f32/f16 elements and block headers, since the mapping itself is page-aligned.
+    if (a->u < kMinAlignment || (a->u & (a->u - 1)) != 0) {
+      return DataLossError(Where() + "key 'general.alignment': expected a power of two that is a multiple of " +
+                           std::to_string(kMinAlignment) + ", found " + std::to_string(a->u));
     }
     f_.alignment_ = a->u;
     return Status::Ok();
@@ -446,7 +453,8 @@ class GgufParser {
 StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
   std::unique_ptr<GgufFile> file(new GgufFile());
   file->path_ = path;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; the S_ISREG check below rejects it.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     int err = errno;
     std::string msg = path + ": cannot open: " + std::strerror(err);
@@ -515,7 +523,7 @@ Status OutOfRangeValue(const std::string& path, std::string_view key, std::strin
 
 // Reads array element `i` (an integer type) widened to int64; false if a u64 exceeds int64.
 bool ArrayIntAt(const GgufValue& v, uint64_t i, int64_t* out) {
-  size_t sz = ScalarSize(v.elem_type);
+  size_t sz = GgufScalarSize(v.elem_type);
   GgufValue tmp;
   DecodeScalar(v.elem_type, v.elems + i * sz, &tmp);
   if (IsUnsignedType(v.elem_type)) {

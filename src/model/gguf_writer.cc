@@ -18,6 +18,7 @@ namespace {
 
 constexpr uint32_t kGgufVersion = 3;
 constexpr uint64_t kDefaultAlignment = 32;
+constexpr uint32_t kMinAlignment = 8;
 constexpr size_t kMaxDims = 4;
 
 template <typename T>
@@ -189,29 +190,32 @@ void GgufWriter::SetValue(const std::string& key, const GgufValue& v) {
     return;
   }
   Append<uint32_t>(&b, static_cast<uint32_t>(v.elem_type));
-  Append<uint64_t>(&b, v.count);
   if (v.elem_type == GgufType::kString) {
+    // The count written must be the number of strings that follow.
+    Append<uint64_t>(&b, v.strings.size());
     for (std::string_view s : v.strings) AppendString(&b, s);
   } else {
-    size_t elem = 0;
-    switch (v.elem_type) {
-      case GgufType::kU8: case GgufType::kI8: case GgufType::kBool: elem = 1; break;
-      case GgufType::kU16: case GgufType::kI16: elem = 2; break;
-      case GgufType::kU32: case GgufType::kI32: case GgufType::kF32: elem = 4; break;
-      default: elem = 8; break;
-    }
-    b.append(reinterpret_cast<const char*>(v.elems), v.count * elem);
+    Append<uint64_t>(&b, v.count);
+    b.append(reinterpret_cast<const char*>(v.elems), v.count * GgufScalarSize(v.elem_type));
   }
   Put(key, GgufType::kArray, std::move(b), v.elem_type);
 }
 
+void GgufWriter::AddTensor(const std::string& name, uint32_t ggml_type, std::vector<int64_t> ne, Filler fill) {
+  tensors_.push_back(Tensor{name, ggml_type, std::move(ne), std::move(fill)});
+}
+
+void GgufWriter::AddTensor(const std::string& name, uint32_t ggml_type, std::vector<int64_t> ne, const void* data) {
+  // `data` must stay valid until Write(): it is copied only then.
+  AddTensor(name, ggml_type, std::move(ne), [data](void* dst, size_t nbytes) { std::memcpy(dst, data, nbytes); });
+}
+
 void GgufWriter::AddTensor(const std::string& name, DType type, std::vector<int64_t> ne, Filler fill) {
-  tensors_.push_back(Tensor{name, type, std::move(ne), std::move(fill)});
+  AddTensor(name, static_cast<uint32_t>(type), std::move(ne), std::move(fill));
 }
 
 void GgufWriter::AddTensor(const std::string& name, DType type, std::vector<int64_t> ne, const void* data) {
-  // `data` must stay valid until Write(): it is copied only then.
-  AddTensor(name, type, std::move(ne), [data](void* dst, size_t nbytes) { std::memcpy(dst, data, nbytes); });
+  AddTensor(name, static_cast<uint32_t>(type), std::move(ne), data);
 }
 
 Status GgufWriter::Write(const std::string& path) const {
@@ -222,9 +226,9 @@ Status GgufWriter::Write(const std::string& path) const {
     uint32_t a = 0;
     if (kv.type != GgufType::kU32) return InvalidArgumentError(path + ": 'general.alignment' must be u32");
     std::memcpy(&a, kv.bytes.data(), 4);
-    if (a == 0 || (a & (a - 1)) != 0) {
-      return InvalidArgumentError(path + ": 'general.alignment' must be a non-zero power of two, found " +
-                                  std::to_string(a));
+    if (a < kMinAlignment || (a & (a - 1)) != 0) {  // what GgufFile (and the GGUF spec) accept
+      return InvalidArgumentError(path + ": 'general.alignment' must be a power of two that is a multiple of " +
+                                  std::to_string(kMinAlignment) + ", found " + std::to_string(a));
     }
     alignment = a;
   }
@@ -248,14 +252,16 @@ Status GgufWriter::Write(const std::string& path) const {
       if (n > INT64_MAX / t.ne[d]) return InvalidArgumentError(where + ": element count overflows");
       n *= t.ne[d];
     }
-    int64_t block = DTypeBlockSize(t.type);
-    if (block <= 0) return InvalidArgumentError(where + ": unsupported type id " +
-                                                std::to_string(static_cast<uint32_t>(t.type)));
+    const int64_t block = GgmlTypeBlockSize(t.ggml_type);
+    if (block <= 0) {
+      return InvalidArgumentError(where + ": unknown ggml type id " + std::to_string(t.ggml_type) +
+                                  " (its byte size is unknown)");
+    }
     if (t.ne[0] % block != 0) {
       return InvalidArgumentError(where + ": ne[0] = " + std::to_string(t.ne[0]) + " is not a multiple of the " +
-                                  std::string(DTypeName(t.type)) + " block size " + std::to_string(block));
+                                  std::string(GgmlTypeName(t.ggml_type)) + " block size " + std::to_string(block));
     }
-    std::optional<size_t> size = GgmlTypeBytes(static_cast<uint32_t>(t.type), n);
+    std::optional<size_t> size = GgmlTypeBytes(t.ggml_type, n);
     if (!size) return InvalidArgumentError(where + ": byte size overflows");
     nbytes[i] = *size;
     max_bytes = std::max(max_bytes, *size);
@@ -278,7 +284,7 @@ Status GgufWriter::Write(const std::string& path) const {
     AppendString(&head, t.name);
     Append<uint32_t>(&head, static_cast<uint32_t>(t.ne.size()));
     for (int64_t d : t.ne) Append<int64_t>(&head, d);
-    Append<uint32_t>(&head, static_cast<uint32_t>(t.type));
+    Append<uint32_t>(&head, t.ggml_type);
     Append<uint64_t>(&head, offset);
     offset = AlignUp(offset + nbytes[i], alignment);
   }

@@ -184,9 +184,9 @@ TEST(GgufWriter, RejectsBadTensorsAndKeepsExistingFile) {
     w.AddTensor("five", DType::kF32, {1, 1, 1, 1, 1}, buf.data());
     EXPECT_FALSE(w.Write(path).ok());
   }
-  {
+  for (uint32_t alignment : {24u, 4u}) {
     GgufWriter w;
-    w.SetU32("general.alignment", 24);
+    w.SetU32("general.alignment", alignment);
     EXPECT_FALSE(w.Write(path).ok());
   }
   std::ifstream in(path, std::ios::binary);
@@ -196,6 +196,72 @@ TEST(GgufWriter, RejectsBadTensorsAndKeepsExistingFile) {
   for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(path).parent_path())) {
     EXPECT_EQ(e.path().filename().string().find("keep.gguf.tmp"), std::string::npos) << e.path();
   }
+}
+
+TEST(GgufWriter, WritesAnyGgmlTypeIdByRawId) {
+  // q5_K (13) and i32 (26) are sized by GgmlTypeBytes although kvsparse does not compute with them.
+  const std::vector<uint8_t> q5k = RandomBytes(*GgmlTypeBytes(13, 256 * 3), 11);
+  const std::vector<uint8_t> i32 = RandomBytes(*GgmlTypeBytes(26, 5), 12);
+  GgufWriter w;
+  w.AddTensor("q5k", uint32_t{13}, {256, 3}, q5k.data());
+  w.AddTensor("i32", uint32_t{26}, {5}, [&i32](void* dst, size_t nbytes) {
+    ASSERT_EQ(nbytes, i32.size());
+    std::memcpy(dst, i32.data(), nbytes);
+  });
+  const std::string path = testing::TempPath("raw_type_ids.gguf");
+  ASSERT_TRUE(w.Write(path).ok());
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const GgufTensorInfo* t = (*f)->FindTensor("q5k");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->ggml_type, 13u);
+  EXPECT_FALSE(t->type.has_value());
+  EXPECT_EQ(t->ne, (std::vector<int64_t>{256, 3}));
+  ASSERT_EQ(t->nbytes, q5k.size());
+  EXPECT_EQ(std::memcmp(t->data, q5k.data(), t->nbytes), 0);
+  t = (*f)->FindTensor("i32");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->ggml_type, 26u);
+  ASSERT_EQ(t->nbytes, i32.size());
+  EXPECT_EQ(std::memcmp(t->data, i32.data(), t->nbytes), 0);
+}
+
+TEST(GgufWriter, RejectsUnknownOrMisalignedRawTypeIds) {
+  std::vector<uint8_t> buf(4096);
+  const std::string path = testing::TempPath("raw_type_bad.gguf");
+  {
+    GgufWriter w;
+    w.AddTensor("gone", uint32_t{4}, {32}, buf.data());  // q4_2, removed from ggml
+    Status s = w.Write(path);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("'gone'"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("unknown ggml type id 4"), std::string::npos) << s.message();
+  }
+  {
+    GgufWriter w;
+    w.AddTensor("short", uint32_t{13}, {128}, buf.data());
+    Status s = w.Write(path);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("q5_k block size 256"), std::string::npos) << s.message();
+  }
+}
+
+TEST(GgufWriter, SetValueStringArrayWritesTheStringsItHolds) {
+  // A hand-built value whose count disagrees with its strings must still produce a readable file.
+  GgufValue v;
+  v.type = GgufType::kArray;
+  v.elem_type = GgufType::kString;
+  v.strings = {"a", "bc"};
+  v.count = 0;
+  GgufWriter w;
+  w.SetValue("strs", v);
+  w.SetU32("after", 7);
+  const std::string path = testing::TempPath("setvalue_strings.gguf");
+  ASSERT_TRUE(w.Write(path).ok());
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(*(*f)->GetStringArray("strs").value(), (std::vector<std::string_view>{"a", "bc"}));
+  EXPECT_EQ((*f)->GetUInt("after").value(), 7u);
 }
 
 TEST(GgufWriter, UnwritableDirectoryFails) {

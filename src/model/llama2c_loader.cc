@@ -6,6 +6,8 @@
 //   w2 [L, dim, hidden], w3 [L, hidden, dim], rms_final [dim], freq_cis_real/imag
 //   [seq_len, head_size/2] each (unused: RoPE is recomputed), wcls [vocab, dim] if untied.
 // Matrices are row-major [out, in], which is exactly WeightView's [rows, cols].
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -33,14 +35,14 @@ struct FileCloser {
 };
 using FilePtr = std::unique_ptr<std::FILE, FileCloser>;
 
+// Size of a regular file (a directory opens fine with fopen but reports a bogus size).
 StatusOr<size_t> FileSize(std::FILE* f, const std::string& path) {
-  if (std::fseek(f, 0, SEEK_END) != 0) {
-    return DataLossError(fmt::format("cannot seek in '{}': {}", path, std::strerror(errno)));
+  struct stat st;
+  if (::fstat(::fileno(f), &st) != 0) {
+    return DataLossError(fmt::format("cannot stat '{}': {}", path, std::strerror(errno)));
   }
-  const long size = std::ftell(f);
-  if (size < 0) return DataLossError(fmt::format("cannot size '{}': {}", path, std::strerror(errno)));
-  std::rewind(f);
-  return static_cast<size_t>(size);
+  if (!S_ISREG(st.st_mode)) return InvalidArgumentError(fmt::format("model path '{}' is not a regular file", path));
+  return static_cast<size_t>(st.st_size);
 }
 
 }  // namespace

@@ -1,4 +1,6 @@
 // Model: format detection, shared validation and size accounting.
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -18,9 +20,31 @@ std::string_view ArchName(Arch a) {
   return "unknown";
 }
 
+bool IsSupportedWeightType(DType t) {
+  switch (t) {
+    case DType::kF32:
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_K:
+      return true;
+    case DType::kQ8_K:  // activation-side only
+      return false;
+  }
+  return false;
+}
+
+std::string_view SupportedWeightTypeNames() { return "f32, f16, bf16, q8_0, q4_0, q4_K"; }
+
 Model::~Model() = default;
 
 StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
+  // Checked before opening: fopen succeeds on a directory and blocks on a FIFO.
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    return InvalidArgumentError(fmt::format("model path '{}' is not a regular file", path));
+  }
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
     return NotFoundError(fmt::format("cannot open model file '{}': {}", path, std::strerror(errno)));

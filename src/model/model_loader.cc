@@ -29,21 +29,6 @@ bool SameShape(const std::vector<int64_t>& ne, const std::vector<int64_t>& want)
   return true;
 }
 
-bool IsWeightType(DType t) {
-  switch (t) {
-    case DType::kF32:
-    case DType::kF16:
-    case DType::kBF16:
-    case DType::kQ8_0:
-    case DType::kQ4_0:
-    case DType::kQ4_K:
-      return true;
-    default:
-      return false;
-  }
-}
-
-constexpr std::string_view kSupportedWeightTypes = "f32, f16, bf16, q8_0, q4_0, q4_K";
 constexpr std::string_view kSupportedArchs = "llama (Llama 2/3, TinyLlama, Mistral), qwen2";
 
 }  // namespace
@@ -131,11 +116,13 @@ class GgufModelBuilder {
     config_.head_dim = config_.dim / config_.n_heads;
 
     // n_vocab comes from the embedding's shape; everything else is validated against the config.
+    // Checking ne[0] here also bounds dim by the file's size before anything is sized by it.
     const GgufTensorInfo* embd = file_.FindTensor("token_embd.weight");
     if (embd == nullptr) return MissingTensor("token_embd.weight");
-    if (embd->ne.size() < 2 || embd->ne[1] <= 0 || embd->ne[1] > INT32_MAX) {
-      return DataLossError(fmt::format("{}: tensor 'token_embd.weight' has shape {}, expected [{}, n_vocab]", source_,
-                                       ShapeString(embd->ne), config_.dim));
+    if (embd->ne.size() < 2 || embd->ne[0] != config_.dim || embd->ne[1] > INT32_MAX) {
+      return DataLossError(fmt::format("{}: tensor 'token_embd.weight' has shape {}, expected [{} ({}embedding_length), "
+                                       "n_vocab]",
+                                       source_, ShapeString(embd->ne), config_.dim, p));
     }
     config_.n_vocab = static_cast<int>(embd->ne[1]);
     KVS_RETURN_IF_ERROR(ValidateModelConfig(config_, source_));
@@ -224,11 +211,11 @@ class GgufModelBuilder {
   StatusOr<const GgufTensorInfo*> Tensor(const std::string& name, const std::vector<int64_t>& ne) const {
     const GgufTensorInfo* t = file_.FindTensor(name);
     if (t == nullptr) return MissingTensor(name);
-    if (!t->type.has_value() || !IsWeightType(*t->type)) {
+    if (!t->type.has_value() || !IsSupportedWeightType(*t->type)) {
       return UnimplementedError(fmt::format("{}: tensor '{}' has type {} (ggml type id {}), which kvsparse cannot "
                                             "compute with; supported: {}",
                                             source_, name, GgmlTypeName(t->ggml_type), t->ggml_type,
-                                            kSupportedWeightTypes));
+                                            SupportedWeightTypeNames()));
     }
     if (!SameShape(t->ne, ne)) {
       return DataLossError(fmt::format("{}: tensor '{}' has shape {}, expected {}", source_, name,
@@ -278,9 +265,11 @@ class GgufModelBuilder {
     }
     // qwen2 always has Q/K/V biases; llama-architecture files may carry them too.
     const bool biases_required = config_.arch == Arch::kQwen2;
-    model_.layers.resize(static_cast<size_t>(config_.n_layers));
+    // Layers are added as their tensors are found, so a hostile block_count fails at the
+    // first missing tensor instead of allocating n_layers entries up front.
+    model_.layers.clear();
     for (int i = 0; i < config_.n_layers; ++i) {
-      LayerWeights& l = model_.layers[static_cast<size_t>(i)];
+      LayerWeights& l = model_.layers.emplace_back();
       const std::string b = fmt::format("blk.{}.", i);
       KVS_ASSIGN_OR_RETURN(l.attn_norm, Vector(b + "attn_norm.weight", dim));
       KVS_ASSIGN_OR_RETURN(l.wq, Matrix(b + "attn_q.weight", q_dim, dim));

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -146,6 +147,30 @@ TEST(GgufModelLoader, LinearRopeScalingDividesFrequencies) {
   EXPECT_NEAR((*model)->rope_inv_freq[1], std::pow(10000.0, -2.0 / 16) / 4, 1e-7);
 }
 
+TEST(GgufModelLoader, MinimallyAlignedTensorDataComputesLikeDefault) {
+  // general.alignment = 8 (the GGUF minimum) leaves tensors 8- but not 32-byte aligned,
+  // so every kernel must read weights without assuming more (checked under UBSan in CI).
+  for (DType type : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0}) {
+    TinyModelSpec spec;
+    spec.weight_type = type;
+    spec.tied_output = false;
+    auto aligned = LoadSpec(spec, "loader_aligned.gguf");
+    ASSERT_TRUE(aligned.ok()) << aligned.status().ToString();
+    spec.extra_metadata = [](GgufWriter& w) { w.SetU32("general.alignment", 8); };
+    auto packed = LoadSpec(spec, "loader_align8.gguf");
+    ASSERT_TRUE(packed.ok()) << DTypeName(type) << ": " << packed.status().ToString();
+    size_t off_32 = 0;
+    for (const LayerWeights& l : (*packed)->layers) {
+      for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+        off_32 += reinterpret_cast<uintptr_t>(w->data) % 32 != 0;
+      }
+    }
+    if (type == DType::kQ8_0 || type == DType::kQ4_0) EXPECT_GT(off_32, 0u) << DTypeName(type);
+    const std::vector<int32_t> tokens = {1, 5, 9, 77, 3};
+    EXPECT_EQ(RunAll(**packed, tokens), RunAll(**aligned, tokens)) << DTypeName(type);
+  }
+}
+
 // ---------------------------------------------------------------- GGUF errors
 
 TEST(ModelLoaderError, MissingTensorIsNamed) {
@@ -223,6 +248,30 @@ TEST(ModelLoaderError, UnknownRopeScalingIsUnimplemented) {
   ASSERT_FALSE(model.ok());
   EXPECT_EQ(model.status().code(), StatusCode::kUnimplemented);
   EXPECT_TRUE(Contains(model.status().message(), "'yarn'")) << model.status().message();
+}
+
+TEST(ModelLoaderError, HugeBlockCountFailsAtTheFirstMissingLayer) {
+  // A hostile block_count must not size anything before the layers' tensors are found.
+  TinyModelSpec spec;
+  spec.extra_metadata = [](GgufWriter& w) { w.SetU32("llama.block_count", INT32_MAX); };
+  auto model = LoadSpec(spec, "err_huge_block_count.gguf");
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(model.status().message(), "'blk.2.attn_norm.weight'")) << model.status().message();
+}
+
+TEST(ModelLoaderError, EmbeddingLengthMustMatchTokenEmbedding) {
+  // Checked before anything is sized by dim (1 << 30 would otherwise build a 2^28-entry RoPE table).
+  for (uint32_t embedding_length : {128u, 1u << 30}) {
+    TinyModelSpec spec;
+    spec.extra_metadata = [=](GgufWriter& w) { w.SetU32("llama.embedding_length", embedding_length); };
+    auto model = LoadSpec(spec, "err_embedding_length.gguf");
+    ASSERT_FALSE(model.ok());
+    const std::string& m = model.status().message();
+    EXPECT_EQ(model.status().code(), StatusCode::kDataLoss);
+    EXPECT_TRUE(Contains(m, "'token_embd.weight' has shape [64, 96]")) << m;
+    EXPECT_TRUE(Contains(m, "expected [" + std::to_string(embedding_length) + " (llama.embedding_length)")) << m;
+  }
 }
 
 TEST(ModelLoaderError, KvHeadsMustDivideHeads) {
@@ -383,6 +432,70 @@ TEST(ModelLoaderError, TinyOrEmptyFileIsNeitherFormat) {
   EXPECT_TRUE(Contains(model.status().message(), "too small")) << model.status().message();
   WriteBytes(path, "", 0);
   EXPECT_FALSE(Model::Load(path).ok());
+}
+
+TEST(ModelLoaderError, DirectoryIsNotAModelFile) {
+  const std::string dir = std::filesystem::path(TempPath("x")).parent_path().string();
+  for (auto load : {&Model::Load, &Model::LoadLlama2c, &Model::LoadGguf}) {
+    auto model = load(dir);
+    ASSERT_FALSE(model.ok());
+    EXPECT_EQ(model.status().code(), StatusCode::kInvalidArgument) << model.status().ToString();
+    EXPECT_TRUE(Contains(model.status().message(), dir)) << model.status().message();
+    EXPECT_TRUE(Contains(model.status().message(), "not a regular file")) << model.status().message();
+  }
+}
+
+TEST(ModelLoaderError, RandomHeaderMutationsLoadOrFailCleanly) {
+  // Mutations of metadata and tensor infos (not weights): each file either fails with a
+  // Status or loads into a model whose forward pass runs (under ASan in CI).
+  TinyModelSpec spec;
+  spec.tied_output = false;
+  spec.rope_freqs = true;
+  spec.qkv_bias = true;
+  spec.weight_type = DType::kQ8_0;
+  const std::string seed_path = TempPath("fuzz_model_seed.gguf");
+  ASSERT_TRUE(WriteTinyModelGguf(spec, seed_path).ok());
+  std::string valid;
+  {
+    std::ifstream in(seed_path, std::ios::binary);
+    valid.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto seed_file = GgufFile::Open(seed_path);
+  ASSERT_TRUE(seed_file.ok()) << seed_file.status().ToString();
+  // End of the last tensor info (name, n_dims, ne[], type, offset): everything before the data.
+  const GgufTensorInfo& last = (*seed_file)->tensors().back();
+  const size_t data_start = valid.rfind(last.name) + last.name.size() + 4 + 8 * last.ne.size() + 4 + 8;
+  ASSERT_LT(data_start, valid.size());
+  std::mt19937 rng(3);
+  int loaded = 0;
+  const std::string path = TempPath("fuzz_model.gguf");
+  for (int it = 0; it < 400; ++it) {
+    std::string b = valid;
+    const int n_flips = 1 + static_cast<int>(rng() % 3);
+    for (int k = 0; k < n_flips; ++k) {
+      const size_t pos = 24 + rng() % (data_start - 24);  // after the header counts
+      switch (rng() % 3) {
+        case 0: b[pos] = static_cast<char>(rng()); break;
+        case 1: b[pos] ^= static_cast<char>(1u << (rng() % 8)); break;
+        case 2: b[pos] = static_cast<char>(0xFF); break;
+      }
+    }
+    std::remove(path.c_str());
+    WriteBytes(path, b.data(), b.size());
+    auto model = Model::Load(path);
+    if (!model.ok()) {
+      EXPECT_FALSE(model.status().message().empty());
+      continue;
+    }
+    ++loaded;
+    const ModelConfig& c = (*model)->config();
+    ContiguousKvCache cache(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, KvStorage::kF32, 1, 4);
+    Engine engine(**model, &cache, 1);
+    std::vector<float> logits(c.n_vocab);
+    const int32_t tokens[] = {0, c.n_vocab - 1};
+    EXPECT_TRUE(engine.Forward(0, tokens, 2, 0, logits.data()).ok());
+  }
+  EXPECT_GT(loaded, 0);  // e.g. flips inside general.name
 }
 
 // ---------------------------------------------------------------- engine input errors

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "kvsparse/gguf.h"
+#include "kvsparse/model.h"
 #include "kvsparse/ops.h"
+#include "model/model_loader.h"
 
 namespace kvsparse {
 
@@ -103,11 +105,6 @@ std::vector<float> Llama3RopeFactors(int64_t head_dim, float theta, float factor
   return factors;
 }
 
-bool IsSynthWeightType(DType t) {
-  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16 || t == DType::kQ8_0 || t == DType::kQ4_0 ||
-         t == DType::kQ4_K;
-}
-
 // Type used for a matrix with `cols` inputs: the requested one when its block divides the
 // row, else (like llama.cpp's quantizer) q8_0, f16 or f32.
 DType MatrixType(DType wanted, int64_t cols) {
@@ -186,13 +183,20 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
     return InvalidArgumentError("synth shape '" + s.name + "': " + what);
   };
   if (s.arch != "llama" && s.arch != "qwen2") return bad("arch must be llama or qwen2, found '" + s.arch + "'");
-  if (s.n_vocab <= 0 || s.dim <= 0 || s.hidden_dim <= 0 || n_layers <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 ||
-      s.context <= 0) {
-    return bad("all sizes must be positive");
-  }
-  if (s.dim % s.n_heads != 0) return bad("dim " + std::to_string(s.dim) + " is not a multiple of n_heads");
-  if (s.n_heads % s.n_kv_heads != 0) return bad("n_heads is not a multiple of n_kv_heads");
-  if ((s.dim / s.n_heads) % 2 != 0) return bad("head_dim must be even for RoPE");
+  // The checks every loaded model passes, so synth never writes a file the loader refuses.
+  ModelConfig c;
+  c.n_vocab = s.n_vocab;
+  c.dim = s.dim;
+  c.hidden_dim = s.hidden_dim;
+  c.n_layers = n_layers;
+  c.n_heads = s.n_heads;
+  c.n_kv_heads = s.n_kv_heads;
+  c.head_dim = s.n_heads > 0 ? s.dim / s.n_heads : 0;
+  c.max_context = s.context;
+  c.rms_eps = s.rms_eps;
+  c.rope_theta = s.rope_theta;
+  const Status valid = ValidateModelConfig(c, "synth shape '" + s.name + "'");
+  if (!valid.ok()) return InvalidArgumentError(valid.message());
   if (s.dim % 32 != 0 || s.hidden_dim % 32 != 0) {
     return bad("dim and hidden_dim must be multiples of 32 (quantization block), found " + std::to_string(s.dim) +
                " and " + std::to_string(s.hidden_dim));
@@ -233,9 +237,9 @@ StatusOr<SynthShape> FindSynthShape(std::string_view name) {
 Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, const std::string& out_path) {
   const int n_layers = options.n_layers_override > 0 ? options.n_layers_override : shape.n_layers;
   KVS_RETURN_IF_ERROR(ValidateShape(shape, n_layers));
-  if (!IsSynthWeightType(options.weight_type)) {
-    return InvalidArgumentError("synth weight type must be f32, f16, bf16, q8_0, q4_0 or q4_k, found " +
-                                std::string(DTypeName(options.weight_type)));
+  if (!IsSupportedWeightType(options.weight_type)) {
+    return InvalidArgumentError("synth weight type must be one of " + std::string(SupportedWeightTypeNames()) +
+                                ", found " + std::string(DTypeName(options.weight_type)));
   }
   const std::string& arch = shape.arch;
   const int64_t dim = shape.dim;

@@ -319,5 +319,19 @@ TEST(Synth, BadShapesAreRejected) {
   EXPECT_FALSE(WriteSynthModel(s, SynthOptions{}, testing::TempPath("never.gguf")).ok());
 }
 
+TEST(Synth, ShapesTheLoaderWouldRefuseAreRejected) {
+  SynthShape s = FindSynthShape("tiny-llama").value();
+  s.rms_eps = 0.0f;
+  Status st = WriteSynthModel(s, SynthOptions{}, testing::TempPath("never.gguf"));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("epsilon"), std::string::npos) << st.message();
+  s = FindSynthShape("tiny-llama").value();
+  s.rope_theta = -1.0f;
+  st = WriteSynthModel(s, SynthOptions{}, testing::TempPath("never.gguf"));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("theta"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("tiny-llama"), std::string::npos) << st.message();
+}
+
 }  // namespace
 }  // namespace kvsparse

@@ -37,7 +37,8 @@ SpmEncoder::SpmEncoder(const Vocab& vocab, int32_t unk_id) : vocab_(vocab), unk_
     char name[8];
     std::snprintf(name, sizeof(name), "<0x%02X>", b);
     int32_t id = vocab_.Find(name);
-    if (id < 0) id = vocab_.Find(std::string_view(reinterpret_cast<const char*>(&b), 1));  // raw byte token
+    const char raw = static_cast<char>(b);
+    if (id < 0) id = vocab_.Find(std::string_view(&raw, 1));  // raw byte token
     byte_token_[b] = id;
   }
 }

@@ -5,11 +5,13 @@
 // Multi-threaded runs report wall time (UseRealTime).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
 #include "kvsparse/attention.h"
+#include "kvsparse/attention_scores.h"
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 
@@ -23,37 +25,62 @@ constexpr int kHeadDim = 64;
 // K/V for `depth` tokens split into spans of `span_tokens` (one span = contiguous cache).
 struct BenchCache {
   KvStorage storage;
-  std::vector<uint8_t> k, v;     // [depth, kKvHeads, kHeadDim] in storage type
-  std::vector<int32_t> positions;  // [depth]
+  std::vector<uint8_t> k, v;         // [depth, kKvHeads, kHeadDim] in storage type
+  std::vector<float> k_scale, v_scale;  // [depth, kKvHeads] (int8)
+  std::vector<int32_t> positions;    // [depth]
   std::vector<KvSpan> spans;
 
   BenchCache(KvStorage st, int64_t depth, int64_t span_tokens) : storage(st) {
     const size_t elems = static_cast<size_t>(depth) * kKvHeads * kHeadDim;
-    const size_t elem_bytes = st == KvStorage::kF16 ? 2 : 4;
+    const size_t elem_bytes = KvStorageValueBytes(st);
     k.resize(elems * elem_bytes);
     v.resize(elems * elem_bytes);
     std::mt19937 rng(1);
     std::uniform_real_distribution<float> dist(-1.f, 1.f);
+    std::uniform_int_distribution<int> code(-127, 127);
     for (size_t i = 0; i < elems; ++i) {
       const float kv[2] = {dist(rng), dist(rng)};
-      if (st == KvStorage::kF16) {
-        reinterpret_cast<f16_bits*>(k.data())[i] = F32ToF16(kv[0]);
-        reinterpret_cast<f16_bits*>(v.data())[i] = F32ToF16(kv[1]);
-      } else {
-        reinterpret_cast<float*>(k.data())[i] = kv[0];
-        reinterpret_cast<float*>(v.data())[i] = kv[1];
+      switch (st) {
+        case KvStorage::kF16:
+          reinterpret_cast<f16_bits*>(k.data())[i] = F32ToF16(kv[0]);
+          reinterpret_cast<f16_bits*>(v.data())[i] = F32ToF16(kv[1]);
+          break;
+        case KvStorage::kF32:
+          reinterpret_cast<float*>(k.data())[i] = kv[0];
+          reinterpret_cast<float*>(v.data())[i] = kv[1];
+          break;
+        case KvStorage::kInt8:
+          reinterpret_cast<int8_t*>(k.data())[i] = static_cast<int8_t>(code(rng));
+          reinterpret_cast<int8_t*>(v.data())[i] = static_cast<int8_t>(code(rng));
+          break;
       }
+    }
+    if (st == KvStorage::kInt8) {
+      k_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
+      v_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
     }
     positions.resize(depth);
     for (int64_t t = 0; t < depth; ++t) positions[t] = static_cast<int32_t>(t);
     const size_t row_bytes = kKvHeads * kHeadDim * elem_bytes;
     for (int64_t t0 = 0; t0 < depth; t0 += span_tokens) {
-      const int32_t n = static_cast<int32_t>(std::min(span_tokens, depth - t0));
-      spans.push_back({k.data() + t0 * row_bytes, v.data() + t0 * row_bytes, positions.data() + t0, n});
+      KvSpan span;
+      span.k = k.data() + t0 * row_bytes;
+      span.v = v.data() + t0 * row_bytes;
+      span.positions = positions.data() + t0;
+      if (st == KvStorage::kInt8) {
+        span.k_scale = k_scale.data() + t0 * kKvHeads;
+        span.v_scale = v_scale.data() + t0 * kKvHeads;
+      }
+      span.n = static_cast<int32_t>(std::min(span_tokens, depth - t0));
+      spans.push_back(span);
     }
   }
-  size_t Bytes() const { return k.size() + v.size(); }
+  size_t Bytes() const { return k.size() + v.size() + (k_scale.size() + v_scale.size()) * sizeof(float); }
 };
+
+KvStorage StorageArg(int64_t arg) {
+  return arg == 0 ? KvStorage::kF32 : arg == 1 ? KvStorage::kF16 : KvStorage::kInt8;
+}
 
 std::vector<float> RandomQ(size_t n) {
   std::mt19937 rng(2);
@@ -63,10 +90,10 @@ std::vector<float> RandomQ(size_t n) {
   return q;
 }
 
-// Args: depth, storage (0 = f32, 1 = f16), threads, span tokens (0 = one span).
+// Args: depth, storage (0 = f32, 1 = f16, 2 = int8), threads, span tokens (0 = one span).
 void BM_AttentionDecode(benchmark::State& state) {
   const int64_t depth = state.range(0);
-  const KvStorage storage = state.range(1) ? KvStorage::kF16 : KvStorage::kF32;
+  const KvStorage storage = StorageArg(state.range(1));
   const int threads = static_cast<int>(state.range(2));
   const int64_t span_tokens = state.range(3) > 0 ? state.range(3) : depth;
   BenchCache cache(storage, depth, span_tokens);
@@ -108,7 +135,7 @@ void BM_AttentionDecode22Layers(benchmark::State& state) {
 // Causal prefill of n queries over n tokens (positions 0..n-1).
 void BM_AttentionPrefill(benchmark::State& state) {
   const int64_t n = state.range(0);
-  const KvStorage storage = state.range(1) ? KvStorage::kF16 : KvStorage::kF32;
+  const KvStorage storage = StorageArg(state.range(1));
   const int threads = static_cast<int>(state.range(2));
   BenchCache cache(storage, n, n);
   const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
@@ -123,6 +150,31 @@ void BM_AttentionPrefill(benchmark::State& state) {
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
 }
 
+// Score gathering (the second pass that sparsity policies pay for) after a decode or prefill
+// call. Args: queries, depth, storage, threads.
+void BM_AttentionScores(benchmark::State& state) {
+  const int32_t n_q = static_cast<int32_t>(state.range(0));
+  const int64_t depth = state.range(1);
+  const KvStorage storage = StorageArg(state.range(2));
+  const int threads = static_cast<int>(state.range(3));
+  BenchCache cache(storage, depth, depth);
+  const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  std::vector<float> q = RandomQ(static_cast<size_t>(n_q) * kHeads * kHeadDim), out(q.size());
+  std::vector<float> stats(static_cast<size_t>(n_q) * kHeads * 2);
+  std::vector<int32_t> q_pos(n_q);
+  for (int32_t i = 0; i < n_q; ++i) q_pos[i] = static_cast<int32_t>(depth - n_q + i);
+  ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, cache.spans.data(),
+                 static_cast<int32_t>(cache.spans.size()), out.data(), threads, stats.data());
+  std::vector<float> sum_all(static_cast<size_t>(kKvHeads) * depth), sum_window(sum_all.size()), last(sum_all.size());
+  const ScoreGathering gathering{GqaAggregation::kMean, static_cast<int32_t>(depth - 32)};
+  for (auto _ : state) {
+    ops::AttentionScores(shape, storage, q.data(), q_pos.data(), n_q, cache.spans.data(),
+                         static_cast<int32_t>(cache.spans.size()), stats.data(), gathering,
+                         ScoreOutputs{sum_all.data(), sum_window.data(), last.data()}, threads);
+    benchmark::DoNotOptimize(sum_all.data());
+  }
+}
+
 void BM_ReadBandwidth(benchmark::State& state) {
   double gbs = 0;
   for (auto _ : state) gbs = ops::MeasureReadBandwidthGBs(static_cast<int>(state.range(0)), 256ull << 20);
@@ -131,9 +183,10 @@ void BM_ReadBandwidth(benchmark::State& state) {
 
 BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionDecode)
-    ->ArgNames({"depth", "f16", "threads", "span"})
-    ->ArgsProduct({{512, 4096, 32768}, {1, 0}, {1, 2}, {0}})
+    ->ArgNames({"depth", "storage", "threads", "span"})
+    ->ArgsProduct({{512, 4096, 32768}, {1, 0, 2}, {1, 2}, {0}})
     ->Args({4096, 1, 2, 16})  // paged layout: one span per 16-token page
+    ->Args({4096, 2, 2, 16})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionDecode22Layers)
@@ -142,9 +195,14 @@ BENCHMARK(BM_AttentionDecode22Layers)
     ->Args({4096, 2})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionScores)
+    ->ArgNames({"n_q", "depth", "storage", "threads"})
+    ->ArgsProduct({{1, 512}, {4096}, {1}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionPrefill)
-    ->ArgNames({"n", "f16", "threads"})
-    ->ArgsProduct({{512}, {1, 0}, {1, 2}})
+    ->ArgNames({"n", "storage", "threads"})
+    ->ArgsProduct({{512}, {1, 0, 2}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -7,46 +7,42 @@
 
 #include "kvsparse/attention.h"
 #include "kvsparse/dtype.h"
+#include "ops/attention_ref_util.h"
 
 namespace kvsparse::ref {
 
-namespace {
-
-// Element `index` of a K or V buffer in the cache's storage type.
-float LoadElement(KvStorage storage, const void* base, size_t index) {
-  if (storage == KvStorage::kF16) return F16ToF32(static_cast<const f16_bits*>(base)[index]);
-  return static_cast<const float*>(base)[index];
-}
-
-}  // namespace
-
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out) {
+               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK(shape.n_heads % shape.n_kv_heads == 0);
   const int group = shape.n_heads / shape.n_kv_heads;
   const int d = shape.head_dim;
+  const KvElementReader reader{storage, shape.n_kv_heads, d};
   std::vector<double> scores;  // [attended tokens]
   std::vector<double> acc(d);  // [head_dim]
   for (int32_t i = 0; i < n_q; ++i) {
     for (int h = 0; h < shape.n_heads; ++h) {
       const int kv_head = h / group;
-      const float* q_row = q + (static_cast<size_t>(i) * shape.n_heads + h) * d;
+      const size_t row_index = static_cast<size_t>(i) * shape.n_heads + h;
+      const float* q_row = q + row_index * d;
       // Scores for every attended token, in span order.
       scores.clear();
       for (int32_t s = 0; s < n_spans; ++s) {
         const KvSpan& span = spans[s];
         for (int32_t t = 0; t < span.n; ++t) {
           if (span.positions[t] > q_pos[i]) continue;
-          const size_t row = (static_cast<size_t>(t) * shape.n_kv_heads + kv_head) * d;
           double dot = 0;
-          for (int c = 0; c < d; ++c) dot += static_cast<double>(q_row[c]) * LoadElement(storage, span.k, row + c);
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(q_row[c]) * reader.K(span, t, kv_head, c);
           scores.push_back(dot * shape.scale);
         }
       }
-      float* out_row = out + (static_cast<size_t>(i) * shape.n_heads + h) * d;
+      float* out_row = out + row_index * d;
       if (scores.empty()) {
         for (int c = 0; c < d; ++c) out_row[c] = 0.f;
+        if (row_max_sum != nullptr) {
+          row_max_sum[2 * row_index] = -std::numeric_limits<float>::infinity();
+          row_max_sum[2 * row_index + 1] = 0.f;
+        }
         continue;
       }
       double max_score = -std::numeric_limits<double>::infinity();
@@ -56,15 +52,18 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
         sc = std::exp(sc - max_score);
         sum += sc;
       }
+      if (row_max_sum != nullptr) {
+        row_max_sum[2 * row_index] = static_cast<float>(max_score);
+        row_max_sum[2 * row_index + 1] = static_cast<float>(sum);
+      }
       std::fill(acc.begin(), acc.end(), 0.0);
       size_t j = 0;
       for (int32_t s = 0; s < n_spans; ++s) {
         const KvSpan& span = spans[s];
         for (int32_t t = 0; t < span.n; ++t) {
           if (span.positions[t] > q_pos[i]) continue;
-          const size_t row = (static_cast<size_t>(t) * shape.n_kv_heads + kv_head) * d;
           const double p = scores[j++] / sum;
-          for (int c = 0; c < d; ++c) acc[c] += p * LoadElement(storage, span.v, row + c);
+          for (int c = 0; c < d; ++c) acc[c] += p * reader.V(span, t, kv_head, c);
         }
       }
       for (int c = 0; c < d; ++c) out_row[c] = static_cast<float>(acc[c]);

@@ -10,75 +10,17 @@
 
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/dtype.h"
+#include "ops/attention_test_util.h"
 
 namespace kvsparse {
 namespace {
 
-// Owns the K/V/position buffers behind a list of spans, in the given storage type.
-struct SpanSet {
-  KvStorage storage;
-  std::vector<std::vector<float>> k_f32, v_f32;   // each [n, n_kv_heads, head_dim]
-  std::vector<std::vector<f16_bits>> k_f16, v_f16;
-  std::vector<std::vector<int32_t>> positions;
-  std::vector<KvSpan> spans;
-};
+using testing::LastPosition;
+using testing::MakeSpans;
+using testing::RandomQueries;
+using testing::SpanSet;
 
-// Spans of the given lengths; positions increase with random gaps (as after eviction).
-SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int n_kv_heads, int head_dim,
-                  std::mt19937& rng, int32_t first_position = 0) {
-  std::uniform_real_distribution<float> value(-1.5f, 1.5f);
-  std::uniform_int_distribution<int> gap(1, 4);
-  SpanSet set;
-  set.storage = storage;
-  int32_t pos = first_position;
-  for (int n : lengths) {
-    const size_t elems = static_cast<size_t>(n) * n_kv_heads * head_dim;
-    std::vector<float> k(elems), v(elems);
-    for (float& x : k) do x = value(rng); while (x == 0.f);
-    for (float& x : v) do x = value(rng); while (x == 0.f);
-    std::vector<int32_t> p(n);
-    for (int t = 0; t < n; ++t) {
-      p[t] = pos;
-      pos += gap(rng) == 1 ? 3 : 1;  // mostly consecutive, sometimes a hole
-    }
-    set.positions.push_back(std::move(p));
-    if (storage == KvStorage::kF16) {
-      std::vector<f16_bits> kh(elems), vh(elems);
-      for (size_t i = 0; i < elems; ++i) {
-        kh[i] = F32ToF16(k[i]);
-        vh[i] = F32ToF16(v[i]);
-      }
-      set.k_f16.push_back(std::move(kh));
-      set.v_f16.push_back(std::move(vh));
-    } else {
-      set.k_f32.push_back(std::move(k));
-      set.v_f32.push_back(std::move(v));
-    }
-  }
-  for (size_t s = 0; s < lengths.size(); ++s) {
-    KvSpan span;
-    span.k = storage == KvStorage::kF16 ? static_cast<const void*>(set.k_f16[s].data()) : set.k_f32[s].data();
-    span.v = storage == KvStorage::kF16 ? static_cast<const void*>(set.v_f16[s].data()) : set.v_f32[s].data();
-    span.positions = set.positions[s].data();
-    span.n = lengths[s];
-    set.spans.push_back(span);
-  }
-  return set;
-}
-
-std::vector<float> RandomQueries(size_t n, std::mt19937& rng, float amplitude) {
-  std::uniform_real_distribution<float> value(-amplitude, amplitude);
-  std::vector<float> q(n);
-  for (float& x : q) do x = value(rng); while (x == 0.f);
-  return q;
-}
-
-int32_t LastPosition(const SpanSet& set) {
-  int32_t last = -1;
-  for (const KvSpan& s : set.spans)
-    if (s.n > 0) last = s.positions[s.n - 1];
-  return last;
-}
+constexpr KvStorage kAllStorage[] = {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8};
 
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size());
@@ -98,7 +40,7 @@ struct Case {
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   std::ostringstream name;  // (operator+ chains trip a GCC 12 -Wrestrict false positive)
-  name << "q" << c.n_q << "_d" << c.head_dim << "_g" << c.group << (c.storage == KvStorage::kF16 ? "_f16" : "_f32")
+  name << "q" << c.n_q << "_d" << c.head_dim << "_g" << c.group << "_" << KvStorageName(c.storage)
        << "_t" << c.n_threads;
   return name.str();
 }
@@ -141,7 +83,7 @@ std::vector<Case> AllCases() {
   for (int n_q : {1, 3, 17})
     for (int head_dim : {64, 128, 32})
       for (int group : {1, 2, 8})
-        for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16})
+        for (KvStorage storage : kAllStorage)
           for (int n_threads : {1, 2}) cases.push_back({n_q, head_dim, group, storage, n_threads});
   return cases;
 }
@@ -152,7 +94,7 @@ INSTANTIATE_TEST_SUITE_P(Ragged, AttentionVsRefTest, ::testing::ValuesIn(AllCase
 TEST(AttentionTest, OddHeadDimsMatchReference) {
   std::mt19937 rng(77);
   for (int head_dim : {1, 8, 20, 48, 80, 100, 256}) {
-    for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16}) {
+    for (KvStorage storage : kAllStorage) {
       AttentionShape shape{6, 3, head_dim, 0.37f};
       SpanSet set = MakeSpans(storage, {3, 19, 7}, shape.n_kv_heads, head_dim, rng);
       const int n_q = 5;
@@ -169,7 +111,7 @@ TEST(AttentionTest, OddHeadDimsMatchReference) {
 // Long context: many blocks per query and the split-over-tokens path with a merge.
 TEST(AttentionTest, LongContextDecodeAndPrefillMatchReference) {
   std::mt19937 rng(5);
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16}) {
+  for (KvStorage storage : kAllStorage) {
     AttentionShape shape{8, 1, 64, 0.125f};
     SpanSet set = MakeSpans(storage, {700, 3, 1500}, 1, 64, rng);
     const int32_t last = LastPosition(set);
@@ -197,7 +139,7 @@ TEST(AttentionTest, CausalBoundaryIsInclusive) {
   std::vector<float> k = {0.1f, 0.2f, 0.3f, 0.4f, -0.2f, 0.5f, 0.1f, 0.3f};
   std::vector<float> v = {1.f, 2.f, 3.f, 4.f, -5.f, 6.f, -7.f, 8.f};
   std::vector<int32_t> pos = {10, 20};
-  KvSpan span{k.data(), v.data(), pos.data(), 2};
+  const KvSpan span{.k = k.data(), .v = v.data(), .positions = pos.data(), .n = 2};
   std::vector<float> q = {0.3f, -0.1f, 0.7f, 0.2f, 0.3f, -0.1f, 0.7f, 0.2f, 0.3f, -0.1f, 0.7f, 0.2f};
   std::vector<int32_t> q_pos = {9, 10, 19};
   std::vector<float> out(12, -1.f);
@@ -213,7 +155,7 @@ TEST(AttentionTest, ReferenceMatchesHandComputedSoftmax) {
   std::vector<float> k = {1.f, 0.f, 0.f, 1.f};  // token 0 = e0, token 1 = e1
   std::vector<float> v = {1.f, 10.f, 3.f, -2.f};
   std::vector<int32_t> pos = {0, 1};
-  KvSpan span{k.data(), v.data(), pos.data(), 2};
+  const KvSpan span{.k = k.data(), .v = v.data(), .positions = pos.data(), .n = 2};
   std::vector<float> q = {2.f, 0.f, 0.f, 4.f};  // head 0 scores (1, 0); head 1 scores (0, 2)
   std::vector<int32_t> q_pos = {1};
   std::vector<float> want(4), got(4);
@@ -235,16 +177,18 @@ TEST(AttentionTest, EmptyInputsGiveZeros) {
   AttentionShape shape{4, 2, 16, 0.25f};
   std::vector<float> q = RandomQueries(2 * 4 * 16, rng, 1.f);
   std::vector<int32_t> q_pos = {5, 6};
-  std::vector<float> out(q.size(), 9.f);
-  ops::Attention(shape, KvStorage::kF16, q.data(), q_pos.data(), 2, nullptr, 0, out.data(), 2);
-  for (float x : out) EXPECT_EQ(x, 0.f);
+  for (KvStorage storage : kAllStorage) {
+    std::vector<float> out(q.size(), 9.f);
+    ops::Attention(shape, storage, q.data(), q_pos.data(), 2, nullptr, 0, out.data(), 2);
+    for (float x : out) EXPECT_EQ(x, 0.f);
 
-  SpanSet set = MakeSpans(KvStorage::kF16, {0, 4, 0, 3, 0}, 2, 16, rng);
-  std::vector<float> want(q.size()), got(q.size());
-  ref::Attention(shape, KvStorage::kF16, q.data(), q_pos.data(), 2, set.spans.data(), 5, want.data());
-  ops::Attention(shape, KvStorage::kF16, q.data(), q_pos.data(), 2, set.spans.data(), 5, got.data(), 2);
-  ExpectClose(got, want, "empty spans");
-  ops::Attention(shape, KvStorage::kF16, q.data(), q_pos.data(), 0, set.spans.data(), 5, got.data(), 2);  // no-op
+    SpanSet set = MakeSpans(storage, {0, 4, 0, 3, 0}, 2, 16, rng);
+    std::vector<float> want(q.size()), got(q.size());
+    ref::Attention(shape, storage, q.data(), q_pos.data(), 2, set.spans.data(), 5, want.data());
+    ops::Attention(shape, storage, q.data(), q_pos.data(), 2, set.spans.data(), 5, got.data(), 2);
+    ExpectClose(got, want, std::string("empty spans ") + KvStorageName(storage));
+    ops::Attention(shape, storage, q.data(), q_pos.data(), 0, set.spans.data(), 5, got.data(), 2);  // no-op
+  }
 }
 
 // Through the real cache: attention over ContiguousKvCache spans equals attention over the raw rows.
@@ -269,11 +213,120 @@ TEST(AttentionTest, WorksOverContiguousKvCache) {
       for (float& x : k) x = F16ToF32(F32ToF16(x));
       for (float& x : v) x = F16ToF32(F32ToF16(x));
     }
-    KvSpan raw{k.data(), v.data(), pos.data(), n};
+    const KvSpan raw{.k = k.data(), .v = v.data(), .positions = pos.data(), .n = n};
     ref::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), 1, &raw, 1, want.data());
     ops::Attention(shape, storage, q.data(), q_pos.data(), 1, spans.data(), static_cast<int32_t>(spans.size()),
                    got.data(), 2);
     ExpectClose(got, want, "cache");
+  }
+}
+
+
+// int8 against f32 on the same (pre-quantization) values. With round-to-nearest, every K and
+// V element moves by at most half its row's scale. A score then moves by at most
+//   delta = scale * sum_c |q_c| * max_t k_scale_t / 2,
+// so every probability changes by a factor within [e^-2delta, e^2delta] and
+//   |out_int8 - out_f32| <= max_t v_scale_t / 2 + (e^(2 delta) - 1) * max |v|.
+// Both the fast kernel and the reference must stay inside that bound.
+TEST(AttentionTest, Int8StaysWithinQuantizationBoundOfF32) {
+  std::mt19937 rng(404);
+  for (int head_dim : {64, 20, 128}) {
+    AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
+    SpanSet set = MakeSpans(KvStorage::kInt8, {33, 16, 5, 70}, shape.n_kv_heads, head_dim, rng);
+    const std::vector<KvSpan> f32_spans = set.F32Spans();
+    float max_k_scale = 0.f, max_v_scale = 0.f, max_v = 0.f;
+    for (size_t s = 0; s < set.spans.size(); ++s) {
+      for (float x : set.k_scale[s]) max_k_scale = std::max(max_k_scale, x);
+      for (float x : set.v_scale[s]) max_v_scale = std::max(max_v_scale, x);
+      for (float x : set.v_f32[s]) max_v = std::max(max_v, std::fabs(x));
+    }
+    const int n_q = 6;
+    const int32_t last = LastPosition(set);
+    std::vector<int32_t> q_pos = {2, 20, 40, last - 30, last - 1, last};
+    std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * head_dim, rng, 1.f);
+    std::vector<float> want(q.size()), got_ops(q.size()), got_ref(q.size());
+    ref::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), n_q, f32_spans.data(),
+                   static_cast<int32_t>(f32_spans.size()), want.data());
+    ops::Attention(shape, KvStorage::kInt8, q.data(), q_pos.data(), n_q, set.spans.data(),
+                   static_cast<int32_t>(set.spans.size()), got_ops.data(), 2);
+    ref::Attention(shape, KvStorage::kInt8, q.data(), q_pos.data(), n_q, set.spans.data(),
+                   static_cast<int32_t>(set.spans.size()), got_ref.data());
+    float worst = 0.f;
+    for (int row = 0; row < n_q * shape.n_heads; ++row) {
+      double q_abs = 0;
+      for (int c = 0; c < head_dim; ++c) q_abs += std::fabs(q[static_cast<size_t>(row) * head_dim + c]);
+      const double delta = shape.scale * q_abs * max_k_scale / 2;
+      const double bound = max_v_scale / 2 + std::expm1(2 * delta) * max_v + 1e-5;
+      ASSERT_LT(bound, 0.25) << "test data too coarse for a meaningful bound";
+      for (int c = 0; c < head_dim; ++c) {
+        const size_t e = static_cast<size_t>(row) * head_dim + c;
+        ASSERT_LE(std::fabs(got_ops[e] - want[e]), bound) << "ops, head_dim " << head_dim << " row " << row;
+        ASSERT_LE(std::fabs(got_ref[e] - want[e]), bound) << "ref, head_dim " << head_dim << " row " << row;
+        worst = std::max(worst, std::fabs(got_ops[e] - want[e]));
+      }
+    }
+    EXPECT_GT(worst, 0.f) << "int8 should not be exact";
+  }
+}
+
+// An int8 span's scales really are per (token, kv head): scaling one token's K/V codes and
+// dividing its scales by the same factor leaves attention unchanged.
+TEST(AttentionTest, Int8ScalesArePerTokenAndHead) {
+  std::mt19937 rng(9);
+  AttentionShape shape{4, 2, 32, 0.2f};
+  SpanSet set = MakeSpans(KvStorage::kInt8, {40}, 2, 32, rng);
+  std::vector<float> q = RandomQueries(4 * 32, rng, 1.f);
+  const int32_t q_pos = LastPosition(set);
+  // Even codes, so that halving them below is exact.
+  for (int8_t& x : set.k_i8[0]) x = static_cast<int8_t>(x / 2 * 2);
+  for (int8_t& x : set.v_i8[0]) x = static_cast<int8_t>(x / 2 * 2);
+  std::vector<float> before(q.size()), after(q.size());
+  ops::Attention(shape, KvStorage::kInt8, q.data(), &q_pos, 1, set.spans.data(), 1, before.data(), 1);
+  // Token 7, kv head 1: halve the codes and double the scales; the values are unchanged.
+  const size_t row = (7 * 2 + 1) * 32;
+  for (int c = 0; c < 32; ++c) {
+    set.k_i8[0][row + c] = static_cast<int8_t>(set.k_i8[0][row + c] / 2);
+    set.v_i8[0][row + c] = static_cast<int8_t>(set.v_i8[0][row + c] / 2);
+  }
+  set.k_scale[0][7 * 2 + 1] *= 2;
+  set.v_scale[0][7 * 2 + 1] *= 2;
+  ops::Attention(shape, KvStorage::kInt8, q.data(), &q_pos, 1, set.spans.data(), 1, after.data(), 1);
+  EXPECT_EQ(after, before);
+}
+
+// The optional softmax statistics match the reference's, for the single-pass and split-K paths.
+TEST(AttentionTest, RowMaxSumMatchesReference) {
+  std::mt19937 rng(31);
+  for (KvStorage storage : kAllStorage) {
+    AttentionShape shape{8, 2, 64, 0.125f};
+    SpanSet set = MakeSpans(storage, {300, 7, 400}, 2, 64, rng);
+    const int32_t last = LastPosition(set);
+    for (int n_q : {1, 5}) {
+      std::vector<int32_t> q_pos(n_q);
+      for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 90;
+      if (n_q == 5) q_pos[0] = -3;  // sees nothing
+      std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 64, rng, 2.f);
+      std::vector<float> out(q.size()), want_stats(static_cast<size_t>(n_q) * 8 * 2);
+      ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, out.data(), want_stats.data());
+      for (int n_threads : {1, 3}) {
+        std::vector<float> got_stats(want_stats.size(), 7.f);
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, out.data(), n_threads,
+                       got_stats.data());
+        for (size_t r = 0; r < want_stats.size() / 2; ++r) {
+          if (std::isinf(want_stats[2 * r])) {
+            EXPECT_TRUE(std::isinf(got_stats[2 * r]) && got_stats[2 * r] < 0) << "row " << r;
+            EXPECT_EQ(got_stats[2 * r + 1], 0.f) << "row " << r;
+            continue;
+          }
+          // The max may come from a different (but tied within rounding) token; compare the
+          // normalizer exp(max) * sum, which is what the probabilities depend on.
+          EXPECT_NEAR(got_stats[2 * r], want_stats[2 * r], 1e-4 + 1e-5 * std::fabs(want_stats[2 * r])) << "row " << r;
+          const double got_z = std::log(got_stats[2 * r + 1]) + got_stats[2 * r];
+          const double want_z = std::log(want_stats[2 * r + 1]) + want_stats[2 * r];
+          EXPECT_NEAR(got_z, want_z, 1e-4) << KvStorageName(storage) << " row " << r << " threads " << n_threads;
+        }
+      }
+    }
   }
 }
 

@@ -61,8 +61,7 @@ Buffer RandomWeights(DType type, int64_t rows, int64_t cols, uint32_t seed) {
     case DType::kF32:
       for (size_t i = 0; i < bytes / 4; ++i) reinterpret_cast<float*>(p)[i] = (i % 17) * 0.01f - 0.08f;
       break;
-    case DType::kQ8_K:
-      break;
+    case DType::kQ8_K: break;
   }
   return buf;
 }
@@ -97,8 +96,8 @@ void BM_MatVec(benchmark::State& state, DType type) {
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % copies;
   }
-  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(matrix_bytes) * state.iterations() / 1e9,
-                                              benchmark::Counter::kIsRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(static_cast<double>(matrix_bytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
 void BM_Gemm(benchmark::State& state, DType type) {
@@ -110,12 +109,17 @@ void BM_Gemm(benchmark::State& state, DType type) {
     ops::MatMul(WeightView{type, w.get(), rows, cols}, x.data(), n_tokens, y.data(), BenchThreads());
     benchmark::DoNotOptimize(y.data());
   }
-  state.counters["GOP/s"] = benchmark::Counter(2.0 * rows * cols * n_tokens * state.iterations() / 1e9,
-                                               benchmark::Counter::kIsRate);
+  state.counters["GOP/s"] =
+      benchmark::Counter(2.0 * rows * cols * n_tokens * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
-#define KVS_MATVEC(name, type) \
-  BENCHMARK_CAPTURE(BM_MatVec, name, type)->Args({2048, 2048})->Args({5632, 2048})->Args({2048, 5632})->Unit(benchmark::kMicrosecond)->UseRealTime()
+#define KVS_MATVEC(name, type)             \
+  BENCHMARK_CAPTURE(BM_MatVec, name, type) \
+      ->Args({2048, 2048})                 \
+      ->Args({5632, 2048})                 \
+      ->Args({2048, 5632})                 \
+      ->Unit(benchmark::kMicrosecond)      \
+      ->UseRealTime()
 KVS_MATVEC(q8_0, DType::kQ8_0);
 KVS_MATVEC(q4_0, DType::kQ4_0);
 KVS_MATVEC(q4_K, DType::kQ4_K);
@@ -128,9 +132,19 @@ BENCHMARK_CAPTURE(BM_Gemm, q8_0, DType::kQ8_0)
     ->Args({5632, 2048, 512})
     ->Args({2048, 5632, 512})
     ->Args({2048, 2048, 64})
+    ->Args({2048, 2048, 16})
     ->Args({2048, 2048, 8})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
-#define KVS_GEMM(name, type) BENCHMARK_CAPTURE(BM_Gemm, name, type)->Args({2048, 2048, 512})->Unit(benchmark::kMillisecond)->UseRealTime()
+    ->Args({2048, 2048, 4})
+    ->Args({2048, 2048, 2})
+    ->Args({4, 2048, 512})  // mostly activation packing
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+#define KVS_GEMM(name, type)             \
+  BENCHMARK_CAPTURE(BM_Gemm, name, type) \
+      ->Args({2048, 2048, 512})          \
+      ->Args({4, 2048, 512})             \
+      ->Unit(benchmark::kMillisecond)    \
+      ->UseRealTime()
 KVS_GEMM(q4_0, DType::kQ4_0);
 KVS_GEMM(q4_K, DType::kQ4_K);
 KVS_GEMM(f16, DType::kF16);
@@ -141,7 +155,7 @@ KVS_GEMM(f32, DType::kF32);
 struct LayerShapes {
   int64_t rows, cols;
 };
-constexpr LayerShapes kLayer[] = {{2048, 2048}, {256, 2048}, {256, 2048}, {2048, 2048},
+constexpr LayerShapes kLayer[] = {{2048, 2048}, {256, 2048},  {256, 2048}, {2048, 2048},
                                   {5632, 2048}, {5632, 2048}, {2048, 5632}};
 constexpr int kLayers = 22;
 

@@ -82,7 +82,8 @@ struct FloatTile {
       const __mmask16 mask = n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1);
       __m512 wv[R];
       for (int r = 0; r < R; ++r) {
-        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + c * sizeof(Elem)), _MM_HINT_T0);
+        if (a.w_prefetch)
+          _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + c * sizeof(Elem)), _MM_HINT_T1);
         wv[r] = LoadWeights16<kType>(w[r], c, mask);
       }
       for (int t = 0; t < T; ++t) {
@@ -104,7 +105,8 @@ struct FloatTile {
     for (; c + 8 <= n; c += 8) {
       __m256 wv[R];
       for (int r = 0; r < R; ++r) {
-        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + c * sizeof(Elem)), _MM_HINT_T0);
+        if (a.w_prefetch)
+          _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + c * sizeof(Elem)), _MM_HINT_T1);
         wv[r] = LoadWeights8<kType>(w[r], c);
       }
       for (int t = 0; t < T; ++t) {

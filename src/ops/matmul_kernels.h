@@ -15,17 +15,18 @@ inline constexpr int kMaxTileRows = 4;
 inline constexpr int kMaxTileTokens = 4;
 
 struct TileArgs {
-  const uint8_t* w;       // first weight row of the tile (GGUF row layout)
-  size_t w_row_bytes;     // bytes between consecutive weight rows
-  int n_rows;             // 1..kMaxTileRows
-  const uint8_t* x;       // first token's packed activations
-  size_t x_token_bytes;   // bytes between consecutive tokens' packed activations
-  int n_tokens;           // 1..kMaxTileTokens
-  int64_t cols;           // inner dimension (multiple of the weight block size)
-  float* y;               // y[t * y_stride + r] for the tile's local r, t
+  const uint8_t* w;      // first weight row of the tile (GGUF row layout)
+  size_t w_row_bytes;    // bytes between consecutive weight rows
+  int n_rows;            // 1..kMaxTileRows, or any count when row_strip
+  const uint8_t* x;      // first token's packed activations
+  size_t x_token_bytes;  // bytes between consecutive tokens' packed activations
+  int n_tokens;          // 1..kMaxTileTokens
+  int64_t cols;          // inner dimension (multiple of the weight block size)
+  float* y;              // y[t * y_stride + r] for the tile's local r, t
   int64_t y_stride;
   const uint8_t* w_prefetch;  // weight bytes the caller will need next (may be null)
   bool accumulate = false;    // add to y instead of overwriting (later K chunks)
+  bool row_strip = false;     // n_rows rows computed one at a time (decode: one sequential stream)
 };
 
 struct Kernel {

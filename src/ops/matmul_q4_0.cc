@@ -39,13 +39,16 @@ struct Q4_0Tile {
       __m512 w_scale[R];
       for (int r = 0; r < R; ++r) {
         const BlockQ4_0* blocks = RowBlocks(a, r);
-        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 36), _MM_HINT_T0);
+        if (a.w_prefetch)
+          _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 2 * sizeof(BlockQ4_0)),
+                       _MM_HINT_T1);
         const __m256i packed = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[b1].qs)),
                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[b0].qs)));
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
         // Upper 256 bits take the high nibbles.
         w[r] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low_nibbles);
-        const __m128i d16 = _mm_cvtsi32_si128(static_cast<int>(blocks[b0].d | (static_cast<uint32_t>(blocks[b1].d) << 16)));
+        const __m128i d16 =
+            _mm_cvtsi32_si128(static_cast<int>(blocks[b0].d | (static_cast<uint32_t>(blocks[b1].d) << 16)));
         w_scale[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(d16)));
       }
       for (int t = 0; t < T; ++t) {
@@ -76,7 +79,9 @@ struct Q4_0Tile {
       __m256 w_scale[R];
       for (int r = 0; r < R; ++r) {
         const BlockQ4_0& block = RowBlocks(a, r)[s];
-        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 18), _MM_HINT_T0);
+        if (a.w_prefetch)
+          _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * sizeof(BlockQ4_0)),
+                       _MM_HINT_T1);
         const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs));
         w[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_nibbles);
         w_scale[r] = _mm256_set1_ps(_cvtsh_ss(block.d));

@@ -66,9 +66,9 @@ struct Q4_KTile {
         const BlockQ4_K& block = RowBlocks(a, r)[b];
         if (a.w_prefetch) {
           const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
-          _mm_prefetch(pf, _MM_HINT_T0);
-          _mm_prefetch(pf + 64, _MM_HINT_T0);
-          _mm_prefetch(pf + 128, _MM_HINT_T0);
+          _mm_prefetch(pf, _MM_HINT_T1);
+          _mm_prefetch(pf + 64, _MM_HINT_T1);
+          _mm_prefetch(pf + 128, _MM_HINT_T1);
         }
         const ScalesMins sm = Unpack(block);
         uint64_t sc8, m8;
@@ -102,7 +102,8 @@ struct Q4_KTile {
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
         for (int g = 0; g < kSubBlocks / 2; ++g) {
           const __m512i xq = _mm512_loadu_si512(xb.qs + 64 * g);
-          for (int r = 0; r < R; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(w[r][g], xq), sc[r][g]);
+          for (int r = 0; r < R; ++r)
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(w[r][g], xq), sc[r][g]);
         }
         const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
         for (int r = 0; r < R; ++r) {
@@ -130,9 +131,9 @@ struct Q4_KTile {
         const BlockQ4_K& block = RowBlocks(a, r)[b];
         if (a.w_prefetch) {
           const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
-          _mm_prefetch(pf, _MM_HINT_T0);
-          _mm_prefetch(pf + 64, _MM_HINT_T0);
-          _mm_prefetch(pf + 128, _MM_HINT_T0);
+          _mm_prefetch(pf, _MM_HINT_T1);
+          _mm_prefetch(pf + 64, _MM_HINT_T1);
+          _mm_prefetch(pf + 128, _MM_HINT_T1);
         }
         sm[r] = Unpack(block);
         uint64_t m8;
@@ -155,7 +156,8 @@ struct Q4_KTile {
           const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
           const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
           for (int r = 0; r < R; ++r) {
-            const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo[r], x_lo), _mm256_set1_epi16(sm[r].scale[2 * g]));
+            const __m256i lo =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo[r], x_lo), _mm256_set1_epi16(sm[r].scale[2 * g]));
             const __m256i hi =
                 _mm256_madd_epi16(_mm256_maddubs_epi16(w_hi[r], x_hi), _mm256_set1_epi16(sm[r].scale[2 * g + 1]));
             isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(lo, hi));
@@ -168,7 +170,8 @@ struct Q4_KTile {
         for (int r = 0; r < R; ++r) {
           const BlockQ4_K& block = RowBlocks(a, r)[b];
           const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), _mm256_set1_ps(_cvtsh_ss(block.d) * xb.d), acc[r][t]);
+          acc[r][t] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), _mm256_set1_ps(_cvtsh_ss(block.d) * xb.d), acc[r][t]);
           acc[r][t] = _mm256_fmadd_ps(min_sum, _mm256_set1_ps(-_cvtsh_ss(block.dmin) * xb.d), acc[r][t]);
         }
       }
@@ -202,8 +205,8 @@ struct Q4_KTile {
             scaled += sm.scale[j] * dot;
             mins += sm.min[j] * (xb.bsums[2 * j] + xb.bsums[2 * j + 1]);
           }
-          acc[r][t] += xb.d * (F16ToF32(block.d) * static_cast<float>(scaled) -
-                               F16ToF32(block.dmin) * static_cast<float>(mins));
+          acc[r][t] +=
+              xb.d * (F16ToF32(block.d) * static_cast<float>(scaled) - F16ToF32(block.dmin) * static_cast<float>(mins));
         }
       }
     }
@@ -216,7 +219,7 @@ struct Q4_KTile {
 size_t PackedBytes(int64_t cols) { return (static_cast<size_t>(cols / kQK_K) * sizeof(BlockQ8_K) + 63) / 64 * 64; }
 
 void PackToken(const float* x, int64_t cols, uint8_t* dst) {
-  quant::QuantizeRowQ8_KRef(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
+  quant::QuantizeRowQ8_K(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
 }
 
 }  // namespace

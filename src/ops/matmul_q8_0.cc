@@ -40,11 +40,14 @@ struct Q8_0Tile {
       __m512 w_scale[R];
       for (int r = 0; r < R; ++r) {
         const BlockQ8_0* blocks = RowBlocks(a, r);
-        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 68), _MM_HINT_T0);
+        if (a.w_prefetch)
+          _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 2 * sizeof(BlockQ8_0)),
+                       _MM_HINT_T1);
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b0].qs));
         const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b1].qs));
         w[r] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
-        const __m128i d16 = _mm_cvtsi32_si128(static_cast<int>(blocks[b0].d | (static_cast<uint32_t>(blocks[b1].d) << 16)));
+        const __m128i d16 =
+            _mm_cvtsi32_si128(static_cast<int>(blocks[b0].d | (static_cast<uint32_t>(blocks[b1].d) << 16)));
         w_scale[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(d16)));
       }
       for (int t = 0; t < T; ++t) {
@@ -74,7 +77,9 @@ struct Q8_0Tile {
       __m256 w_scale[R];
       for (int r = 0; r < R; ++r) {
         const BlockQ8_0& block = RowBlocks(a, r)[s];
-        if (a.w_prefetch) _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * 34), _MM_HINT_T0);
+        if (a.w_prefetch)
+          _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * sizeof(BlockQ8_0)),
+                       _MM_HINT_T1);
         w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.qs));
         w_scale[r] = _mm256_set1_ps(_cvtsh_ss(block.d));
       }
@@ -133,7 +138,9 @@ struct Q8_0Tile {
 
 size_t PackedBytes(int64_t cols) { return PackedQ8TokenBytes(cols); }
 
-void PackToken(const float* x, int64_t cols, uint8_t* dst) { PackQ8Token(x, cols, dst, kWeightOffset, Q8Order::kNatural); }
+void PackToken(const float* x, int64_t cols, uint8_t* dst) {
+  PackQ8Token(x, cols, dst, kWeightOffset, Q8Order::kNatural);
+}
 
 }  // namespace
 

@@ -113,9 +113,9 @@ void RunShapes(DType type, const std::vector<int64_t>& col_sizes) {
 TEST(MatMulTest, Q8_0MatchesReference) { RunShapes(DType::kQ8_0, {32, 96, 288, 2816}); }
 TEST(MatMulTest, Q4_0MatchesReference) { RunShapes(DType::kQ4_0, {32, 96, 288, 2816}); }
 TEST(MatMulTest, Q4_KMatchesReference) { RunShapes(DType::kQ4_K, {256, 768, 2816}); }
-TEST(MatMulTest, F32MatchesReference) { RunShapes(DType::kF32, {1, 7, 16, 33, 96, 288}); }
-TEST(MatMulTest, F16MatchesReference) { RunShapes(DType::kF16, {1, 7, 16, 33, 96, 288}); }
-TEST(MatMulTest, BF16MatchesReference) { RunShapes(DType::kBF16, {1, 7, 16, 33, 96, 288}); }
+TEST(MatMulTest, F32MatchesReference) { RunShapes(DType::kF32, {1, 7, 16, 33, 96, 288, 1000}); }
+TEST(MatMulTest, F16MatchesReference) { RunShapes(DType::kF16, {1, 7, 16, 33, 96, 288, 1000}); }
+TEST(MatMulTest, BF16MatchesReference) { RunShapes(DType::kBF16, {1, 7, 16, 33, 96, 288, 1000}); }
 
 // Many row tiles per thread, a ragged row tail and more tokens than one L2 token block.
 TEST(MatMulTest, LargeShapesCrossTokenBlocks) {

@@ -5,6 +5,15 @@
 
 #include "kvsparse/dtype.h"
 
+// The reference quantizers round every product to f32 before adding (no fused multiply-add),
+// so their bytes do not depend on compiler contraction settings or the target's FMA support.
+// (Clang only contracts within one expression; the code keeps products in separate statements.)
+#if defined(__GNUC__) && !defined(__clang__)
+#define KVS_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define KVS_NO_FP_CONTRACT
+#endif
+
 namespace kvsparse::quant {
 
 // ggml's nearest_int (round half to even; |x| < 2^22).
@@ -32,5 +41,7 @@ namespace kvsparse::quant {
 // Quantizes one block of 32 floats exactly like QuantizeRowQ8_0Ref (SIMD where available);
 // writes q[32] and returns the f16 block scale.
 f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q);
+// Quantizes n floats to Q8_K exactly like QuantizeRowQ8_KRef (SIMD where available).
+void QuantizeRowQ8_K(const float* x, BlockQ8_K* y, int64_t n);
 
 }  // namespace kvsparse::quant

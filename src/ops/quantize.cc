@@ -22,8 +22,7 @@ f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q) {
   // round() semantics (half away from zero), matching the scalar reference bit for bit.
   auto round_away = [](__m512 t) {
     const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, whole)), _mm512_set1_ps(0.5f),
-                                            _CMP_GE_OQ);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, whole)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
     const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.f), _mm512_and_ps(t, _mm512_set1_ps(-0.f)));
     return _mm512_cvttps_epi32(_mm512_mask_add_ps(whole, up, whole, one));
   };
@@ -35,6 +34,45 @@ f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q) {
   QuantizeRowQ8_0Ref(x, &block, kQK8_0);
   std::memcpy(q, block.qs, kQK8_0);
   return block.d;
+#endif
+}
+
+void QuantizeRowQ8_K(const float* x, BlockQ8_K* y, int64_t n) {
+#if KVS_ISA_AVX512VNNI
+  constexpr int kVectors = kQK_K / 16;
+  for (int64_t b = 0; b < n / kQK_K; ++b, x += kQK_K) {
+    __m512 v[kVectors];
+    __m512 vmax = _mm512_setzero_ps();
+    for (int i = 0; i < kVectors; ++i) {
+      v[i] = _mm512_loadu_ps(x + 16 * i);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v[i]));
+    }
+    const float amax = _mm512_reduce_max_ps(vmax);
+    if (amax == 0.f) {
+      std::memset(&y[b], 0, sizeof(y[b]));
+      continue;
+    }
+    // The reference keeps the first element reaching amax; its sign sets the scale's sign.
+    float max = 0.f;
+    for (int i = 0; i < kVectors; ++i) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(v[i]), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+      if (hit) {
+        max = x[16 * i + __builtin_ctz(hit)];
+        break;
+      }
+    }
+    const float iscale = -127.f / max;
+    const __m512 vscale = _mm512_set1_ps(iscale);
+    for (int i = 0; i < kVectors; ++i) {
+      // cvtps rounds half to even under the default MXCSR mode, like the reference's nearest_int.
+      const __m512i q = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], vscale)), _mm512_set1_epi32(127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y[b].qs + 16 * i), _mm512_cvtepi32_epi8(q));
+      y[b].bsums[i] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
+    }
+    y[b].d = 1.f / iscale;
+  }
+#else
+  QuantizeRowQ8_KRef(x, y, n);
 #endif
 }
 
@@ -63,6 +101,10 @@ void QuantizeRow(DType type, const float* src, void* dst, int64_t n) {
   if (type == DType::kQ8_0) {
     BlockQ8_0* blocks = static_cast<BlockQ8_0*>(dst);
     for (int64_t b = 0; b < n / kQK8_0; ++b) blocks[b].d = quant::QuantizeBlockQ8_0(src + b * kQK8_0, blocks[b].qs);
+    return;
+  }
+  if (type == DType::kQ8_K) {
+    quant::QuantizeRowQ8_K(src, static_cast<BlockQ8_K*>(dst), n);
     return;
   }
   ref::QuantizeRow(type, src, dst, n);

@@ -11,13 +11,10 @@
 namespace kvsparse {
 namespace quant {
 
-// ggml's nearest_int: round half to even via the 1.5*2^23 trick (valid for |x| < 2^22).
-int NearestInt(float x) {
-  float shifted = x + 12582912.f;
-  int32_t bits;
-  std::memcpy(&bits, &shifted, sizeof(bits));
-  return (bits & 0x007FFFFF) - 0x00400000;
-}
+// ggml's nearest_int (its 1.5*2^23 trick is round-half-to-even for |x| < 2^22). nearbyint
+// under the default rounding mode gives the same result and cannot be fused with a caller's
+// multiply.
+int NearestInt(float x) { return static_cast<int>(std::nearbyint(x)); }
 
 void GetScaleMinK4(int j, const uint8_t* scales, uint8_t* scale, uint8_t* min) {
   if (j < 4) {
@@ -43,7 +40,7 @@ void PackScaleMinK4(const uint8_t* scale, const uint8_t* min, uint8_t* scales) {
   }
 }
 
-void QuantizeRowQ8_0Ref(const float* x, BlockQ8_0* y, int64_t n) {
+KVS_NO_FP_CONTRACT void QuantizeRowQ8_0Ref(const float* x, BlockQ8_0* y, int64_t n) {
   for (int64_t b = 0; b < n / kQK8_0; ++b, x += kQK8_0) {
     float amax = 0.f;
     for (int j = 0; j < kQK8_0; ++j) amax = std::max(amax, std::fabs(x[j]));
@@ -54,7 +51,7 @@ void QuantizeRowQ8_0Ref(const float* x, BlockQ8_0* y, int64_t n) {
   }
 }
 
-void QuantizeRowQ4_0Ref(const float* x, BlockQ4_0* y, int64_t n) {
+KVS_NO_FP_CONTRACT void QuantizeRowQ4_0Ref(const float* x, BlockQ4_0* y, int64_t n) {
   constexpr int kHalf = kQK4_0 / 2;
   for (int64_t b = 0; b < n / kQK4_0; ++b, x += kQK4_0) {
     // The signed value of largest magnitude maps to -8, so the full [-8, 7] range is used.
@@ -70,14 +67,16 @@ void QuantizeRowQ4_0Ref(const float* x, BlockQ4_0* y, int64_t n) {
     const float id = d != 0.f ? 1.f / d : 0.f;
     y[b].d = F32ToF16(d);
     for (int j = 0; j < kHalf; ++j) {
-      const int lo = std::min(15, static_cast<int>(static_cast<int8_t>(x[j] * id + 8.5f)));
-      const int hi = std::min(15, static_cast<int>(static_cast<int8_t>(x[kHalf + j] * id + 8.5f)));
+      const float lo_scaled = x[j] * id;
+      const float hi_scaled = x[kHalf + j] * id;
+      const int lo = std::min(15, static_cast<int>(static_cast<int8_t>(lo_scaled + 8.5f)));
+      const int hi = std::min(15, static_cast<int>(static_cast<int8_t>(hi_scaled + 8.5f)));
       y[b].qs[j] = static_cast<uint8_t>(lo | (hi << 4));
     }
   }
 }
 
-void QuantizeRowQ8_KRef(const float* x, BlockQ8_K* y, int64_t n) {
+KVS_NO_FP_CONTRACT void QuantizeRowQ8_KRef(const float* x, BlockQ8_K* y, int64_t n) {
   for (int64_t b = 0; b < n / kQK_K; ++b, x += kQK_K) {
     float amax = 0.f;
     float max = 0.f;
@@ -92,7 +91,10 @@ void QuantizeRowQ8_KRef(const float* x, BlockQ8_K* y, int64_t n) {
       continue;
     }
     const float iscale = -127.f / max;
-    for (int j = 0; j < kQK_K; ++j) y[b].qs[j] = static_cast<int8_t>(std::min(127, NearestInt(iscale * x[j])));
+    for (int j = 0; j < kQK_K; ++j) {
+      const float scaled = iscale * x[j];
+      y[b].qs[j] = static_cast<int8_t>(std::min(127, NearestInt(scaled)));
+    }
     for (int g = 0; g < kQK_K / 16; ++g) {
       int sum = 0;
       for (int j = 0; j < 16; ++j) sum += y[b].qs[g * 16 + j];
@@ -102,7 +104,7 @@ void QuantizeRowQ8_KRef(const float* x, BlockQ8_K* y, int64_t n) {
   }
 }
 
-void QuantizeRowQ4_KRef(const float* x, BlockQ4_K* y, int64_t n) {
+KVS_NO_FP_CONTRACT void QuantizeRowQ4_KRef(const float* x, BlockQ4_K* y, int64_t n) {
   constexpr int kSub = 32;
   constexpr int kNumSub = kQK_K / kSub;
   for (int64_t b = 0; b < n / kQK_K; ++b, x += kQK_K) {
@@ -151,7 +153,8 @@ void QuantizeRowQ4_KRef(const float* x, BlockQ4_K* y, int64_t n) {
         const float offset = dmin_stored * min_q[s];
         const float inv_step = step > 0.f ? 1.f / step : 0.f;
         for (int j = 0; j < kSub; ++j) {
-          const int q = std::clamp(NearestInt((x[s * kSub + j] + offset) * inv_step), 0, 15);
+          const float shifted = x[s * kSub + j] + offset;
+          const int q = std::clamp(NearestInt(shifted * inv_step), 0, 15);
           uint8_t& byte = y[b].qs[g * kSub + j];
           byte = half == 0 ? static_cast<uint8_t>(q) : static_cast<uint8_t>(byte | (q << 4));
         }
@@ -178,7 +181,7 @@ void DequantizeRowQ4_0Ref(const BlockQ4_0* x, float* y, int64_t n) {
   }
 }
 
-void DequantizeRowQ4_KRef(const BlockQ4_K* x, float* y, int64_t n) {
+KVS_NO_FP_CONTRACT void DequantizeRowQ4_KRef(const BlockQ4_K* x, float* y, int64_t n) {
   for (int64_t b = 0; b < n / kQK_K; ++b) {
     const float d = F16ToF32(x[b].d);
     const float dmin = F16ToF32(x[b].dmin);
@@ -208,23 +211,17 @@ namespace ref {
 void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
   KVS_CHECK(n >= 0 && n % DTypeBlockSize(type) == 0);
   switch (type) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
+    case DType::kF32: std::memcpy(dst, src, n * sizeof(float)); return;
     case DType::kF16:
       for (int64_t i = 0; i < n; ++i) dst[i] = F16ToF32(static_cast<const f16_bits*>(src)[i]);
       return;
     case DType::kBF16:
       for (int64_t i = 0; i < n; ++i) dst[i] = BF16ToF32(static_cast<const bf16_bits*>(src)[i]);
       return;
-    case DType::kQ8_0:
-      return quant::DequantizeRowQ8_0Ref(static_cast<const BlockQ8_0*>(src), dst, n);
-    case DType::kQ4_0:
-      return quant::DequantizeRowQ4_0Ref(static_cast<const BlockQ4_0*>(src), dst, n);
-    case DType::kQ4_K:
-      return quant::DequantizeRowQ4_KRef(static_cast<const BlockQ4_K*>(src), dst, n);
-    case DType::kQ8_K:
-      return quant::DequantizeRowQ8_KRef(static_cast<const BlockQ8_K*>(src), dst, n);
+    case DType::kQ8_0: return quant::DequantizeRowQ8_0Ref(static_cast<const BlockQ8_0*>(src), dst, n);
+    case DType::kQ4_0: return quant::DequantizeRowQ4_0Ref(static_cast<const BlockQ4_0*>(src), dst, n);
+    case DType::kQ4_K: return quant::DequantizeRowQ4_KRef(static_cast<const BlockQ4_K*>(src), dst, n);
+    case DType::kQ8_K: return quant::DequantizeRowQ8_KRef(static_cast<const BlockQ8_K*>(src), dst, n);
   }
   KVS_CHECK_MSG(false, "DequantizeRow: unsupported dtype");
 }
@@ -232,23 +229,17 @@ void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
 void QuantizeRow(DType type, const float* src, void* dst, int64_t n) {
   KVS_CHECK(n >= 0 && n % DTypeBlockSize(type) == 0);
   switch (type) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
+    case DType::kF32: std::memcpy(dst, src, n * sizeof(float)); return;
     case DType::kF16:
       for (int64_t i = 0; i < n; ++i) static_cast<f16_bits*>(dst)[i] = F32ToF16(src[i]);
       return;
     case DType::kBF16:
       for (int64_t i = 0; i < n; ++i) static_cast<bf16_bits*>(dst)[i] = F32ToBF16(src[i]);
       return;
-    case DType::kQ8_0:
-      return quant::QuantizeRowQ8_0Ref(src, static_cast<BlockQ8_0*>(dst), n);
-    case DType::kQ4_0:
-      return quant::QuantizeRowQ4_0Ref(src, static_cast<BlockQ4_0*>(dst), n);
-    case DType::kQ4_K:
-      return quant::QuantizeRowQ4_KRef(src, static_cast<BlockQ4_K*>(dst), n);
-    case DType::kQ8_K:
-      return quant::QuantizeRowQ8_KRef(src, static_cast<BlockQ8_K*>(dst), n);
+    case DType::kQ8_0: return quant::QuantizeRowQ8_0Ref(src, static_cast<BlockQ8_0*>(dst), n);
+    case DType::kQ4_0: return quant::QuantizeRowQ4_0Ref(src, static_cast<BlockQ4_0*>(dst), n);
+    case DType::kQ4_K: return quant::QuantizeRowQ4_KRef(src, static_cast<BlockQ4_K*>(dst), n);
+    case DType::kQ8_K: return quant::QuantizeRowQ8_KRef(src, static_cast<BlockQ8_K*>(dst), n);
   }
   KVS_CHECK_MSG(false, "QuantizeRow: unsupported dtype");
 }

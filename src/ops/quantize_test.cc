@@ -39,10 +39,10 @@ TEST(QuantizeTest, Q8_0FollowsGgmlReference) {
   std::memcpy(&block, q.data(), sizeof(block));
   EXPECT_EQ(F16ToF32(block.d), 1.f);
   EXPECT_EQ(block.qs[0], 127);
-  EXPECT_EQ(block.qs[1], -15);   // -14.5 -> -15
-  EXPECT_EQ(block.qs[15], -1);   // -0.5 -> -1
-  EXPECT_EQ(block.qs[16], 1);    // 0.5 -> 1
-  EXPECT_EQ(block.qs[31], 16);   // 15.5 -> 16
+  EXPECT_EQ(block.qs[1], -15);  // -14.5 -> -15
+  EXPECT_EQ(block.qs[15], -1);  // -0.5 -> -1
+  EXPECT_EQ(block.qs[16], 1);   // 0.5 -> 1
+  EXPECT_EQ(block.qs[31], 16);  // 15.5 -> 16
 }
 
 TEST(QuantizeTest, Q4_0FollowsGgmlReference) {
@@ -64,7 +64,7 @@ TEST(QuantizeTest, Q4_0FollowsGgmlReference) {
 
 TEST(QuantizeTest, Q8_KFollowsGgmlReference) {
   std::vector<float> x = RandomFloats(256, 3, 0.3f);  // |x| <= 2.4 even for outliers
-  x[7] = -3.f;  // the signed extreme: iscale = -127 / -3
+  x[7] = -3.f;                                        // the signed extreme: iscale = -127 / -3
   const auto q = Quantize(DType::kQ8_K, x);
   BlockQ8_K block;
   std::memcpy(&block, q.data(), sizeof(block));
@@ -103,11 +103,11 @@ TEST(QuantizeTest, Q4_KDequantizesGgmlLayout) {
   BlockQ4_K block{};
   block.d = F32ToF16(0.5f);
   block.dmin = F32ToF16(0.25f);
-  block.scales[0] = 0x40 | 3;   // sub 0 scale 3 (+ top bits 01 of sub 4's scale)
-  block.scales[4] = 0x80 | 5;   // sub 0 min 5 (+ top bits 10 of sub 4's min)
-  block.scales[8] = 0x72;       // sub 4: scale low 4 bits 2, min low 4 bits 7
-  block.qs[0] = 0x9A;           // element 0 -> 0xA (sub 0), element 32 -> 0x9 (sub 1)
-  block.qs[64] = 0x0F;          // element 128 -> 0xF (sub 4)
+  block.scales[0] = 0x40 | 3;  // sub 0 scale 3 (+ top bits 01 of sub 4's scale)
+  block.scales[4] = 0x80 | 5;  // sub 0 min 5 (+ top bits 10 of sub 4's min)
+  block.scales[8] = 0x72;      // sub 4: scale low 4 bits 2, min low 4 bits 7
+  block.qs[0] = 0x9A;          // element 0 -> 0xA (sub 0), element 32 -> 0x9 (sub 1)
+  block.qs[64] = 0x0F;         // element 128 -> 0xF (sub 4)
   std::vector<float> y(256);
   ref::DequantizeRow(DType::kQ4_K, &block, y.data(), 256);
   EXPECT_FLOAT_EQ(y[0], 0.5f * 3 * 10 - 0.25f * 5);
@@ -195,6 +195,20 @@ TEST(QuantizeTest, FastPathsMatchReferenceExactly) {
       ref::DequantizeRow(t, want.data(), y_want.data(), n);
       ops::DequantizeRow(t, want.data(), y_got.data(), n);
       ASSERT_EQ(0, std::memcmp(y_want.data(), y_got.data(), n * sizeof(float)));
+    }
+  }
+}
+
+// Many random rows: rounding ties and sign-of-extreme choices must agree with the reference.
+TEST(QuantizeTest, FastActivationQuantizersMatchReferenceOnManyRows) {
+  for (uint32_t seed = 0; seed < 300; ++seed) {
+    const int64_t n = 2816;
+    const std::vector<float> x = RandomFloats(n, seed, seed % 2 ? 2.f : 0.01f);
+    for (DType t : {DType::kQ8_0, DType::kQ8_K}) {
+      std::vector<uint8_t> want(DTypeRowBytes(t, n)), got(DTypeRowBytes(t, n));
+      ref::QuantizeRow(t, x.data(), want.data(), n);
+      ops::QuantizeRow(t, x.data(), got.data(), n);
+      ASSERT_EQ(want, got) << DTypeName(t) << " seed " << seed;
     }
   }
 }

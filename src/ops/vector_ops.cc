@@ -1,7 +1,7 @@
 // Vector kernels used between matmuls, written with Highway (static dispatch: the build's
 // -march target). Transcendentals use hwy/contrib/math; RoPE angles use libm (shared by heads).
-#include <hwy/highway.h>
 #include <hwy/contrib/math/math-inl.h>
+#include <hwy/highway.h>
 
 #include <algorithm>
 #include <cmath>
@@ -127,9 +127,8 @@ void Softmax(float* x, int64_t n) {
   if (n <= 0) return;
   const DF d;
   auto vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
-  ForEachVector(n, [&](int64_t i, auto m, bool) {
-    vmax = hn::IfThenElse(m, hn::Max(vmax, hn::MaskedLoad(m, d, x + i)), vmax);
-  });
+  ForEachVector(
+      n, [&](int64_t i, auto m, bool) { vmax = hn::IfThenElse(m, hn::Max(vmax, hn::MaskedLoad(m, d, x + i)), vmax); });
   const float max = hn::GetLane(hn::MaxOfLanes(d, vmax));
   const auto vmax_b = hn::Set(d, max);
   // exp arguments are <= 0; below -104 the result underflows to 0 anyway (and -inf stays safe).

@@ -136,7 +136,9 @@ TEST(VectorOpsTest, SoftmaxMatchesReference) {
       sum += x[i];
     }
     EXPECT_NEAR(sum, 1.0, 1e-5);
-    if (n > 3) EXPECT_EQ(x[1], 0.f);
+    if (n > 3) {
+      EXPECT_EQ(x[1], 0.f);
+    }
   }
 }
 

@@ -2,6 +2,8 @@
 // GTEST_SKIP() with a clear message when it returns nullopt.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -18,9 +20,11 @@ inline std::optional<std::string> SharedPath(const std::string& rel) {
   return p.string();
 }
 
-// Scratch directory for files a test writes (unique per test binary run).
+// Scratch path for a file a test writes. The folder is unique per process, because ctest
+// runs the tests of one binary as parallel processes that would otherwise share file names.
 inline std::string TempPath(const std::string& name) {
-  std::filesystem::path dir = std::filesystem::temp_directory_path() / "kvsparse_tests";
+  std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / "kvsparse_tests" / std::to_string(static_cast<long>(getpid()));
   std::filesystem::create_directories(dir);
   return (dir / name).string();
 }

@@ -1,9 +1,6 @@
 #include "support/test_model_gguf.h"
 
 #include <cmath>
-#include <cstring>
-#include <fstream>
-#include <iterator>
 #include <random>
 
 #include "kvsparse/ops.h"
@@ -65,8 +62,7 @@ class TinyGgufBuilder {
       Matrix(b + "ffn_up.weight", s.hidden_dim, s.dim, 0.0f);
       Matrix(b + "ffn_down.weight", s.dim, s.hidden_dim, 0.0f);
     }
-    KVS_RETURN_IF_ERROR(w_.Write(path));
-    return spec_.retype_tensor.empty() ? Status::Ok() : PatchRetypedTensor(path);
+    return w_.Write(path);
   }
 
  private:
@@ -101,18 +97,14 @@ class TinyGgufBuilder {
       return;
     }
     if (name == spec_.retype_tensor) {
-      // GgufWriter only writes types kvsparse knows, so this tensor goes out as f16 of the same
-      // byte size ([row_bytes / 2, rows...]) and PatchRetypedTensor fixes its type and ne[0].
-      const size_t row_bytes = GgmlTypeBytes(spec_.retype_id, ne[0]).value_or(0);
-      int64_t n_rows = 1;
-      for (size_t d = 1; d < ne.size(); ++d) n_rows *= ne[d];
-      std::vector<uint8_t> raw(row_bytes * static_cast<size_t>(n_rows));
+      // Random bytes of the requested type's size (0 for an unknown id, which Write rejects).
+      int64_t n = 1;
+      for (int64_t d : ne) n *= d;
+      std::vector<uint8_t> raw(GgmlTypeBytes(spec_.retype_id, n).value_or(0));
       std::mt19937 rng(7);
       for (uint8_t& byte : raw) byte = static_cast<uint8_t>(rng());
       storage_.push_back(std::move(raw));
-      retyped_ne0_ = ne[0];
-      ne[0] = static_cast<int64_t>(row_bytes / 2);
-      w_.AddTensor(name, DType::kF16, std::move(ne), storage_.back().data());
+      w_.AddTensor(name, spec_.retype_id, std::move(ne), storage_.back().data());
       return;
     }
     Store(name, type, std::move(ne), values);
@@ -131,36 +123,7 @@ class TinyGgufBuilder {
     w_.AddTensor(name, type, std::move(ne), storage_.back().data());
   }
 
-  // Rewrites the retyped tensor's info (GGUF v3: u64 name length, name, u32 n_dims,
-  // u64 ne[n_dims], u32 type, u64 offset) to the requested type and true ne[0].
-  Status PatchRetypedTensor(const std::string& path) const {
-    std::string bytes;
-    {
-      std::ifstream in(path, std::ios::binary);
-      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    }
-    const std::string& name = spec_.retype_tensor;
-    std::string key(sizeof(uint64_t), '\0');
-    const uint64_t len = name.size();
-    std::memcpy(key.data(), &len, sizeof(len));
-    key += name;
-    const size_t at = bytes.find(key);
-    if (at == std::string::npos) return InternalError("tensor info of '" + name + "' not found to retype");
-    const size_t dims_at = at + key.size();
-    uint32_t n_dims;
-    std::memcpy(&n_dims, &bytes[dims_at], sizeof(n_dims));
-    const size_t ne0_at = dims_at + sizeof(uint32_t);
-    const size_t type_at = ne0_at + n_dims * sizeof(uint64_t);
-    const uint64_t ne0 = static_cast<uint64_t>(retyped_ne0_);
-    std::memcpy(&bytes[ne0_at], &ne0, sizeof(ne0));
-    std::memcpy(&bytes[type_at], &spec_.retype_id, sizeof(uint32_t));
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    return out ? Status::Ok() : InternalError("cannot rewrite " + path);
-  }
-
   const TinyModelSpec& spec_;
-  int64_t retyped_ne0_ = 0;
   GgufWriter w_;
   std::vector<std::vector<uint8_t>> storage_;  // tensor bytes, alive until Write
 };

@@ -1,0 +1,64 @@
+// KV sparsity configuration for a whole model: one LayerKvConfig per layer plus the
+// engine-wide knobs, read from a JSON file or from command-line flags.
+//
+// JSON form (every field optional except each entry's "layers"):
+//   {
+//     "default": {"method": "h2o", "budget": 0.2, "kv_type": "int8", "recent_ratio": 0.5},
+//     "layers": [{"layers": "0-1", "method": "full", "kv_type": "f16"},
+//                {"layers": 7, "budget": 64}],
+//     "evict_interval": 16, "page_size": 16, "gqa_aggregation": "mean", "prefill_chunk": 512
+//   }
+// - "budget": an integer is a token count (>= 1); a non-integer number is a fraction in
+//   (0, 1] of the tokens seen so far (see kv_budget.h).
+// - "layers": an index (3 or "3") or an inclusive range "a-b"; entries may not overlap.
+// - An entry inherits budget and kv_type from "default". It inherits the default's method
+//   parameters when it keeps the default's method; naming another method starts from
+//   that method's paper defaults.
+// - Without "default", uncovered layers are "full".
+// - evict_interval N: a decoding layer grows to budget + N tokens, then N are evicted at
+//   once (1 = every step). Prompt chunks are trimmed to the budget after each chunk.
+// Mistakes (unknown keys or values, wrong types, bad ranges, overlaps, windows that do
+// not fit the budget, malformed JSON) are rejected with the layer and field named.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvsparse/kv_budget.h"
+#include "kvsparse/kv_policies.h"
+#include "kvsparse/kv_policy.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+struct KvSparsityConfig {
+  std::vector<LayerKvConfig> layers;  // [n_layers]
+  int evict_interval = 16;
+  int page_size = 16;
+  GqaAggregation agg = GqaAggregation::kMean;
+  int prefill_chunk = 512;
+};
+
+// `source` names the text in messages (a file path, or "kv config").
+StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int n_layers,
+                                                 std::string_view source = "kv config");
+StatusOr<KvSparsityConfig> LoadKvSparsityConfig(const std::string& path, int n_layers);
+
+// --kv-method h2o --kv-budget 0.2 --kv-type int8: every layer alike, paper defaults.
+// `budget` may be empty only for "full"; `kv_type` empty means f32.
+StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, std::string_view budget,
+                                                     std::string_view kv_type, int n_layers);
+
+// "512" -> 512 tokens, "0.2" -> a fifth of the context.
+StatusOr<KvBudget> ParseKvBudget(std::string_view text);
+std::optional<KvStorage> KvStorageFromName(std::string_view name);  // "f32" | "f16" | "int8"
+
+// Re-checks a config built in code (ranges, every layer's values).
+Status ValidateKvSparsityConfig(const KvSparsityConfig& config);
+
+// One line per run of identical layers, e.g. "layers 0-1: full f16; layers 2-4: h2o 0.2 of the context int8".
+std::string KvSparsityConfigSummary(const KvSparsityConfig& config);
+
+}  // namespace kvsparse

@@ -1,0 +1,109 @@
+// The sparsity-policy interface: a policy observes attention and decides which cached
+// tokens of one (sequence, layer) to keep under a budget. The cache then frees the others.
+//
+// Token identity: a policy keeps per-token state in arrays indexed by the token's index
+// in the live list of its (sequence, layer) — ascending positions, the order
+// KvCache::Spans returns. New tokens are appended at the end (OnAppend); an eviction
+// compacts every array with the same keep mask (OnEvict), exactly as the cache compacts.
+//
+// Call order the engine follows for one (sequence, layer), per forward call:
+//   1. cache->Append(n new tokens);            policy->OnAppend(n)
+//   2. attention over the live tokens;         policy->Observe(obs)   (if NeedsAttention())
+//      obs.n_tokens equals the live count after step 1.
+//   3. target = policy->EvictionTarget(n_live, n_seen, point, evict_interval);
+//      if target < n_live: policy->SelectKeep(ctx, &keep); cache compacts with keep;
+//                          policy->OnEvict(keep).
+// One policy instance serves one (sequence, layer); CreatePolicy (kv_policies.h) builds them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvsparse/kv_cache.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+// How per-query-head attention is folded into one score per KV head (GQA).
+enum class GqaAggregation { kMean, kMax };
+
+// Which AttentionObservation fields a policy reads (a bit set), so the kernel gathers
+// only what is used.
+enum ObservationField : uint32_t {
+  kObserveSumAll = 1u << 0,
+  kObserveSumWindow = 1u << 1,
+  kObserveLast = 1u << 2,
+};
+
+// Attention probabilities gathered by the attention kernel for one call on one layer,
+// already aggregated over the query heads of each KV head. Rows are live-token indices.
+struct AttentionObservation {
+  int32_t n_queries = 0;               // queries in this call (1 in decode)
+  int32_t n_tokens = 0;                // live tokens the queries could see (= live count)
+  int n_kv_heads = 0;
+  const int32_t* query_positions = nullptr;  // [n_queries]
+  const float* sum_all = nullptr;      // [n_kv_heads, n_tokens] Σ over all queries of p(query, token)
+  // [n_kv_heads, n_tokens] Σ over the last min(ObservationWindow(), n_queries) queries of
+  // this call (SnapKV's observation window); null when the policy asks for no window.
+  const float* sum_window = nullptr;
+  const float* last = nullptr;         // [n_kv_heads, n_tokens] p(last query, token)
+};
+
+// What a policy may look at when it selects.
+struct SelectionContext {
+  int layer = 0;
+  int32_t n_live = 0;                  // tokens currently cached
+  int32_t target = 0;                  // tokens to keep (< n_live; == n_live only for Full)
+  const int32_t* positions = nullptr;  // [n_live] ascending
+  int32_t current_position = 0;        // position of the newest token
+  bool in_prefill = false;             // true for a selection right after a prompt chunk
+  // Keys for methods that score them (KNorm): live spans in the cache's storage type.
+  const KvSpan* spans = nullptr;
+  int32_t n_spans = 0;
+  KvStorage storage = KvStorage::kF32;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+};
+
+// Where in the forward pass an eviction decision is taken.
+enum class EvictionPoint {
+  kPrefillChunk,  // after a prompt chunk (including the last one): trim straight to budget
+  kDecodeStep,    // after a decode step: let the layer grow to budget + evict_interval first
+};
+
+class KvPolicy {
+ public:
+  virtual ~KvPolicy() = default;
+  virtual std::string_view name() const = 0;
+  // Bit set of ObservationField the policy reads in Observe; 0 = it never looks at attention.
+  virtual uint32_t NeededObservations() const { return 0; }
+  // True when the policy needs AttentionObservation (costs a second pass over K).
+  virtual bool NeedsAttention() const { return NeededObservations() != 0; }
+  // Observation window in queries (SnapKV, PyramidKV); 0 = none (sum_window may be null).
+  virtual int32_t ObservationWindow() const { return 0; }
+  // Tokens this layer may keep once `n_seen` tokens of the sequence have been processed
+  // (prompt + generated so far). Fraction budgets grow with n_seen; Full is unbounded.
+  virtual int32_t BudgetTokens(int32_t n_seen) const = 0;
+  // False for methods that compress the prompt only (SnapKV, PyramidKV by default):
+  // generated tokens are then all kept.
+  virtual bool EvictsDuringDecode() const { return true; }
+
+  virtual void OnAppend(int32_t n_new) = 0;
+  virtual void Observe(const AttentionObservation& obs) {}
+  // Resizes *keep to ctx.n_live and sets keep[i] = 1 for exactly ctx.target tokens, 0 for
+  // the rest. Reuses *keep's storage (no allocation once it has grown).
+  virtual void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) = 0;
+  // Compacts per-token state after the cache applied `keep` (size = old n_live).
+  virtual void OnEvict(const std::vector<uint8_t>& keep) = 0;
+
+  // How many tokens to keep now: n_live when nothing is to be evicted, else the budget.
+  // Prefill chunks trim to the budget whenever it is exceeded; decode steps wait until the
+  // layer holds budget + evict_interval tokens (evict_interval = 1: every step), and never
+  // evict when EvictsDuringDecode() is false.
+  int32_t EvictionTarget(int32_t n_live, int32_t n_seen, EvictionPoint point, int evict_interval) const;
+};
+
+}  // namespace kvsparse

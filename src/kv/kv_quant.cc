@@ -1,0 +1,130 @@
+#include "kv/kv_quant.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/simd_isa.h"
+
+namespace kvsparse {
+
+namespace ref {
+
+void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
+    float amax = 0.f;
+    for (int i = 0; i < row_len; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float scale = amax / 127.f;
+    scales[r] = scale;
+    for (int i = 0; i < row_len; ++i) {
+      // Division (not multiplication by 1/scale) keeps q exactly round(x / scale).
+      const float t = scale != 0.f ? std::nearbyint(x[i] / scale) : 0.f;
+      q[i] = static_cast<int8_t>(std::clamp(t, -127.f, 127.f));
+    }
+  }
+}
+
+void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
+    for (int i = 0; i < row_len; ++i) x[i] = static_cast<float>(q[i]) * scales[r];
+  }
+}
+
+}  // namespace ref
+
+namespace ops {
+
+#if KVS_ISA_AVX512VNNI
+
+namespace {
+inline __mmask16 TailMask(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+}  // namespace
+
+void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int i = 0; i < row_len; i += 16) {
+      const __mmask16 m = TailMask(row_len - i);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+    const float scale = _mm512_reduce_max_ps(vmax) / 127.f;
+    scales[r] = scale;
+    if (scale == 0.f) {
+      for (int i = 0; i < row_len; ++i) q[i] = 0;
+      continue;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int i = 0; i < row_len; i += 16) {
+      const __mmask16 m = TailMask(row_len - i);
+      __m512 t = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + i), vscale);
+      t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+      // MXCSR's default mode is round-half-even, like std::nearbyint in the twin.
+      const __m512i qi = _mm512_cvtps_epi32(t);
+      _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(qi));
+    }
+  }
+}
+
+void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
+    const __m512 vscale = _mm512_set1_ps(scales[r]);
+    for (int i = 0; i < row_len; i += 16) {
+      const __mmask16 m = TailMask(row_len - i);
+      const __m512i qi = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + i));
+      _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), vscale));
+    }
+  }
+}
+
+#elif KVS_ISA_AVX2
+
+void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
+    __m256 vmax = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= row_len; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    float amax = 0.f;
+    for (float l : lanes) amax = std::max(amax, l);
+    for (; i < row_len; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float scale = amax / 127.f;
+    scales[r] = scale;
+    if (scale == 0.f) {
+      for (i = 0; i < row_len; ++i) q[i] = 0;
+      continue;
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (i = 0; i + 8 <= row_len; i += 8) {
+      __m256 t = _mm256_div_ps(_mm256_loadu_ps(x + i), vscale);
+      t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+      const __m256i qi = _mm256_cvtps_epi32(t);  // round-half-even (MXCSR default)
+      alignas(32) int32_t w[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w), qi);
+      for (int j = 0; j < 8; ++j) q[i + j] = static_cast<int8_t>(w[j]);
+    }
+    for (; i < row_len; ++i) q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / scale), -127.f, 127.f));
+  }
+}
+
+void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+  ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);  // auto-vectorizes well
+}
+
+#else
+
+void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+  ref::QuantizeKvRowsInt8(x, n_rows, row_len, q, scales);
+}
+
+void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+  ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);
+}
+
+#endif
+
+}  // namespace ops
+
+}  // namespace kvsparse

@@ -1,0 +1,23 @@
+#include "kvsparse/kv_cache.h"
+
+namespace kvsparse {
+
+const char* KvStorageName(KvStorage s) {
+  switch (s) {
+    case KvStorage::kF32: return "f32";
+    case KvStorage::kF16: return "f16";
+    case KvStorage::kInt8: return "int8";
+  }
+  return "?";
+}
+
+size_t KvStorageValueBytes(KvStorage s) {
+  switch (s) {
+    case KvStorage::kF32: return 4;
+    case KvStorage::kF16: return 2;
+    case KvStorage::kInt8: return 1;
+  }
+  return 0;
+}
+
+}  // namespace kvsparse

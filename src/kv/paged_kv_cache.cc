@@ -1,0 +1,583 @@
+#include "kvsparse/paged_kv_cache.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <string>
+
+#include "kv/kv_quant.h"
+#include "kvsparse/dtype.h"
+#include "kvsparse/ops.h"
+
+namespace kvsparse {
+
+namespace {
+
+constexpr int32_t kMaxPageSize = 1 << 16;
+
+size_t Align64(size_t n) { return (n + 63) / 64 * 64; }
+
+int StorageIndex(KvStorage s) { return static_cast<int>(s); }
+
+bool IsKnownStorage(KvStorage s) {
+  return s == KvStorage::kF32 || s == KvStorage::kF16 || s == KvStorage::kInt8;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& geometry,
+                                                             const PagedKvCacheOptions& options) {
+  if (geometry.n_layers <= 0 || geometry.n_kv_heads <= 0 || geometry.head_dim <= 0) {
+    return InvalidArgumentError("paged KV cache: geometry needs positive n_layers, n_kv_heads and head_dim (got " +
+                                std::to_string(geometry.n_layers) + ", " + std::to_string(geometry.n_kv_heads) +
+                                ", " + std::to_string(geometry.head_dim) + ")");
+  }
+  if (options.n_seqs <= 0) {
+    return InvalidArgumentError("paged KV cache: n_seqs must be positive (got " + std::to_string(options.n_seqs) +
+                                ")");
+  }
+  if (options.page_size <= 0 || options.page_size > kMaxPageSize) {
+    return InvalidArgumentError("paged KV cache: page size must be in [1, " + std::to_string(kMaxPageSize) +
+                                "] tokens (got " + std::to_string(options.page_size) + ")");
+  }
+  const size_t n_storage = options.layer_storage.size();
+  if (n_storage != 1 && n_storage != static_cast<size_t>(geometry.n_layers)) {
+    return InvalidArgumentError("paged KV cache: layer_storage lists " + std::to_string(n_storage) +
+                                " storage types; expected 1 (all layers) or " + std::to_string(geometry.n_layers) +
+                                " (one per layer)");
+  }
+  for (KvStorage s : options.layer_storage) {
+    if (!IsKnownStorage(s)) return InvalidArgumentError("paged KV cache: unknown KV storage type");
+  }
+  if (options.budget_bytes == 0) {
+    return InvalidArgumentError("paged KV cache: the KV budget is 0 bytes; give it room for at least one page");
+  }
+  std::unique_ptr<PagedKvCache> cache(new PagedKvCache(geometry, options, options.budget_bytes));
+  for (Layer& layer : cache->layers_) {
+    std::unique_ptr<PagePool>& pool = cache->pools_[StorageIndex(layer.storage)];
+    if (!pool) {
+      KVS_ASSIGN_OR_RETURN(pool, PagePool::Create(layer.layout.page_bytes, &cache->budget_,
+                                                  std::string("kv-") + KvStorageName(layer.storage)));
+    }
+    layer.pool = pool.get();
+  }
+  return cache;
+}
+
+PagedKvCache::PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions& options, size_t budget_bytes)
+    : geometry_(geometry), n_seqs_(options.n_seqs), page_size_(options.page_size), budget_(budget_bytes) {
+  const size_t P = static_cast<size_t>(page_size_);
+  const size_t H = static_cast<size_t>(geometry.n_kv_heads);
+  const size_t row_values = H * static_cast<size_t>(geometry.head_dim);
+  layers_.resize(geometry.n_layers);
+  for (int l = 0; l < geometry.n_layers; ++l) {
+    Layer& layer = layers_[l];
+    layer.storage = options.layer_storage.size() == 1 ? options.layer_storage[0] : options.layer_storage[l];
+    PageLayout& p = layer.layout;
+    p.row_bytes = row_values * KvStorageValueBytes(layer.storage);
+    const bool int8 = layer.storage == KvStorage::kInt8;
+    p.k_offset = 0;
+    p.v_offset = Align64(P * p.row_bytes);
+    p.positions_offset = p.v_offset + Align64(P * p.row_bytes);
+    size_t end = p.positions_offset + Align64(P * sizeof(int32_t));
+    if (int8) {
+      p.k_scale_offset = end;
+      p.v_scale_offset = p.k_scale_offset + Align64(P * H * sizeof(float));
+      end = p.v_scale_offset + Align64(P * H * sizeof(float));
+    }
+    p.page_bytes = end;
+    p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + (int8 ? 2 * H * sizeof(float) : 0);
+  }
+  tables_.resize(static_cast<size_t>(n_seqs_) * geometry.n_layers);
+}
+
+KvStorage PagedKvCache::layer_storage(int layer) const {
+  KVS_CHECK_MSG(layer >= 0 && layer < geometry_.n_layers, "layer " + std::to_string(layer) + " out of range");
+  return layers_[layer].storage;
+}
+
+size_t PagedKvCache::page_bytes(int layer) const {
+  KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
+  return layers_[layer].layout.page_bytes;
+}
+
+size_t PagedKvCache::token_bytes(int layer) const {
+  KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
+  return layers_[layer].layout.token_bytes;
+}
+
+Status PagedKvCache::CheckSeq(const char* op, int seq) const {
+  if (seq < 0 || seq >= n_seqs_) {
+    return InvalidArgumentError(std::string("KV cache ") + op + ": seq " + std::to_string(seq) +
+                                " out of range [0, " + std::to_string(n_seqs_) + ")");
+  }
+  return Status::Ok();
+}
+
+int32_t PagedKvCache::PageFill(const Table& t, size_t page_index) const {
+  if (page_index + 1 < t.pages.size()) return page_size_;
+  return t.n - static_cast<int32_t>(t.pages.size() - 1) * page_size_;
+}
+
+PageId PagedKvCache::AllocatePage(int layer) {
+  Layer& L = layers_[layer];
+  StatusOr<PageId> id = L.pool->Allocate();
+  KVS_CHECK_MSG(id.ok(), "page allocation failed after the budget check: " + id.status().ToString());
+  ++L.pages;
+  ++pages_in_use_;
+  peak_pages_in_use_ = std::max(peak_pages_in_use_, pages_in_use_);
+  return *id;
+}
+
+void PagedKvCache::ReleasePage(int layer, PageId id, int32_t fill) {
+  Layer& L = layers_[layer];
+  if (!L.pool->Release(id)) return;  // still shared: its slots stay live for the other tables
+  --L.pages;
+  --pages_in_use_;
+  L.live_slots -= fill;
+  KVS_CHECK(L.pages >= 0 && L.live_slots >= 0);
+}
+
+Status PagedKvCache::BudgetError(const char* op, int seq, int layer, int64_t pages, size_t bytes) const {
+  std::string where = "seq " + std::to_string(seq) + (layer >= 0 ? " layer " + std::to_string(layer) : "");
+  return ResourceExhaustedError("KV cache budget exhausted: " + std::string(op) + " on " + where + " needs " +
+                                std::to_string(pages) + " more page(s) (" + std::to_string(bytes) +
+                                " bytes), but the budget of " + std::to_string(budget_.limit_bytes()) +
+                                " bytes has " + std::to_string(budget_.used_bytes()) + " bytes in use (" +
+                                std::to_string(pages_in_use_) + " pages) and " +
+                                std::to_string(budget_.available_bytes()) +
+                                " free; raise the KV budget or evict tokens");
+}
+
+void PagedKvCache::CopySlots(const Layer& L, PageId src, int32_t src_slot, PageId dst, int32_t dst_slot,
+                             int32_t count) {
+  const PageLayout& p = L.layout;
+  const uint8_t* s = L.pool->data(src);
+  uint8_t* d = L.pool->data(dst);
+  const size_t n = static_cast<size_t>(count);
+  std::memmove(d + p.k_offset + dst_slot * p.row_bytes, s + p.k_offset + src_slot * p.row_bytes, n * p.row_bytes);
+  std::memmove(d + p.v_offset + dst_slot * p.row_bytes, s + p.v_offset + src_slot * p.row_bytes, n * p.row_bytes);
+  std::memmove(d + p.positions_offset + dst_slot * sizeof(int32_t), s + p.positions_offset + src_slot * sizeof(int32_t),
+               n * sizeof(int32_t));
+  if (L.storage == KvStorage::kInt8) {
+    const size_t scale_row = static_cast<size_t>(geometry_.n_kv_heads) * sizeof(float);  // [n_kv_heads] f32
+    std::memmove(d + p.k_scale_offset + dst_slot * scale_row, s + p.k_scale_offset + src_slot * scale_row,
+                 n * scale_row);
+    std::memmove(d + p.v_scale_offset + dst_slot * scale_row, s + p.v_scale_offset + src_slot * scale_row,
+                 n * scale_row);
+  }
+}
+
+Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const float* v,
+                            const int32_t* positions) {
+  KVS_RETURN_IF_ERROR(CheckSeq("append", seq));
+  if (layer < 0 || layer >= geometry_.n_layers) {
+    return InvalidArgumentError("KV cache append: layer " + std::to_string(layer) + " out of range [0, " +
+                                std::to_string(geometry_.n_layers) + ")");
+  }
+  if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
+  if (n == 0) return Status::Ok();
+  if (k == nullptr || v == nullptr || positions == nullptr) {
+    return InvalidArgumentError("KV cache append: null k, v or positions for " + std::to_string(n) + " tokens");
+  }
+  Table& t = table(seq, layer);
+  Layer& L = layers_[layer];
+  if (n > INT32_MAX - t.n) {
+    return ResourceExhaustedError("KV cache append: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                                  " would exceed 2^31 tokens");
+  }
+  // Validate every position before writing anything, so a failed append leaves the cache unchanged.
+  const int32_t* last_pos =
+      t.n > 0 ? reinterpret_cast<const int32_t*>(L.pool->data(t.pages.back()) + L.layout.positions_offset) +
+                    (PageFill(t, t.pages.size() - 1) - 1)
+              : nullptr;
+  for (int32_t i = 0; i < n; ++i) {
+    const bool has_prev = i > 0 || last_pos != nullptr;
+    const int32_t prev = i > 0 ? positions[i - 1] : (last_pos ? *last_pos : 0);
+    if (positions[i] < 0 || (has_prev && positions[i] <= prev)) {
+      return InvalidArgumentError("KV cache append: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                                  ": position " + std::to_string(positions[i]) + " (token " + std::to_string(i) +
+                                  " of the batch) must be >= 0 and greater than the previous position " +
+                                  (has_prev ? std::to_string(prev) : std::string("(none)")));
+    }
+  }
+
+  const int32_t P = page_size_;
+  const int32_t room = static_cast<int32_t>(t.pages.size()) * P - t.n;
+  const bool copy_last = room > 0 && L.pool->refcount(t.pages.back()) > 1;
+  const int64_t new_pages = (static_cast<int64_t>(std::max(0, n - room)) + P - 1) / P + (copy_last ? 1 : 0);
+  const size_t new_bytes = static_cast<size_t>(new_pages) * L.layout.page_bytes;
+  if (!budget_.CanAfford(new_bytes)) return BudgetError("append", seq, layer, new_pages, new_bytes);
+
+  if (copy_last) {  // copy-on-write: the partly filled last page is shared with another sequence
+    const PageId shared = t.pages.back();
+    const int32_t fill = PageFill(t, t.pages.size() - 1);
+    const PageId own = AllocatePage(layer);
+    CopySlots(L, shared, 0, own, 0, fill);
+    L.live_slots += fill;
+    ReleasePage(layer, shared, fill);
+    t.pages.back() = own;
+    ++cow_pages_;
+  }
+
+  const PageLayout& p = L.layout;
+  const int H = geometry_.n_kv_heads, D = geometry_.head_dim;
+  const size_t row_values = static_cast<size_t>(H) * D;
+  for (int32_t done = 0; done < n;) {
+    if (t.n == static_cast<int32_t>(t.pages.size()) * P) t.pages.push_back(AllocatePage(layer));
+    const int32_t slot = t.n - static_cast<int32_t>(t.pages.size() - 1) * P;
+    const int32_t chunk = std::min(n - done, P - slot);
+    uint8_t* page = L.pool->data(t.pages.back());
+    const float* k_src = k + done * row_values;  // [chunk, n_kv_heads, head_dim]
+    const float* v_src = v + done * row_values;
+    uint8_t* k_dst = page + p.k_offset + slot * p.row_bytes;
+    uint8_t* v_dst = page + p.v_offset + slot * p.row_bytes;
+    const size_t values = static_cast<size_t>(chunk) * row_values;
+    switch (L.storage) {
+      case KvStorage::kF32:
+        std::memcpy(k_dst, k_src, values * sizeof(float));
+        std::memcpy(v_dst, v_src, values * sizeof(float));
+        break;
+      case KvStorage::kF16:
+        ops::QuantizeRow(DType::kF16, k_src, k_dst, static_cast<int64_t>(values));
+        ops::QuantizeRow(DType::kF16, v_src, v_dst, static_cast<int64_t>(values));
+        break;
+      case KvStorage::kInt8: {
+        float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + slot * H;  // [chunk, n_kv_heads]
+        float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + slot * H;
+        ops::QuantizeKvRowsInt8(k_src, static_cast<int64_t>(chunk) * H, D, reinterpret_cast<int8_t*>(k_dst), k_scale);
+        ops::QuantizeKvRowsInt8(v_src, static_cast<int64_t>(chunk) * H, D, reinterpret_cast<int8_t*>(v_dst), v_scale);
+        break;
+      }
+    }
+    std::memcpy(page + p.positions_offset + slot * sizeof(int32_t), positions + done, chunk * sizeof(int32_t));
+    t.n += chunk;
+    L.live_slots += chunk;
+    done += chunk;
+  }
+  return Status::Ok();
+}
+
+void PagedKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) const {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_ && layer >= 0 && layer < geometry_.n_layers,
+                "seq " + std::to_string(seq) + " layer " + std::to_string(layer) + " out of range");
+  const Table& t = table(seq, layer);
+  const Layer& L = layers_[layer];
+  const PageLayout& p = L.layout;
+  const bool int8 = L.storage == KvStorage::kInt8;
+  out->clear();
+  for (size_t i = 0; i < t.pages.size(); ++i) {
+    const uint8_t* page = L.pool->data(t.pages[i]);
+    KvSpan s;
+    s.k = page + p.k_offset;
+    s.v = page + p.v_offset;
+    s.positions = reinterpret_cast<const int32_t*>(page + p.positions_offset);
+    s.k_scale = int8 ? reinterpret_cast<const float*>(page + p.k_scale_offset) : nullptr;
+    s.v_scale = int8 ? reinterpret_cast<const float*>(page + p.v_scale_offset) : nullptr;
+    s.n = PageFill(t, i);
+    out->push_back(s);
+  }
+}
+
+int32_t PagedKvCache::NumTokens(int seq, int layer) const {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_ && layer >= 0 && layer < geometry_.n_layers,
+                "seq " + std::to_string(seq) + " layer " + std::to_string(layer) + " out of range");
+  return table(seq, layer).n;
+}
+
+void PagedKvCache::ClearTable(int seq, int layer) {
+  Table& t = table(seq, layer);
+  for (size_t i = 0; i < t.pages.size(); ++i) ReleasePage(layer, t.pages[i], PageFill(t, i));
+  t.pages.clear();
+  t.n = 0;
+}
+
+void PagedKvCache::Clear(int seq) {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_, "Clear: seq " + std::to_string(seq) + " out of range");
+  for (int layer = 0; layer < geometry_.n_layers; ++layer) ClearTable(seq, layer);
+}
+
+PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, const uint8_t* keep) const {
+  EvictPlan plan;
+  int32_t i = 0;
+  while (i < t.n && keep[i]) ++i;
+  if (i == t.n) return plan;  // keeps everything
+  plan.first_drop = i;
+  plan.n_keep = i;
+  for (; i < t.n; ++i) plan.n_keep += keep[i] ? 1 : 0;
+  // Pages before the first dropped token are untouched (shared prefixes stay shared); each
+  // page from there on that survives is rewritten, and must be copied first if shared.
+  const int32_t P = page_size_;
+  const int32_t new_count = (plan.n_keep + P - 1) / P;
+  for (int32_t d = plan.first_drop / P; d < new_count; ++d) {
+    if (L.pool->refcount(t.pages[d]) > 1) ++plan.fresh_pages;
+  }
+  return plan;
+}
+
+void PagedKvCache::ApplyEvict(int seq, int layer, const uint8_t* keep, const EvictPlan& plan) {
+  if (plan.first_drop < 0) return;
+  Table& t = table(seq, layer);
+  Layer& L = layers_[layer];
+  const int32_t P = page_size_;
+  const int32_t n_old = t.n;
+  const int32_t f = plan.first_drop;
+  const int32_t first_page = f / P;
+  const int32_t old_count = static_cast<int32_t>(t.pages.size());
+  const int32_t new_count = (plan.n_keep + P - 1) / P;
+  scratch_dest_.assign(t.pages.begin(), t.pages.end());  // old pages, read while t.pages is rewritten
+  const std::vector<PageId>& old = scratch_dest_;
+
+  // Destinations: exclusive pages are rewritten in place; shared ones are replaced by a copy
+  // (only the untouched leading slots of the first page need copying; the rest is overwritten).
+  for (int32_t d = first_page; d < new_count; ++d) {
+    if (L.pool->refcount(old[d]) == 1) continue;
+    const PageId own = AllocatePage(layer);
+    if (d == first_page && f % P > 0) CopySlots(L, old[d], 0, own, 0, f % P);
+    t.pages[d] = own;
+    ++cow_pages_;
+  }
+
+  // Stable compaction, run by run: destination index j never passes source index i, so a
+  // forward copy never overwrites a survivor it has not moved yet.
+  int32_t i = f, j = f;
+  while (i < n_old) {
+    if (!keep[i]) {
+      ++i;
+      continue;
+    }
+    int32_t run_end = i + 1;
+    while (run_end < n_old && keep[run_end]) ++run_end;
+    while (i < run_end) {
+      const int32_t chunk = std::min({run_end - i, P - i % P, P - j % P});
+      CopySlots(L, old[i / P], i % P, t.pages[j / P], j % P, chunk);
+      i += chunk;
+      j += chunk;
+      moved_tokens_ += chunk;
+    }
+  }
+  KVS_CHECK(j == plan.n_keep);
+
+  auto old_fill = [&](int32_t d) { return d + 1 < old_count ? P : n_old - (old_count - 1) * P; };
+  auto new_fill = [&](int32_t d) { return d + 1 < new_count ? P : plan.n_keep - (new_count - 1) * P; };
+  for (int32_t d = first_page; d < old_count; ++d) {
+    if (d < new_count) {
+      if (t.pages[d] == old[d]) {
+        L.live_slots += new_fill(d) - old_fill(d);
+        continue;
+      }
+      L.live_slots += new_fill(d);  // the copy; the shared original keeps its slots for others
+    }
+    ReleasePage(layer, old[d], old_fill(d));
+  }
+  t.pages.resize(new_count);
+  t.n = plan.n_keep;
+}
+
+Status PagedKvCache::Evict(int seq, int layer, const std::vector<uint8_t>& keep) {
+  KVS_RETURN_IF_ERROR(CheckSeq("evict", seq));
+  if (layer < 0 || layer >= geometry_.n_layers) {
+    return InvalidArgumentError("KV cache evict: layer " + std::to_string(layer) + " out of range [0, " +
+                                std::to_string(geometry_.n_layers) + ")");
+  }
+  const Table& t = table(seq, layer);
+  if (keep.size() != static_cast<size_t>(t.n)) {
+    return InvalidArgumentError("KV cache evict: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                                ": keep mask has " + std::to_string(keep.size()) + " entries but " +
+                                std::to_string(t.n) + " tokens are cached");
+  }
+  const EvictPlan plan = PlanEvict(t, layers_[layer], keep.data());
+  const size_t bytes = static_cast<size_t>(plan.fresh_pages) * layers_[layer].layout.page_bytes;
+  if (!budget_.CanAfford(bytes)) return BudgetError("evict (copy of shared pages)", seq, layer, plan.fresh_pages, bytes);
+  ApplyEvict(seq, layer, keep.data(), plan);
+  if (plan.first_drop >= 0) layers_[layer].evicted_tokens += keep.size() - plan.n_keep;
+  return Status::Ok();
+}
+
+Status PagedKvCache::RemoveRange(int seq, int32_t p0, int32_t p1) {
+  KVS_RETURN_IF_ERROR(CheckSeq("remove-range", seq));
+  const int32_t begin = std::max(p0, 0);
+  const int32_t end = p1 < 0 ? INT32_MAX : p1;
+  if (begin >= end) return Status::Ok();
+  // Plan every layer first so that a budget failure leaves all layers unchanged.
+  const int n_layers = geometry_.n_layers;
+  std::vector<EvictPlan> plans(n_layers);
+  std::vector<size_t> mask_offset(n_layers);
+  size_t total = 0;
+  for (int l = 0; l < n_layers; ++l) {
+    mask_offset[l] = total;
+    total += table(seq, l).n;
+  }
+  scratch_keep_.resize(total);
+  int64_t fresh_pages = 0;
+  size_t fresh_bytes = 0;
+  for (int l = 0; l < n_layers; ++l) {
+    const Table& t = table(seq, l);
+    const Layer& L = layers_[l];
+    uint8_t* keep = scratch_keep_.data() + mask_offset[l];
+    for (size_t pi = 0; pi < t.pages.size(); ++pi) {
+      const int32_t* pos = reinterpret_cast<const int32_t*>(L.pool->data(t.pages[pi]) + L.layout.positions_offset);
+      const int32_t fill = PageFill(t, pi);
+      for (int32_t s = 0; s < fill; ++s) keep[pi * page_size_ + s] = (pos[s] < begin || pos[s] >= end) ? 1 : 0;
+    }
+    plans[l] = PlanEvict(t, L, keep);
+    fresh_pages += plans[l].fresh_pages;
+    fresh_bytes += static_cast<size_t>(plans[l].fresh_pages) * L.layout.page_bytes;
+  }
+  if (!budget_.CanAfford(fresh_bytes)) {
+    return BudgetError("remove-range (copy of shared pages)", seq, -1, fresh_pages, fresh_bytes);
+  }
+  for (int l = 0; l < n_layers; ++l) {
+    const int32_t n_before = table(seq, l).n;
+    ApplyEvict(seq, l, scratch_keep_.data() + mask_offset[l], plans[l]);
+    layers_[l].removed_tokens += n_before - table(seq, l).n;
+  }
+  return Status::Ok();
+}
+
+Status PagedKvCache::Fork(int src, int dst) {
+  KVS_RETURN_IF_ERROR(CheckSeq("fork (source)", src));
+  KVS_RETURN_IF_ERROR(CheckSeq("fork (destination)", dst));
+  if (src == dst) return Status::Ok();
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    ClearTable(dst, l);
+    const Table& from = table(src, l);
+    Table& to = table(dst, l);
+    to.pages = from.pages;
+    to.n = from.n;
+    for (PageId id : to.pages) layers_[l].pool->Retain(id);
+  }
+  return Status::Ok();
+}
+
+Status PagedKvCache::KeepOnly(int seq) {
+  KVS_RETURN_IF_ERROR(CheckSeq("keep-only", seq));
+  for (int s = 0; s < n_seqs_; ++s) {
+    if (s != seq) Clear(s);
+  }
+  return Status::Ok();
+}
+
+size_t PagedKvCache::LayerAllocatedBytes(int layer) const {
+  KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
+  return static_cast<size_t>(layers_[layer].pages) * layers_[layer].layout.page_bytes;
+}
+
+size_t PagedKvCache::LayerLiveBytes(int layer) const {
+  KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
+  return static_cast<size_t>(layers_[layer].live_slots) * layers_[layer].layout.token_bytes;
+}
+
+size_t PagedKvCache::AllocatedBytes() const {
+  size_t bytes = 0;
+  for (int l = 0; l < geometry_.n_layers; ++l) bytes += LayerAllocatedBytes(l);
+  return bytes;
+}
+
+size_t PagedKvCache::LiveBytes() const {
+  size_t bytes = 0;
+  for (int l = 0; l < geometry_.n_layers; ++l) bytes += LayerLiveBytes(l);
+  return bytes;
+}
+
+PagedKvStats PagedKvCache::Stats() const {
+  PagedKvStats s;
+  s.page_size = page_size_;
+  s.budget_bytes = budget_.limit_bytes();
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    const Layer& L = layers_[l];
+    PagedKvLayerStats ls;
+    ls.storage = L.storage;
+    ls.page_bytes = L.layout.page_bytes;
+    ls.token_bytes = L.layout.token_bytes;
+    ls.pages = L.pages;
+    ls.live_tokens = L.live_slots;
+    ls.allocated_bytes = LayerAllocatedBytes(l);
+    ls.live_bytes = LayerLiveBytes(l);
+    ls.evicted_tokens = L.evicted_tokens;
+    ls.removed_tokens = L.removed_tokens;
+    s.allocated_bytes += ls.allocated_bytes;
+    s.live_bytes += ls.live_bytes;
+    s.evicted_tokens += ls.evicted_tokens;
+    s.removed_tokens += ls.removed_tokens;
+    s.layers.push_back(ls);
+  }
+  s.fragmentation_bytes = s.allocated_bytes - s.live_bytes;
+  s.pages_in_use = pages_in_use_;
+  s.peak_pages_in_use = peak_pages_in_use_;
+  s.peak_allocated_bytes = budget_.peak_bytes();
+  s.moved_tokens = moved_tokens_;
+  s.cow_pages = cow_pages_;
+  return s;
+}
+
+void PagedKvCache::CheckInvariants() const {
+  // Per pool: references found in the tables, the fill each referencer sees, the owning layer.
+  struct PoolView {
+    std::vector<int32_t> refs, fill, layer;
+  };
+  PoolView views[3];
+  for (int i = 0; i < 3; ++i) {
+    if (!pools_[i]) continue;
+    const size_t touched = static_cast<size_t>(pools_[i]->pages_touched());
+    views[i].refs.assign(touched, 0);
+    views[i].fill.assign(touched, -1);
+    views[i].layer.assign(touched, -1);
+  }
+  for (int seq = 0; seq < n_seqs_; ++seq) {
+    for (int l = 0; l < geometry_.n_layers; ++l) {
+      const Table& t = table(seq, l);
+      const Layer& L = layers_[l];
+      KVS_CHECK(t.n >= 0);
+      KVS_CHECK(t.pages.size() == static_cast<size_t>((t.n + page_size_ - 1) / page_size_));
+      PoolView& view = views[StorageIndex(L.storage)];
+      bool has_prev = false;
+      int32_t prev = 0;
+      for (size_t i = 0; i < t.pages.size(); ++i) {
+        const PageId id = t.pages[i];
+        KVS_CHECK(id < view.refs.size());
+        const int32_t fill = PageFill(t, i);
+        KVS_CHECK(fill >= 1 && fill <= page_size_);
+        ++view.refs[id];
+        KVS_CHECK_MSG(view.fill[id] < 0 || view.fill[id] == fill, "shared page seen with different fills");
+        KVS_CHECK_MSG(view.layer[id] < 0 || view.layer[id] == l, "page shared across layers");
+        view.fill[id] = fill;
+        view.layer[id] = l;
+        const int32_t* pos = reinterpret_cast<const int32_t*>(L.pool->data(id) + L.layout.positions_offset);
+        for (int32_t s = 0; s < fill; ++s) {
+          KVS_CHECK_MSG(pos[s] >= 0 && (!has_prev || pos[s] > prev), "positions not ascending");
+          prev = pos[s];
+          has_prev = true;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> layer_pages(geometry_.n_layers, 0), layer_slots(geometry_.n_layers, 0);
+  int64_t total_in_use = 0;
+  size_t total_bytes = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (!pools_[i]) continue;
+    int64_t distinct = 0;
+    for (size_t id = 0; id < views[i].refs.size(); ++id) {
+      KVS_CHECK_MSG(views[i].refs[id] == pools_[i]->refcount(static_cast<PageId>(id)),
+                    "pool '" + pools_[i]->name() + "' page " + std::to_string(id) + ": refcount " +
+                        std::to_string(pools_[i]->refcount(static_cast<PageId>(id))) + " but " +
+                        std::to_string(views[i].refs[id]) + " table references");
+      if (views[i].refs[id] == 0) continue;
+      ++distinct;
+      ++layer_pages[views[i].layer[id]];
+      layer_slots[views[i].layer[id]] += views[i].fill[id];
+    }
+    KVS_CHECK(distinct == pools_[i]->pages_in_use());
+    total_in_use += distinct;
+    total_bytes += pools_[i]->bytes_in_use();
+  }
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    KVS_CHECK_MSG(layer_pages[l] == layers_[l].pages, "layer " + std::to_string(l) + " page count");
+    KVS_CHECK_MSG(layer_slots[l] == layers_[l].live_slots, "layer " + std::to_string(l) + " live slots");
+  }
+  KVS_CHECK(total_in_use == pages_in_use_);
+  KVS_CHECK(total_bytes == budget_.used_bytes());
+}
+
+}  // namespace kvsparse

@@ -1,0 +1,251 @@
+#include "kvsparse/sparse_kv_controller.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+
+#include "kvsparse/attention_scores.h"
+#include "kvsparse/kv_policies.h"
+
+namespace kvsparse {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+std::string MiB(size_t bytes) { return fmt::format("{:.3f}", static_cast<double>(bytes) / (1 << 20)); }
+
+}  // namespace
+
+StatusOr<std::unique_ptr<SparseKvController>> SparseKvController::Create(const KvSparsityConfig& config,
+                                                                         PagedKvCache* cache, uint64_t seed) {
+  if (cache == nullptr) return InvalidArgumentError("sparse KV controller: no paged KV cache given");
+  const int n_layers = cache->geometry().n_layers;
+  if (static_cast<int>(config.layers.size()) != n_layers) {
+    return InvalidArgumentError(fmt::format("sparse KV controller: the KV config describes {} layers, the cache has {}",
+                                            config.layers.size(), n_layers));
+  }
+  KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(config));
+  for (int layer = 0; layer < n_layers; ++layer) {
+    if (config.layers[layer].kv_type != cache->layer_storage(layer)) {
+      return InvalidArgumentError(fmt::format("sparse KV controller: layer {} is configured as {} but the cache stores {}",
+                                              layer, KvStorageName(config.layers[layer].kv_type),
+                                              KvStorageName(cache->layer_storage(layer))));
+    }
+  }
+  std::unique_ptr<SparseKvController> controller(new SparseKvController(config, cache, seed));
+  for (int seq = 0; seq < cache->n_seqs(); ++seq) KVS_RETURN_IF_ERROR(controller->BuildPolicies(seq));
+  return controller;
+}
+
+SparseKvController::SparseKvController(const KvSparsityConfig& config, PagedKvCache* cache, uint64_t seed)
+    : config_(config),
+      cache_(cache),
+      seed_(seed),
+      n_layers_(cache->geometry().n_layers),
+      policies_(static_cast<size_t>(cache->n_seqs()) * n_layers_),
+      generation_(cache->n_seqs(), 0),
+      stats_(n_layers_) {}
+
+Status SparseKvController::BuildPolicies(int seq) {
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    // Distinct, reproducible seeds per (restart, sequence, layer).
+    const uint64_t seed = seed_ * 0x9E3779B97F4A7C15ull + (generation_[seq] * cache_->n_seqs() + seq) * 1000003ull +
+                          static_cast<uint64_t>(layer);
+    auto policy = CreatePolicy(config_.layers[layer], layer, n_layers_, seed);
+    if (!policy.ok()) {
+      return Status(policy.status().code(),
+                    fmt::format("sparse KV controller: layer {}: {}", layer, policy.status().message()));
+    }
+    policies_[Index(seq, layer)] = std::move(*policy);
+  }
+  return Status::Ok();
+}
+
+Status SparseKvController::ResetSequence(int seq) {
+  if (seq < 0 || seq >= cache_->n_seqs()) {
+    return InvalidArgumentError(fmt::format("sparse KV controller: sequence {} is out of range [0, {})", seq,
+                                            cache_->n_seqs()));
+  }
+  cache_->Clear(seq);
+  ++generation_[seq];
+  return BuildPolicies(seq);
+}
+
+void SparseKvController::OnAppend(int seq, int layer, int32_t n_new) { policy(seq, layer).OnAppend(n_new); }
+
+bool SparseKvController::WantsScores(int seq, int layer) const {
+  return policies_[Index(seq, layer)]->NeedsAttention();
+}
+
+void SparseKvController::ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q,
+                                          const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
+                                          const float* row_max_sum, int n_threads) {
+  const auto t0 = Clock::now();
+  KvPolicy& p = policy(seq, layer);
+  int64_t n_tokens = 0;
+  for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
+  const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
+  const uint32_t needed = p.NeededObservations();
+  const int32_t window = std::min(p.ObservationWindow(), n_q);
+  ScoreOutputs outputs;
+  if (needed & kObserveSumAll) {
+    sum_all_.resize(n_out);
+    outputs.sum_all = sum_all_.data();
+  }
+  if ((needed & kObserveSumWindow) && window > 0) {
+    sum_window_.resize(n_out);
+    outputs.sum_window = sum_window_.data();
+  }
+  if (needed & kObserveLast) {
+    last_.resize(n_out);
+    outputs.last = last_.data();
+  }
+  ScoreGathering gathering;
+  gathering.aggregation = config_.agg;
+  // The window is the call's last `window` queries; positions ascend within a call.
+  gathering.window_start = window > 0 ? q_pos[n_q - window] : INT32_MAX;
+  ops::AttentionScores(shape, cache_->layer_storage(layer), q, q_pos, n_q, spans, n_spans, row_max_sum, gathering,
+                       outputs, n_threads);
+  AttentionObservation obs;
+  obs.n_queries = n_q;
+  obs.n_tokens = static_cast<int32_t>(n_tokens);
+  obs.n_kv_heads = shape.n_kv_heads;
+  obs.query_positions = q_pos;
+  obs.sum_all = outputs.sum_all;
+  obs.sum_window = outputs.sum_window;
+  obs.last = outputs.last;
+  p.Observe(obs);
+  SparseKvLayerStats& st = stats_[layer];
+  ++st.observations;
+  st.score_s += Seconds(t0, Clock::now());
+}
+
+Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint point, int32_t n_seen,
+                                          int32_t current_position) {
+  KvPolicy& p = policy(seq, layer);
+  SparseKvLayerStats& st = stats_[layer];
+  const int32_t n_live = cache_->NumTokens(seq, layer);
+  st.peak_live_tokens = std::max(st.peak_live_tokens, n_live);
+  const int32_t target = p.EvictionTarget(n_live, n_seen, point, config_.evict_interval);
+  if (target >= n_live) return Status::Ok();
+
+  const auto t0 = Clock::now();
+  cache_->Spans(seq, layer, &spans_);
+  positions_.resize(n_live);
+  int32_t at = 0;
+  for (const KvSpan& s : spans_) {
+    std::copy(s.positions, s.positions + s.n, positions_.begin() + at);
+    at += s.n;
+  }
+  KVS_CHECK(at == n_live);
+  const KvGeometry& g = cache_->geometry();
+  SelectionContext ctx;
+  ctx.layer = layer;
+  ctx.n_live = n_live;
+  ctx.target = target;
+  ctx.positions = positions_.data();
+  ctx.current_position = current_position;
+  ctx.in_prefill = point == EvictionPoint::kPrefillChunk;
+  ctx.spans = spans_.data();
+  ctx.n_spans = static_cast<int32_t>(spans_.size());
+  ctx.storage = cache_->layer_storage(layer);
+  ctx.n_kv_heads = g.n_kv_heads;
+  ctx.head_dim = g.head_dim;
+  p.SelectKeep(ctx, &keep_);
+  const auto t1 = Clock::now();
+  KVS_CHECK_MSG(static_cast<int32_t>(keep_.size()) == n_live,
+                fmt::format("policy '{}' returned a keep mask of {} entries for {} live tokens", p.name(), keep_.size(),
+                            n_live));
+  int32_t kept = 0;
+  for (uint8_t k : keep_) kept += k != 0;
+  KVS_CHECK_MSG(kept == target, fmt::format("policy '{}' kept {} of {} tokens, asked for {}", p.name(), kept, n_live,
+                                            target));
+  Status evicted = cache_->Evict(seq, layer, keep_);
+  if (!evicted.ok()) {
+    return Status(evicted.code(), fmt::format("evicting {} tokens of sequence {} layer {}: {}", n_live - target, seq,
+                                              layer, evicted.message()));
+  }
+  p.OnEvict(keep_);
+  const auto t2 = Clock::now();
+  ++st.evictions;
+  st.evicted_tokens += n_live - target;
+  st.select_s += Seconds(t0, t1);
+  st.compact_s += Seconds(t1, t2);
+  return Status::Ok();
+}
+
+void SparseKvController::ResetStats() { std::fill(stats_.begin(), stats_.end(), SparseKvLayerStats{}); }
+
+std::string SparseKvController::FormatStats() const {
+  std::string out = "| layer | method | kv | allocated MiB | live MiB | live tokens | peak tokens | evictions | "
+                    "evicted | score ms | select ms | compact ms |\n"
+                    "|------:|--------|----|--------------:|---------:|------------:|------------:|----------:|"
+                    "--------:|---------:|----------:|-----------:|\n";
+  SparseKvLayerStats total;
+  int64_t total_live = 0;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    const SparseKvLayerStats& s = stats_[layer];
+    int64_t live = 0;
+    for (int seq = 0; seq < cache_->n_seqs(); ++seq) live += cache_->NumTokens(seq, layer);
+    out += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n", layer,
+                       KvMethodName(config_.layers[layer].method), KvStorageName(cache_->layer_storage(layer)),
+                       MiB(cache_->LayerAllocatedBytes(layer)), MiB(cache_->LayerLiveBytes(layer)), live,
+                       s.peak_live_tokens, s.evictions, s.evicted_tokens, s.score_s * 1e3, s.select_s * 1e3,
+                       s.compact_s * 1e3);
+    total.evictions += s.evictions;
+    total.evicted_tokens += s.evicted_tokens;
+    total.score_s += s.score_s;
+    total.select_s += s.select_s;
+    total.compact_s += s.compact_s;
+    total_live += live;
+  }
+  out += fmt::format("| all | | | {} | {} | {} | | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n",
+                     MiB(cache_->AllocatedBytes()), MiB(cache_->LiveBytes()), total_live, total.evictions,
+                     total.evicted_tokens, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3);
+  out += fmt::format("policy time: {:.2f} ms (scoring {:.2f}, selection {:.2f}, compaction {:.2f}); "
+                     "peak KV allocated {} MiB\n",
+                     total.policy_s() * 1e3, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3,
+                     MiB(cache_->Stats().peak_allocated_bytes));
+  return out;
+}
+
+StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSparsityConfig& config, int n_seqs,
+                                       int32_t max_tokens, uint64_t seed) {
+  if (static_cast<int>(config.layers.size()) != geometry.n_layers) {
+    return InvalidArgumentError(fmt::format("sparse KV: the KV config describes {} layers, the model has {}",
+                                            config.layers.size(), geometry.n_layers));
+  }
+  if (max_tokens <= 0) return InvalidArgumentError(fmt::format("sparse KV: max_tokens must be positive, got {}", max_tokens));
+  PagedKvCacheOptions options;
+  options.n_seqs = n_seqs;
+  options.page_size = config.page_size;
+  options.layer_storage.clear();
+  for (const LayerKvConfig& l : config.layers) options.layer_storage.push_back(l.kv_type);
+  // Page sizes come from the cache's own layout: ask a probe cache, then reserve room for
+  // max_tokens (+ one partly filled page) per (sequence, layer). The reservation is address
+  // space only; memory is used as pages fill.
+  const size_t page_tokens = static_cast<size_t>(config.page_size);
+  const size_t heads = static_cast<size_t>(geometry.n_kv_heads);
+  options.budget_bytes = page_tokens * (2 * heads * geometry.head_dim * sizeof(float) + sizeof(int32_t) +
+                                        2 * heads * sizeof(float)) +
+                         5 * 64;  // at least one page of any storage type, sections padded to 64 bytes
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<PagedKvCache> probe, PagedKvCache::Create(geometry, options));
+  size_t budget = 0;
+  const size_t pages_per_table = static_cast<size_t>((max_tokens + config.page_size - 1) / config.page_size) + 1;
+  for (int layer = 0; layer < geometry.n_layers; ++layer) {
+    budget += pages_per_table * probe->page_bytes(layer) * static_cast<size_t>(n_seqs);
+  }
+  probe.reset();
+  options.budget_bytes = budget;
+  SparseKvSetup setup;
+  KVS_ASSIGN_OR_RETURN(setup.cache, PagedKvCache::Create(geometry, options));
+  KVS_ASSIGN_OR_RETURN(setup.controller, SparseKvController::Create(config, setup.cache.get(), seed));
+  return setup;
+}
+
+}  // namespace kvsparse

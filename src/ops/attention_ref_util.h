@@ -1,0 +1,39 @@
+// Element access into KvSpans for the scalar reference kernels (attention, score gathering).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/kv_cache.h"
+
+namespace kvsparse::ref {
+
+// Reads K/V element (token t of the span, kv head, dim c) as f32, whatever the storage type.
+struct KvElementReader {
+  KvStorage storage;
+  int n_kv_heads;
+  int head_dim;
+
+  double K(const KvSpan& span, int32_t t, int kv_head, int c) const {
+    return Load(span.k, span.k_scale, t, kv_head, c);
+  }
+  double V(const KvSpan& span, int32_t t, int kv_head, int c) const {
+    return Load(span.v, span.v_scale, t, kv_head, c);
+  }
+
+ private:
+  double Load(const void* base, const float* scale, int32_t t, int kv_head, int c) const {
+    const size_t head_row = static_cast<size_t>(t) * n_kv_heads + kv_head;  // [n, n_kv_heads]
+    const size_t index = head_row * head_dim + c;
+    switch (storage) {
+      case KvStorage::kF32: return static_cast<const float*>(base)[index];
+      case KvStorage::kF16: return F16ToF32(static_cast<const f16_bits*>(base)[index]);
+      case KvStorage::kInt8:
+        return static_cast<double>(scale[head_row]) * static_cast<const int8_t*>(base)[index];
+    }
+    return 0.0;
+  }
+};
+
+}  // namespace kvsparse::ref

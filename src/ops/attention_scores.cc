@@ -1,0 +1,222 @@
+// Fast score gathering: a QK-only second pass over K that turns each score into its final
+// softmax probability with the row's (max, sum) from ops::Attention, folds the query heads
+// of each KV head and sums over queries, block by block. Nothing of size n_q x n_tokens is
+// ever stored.
+//
+// Work is split into units of (kv head, token chunk); a unit owns its output columns, so
+// units never write the same element; inside a unit, queries go in cache-sized tiles. Scores come from the same block primitives as the
+// attention kernel (attention_kernels.h), so they match its scores bit for bit.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kvsparse/attention_scores.h"
+#include "ops/attention_kernels.h"
+
+namespace kvsparse::ops {
+
+namespace {
+
+using namespace attn_detail;  // NOLINT: the kernel's own primitives
+
+constexpr int64_t kMinChunkTokens = 64;  // smallest token chunk worth a separate unit
+constexpr int kUnitsPerThread = 4;
+constexpr int64_t kMinParallelWork = int64_t{1} << 20;  // multiply-adds below which threads cost more than they save
+constexpr int kTileRows = 64;  // query rows (queries x group) whose q stays cached while K streams
+
+struct ScorePlan {
+  AttentionShape shape;
+  KvStorage storage;
+  ScoreGathering gathering;
+  ScoreOutputs outputs;
+  int group = 0;
+  int dp = 0;
+  int64_t n_tokens = 0;       // output row length
+  int64_t chunk_tokens = 0;   // multiple of kBlock
+  const float* q = nullptr;
+  const int32_t* q_pos = nullptr;
+  int32_t n_q = 0;
+  const int64_t* visible = nullptr;  // [n_q]
+  const float* row_max_sum = nullptr;
+};
+
+// One (kv head, token chunk) unit. Queries are processed in tiles of about kTileRows rows so
+// that a tile's pre-scaled q rows stay in L1/L2 while the chunk's K blocks stream past; the
+// unit adds each tile's contribution into its own output columns.
+void RunScoreUnit(const ScorePlan& plan, const TokenSequence& seq, int kv_head, int64_t t_begin, int64_t t_end) {
+  const AttentionShape& shape = plan.shape;
+  const int d = shape.head_dim, dp = plan.dp, group = plan.group;
+  const int tile_queries = std::max(1, kTileRows / group);
+  const int max_rows = tile_queries * group;
+
+  static thread_local AlignedBuffer buffer;
+  const size_t q_floats = static_cast<size_t>(max_rows) * dp;
+  const size_t p_floats = static_cast<size_t>(max_rows) * kBlock;
+  float* const scratch = buffer.Get(q_floats + p_floats + static_cast<size_t>(kBlock) * dp + 2 * max_rows);
+  float* q_rows = scratch;                  // [rows, dp] pre-scaled queries (as in ops::Attention)
+  float* p = q_rows + q_floats;             // [rows, kBlock] this block's probabilities, lane order
+  float* k_block = p + p_floats;            // [dp / 4, 4, 16] packed K
+  float* row_max = k_block + static_cast<size_t>(kBlock) * dp;  // [rows] softmax max, log2 domain
+  float* row_inv_sum = row_max + max_rows;  // [rows] 1 / softmax sum (0: row sees nothing)
+
+  const bool int8 = plan.storage == KvStorage::kInt8;
+  const size_t elem_bytes = KvStorageValueBytes(plan.storage);
+  const size_t token_bytes = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;
+  const size_t head_offset = static_cast<size_t>(kv_head) * d * elem_bytes;
+  const bool max_fold = plan.gathering.aggregation == GqaAggregation::kMax;
+  const float fold_scale = max_fold ? 1.f : 1.f / static_cast<float>(group);
+  const ScoreOutputs& out = plan.outputs;
+  const size_t out_row = static_cast<size_t>(kv_head) * plan.n_tokens;
+  const float q_scale = shape.scale * kLog2e;
+
+  for (int32_t q_begin = 0; q_begin < plan.n_q; q_begin += tile_queries) {
+    const int32_t q_end = std::min(plan.n_q, q_begin + tile_queries);
+    // Rows: the tile's queries' heads of this kv head, row r = (i - q_begin) * group + head_in_group.
+    const int rows = (q_end - q_begin) * group;
+    int64_t tile_visible = 0;
+    for (int32_t i = q_begin; i < q_end; ++i) tile_visible = std::max(tile_visible, plan.visible[i]);
+    const int64_t tile_end = std::min(t_end, tile_visible);
+    if (tile_end <= t_begin) continue;  // causal mask: the tile sees none of the chunk
+    for (int r = 0; r < rows; ++r) {
+      const int32_t i = q_begin + r / group;
+      const size_t row_index = static_cast<size_t>(i) * shape.n_heads + kv_head * group + r % group;
+      LoadQueryRow(plan.q + row_index * d, d, dp, q_scale, q_rows + static_cast<size_t>(r) * dp);
+      row_max[r] = plan.row_max_sum[2 * row_index] * kLog2e;
+      const float sum = plan.row_max_sum[2 * row_index + 1];
+      row_inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+    const bool has_last = q_end == plan.n_q;
+
+    int32_t block_span = seq.SpanOf(t_begin);
+    for (int64_t t0 = t_begin; t0 < tile_end; t0 += kBlock) {
+      const int n_block = static_cast<int>(std::min<int64_t>(kBlock, t_end - t0));
+      BlockRows block;
+      GatherBlockRows(seq, t0, n_block, token_bytes, shape.n_kv_heads, int8, &block_span, &block);
+      const uint8_t* k_head[kBlock];
+      float k_scale[kBlock];
+      for (int j = 0; j < n_block; ++j) {
+        k_head[j] = block.k[j] + head_offset;
+        if (int8) k_scale[j] = block.k_scale[j][kv_head];
+      }
+      PackK(plan.storage, k_head, k_scale, n_block, d, dp, k_block);
+
+      // Probabilities of every row, two rows at a time so they share the K loads.
+      auto valid_of = [&](int r) {
+        return static_cast<int>(std::clamp<int64_t>(plan.visible[q_begin + r / group] - t0, 0, n_block));
+      };
+      for (int r = 0; r < rows; r += 2) {
+        const int n_pair = std::min(2, rows - r);
+        const int valid0 = valid_of(r), valid1 = n_pair == 2 ? valid_of(r + 1) : 0;
+        float* p_row = p + static_cast<size_t>(r) * kBlock;
+        if (valid0 == 0 && valid1 == 0) {  // causal mask: neither row sees this block
+          std::fill(p_row, p_row + n_pair * kBlock, 0.f);
+          continue;
+        }
+        ScoreVec scores[2];
+        if (n_pair == 2) {
+          ScoreRows<2>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
+          Probabilities(scores[1], valid1, row_max[r + 1], row_inv_sum[r + 1], p_row + kBlock);
+        } else {
+          ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
+        }
+        Probabilities(scores[0], valid0, row_max[r], row_inv_sum[r], p_row);
+      }
+
+      // Fold each query's heads, then sum over the tile's queries (lane order throughout).
+      float sum_all[kBlock] = {}, sum_window[kBlock] = {}, last[kBlock] = {};
+      for (int32_t i = q_begin; i < q_end; ++i) {
+        if (plan.visible[i] <= t0) continue;
+        float folded[kBlock] = {};
+        for (int g = 0; g < group; ++g) {
+          const float* p_row = p + (static_cast<size_t>(i - q_begin) * group + g) * kBlock;
+          for (int lane = 0; lane < kBlock; ++lane) {
+            folded[lane] = max_fold ? std::max(folded[lane], p_row[lane]) : folded[lane] + p_row[lane];
+          }
+        }
+        for (int lane = 0; lane < kBlock; ++lane) folded[lane] *= fold_scale;
+        for (int lane = 0; lane < kBlock; ++lane) sum_all[lane] += folded[lane];
+        if (plan.q_pos[i] >= plan.gathering.window_start) {
+          for (int lane = 0; lane < kBlock; ++lane) sum_window[lane] += folded[lane];
+        }
+        if (i == plan.n_q - 1) std::copy(folded, folded + kBlock, last);
+      }
+      for (int lane = 0; lane < kBlock; ++lane) {
+        const int j = LaneToken(lane);
+        if (j >= n_block) continue;
+        const size_t at = out_row + static_cast<size_t>(t0 + j);
+        if (out.sum_all != nullptr) out.sum_all[at] += sum_all[lane];
+        if (out.sum_window != nullptr) out.sum_window[at] += sum_window[lane];
+        if (out.last != nullptr && has_last) out.last[at] = last[lane];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void AttentionScores(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos,
+                     int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum,
+                     const ScoreGathering& gathering, const ScoreOutputs& outputs, int n_threads) {
+  KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
+  KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+  KVS_CHECK(n_q >= 0 && n_spans >= 0);
+  KVS_CHECK_MSG(n_q == 0 || row_max_sum != nullptr, "AttentionScores needs the row_max_sum of ops::Attention");
+  if (storage == KvStorage::kInt8) {
+    for (int32_t i = 0; i < n_spans; ++i) {
+      KVS_CHECK_MSG(spans[i].n == 0 || spans[i].k_scale != nullptr, "int8 KV spans need k_scale");
+    }
+  }
+  if (n_threads <= 0) n_threads = omp_get_max_threads();
+
+  const TokenSequence seq(spans, n_spans);
+  // Tokens no query sees, and every token when there are no queries, stay 0.
+  const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * seq.n_tokens;
+  for (float* o : {outputs.sum_all, outputs.sum_window, outputs.last}) {
+    if (o != nullptr) std::fill(o, o + n_out, 0.f);
+  }
+  if (n_q == 0 || seq.n_tokens == 0) return;
+
+  std::vector<int64_t> visible(n_q);  // [n_q] tokens each query attends to (a prefix)
+  for (int32_t i = 0; i < n_q; ++i) visible[i] = seq.VisibleCount(q_pos[i]);
+  const int64_t max_visible = *std::max_element(visible.begin(), visible.end());
+  if (max_visible == 0) return;
+
+  ScorePlan plan;
+  plan.shape = shape;
+  plan.storage = storage;
+  plan.gathering = gathering;
+  plan.outputs = outputs;
+  plan.group = shape.n_heads / shape.n_kv_heads;
+  plan.dp = static_cast<int>(RoundUp(shape.head_dim, kLanes));
+  plan.n_tokens = seq.n_tokens;
+  plan.q = q;
+  plan.q_pos = q_pos;
+  plan.n_q = n_q;
+  plan.visible = visible.data();
+  plan.row_max_sum = row_max_sum;
+
+  // Enough (kv head, chunk) units to keep every thread busy, but chunks of at least kMinChunkTokens.
+  const int64_t work = static_cast<int64_t>(n_q) * shape.n_heads * max_visible * shape.head_dim;
+  if (work < kMinParallelWork) n_threads = 1;
+  int n_chunks = 1;
+  if (n_threads > 1) {
+    const int wanted = (kUnitsPerThread * n_threads + shape.n_kv_heads - 1) / shape.n_kv_heads;
+    const int64_t affordable = std::max<int64_t>(1, max_visible / kMinChunkTokens);
+    n_chunks = static_cast<int>(std::min<int64_t>(wanted, affordable));
+  }
+  plan.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((max_visible + n_chunks - 1) / n_chunks, kBlock));
+  n_chunks = static_cast<int>((max_visible + plan.chunk_tokens - 1) / plan.chunk_tokens);
+
+  const int n_units = shape.n_kv_heads * n_chunks;
+  const int threads = std::min(n_threads, n_units);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (int u = 0; u < n_units; ++u) {
+    const int kv_head = u % shape.n_kv_heads;
+    const int64_t t_begin = static_cast<int64_t>(u / shape.n_kv_heads) * plan.chunk_tokens;
+    RunScoreUnit(plan, seq, kv_head, t_begin, std::min(max_visible, t_begin + plan.chunk_tokens));
+  }
+}
+
+}  // namespace kvsparse::ops

@@ -1,0 +1,212 @@
+#include "kvsparse/attention_scores.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvsparse/attention.h"
+#include "ops/attention_test_util.h"
+
+namespace kvsparse {
+namespace {
+
+using testing::LastPosition;
+using testing::MakeSpans;
+using testing::RandomQueries;
+using testing::SpanSet;
+
+struct ScoreCase {
+  int n_q;
+  int head_dim;
+  int group;
+  KvStorage storage;
+  GqaAggregation aggregation;
+  int n_threads;
+};
+
+std::string ScoreCaseName(const ::testing::TestParamInfo<ScoreCase>& info) {
+  const ScoreCase& c = info.param;
+  std::ostringstream name;
+  name << "q" << c.n_q << "_d" << c.head_dim << "_g" << c.group << "_" << KvStorageName(c.storage)
+       << (c.aggregation == GqaAggregation::kMax ? "_max" : "_mean") << "_t" << c.n_threads;
+  return name.str();
+}
+
+struct Gathered {
+  std::vector<float> sum_all, sum_window, last;  // each [n_kv_heads, n_tokens]
+  explicit Gathered(size_t n) : sum_all(n, -5.f), sum_window(n, -5.f), last(n, -5.f) {}
+  ScoreOutputs Outputs() { return {sum_all.data(), sum_window.data(), last.data()}; }
+};
+
+void ExpectScoresClose(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-6f + 2e-5f * std::fabs(want[i])) << what << " element " << i;
+  }
+}
+
+// Runs ops::Attention for the statistics, then ops::AttentionScores, and compares with the reference.
+void CheckAgainstReference(const AttentionShape& shape, const SpanSet& set, const std::vector<float>& q,
+                           const std::vector<int32_t>& q_pos, const ScoreGathering& gathering, int n_threads,
+                           const std::string& what) {
+  const int32_t n_q = static_cast<int32_t>(q_pos.size());
+  const int32_t n_spans = static_cast<int32_t>(set.spans.size());
+  int64_t n_tokens = 0;
+  for (const KvSpan& s : set.spans) n_tokens += s.n;
+  const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
+  std::vector<float> out(q.size()), stats(static_cast<size_t>(n_q) * shape.n_heads * 2);
+  ops::Attention(shape, set.storage, q.data(), q_pos.data(), n_q, set.spans.data(), n_spans, out.data(), n_threads,
+                 stats.data());
+  Gathered want(n_out), got(n_out);
+  ref::AttentionScores(shape, set.storage, q.data(), q_pos.data(), n_q, set.spans.data(), n_spans, gathering,
+                       want.Outputs());
+  ops::AttentionScores(shape, set.storage, q.data(), q_pos.data(), n_q, set.spans.data(), n_spans, stats.data(),
+                       gathering, got.Outputs(), n_threads);
+  ExpectScoresClose(got.sum_all, want.sum_all, what + " sum_all");
+  ExpectScoresClose(got.sum_window, want.sum_window, what + " sum_window");
+  ExpectScoresClose(got.last, want.last, what + " last");
+}
+
+class AttentionScoresVsRefTest : public ::testing::TestWithParam<ScoreCase> {};
+
+// Ragged spans with gaps; queries before, inside and after the cached positions; a window
+// covering some of the queries.
+TEST_P(AttentionScoresVsRefTest, MatchesReference) {
+  const ScoreCase c = GetParam();
+  std::mt19937 rng(2000 + c.n_q * 131 + c.head_dim * 7 + c.group * 3 + c.n_threads);
+  const int n_kv_heads = c.group == 8 ? 1 : 3;
+  AttentionShape shape{n_kv_heads * c.group, n_kv_heads, c.head_dim, 1.f / std::sqrt(static_cast<float>(c.head_dim))};
+  SpanSet set = MakeSpans(c.storage, {1, 5, 16, 31, 2, 17, 1, 40, 0, 90}, n_kv_heads, c.head_dim, rng, 3);
+  const int32_t last = LastPosition(set);
+  std::vector<int32_t> q_pos(c.n_q);
+  for (int i = 0; i < c.n_q; ++i) q_pos[i] = last - (c.n_q - 1 - i) * 13;  // ascending, like a prefill chunk
+  if (c.n_q > 2) q_pos[0] = 1;  // sees nothing
+  ScoreGathering gathering;
+  gathering.aggregation = c.aggregation;
+  gathering.window_start = q_pos[c.n_q / 2];
+  for (float amplitude : {0.5f, 4.f}) {
+    std::vector<float> q = RandomQueries(static_cast<size_t>(c.n_q) * shape.n_heads * c.head_dim, rng, amplitude);
+    CheckAgainstReference(shape, set, q, q_pos, gathering, c.n_threads, "amplitude " + std::to_string(amplitude));
+  }
+}
+
+std::vector<ScoreCase> AllScoreCases() {
+  std::vector<ScoreCase> cases;
+  for (int n_q : {1, 4, 19})
+    for (int head_dim : {64, 20})
+      for (int group : {1, 2, 8})
+        for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8})
+          for (GqaAggregation aggregation : {GqaAggregation::kMean, GqaAggregation::kMax})
+            for (int n_threads : {1, 3}) cases.push_back({n_q, head_dim, group, storage, aggregation, n_threads});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ragged, AttentionScoresVsRefTest, ::testing::ValuesIn(AllScoreCases()), ScoreCaseName);
+
+// Long context split over many chunks, decode and a prefill chunk.
+TEST(AttentionScoresTest, LongContextMatchesReference) {
+  std::mt19937 rng(8);
+  AttentionShape shape{8, 2, 64, 0.125f};
+  SpanSet set = MakeSpans(KvStorage::kF16, {600, 3, 900}, 2, 64, rng);
+  const int32_t last = LastPosition(set);
+  for (int n_q : {1, 24}) {
+    std::vector<int32_t> q_pos(n_q);
+    for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 41;
+    std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 64, rng, 3.f);
+    ScoreGathering gathering{GqaAggregation::kMean, q_pos[n_q - 1] - 100};
+    for (int n_threads : {1, 2, 4}) {
+      CheckAgainstReference(shape, set, q, q_pos, gathering, n_threads,
+                            "n_q " + std::to_string(n_q) + " threads " + std::to_string(n_threads));
+    }
+  }
+}
+
+// Probabilities of each query head sum to 1 over the tokens it sees, so with mean folding
+// sum_all sums to the number of queries that see anything, and `last` to 1 per kv head.
+TEST(AttentionScoresTest, ProbabilitiesSumToOne) {
+  std::mt19937 rng(12);
+  AttentionShape shape{6, 2, 32, 0.3f};
+  SpanSet set = MakeSpans(KvStorage::kF32, {50, 30}, 2, 32, rng);
+  const int32_t last = LastPosition(set);
+  std::vector<int32_t> q_pos = {-1, 10, 40, last};
+  std::vector<float> q = RandomQueries(4 * 6 * 32, rng, 2.f);
+  std::vector<float> out(q.size()), stats(4 * 6 * 2);
+  ops::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), 4, set.spans.data(), 2, out.data(), 2, stats.data());
+  Gathered got(2 * 80);
+  ops::AttentionScores(shape, KvStorage::kF32, q.data(), q_pos.data(), 4, set.spans.data(), 2, stats.data(),
+                       ScoreGathering{GqaAggregation::kMean, 40}, got.Outputs(), 2);
+  for (int h = 0; h < 2; ++h) {
+    double all = 0, window = 0, final_query = 0;
+    for (int t = 0; t < 80; ++t) {
+      all += got.sum_all[h * 80 + t];
+      window += got.sum_window[h * 80 + t];
+      final_query += got.last[h * 80 + t];
+    }
+    EXPECT_NEAR(all, 3.0, 1e-5);     // the query at -1 sees nothing
+    EXPECT_NEAR(window, 2.0, 1e-5);  // queries at 40 and last
+    EXPECT_NEAR(final_query, 1.0, 1e-5);
+  }
+  // Tokens after position 40 are seen only by the last query: their sum_all equals last.
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < 80; ++t) {
+      if (set.F32Spans()[t < 50 ? 0 : 1].positions[t < 50 ? t : t - 50] > 40) {
+        EXPECT_FLOAT_EQ(got.sum_all[h * 80 + t], got.last[h * 80 + t]);
+      }
+    }
+  }
+}
+
+// Max folding keeps the largest head's probability: with one dominant head per token it
+// differs from mean folding by the group factor at most.
+TEST(AttentionScoresTest, MaxFoldBoundsMeanFold) {
+  std::mt19937 rng(13);
+  AttentionShape shape{8, 2, 16, 0.5f};
+  SpanSet set = MakeSpans(KvStorage::kF16, {37}, 2, 16, rng);
+  const int32_t last = LastPosition(set);
+  std::vector<int32_t> q_pos = {last};
+  std::vector<float> q = RandomQueries(8 * 16, rng, 2.f);
+  std::vector<float> out(q.size()), stats(8 * 2);
+  ops::Attention(shape, KvStorage::kF16, q.data(), q_pos.data(), 1, set.spans.data(), 1, out.data(), 1, stats.data());
+  Gathered mean(2 * 37), max(2 * 37);
+  ops::AttentionScores(shape, KvStorage::kF16, q.data(), q_pos.data(), 1, set.spans.data(), 1, stats.data(),
+                       ScoreGathering{GqaAggregation::kMean}, mean.Outputs(), 1);
+  ops::AttentionScores(shape, KvStorage::kF16, q.data(), q_pos.data(), 1, set.spans.data(), 1, stats.data(),
+                       ScoreGathering{GqaAggregation::kMax}, max.Outputs(), 1);
+  for (size_t e = 0; e < mean.last.size(); ++e) {
+    EXPECT_GE(max.last[e], mean.last[e] * (1 - 1e-6f));
+    EXPECT_LE(max.last[e], 4 * mean.last[e] * (1 + 1e-6f));  // group of 4
+    EXPECT_EQ(max.sum_window[e], 0.f);                         // default window: none
+  }
+}
+
+// No queries, no tokens, null outputs.
+TEST(AttentionScoresTest, EmptyInputs) {
+  std::mt19937 rng(14);
+  AttentionShape shape{2, 1, 16, 0.25f};
+  SpanSet set = MakeSpans(KvStorage::kF32, {5}, 1, 16, rng);
+  Gathered got(5);
+  ops::AttentionScores(shape, KvStorage::kF32, nullptr, nullptr, 0, set.spans.data(), 1, nullptr, ScoreGathering{},
+                       got.Outputs(), 2);
+  for (float x : got.sum_all) EXPECT_EQ(x, 0.f);
+  std::vector<float> q = RandomQueries(2 * 16, rng, 1.f);
+  std::vector<int32_t> q_pos = {100};
+  std::vector<float> stats = {-INFINITY, 0.f, -INFINITY, 0.f};
+  ops::AttentionScores(shape, KvStorage::kF32, q.data(), q_pos.data(), 1, nullptr, 0, stats.data(), ScoreGathering{},
+                       ScoreOutputs{}, 2);
+  // Only sum_all requested.
+  std::vector<float> out(q.size());
+  ops::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), 1, set.spans.data(), 1, out.data(), 1, stats.data());
+  std::vector<float> sum_all(5, -1.f);
+  ops::AttentionScores(shape, KvStorage::kF32, q.data(), q_pos.data(), 1, set.spans.data(), 1, stats.data(),
+                       ScoreGathering{}, ScoreOutputs{sum_all.data(), nullptr, nullptr}, 2);
+  double total = 0;
+  for (float x : sum_all) total += x;
+  EXPECT_NEAR(total, 1.0, 1e-5);
+}
+
+}  // namespace
+}  // namespace kvsparse

@@ -1,0 +1,140 @@
+// Test helpers for the attention kernels: random K/V spans in any storage type (with the f32
+// values they were made from), random queries.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/kv_cache.h"
+
+namespace kvsparse::testing {
+
+// Symmetric int8 quantization of rows: scale = max|x| / 127, q = round(x / scale).
+inline void QuantizeRowsInt8(const std::vector<float>& x, int row_len, std::vector<int8_t>* q,
+                             std::vector<float>* scales) {
+  const size_t n_rows = x.size() / row_len;
+  q->resize(x.size());
+  scales->resize(n_rows);
+  for (size_t r = 0; r < n_rows; ++r) {
+    float max_abs = 0.f;
+    for (int c = 0; c < row_len; ++c) max_abs = std::max(max_abs, std::fabs(x[r * row_len + c]));
+    const float scale = max_abs / 127.f;
+    (*scales)[r] = scale;
+    for (int c = 0; c < row_len; ++c) {
+      const float v = scale > 0.f ? std::nearbyint(x[r * row_len + c] / scale) : 0.f;
+      (*q)[r * row_len + c] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+    }
+  }
+}
+
+// Owns the K/V/position buffers behind a list of spans, in the given storage type.
+struct SpanSet {
+  KvStorage storage = KvStorage::kF32;
+  int n_kv_heads = 0, head_dim = 0;
+  std::vector<std::vector<float>> k_f32, v_f32;  // each [n, n_kv_heads, head_dim]: the values before conversion
+  std::vector<std::vector<f16_bits>> k_f16, v_f16;
+  std::vector<std::vector<int8_t>> k_i8, v_i8;
+  std::vector<std::vector<float>> k_scale, v_scale;  // each [n, n_kv_heads] (int8)
+  std::vector<std::vector<int32_t>> positions;
+  std::vector<KvSpan> spans;
+
+  // The same tokens as f32 spans (pre-conversion values): the unquantized twin of this set.
+  std::vector<KvSpan> F32Spans() const {
+    std::vector<KvSpan> out = spans;
+    for (size_t s = 0; s < out.size(); ++s) {
+      out[s].k = k_f32[s].data();
+      out[s].v = v_f32[s].data();
+      out[s].k_scale = out[s].v_scale = nullptr;
+    }
+    return out;
+  }
+};
+
+// Spans of the given lengths; positions increase with random gaps (as after eviction).
+inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int n_kv_heads, int head_dim,
+                         std::mt19937& rng, int32_t first_position = 0) {
+  std::uniform_real_distribution<float> value(-1.5f, 1.5f);
+  std::uniform_int_distribution<int> gap(1, 4);
+  SpanSet set;
+  set.storage = storage;
+  set.n_kv_heads = n_kv_heads;
+  set.head_dim = head_dim;
+  int32_t pos = first_position;
+  for (int n : lengths) {
+    const size_t elems = static_cast<size_t>(n) * n_kv_heads * head_dim;
+    std::vector<float> k(elems), v(elems);
+    for (float& x : k) do x = value(rng); while (x == 0.f);
+    for (float& x : v) do x = value(rng); while (x == 0.f);
+    std::vector<int32_t> p(n);
+    for (int t = 0; t < n; ++t) {
+      p[t] = pos;
+      pos += gap(rng) == 1 ? 3 : 1;  // mostly consecutive, sometimes a hole
+    }
+    set.positions.push_back(std::move(p));
+    std::vector<f16_bits> kh, vh;
+    std::vector<int8_t> kq, vq;
+    std::vector<float> ks, vs;
+    if (storage == KvStorage::kF16) {
+      kh.resize(elems);
+      vh.resize(elems);
+      for (size_t i = 0; i < elems; ++i) {
+        kh[i] = F32ToF16(k[i]);
+        vh[i] = F32ToF16(v[i]);
+      }
+    } else if (storage == KvStorage::kInt8) {
+      QuantizeRowsInt8(k, head_dim, &kq, &ks);
+      QuantizeRowsInt8(v, head_dim, &vq, &vs);
+    }
+    set.k_f32.push_back(std::move(k));
+    set.v_f32.push_back(std::move(v));
+    set.k_f16.push_back(std::move(kh));
+    set.v_f16.push_back(std::move(vh));
+    set.k_i8.push_back(std::move(kq));
+    set.v_i8.push_back(std::move(vq));
+    set.k_scale.push_back(std::move(ks));
+    set.v_scale.push_back(std::move(vs));
+  }
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    KvSpan span;
+    switch (storage) {
+      case KvStorage::kF32:
+        span.k = set.k_f32[s].data();
+        span.v = set.v_f32[s].data();
+        break;
+      case KvStorage::kF16:
+        span.k = set.k_f16[s].data();
+        span.v = set.v_f16[s].data();
+        break;
+      case KvStorage::kInt8:
+        span.k = set.k_i8[s].data();
+        span.v = set.v_i8[s].data();
+        span.k_scale = set.k_scale[s].data();
+        span.v_scale = set.v_scale[s].data();
+        break;
+    }
+    span.positions = set.positions[s].data();
+    span.n = lengths[s];
+    set.spans.push_back(span);
+  }
+  return set;
+}
+
+inline std::vector<float> RandomQueries(size_t n, std::mt19937& rng, float amplitude) {
+  std::uniform_real_distribution<float> value(-amplitude, amplitude);
+  std::vector<float> q(n);
+  for (float& x : q) do x = value(rng); while (x == 0.f);
+  return q;
+}
+
+inline int32_t LastPosition(const SpanSet& set) {
+  int32_t last = -1;
+  for (const KvSpan& s : set.spans)
+    if (s.n > 0) last = s.positions[s.n - 1];
+  return last;
+}
+
+}  // namespace kvsparse::testing

@@ -1,0 +1,109 @@
+// KNorm — A. Devoto, Y. Zhao, S. Scardapane, P. Minervini, "A Simple and Effective L2
+// Norm-Based Strategy for KV Cache Compression", EMNLP 2024, arXiv:2406.11430.
+//
+// Keys with a low L2 norm tend to receive high attention, so keep the tokens whose keys
+// have the LOWEST norm (per KV head, averaged over heads by default; head_reduce "max"
+// keeps a token if any head's key is short). No attention is needed. Keys are read
+// through the cache spans in its storage type (f32, f16, or int8 with per-(token, head)
+// scales). Each token's norms are computed once, at its first selection, and compacted
+// with the cache afterwards.
+// Defaults: no sinks and no recent window, as the paper; "n_sink", "recent",
+// "recent_ratio" add them. The paper leaves the first layers uncompressed; express that
+// per layer in the config ({"layers": "0-1", "method": "full"}).
+#include <algorithm>
+#include <cmath>
+
+#include "kvsparse/dtype.h"
+#include "policy/per_token_heads.h"
+#include "policy/policy_base.h"
+#include "policy/selection.h"
+
+namespace kvsparse::policy {
+namespace {
+
+// L2 norm of one key head vector of `head_dim` values stored as `storage`.
+float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int head_dim, float scale) {
+  double sum = 0.0;
+  switch (storage) {
+    case KvStorage::kF32: {
+      const float* k = static_cast<const float*>(keys) + element_offset;
+      for (int d = 0; d < head_dim; ++d) sum += static_cast<double>(k[d]) * k[d];
+      return static_cast<float>(std::sqrt(sum));
+    }
+    case KvStorage::kF16: {
+      const f16_bits* k = static_cast<const f16_bits*>(keys) + element_offset;
+      for (int d = 0; d < head_dim; ++d) {
+        const double v = F16ToF32(k[d]);
+        sum += v * v;
+      }
+      return static_cast<float>(std::sqrt(sum));
+    }
+    case KvStorage::kInt8: {
+      const int8_t* k = static_cast<const int8_t*>(keys) + element_offset;
+      for (int d = 0; d < head_dim; ++d) sum += static_cast<double>(k[d]) * k[d];
+      return std::fabs(scale) * static_cast<float>(std::sqrt(sum));
+    }
+  }
+  return 0.f;
+}
+
+class KNormPolicy final : public BudgetedPolicy {
+ public:
+  using BudgetedPolicy::BudgetedPolicy;
+  std::string_view name() const override { return "knorm"; }
+  void OnAppend(int32_t n_new) override { neg_norms_.Append(n_new); }
+
+  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
+    CheckSelection(ctx, neg_norms_.size());
+    KVS_CHECK_MSG(ctx.spans != nullptr || ctx.n_live == 0, "knorm needs the key spans in SelectionContext");
+    KVS_CHECK_MSG(ctx.n_kv_heads > 0 && ctx.head_dim > 0, "knorm needs n_kv_heads and head_dim in SelectionContext");
+    neg_norms_.SetHeads(ctx.n_kv_heads);
+    ScoreNewTokens(ctx);
+    scores_.resize(ctx.n_live);
+    ReduceHeads(neg_norms_.data(), ctx.n_live, ctx.n_kv_heads, params_.head_reduce, scores_.data());
+    KeepSinksRecentAndTop(scores_.data(), ctx.n_live, ctx.target, params_.n_sink,
+                          RecentWindowTokens(params_, ctx.target), &scratch_, keep);
+  }
+
+  void OnEvict(const std::vector<uint8_t>& keep) override {
+    int32_t still_scored = 0;
+    for (int32_t t = 0; t < n_scored_; ++t) still_scored += keep[t] != 0;
+    n_scored_ = still_scored;
+    neg_norms_.Compact(keep);
+  }
+
+ private:
+  // Computes norms for live tokens [n_scored_, n_live), walking the spans in live order.
+  void ScoreNewTokens(const SelectionContext& ctx) {
+    const int heads = ctx.n_kv_heads, head_dim = ctx.head_dim;
+    int32_t index = 0;
+    for (int32_t s = 0; s < ctx.n_spans; ++s) {
+      const KvSpan& span = ctx.spans[s];
+      const int32_t first = std::max<int32_t>(0, n_scored_ - index);  // skip tokens scored before
+      for (int32_t i = first; i < span.n; ++i) {
+        float* row = neg_norms_.row(index + i);
+        for (int h = 0; h < heads; ++h) {
+          const size_t offset = (static_cast<size_t>(i) * heads + h) * head_dim;  // k: [n, heads, head_dim]
+          const float scale = ctx.storage == KvStorage::kInt8 ? span.k_scale[static_cast<size_t>(i) * heads + h] : 1.f;
+          row[h] = -KeyNorm(ctx.storage, span.k, offset, head_dim, scale);
+        }
+      }
+      index += span.n;
+    }
+    KVS_CHECK_MSG(index == ctx.n_live, "the spans hold a different number of tokens than n_live");
+    n_scored_ = ctx.n_live;
+  }
+
+  PerTokenHeads<float> neg_norms_{0.f};  // [n_live, n_kv_heads] minus the key L2 norm
+  int32_t n_scored_ = 0;                 // live tokens [0, n_scored_) have norms
+  std::vector<float> scores_;            // [n_live] scratch
+  std::vector<int32_t> scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<KvPolicy> MakeKNormPolicy(const KvBudget& budget, const KvMethodParams& params) {
+  return std::make_unique<KNormPolicy>(budget, params);
+}
+
+}  // namespace kvsparse::policy

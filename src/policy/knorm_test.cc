@@ -1,0 +1,118 @@
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+
+#include "kvsparse/dtype.h"
+#include "policy/policy_test_util.h"
+
+namespace kvsparse::policy_test {
+namespace {
+
+constexpr int kHeads = 2;
+constexpr int kHeadDim = 4;
+
+// Keys [n, kHeads, kHeadDim] whose head h of token t has L2 norm norms[t][h] (and a
+// direction that varies, so the norm is not read off one element).
+std::vector<float> KeysWithNorms(const std::vector<std::array<float, kHeads>>& norms) {
+  std::vector<float> keys;
+  for (size_t t = 0; t < norms.size(); ++t) {
+    for (int h = 0; h < kHeads; ++h) {
+      float direction[kHeadDim] = {1.f, -2.f, 0.5f + t, 1.5f - h};
+      float length = 0.f;
+      for (float d : direction) length += d * d;
+      length = std::sqrt(length);
+      for (float d : direction) keys.push_back(d / length * norms[t][h]);
+    }
+  }
+  return keys;
+}
+
+const std::vector<std::array<float, kHeads>> kNorms = {
+    {5.f, 5.f}, {1.f, 1.f}, {9.f, 8.f}, {2.f, 3.f}, {0.5f, 7.f}, {4.f, 4.f}, {3.f, 1.f}};
+// Mean norms: 5, 1, 8.5, 2.5, 3.75, 4, 2 -> the 3 lowest: 1 (1), 6 (2), 3 (2.5).
+
+// The keys split over two spans, as a paged cache would return them.
+struct Spans {
+  std::vector<KvSpan> spans;
+  std::vector<int32_t> positions;
+};
+
+template <typename T>
+Spans TwoSpans(const std::vector<T>& keys, const std::vector<float>& scales, int32_t n, const Positions& live) {
+  Spans s;
+  s.positions = live;
+  const int32_t first = n / 2;
+  for (auto [begin, count] : {std::pair{0, first}, std::pair{first, n - first}}) {
+    KvSpan span;
+    span.k = keys.data() + static_cast<size_t>(begin) * kHeads * kHeadDim;
+    span.k_scale = scales.empty() ? nullptr : scales.data() + static_cast<size_t>(begin) * kHeads;
+    span.positions = s.positions.data() + begin;
+    span.n = count;
+    s.spans.push_back(span);
+  }
+  return s;
+}
+
+TEST(KNormTest, KeepsTheLowestKeyNormsF32) {
+  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  EXPECT_FALSE(h.policy().NeedsAttention());
+  h.Append(7);
+  const std::vector<float> keys = KeysWithNorms(kNorms);
+  Spans s = TwoSpans(keys, {}, 7, h.live());
+  EXPECT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF32, kHeads, kHeadDim), (Positions{1, 3, 6}));
+}
+
+TEST(KNormTest, KeepsTheLowestKeyNormsF16) {
+  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  h.Append(7);
+  std::vector<f16_bits> keys;
+  for (float v : KeysWithNorms(kNorms)) keys.push_back(F32ToF16(v));
+  Spans s = TwoSpans(keys, {}, 7, h.live());
+  EXPECT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF16, kHeads, kHeadDim), (Positions{1, 3, 6}));
+}
+
+TEST(KNormTest, Int8NormsUseTheScales) {
+  // Same quantized vector for every token; the per-(token, head) scale sets the norm.
+  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(2)));
+  h.Append(4);
+  std::vector<int8_t> keys;
+  for (int i = 0; i < 4 * kHeads; ++i)
+    for (int8_t q : {int8_t{127}, int8_t{-64}, int8_t{3}, int8_t{100}}) keys.push_back(q);
+  const std::vector<float> scales = {0.5f, 0.5f, 0.01f, 0.02f, 0.3f, 0.1f, 0.04f, 0.01f};  // [4, kHeads]
+  Spans s = TwoSpans(keys, scales, 4, h.live());
+  EXPECT_EQ(h.Evict(2, false, s.spans.data(), 2, KvStorage::kInt8, kHeads, kHeadDim), (Positions{1, 3}));
+}
+
+TEST(KNormTest, HeadReduceMaxKeepsATokenWithOneShortHead) {
+  LayerKvConfig config = Layer(KvMethod::kKNorm, KvBudget::Tokens(3));
+  config.params.head_reduce = HeadReduce::kMax;
+  Harness h(config);
+  h.Append(7);
+  const std::vector<float> keys = KeysWithNorms(kNorms);
+  Spans s = TwoSpans(keys, {}, 7, h.live());
+  // Shortest head per token: 5, 1, 8, 2, 0.5, 4, 1 -> keep 4 (0.5), 1 and 6 (1).
+  EXPECT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF32, kHeads, kHeadDim), (Positions{1, 4, 6}));
+}
+
+TEST(KNormTest, NormsStayAlignedAcrossEvictions) {
+  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  h.Append(7);
+  {
+    const std::vector<float> keys = KeysWithNorms(kNorms);
+    Spans s = TwoSpans(keys, {}, 7, h.live());
+    ASSERT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF32, kHeads, kHeadDim), (Positions{1, 3, 6}));
+  }
+  // The cache now holds 1, 3, 6 and then 7, 8 with mean norms 0.2 and 9. The old rows get
+  // different keys here: their norms were computed once and must follow them (a policy
+  // that re-read them, or lost their alignment, would keep another set).
+  h.Append(2);
+  const std::vector<std::array<float, kHeads>> live_norms = {
+      {100.f, 100.f}, {100.f, 100.f}, {100.f, 100.f}, {0.2f, 0.2f}, {9.f, 9.f}};
+  const std::vector<float> keys = KeysWithNorms(live_norms);
+  Spans s = TwoSpans(keys, {}, 5, h.live());
+  EXPECT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF32, kHeads, kHeadDim), (Positions{1, 6, 7}));
+}
+
+}  // namespace
+}  // namespace kvsparse::policy_test

@@ -1,0 +1,510 @@
+// Reads the per-layer KV sparsity configuration (JSON or flags) and rejects mistakes up
+// front, naming the layer (or config entry) and the field.
+#include "kvsparse/kv_config.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace kvsparse {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::string_view kTopLevelKeys[] = {"default",         "layers",        "evict_interval",
+                                              "page_size",       "gqa_aggregation", "prefill_chunk"};
+constexpr std::string_view kKvTypeNames = "f32, f16, int8";
+
+std::string Join(const std::vector<std::string_view>& items) {
+  std::string out;
+  for (std::string_view s : items) out += (out.empty() ? "" : ", ") + std::string(s);
+  return out;
+}
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// " (did you mean 'x'?)" when a candidate is a likely typo of `word`, else "".
+std::string Suggestion(std::string_view word, const std::vector<std::string_view>& candidates) {
+  std::string_view best;
+  size_t best_distance = 3;  // at most two edits
+  for (std::string_view c : candidates) {
+    const size_t d = EditDistance(word, c);
+    if (d < best_distance) best_distance = d, best = c;
+  }
+  return best.empty() ? std::string() : fmt::format(" (did you mean '{}'?)", best);
+}
+
+// "string", "boolean", "integer 4", "number 0.5", "array", ...
+std::string Describe(const json& v) {
+  if (v.is_number_integer()) return fmt::format("integer {}", v.dump());
+  if (v.is_number_float()) return fmt::format("number {}", v.dump());
+  if (v.is_string()) return fmt::format("string {}", v.dump());
+  return v.type_name();
+}
+
+// Errors in one JSON object ("default", "layers[1]") name the object and the field.
+class Where {
+ public:
+  Where(std::string_view source, std::string object) : source_(source), object_(std::move(object)) {}
+  Status Error(std::string_view field, const std::string& what) const {
+    return InvalidArgumentError(fmt::format("{}: {}: field '{}': {}", source_, object_, field, what));
+  }
+  Status Error(const std::string& what) const {
+    return InvalidArgumentError(fmt::format("{}: {}: {}", source_, object_, what));
+  }
+
+ private:
+  std::string_view source_;
+  std::string object_;
+};
+
+Status ReadInt(const json& v, const Where& where, std::string_view field, int32_t* out) {
+  if (!v.is_number_integer()) return where.Error(field, "expected an integer, found " + Describe(v));
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())
+                             : (v.get<int64_t>() > std::numeric_limits<int32_t>::max() ||
+                                v.get<int64_t>() < std::numeric_limits<int32_t>::min()))
+    return where.Error(field, fmt::format("{} does not fit a 32-bit integer", v.dump()));
+  *out = static_cast<int32_t>(v.get<int64_t>());
+  return Status::Ok();
+}
+
+Status ReadPositiveInt(const json& v, const Where& where, std::string_view field, int* out) {
+  int32_t value = 0;
+  KVS_RETURN_IF_ERROR(ReadInt(v, where, field, &value));
+  if (value < 1) return where.Error(field, fmt::format("must be >= 1; found {}", value));
+  *out = value;
+  return Status::Ok();
+}
+
+Status ReadNumber(const json& v, const Where& where, std::string_view field, double* out) {
+  if (!v.is_number()) return where.Error(field, "expected a number, found " + Describe(v));
+  *out = v.get<double>();
+  return Status::Ok();
+}
+
+Status ReadBool(const json& v, const Where& where, std::string_view field, bool* out) {
+  if (!v.is_boolean()) return where.Error(field, "expected true or false, found " + Describe(v));
+  *out = v.get<bool>();
+  return Status::Ok();
+}
+
+// One of `names` (a string); *index gets its position.
+Status ReadChoice(const json& v, const Where& where, std::string_view field, const std::vector<std::string_view>& names,
+                  size_t* index) {
+  if (!v.is_string()) return where.Error(field, fmt::format("expected one of {}, found {}", Join(names), Describe(v)));
+  const std::string s = v.get<std::string>();
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i] == s) return (*index = i, Status::Ok());
+  return where.Error(field, fmt::format("unknown value '{}'{}; valid values: {}", s, Suggestion(s, names), Join(names)));
+}
+
+Status ReadBudget(const json& v, const Where& where, KvBudget* out) {
+  if (v.is_number_integer()) {
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())
+                               : v.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      return where.Error("budget", fmt::format("{} tokens does not fit a 32-bit count", v.dump()));
+    const int64_t tokens = v.get<int64_t>();
+    if (tokens <= 0) return where.Error("budget", fmt::format("must be > 0; found {}", tokens));
+    *out = KvBudget::Tokens(static_cast<int32_t>(tokens));
+    return Status::Ok();
+  }
+  if (v.is_number_float()) {
+    const double f = v.get<double>();
+    if (!(f > 0.0)) return where.Error("budget", fmt::format("must be > 0; found {}", v.dump()));
+    if (f > 1.0)
+      return where.Error("budget", fmt::format("a fraction of the context must be <= 1; found {} (write an integer "
+                                               "for a token count)",
+                                               v.dump()));
+    *out = KvBudget::Fraction(f);
+    return Status::Ok();
+  }
+  return where.Error("budget", "expected a number (an integer token count, or a fraction in (0, 1]), found " +
+                                   Describe(v));
+}
+
+std::vector<std::string_view> MethodNameList() {
+  std::vector<std::string_view> names;
+  for (KvMethod m : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova, KvMethod::kScissorhands,
+                     KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom})
+    names.push_back(KvMethodName(m));
+  return names;
+}
+
+bool MethodUses(KvMethod method, std::string_view key) {
+  for (std::string_view k : KvMethodParamKeys(method))
+    if (k == key) return true;
+  return false;
+}
+
+// Methods (other than `method`) that take `key` as a parameter, e.g. "snapkv, pyramidkv".
+std::string MethodsUsing(std::string_view key) {
+  std::vector<std::string_view> users;
+  for (std::string_view name : MethodNameList())
+    if (MethodUses(*KvMethodFromName(name), key)) users.push_back(name);
+  return Join(users);
+}
+
+Status ReadParam(const json& v, const Where& where, std::string_view key, KvMethodParams* p) {
+  if (key == "n_sink") return ReadInt(v, where, key, &p->n_sink);
+  if (key == "recent") {
+    KVS_RETURN_IF_ERROR(ReadInt(v, where, key, &p->recent));
+    if (p->recent < 0) return where.Error(key, fmt::format("must be >= 0; found {}", p->recent));
+    return Status::Ok();
+  }
+  if (key == "recent_ratio") {
+    p->recent = -1;  // the ratio replaces an inherited token window
+    return ReadNumber(v, where, key, &p->recent_ratio);
+  }
+  if (key == "head_reduce") {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"mean", "max"}, &i));
+    p->head_reduce = i == 0 ? HeadReduce::kMean : HeadReduce::kMax;
+    return Status::Ok();
+  }
+  if (key == "history_window") return ReadInt(v, where, key, &p->history_window);
+  if (key == "window") return ReadInt(v, where, key, &p->obs_window);
+  if (key == "kernel") return ReadInt(v, where, key, &p->kernel);
+  if (key == "pooling") {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"max", "avg"}, &i));
+    p->pooling = i == 0 ? VotePooling::kMax : VotePooling::kAvg;
+    return Status::Ok();
+  }
+  if (key == "decode_evict") return ReadBool(v, where, key, &p->decode_evict);
+  if (key == "beta") return ReadNumber(v, where, key, &p->beta);
+  return where.Error(key, "internal: parameter without a reader");
+}
+
+// Reads method, budget, kv_type and method parameters of one object on top of `base`.
+Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const LayerKvConfig& base,
+                       bool base_has_budget, LayerKvConfig* out, bool* has_budget) {
+  if (!obj.is_object()) return where.Error("expected a JSON object, found " + Describe(obj));
+  *out = base;
+  *has_budget = base_has_budget;
+  if (auto it = obj.find("method"); it != obj.end()) {
+    if (!it->is_string()) return where.Error("method", "expected a method name (string), found " + Describe(*it));
+    const std::string name = it->get<std::string>();
+    const std::optional<KvMethod> method = KvMethodFromName(name);
+    if (!method)
+      return where.Error("method", fmt::format("unknown method '{}'{}; valid methods: {}", name,
+                                               Suggestion(name, MethodNameList()), ValidKvMethodNames()));
+    out->method = *method;
+    // Parameters carry over only within the same method; another method starts from its paper defaults.
+    if (*method != base.method) out->params = DefaultMethodParams(*method);
+  }
+  if (MethodUses(out->method, "recent") && obj.contains("recent") && obj.contains("recent_ratio"))
+    return where.Error("recent", "give either 'recent' (tokens) or 'recent_ratio' (of the budget), not both");
+  for (const auto& [key, value] : obj.items()) {
+    if (key == "method" || (is_entry && key == "layers")) continue;
+    if (key == "budget") {
+      KVS_RETURN_IF_ERROR(ReadBudget(value, where, &out->budget));
+      *has_budget = true;
+    } else if (key == "kv_type") {
+      if (!value.is_string()) return where.Error(key, fmt::format("expected one of {}, found {}", kKvTypeNames, Describe(value)));
+      const std::string name = value.get<std::string>();
+      const std::optional<KvStorage> storage = KvStorageFromName(name);
+      if (!storage)
+        return where.Error(key, fmt::format("unknown kv_type '{}'{}; valid kv types: {}", name,
+                                            Suggestion(name, {"f32", "f16", "int8"}), kKvTypeNames));
+      out->kv_type = *storage;
+    } else if (MethodUses(out->method, key)) {
+      KVS_RETURN_IF_ERROR(ReadParam(value, where, key, &out->params));
+    } else {
+      std::vector<std::string_view> valid;
+      if (is_entry) valid.push_back("layers");
+      valid.insert(valid.end(), {"method", "budget", "kv_type"});
+      for (std::string_view k : KvMethodParamKeys(out->method)) valid.push_back(k);
+      const std::string users = MethodsUsing(key);
+      if (!users.empty())
+        return where.Error(key, fmt::format("is not a parameter of method '{}' (it belongs to {}); valid keys: {}",
+                                            KvMethodName(out->method), users, Join(valid)));
+      return where.Error(key, fmt::format("unknown key{}; valid keys for method '{}': {}", Suggestion(key, valid),
+                                          KvMethodName(out->method), Join(valid)));
+    }
+  }
+  return Status::Ok();
+}
+
+// "layers": 3, "3" or "2-5" (inclusive).
+Status ReadLayerRange(const json& v, const Where& where, int n_layers, int* first, int* last) {
+  auto parse_index = [](std::string_view s, int* out) {
+    while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
+    while (!s.empty() && s.back() == ' ') s.remove_suffix(1);
+    const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+    return ec == std::errc() && ptr == s.data() + s.size() && !s.empty();
+  };
+  if (v.is_number_integer()) {
+    int32_t index = 0;
+    KVS_RETURN_IF_ERROR(ReadInt(v, where, "layers", &index));
+    *first = *last = index;
+  } else if (v.is_string()) {
+    const std::string s = v.get<std::string>();
+    const size_t dash = s.find('-', 1);  // from 1: a leading '-' is a negative index
+    const bool ok = dash == std::string::npos
+                        ? parse_index(s, first) && (*last = *first, true)
+                        : parse_index(std::string_view(s).substr(0, dash), first) &&
+                              parse_index(std::string_view(s).substr(dash + 1), last);
+    if (!ok) return where.Error("layers", fmt::format("expected a layer index or a range like \"0-3\", found \"{}\"", s));
+  } else {
+    return where.Error("layers", "expected a layer index or a range string like \"0-3\", found " + Describe(v));
+  }
+  if (*first > *last)
+    return where.Error("layers", fmt::format("range {}-{} is reversed (write \"{}-{}\")", *first, *last, *last, *first));
+  if (*first < 0 || *last >= n_layers)
+    return where.Error("layers", fmt::format("range {}-{} lies outside the model's layers 0-{} ({} layers)", *first,
+                                             *last, n_layers - 1, n_layers));
+  return Status::Ok();
+}
+
+// 1-based line and column of byte offset `byte` (the count of bytes read) in `text`.
+std::pair<size_t, size_t> LineColumn(std::string_view text, size_t byte) {
+  const size_t end = std::min(byte > 0 ? byte - 1 : 0, text.size());
+  size_t line = 1, column = 1;
+  for (size_t i = 0; i < end; ++i) {
+    if (text[i] == '\n') ++line, column = 1;
+    else ++column;
+  }
+  return {line, column};
+}
+
+std::string DescribeLayer(const LayerKvConfig& l) {
+  std::string s(KvMethodName(l.method));
+  if (l.method != KvMethod::kFull) s += " budget=" + KvBudgetToString(l.budget);
+  s += fmt::format(" kv={}", KvStorageName(l.kv_type));
+  const KvMethodParams& p = l.params;
+  for (std::string_view key : KvMethodParamKeys(l.method)) {
+    if (key == "n_sink") s += fmt::format(" n_sink={}", p.n_sink);
+    if (key == "recent" && p.recent >= 0) s += fmt::format(" recent={}", p.recent);
+    if (key == "recent_ratio" && p.recent < 0) s += fmt::format(" recent_ratio={:g}", p.recent_ratio);
+    if (key == "head_reduce") s += fmt::format(" head_reduce={}", HeadReduceName(p.head_reduce));
+    if (key == "history_window") s += fmt::format(" history_window={}", p.history_window);
+    if (key == "window") s += fmt::format(" window={}", p.obs_window);
+    if (key == "kernel") s += fmt::format(" kernel={}", p.kernel);
+    if (key == "pooling") s += fmt::format(" pooling={}", VotePoolingName(p.pooling));
+    if (key == "decode_evict") s += fmt::format(" decode_evict={}", p.decode_evict);
+    if (key == "beta") s += fmt::format(" beta={:g}", p.beta);
+  }
+  return s;
+}
+
+}  // namespace
+
+std::optional<KvStorage> KvStorageFromName(std::string_view name) {
+  for (KvStorage s : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8})
+    if (name == KvStorageName(s)) return s;
+  return std::nullopt;
+}
+
+StatusOr<KvBudget> ParseKvBudget(std::string_view text) {
+  while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+  while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
+  const bool percent = !text.empty() && text.back() == '%';
+  if (percent) text.remove_suffix(1);
+  const bool fractional = percent || text.find_first_of(".eE") != std::string_view::npos;
+  if (!fractional) {
+    int64_t tokens = 0;
+    const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), tokens);
+    if (ec != std::errc() || ptr != text.data() + text.size() || text.empty())
+      return InvalidArgumentError(fmt::format("budget '{}' is neither a token count (512) nor a fraction (0.2)", text));
+    if (tokens <= 0 || tokens > std::numeric_limits<int32_t>::max())
+      return InvalidArgumentError(fmt::format("budget must be a token count >= 1; found {}", tokens));
+    return KvBudget::Tokens(static_cast<int32_t>(tokens));
+  }
+  double value = 0.0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || ptr != text.data() + text.size() || text.empty())
+    return InvalidArgumentError(fmt::format("budget '{}' is neither a token count (512) nor a fraction (0.2)", text));
+  if (percent) value /= 100.0;
+  if (!(value > 0.0)) return InvalidArgumentError(fmt::format("budget must be > 0; found '{}'", text));
+  if (value > 1.0)
+    return InvalidArgumentError(fmt::format("a budget fraction must be <= 1; found '{}' (write an integer for a "
+                                            "token count)",
+                                            text));
+  return KvBudget::Fraction(value);
+}
+
+StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int n_layers, std::string_view source) {
+  if (n_layers < 1) return InvalidArgumentError(fmt::format("{}: the model must have layers; found {}", source, n_layers));
+  json root;
+  try {
+    root = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/true,
+                       /*ignore_comments=*/true);
+  } catch (const json::parse_error& e) {
+    const auto [line, column] = LineColumn(json_text, e.byte);
+    std::string detail = e.what();
+    // Keep nlohmann's reason, without its own prefix and position.
+    if (size_t at = detail.find("column "); at != std::string::npos)
+      if (size_t colon = detail.find(": ", at); colon != std::string::npos) detail = detail.substr(colon + 2);
+    return InvalidArgumentError(
+        fmt::format("{}: malformed JSON at line {}, column {}: {}", source, line, column, detail));
+  }
+  const Where top(source, "top level");
+  if (!root.is_object()) return top.Error("expected a JSON object, found " + Describe(root));
+  std::vector<std::string_view> top_keys(std::begin(kTopLevelKeys), std::end(kTopLevelKeys));
+  for (const auto& [key, value] : root.items()) {
+    if (std::find(top_keys.begin(), top_keys.end(), key) == top_keys.end())
+      return top.Error(key, fmt::format("unknown key{}; valid keys: {}", Suggestion(key, top_keys), Join(top_keys)));
+  }
+
+  KvSparsityConfig config;
+  if (auto it = root.find("evict_interval"); it != root.end())
+    KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "evict_interval", &config.evict_interval));
+  if (auto it = root.find("page_size"); it != root.end())
+    KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "page_size", &config.page_size));
+  if (auto it = root.find("prefill_chunk"); it != root.end())
+    KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "prefill_chunk", &config.prefill_chunk));
+  if (auto it = root.find("gqa_aggregation"); it != root.end()) {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(*it, top, "gqa_aggregation", {"mean", "max"}, &i));
+    config.agg = i == 0 ? GqaAggregation::kMean : GqaAggregation::kMax;
+  }
+
+  LayerKvConfig fallback;  // "full" when there is no "default"
+  bool fallback_has_budget = false;
+  if (auto it = root.find("default"); it != root.end()) {
+    const LayerKvConfig full;
+    KVS_RETURN_IF_ERROR(ReadLayerFields(*it, Where(source, "default"), /*is_entry=*/false, full, false, &fallback,
+                                        &fallback_has_budget));
+  }
+  config.layers.assign(n_layers, fallback);
+  std::vector<uint8_t> has_budget(n_layers, fallback_has_budget);
+  std::vector<int> owner(n_layers, -1);  // entry index that configured each layer
+  std::vector<std::string> entry_names;
+
+  if (auto it = root.find("layers"); it != root.end()) {
+    if (!it->is_array()) return top.Error("layers", "expected an array of layer entries, found " + Describe(*it));
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& entry = (*it)[i];
+      std::string name = fmt::format("layers[{}]", i);
+      if (!entry.is_object()) return Where(source, name).Error("expected a JSON object, found " + Describe(entry));
+      auto range_it = entry.find("layers");
+      if (range_it == entry.end())
+        return Where(source, name).Error("layers", "missing: say which layers this entry configures (3 or \"0-3\")");
+      name += " (layers " + (range_it->is_string() ? range_it->get<std::string>() : range_it->dump()) + ")";
+      const Where where(source, name);
+      int first = 0, last = 0;
+      KVS_RETURN_IF_ERROR(ReadLayerRange(*range_it, where, n_layers, &first, &last));
+      for (int l = first; l <= last; ++l)
+        if (owner[l] >= 0)
+          return where.Error("layers", fmt::format("overlaps {} at layer {}", entry_names[owner[l]], l));
+      LayerKvConfig layer;
+      bool layer_has_budget = false;
+      KVS_RETURN_IF_ERROR(
+          ReadLayerFields(entry, where, /*is_entry=*/true, fallback, fallback_has_budget, &layer, &layer_has_budget));
+      for (int l = first; l <= last; ++l) {
+        config.layers[l] = layer;
+        has_budget[l] = layer_has_budget;
+        owner[l] = static_cast<int>(i);
+      }
+      entry_names.push_back(std::move(name));
+    }
+  }
+
+  for (int l = 0; l < n_layers; ++l) {
+    const std::string origin = owner[l] >= 0 ? entry_names[owner[l]] : std::string("default");
+    const LayerKvConfig& layer = config.layers[l];
+    if (layer.method != KvMethod::kFull && !has_budget[l])
+      return InvalidArgumentError(fmt::format("{}: layer {} ({}): field 'budget': missing; method '{}' needs a "
+                                              "budget (an integer token count, or a fraction in (0, 1]) [set by {}]",
+                                              source, l, KvMethodName(layer.method), KvMethodName(layer.method),
+                                              origin));
+    const Status status = ValidateLayerKvConfig(layer, l);
+    if (!status.ok())
+      return InvalidArgumentError(fmt::format("{}: {} [set by {}]", source, status.message(), origin));
+  }
+  return config;
+}
+
+StatusOr<KvSparsityConfig> LoadKvSparsityConfig(const std::string& path, int n_layers) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFoundError(fmt::format("kv config '{}': cannot open the file", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return DataLossError(fmt::format("kv config '{}': read failed", path));
+  return ParseKvSparsityConfig(text.str(), n_layers, fmt::format("kv config '{}'", path));
+}
+
+StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, std::string_view budget,
+                                                     std::string_view kv_type, int n_layers) {
+  if (n_layers < 1) return InvalidArgumentError(fmt::format("the model must have layers; found {}", n_layers));
+  const std::optional<KvMethod> m = KvMethodFromName(method);
+  if (!m)
+    return InvalidArgumentError(fmt::format("--kv-method: unknown method '{}'{}; valid methods: {}", method,
+                                            Suggestion(method, MethodNameList()), ValidKvMethodNames()));
+  LayerKvConfig layer;
+  layer.method = *m;
+  layer.params = DefaultMethodParams(*m);
+  if (budget.empty()) {
+    if (*m != KvMethod::kFull)
+      return InvalidArgumentError(fmt::format("--kv-budget: method '{}' needs a budget (512 tokens, or a fraction "
+                                              "such as 0.2)",
+                                              method));
+  } else {
+    StatusOr<KvBudget> parsed = ParseKvBudget(budget);
+    if (!parsed.ok()) return InvalidArgumentError("--kv-budget: " + parsed.status().message());
+    layer.budget = *parsed;
+  }
+  if (!kv_type.empty()) {
+    const std::optional<KvStorage> storage = KvStorageFromName(kv_type);
+    if (!storage)
+      return InvalidArgumentError(fmt::format("--kv-type: unknown kv type '{}'; valid kv types: {}", kv_type,
+                                              kKvTypeNames));
+    layer.kv_type = *storage;
+  }
+  const Status status = ValidateLayerKvConfig(layer, 0);
+  if (!status.ok()) return InvalidArgumentError("--kv-method/--kv-budget: " + status.message());
+  KvSparsityConfig config;
+  config.layers.assign(n_layers, layer);
+  return config;
+}
+
+Status ValidateKvSparsityConfig(const KvSparsityConfig& config) {
+  if (config.layers.empty()) return InvalidArgumentError("kv config: no layers");
+  if (config.evict_interval < 1)
+    return InvalidArgumentError(fmt::format("kv config: evict_interval must be >= 1; found {}", config.evict_interval));
+  if (config.page_size < 1)
+    return InvalidArgumentError(fmt::format("kv config: page_size must be >= 1; found {}", config.page_size));
+  if (config.prefill_chunk < 1)
+    return InvalidArgumentError(fmt::format("kv config: prefill_chunk must be >= 1; found {}", config.prefill_chunk));
+  for (size_t l = 0; l < config.layers.size(); ++l)
+    KVS_RETURN_IF_ERROR(ValidateLayerKvConfig(config.layers[l], static_cast<int>(l)));
+  return Status::Ok();
+}
+
+std::string KvSparsityConfigSummary(const KvSparsityConfig& config) {
+  std::string out;
+  const int n = static_cast<int>(config.layers.size());
+  for (int first = 0; first < n;) {
+    const std::string description = DescribeLayer(config.layers[first]);
+    int last = first;
+    while (last + 1 < n && DescribeLayer(config.layers[last + 1]) == description) ++last;
+    out += (out.empty() ? "" : "; ") +
+           (first == last ? fmt::format("layer {}", first) : fmt::format("layers {}-{}", first, last)) + ": " +
+           description;
+    first = last + 1;
+  }
+  out += fmt::format("; evict_interval={} page_size={} gqa_aggregation={} prefill_chunk={}", config.evict_interval,
+                     config.page_size, config.agg == GqaAggregation::kMean ? "mean" : "max", config.prefill_chunk);
+  return out;
+}
+
+}  // namespace kvsparse

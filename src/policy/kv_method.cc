@@ -1,0 +1,130 @@
+// Method names, paper-default parameters, accepted keys, and value checks.
+#include <array>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "kvsparse/kv_policies.h"
+
+namespace kvsparse {
+namespace {
+
+struct MethodInfo {
+  KvMethod method;
+  std::string_view name;
+  std::span<const std::string_view> keys;
+};
+
+constexpr std::string_view kStreamingKeys[] = {"n_sink"};
+constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce"};
+constexpr std::string_view kScissorhandsKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "history_window"};
+constexpr std::string_view kSnapKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict"};
+constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict", "beta"};
+constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
+
+constexpr std::array<MethodInfo, 9> kMethods = {{
+    {KvMethod::kFull, "full", {}},
+    {KvMethod::kStreamingLlm, "streaming_llm", kStreamingKeys},
+    {KvMethod::kH2O, "h2o", kWindowedKeys},
+    {KvMethod::kTova, "tova", kWindowedKeys},
+    {KvMethod::kScissorhands, "scissorhands", kScissorhandsKeys},
+    {KvMethod::kSnapKv, "snapkv", kSnapKvKeys},
+    {KvMethod::kPyramidKv, "pyramidkv", kPyramidKvKeys},
+    {KvMethod::kKNorm, "knorm", kWindowedKeys},
+    {KvMethod::kRandom, "random", kRandomKeys},
+}};
+
+const MethodInfo& Info(KvMethod method) {
+  for (const MethodInfo& info : kMethods)
+    if (info.method == method) return info;
+  KVS_CHECK_MSG(false, "unknown KvMethod value");
+  return kMethods[0];
+}
+
+bool Uses(KvMethod method, std::string_view key) {
+  for (std::string_view k : Info(method).keys)
+    if (k == key) return true;
+  return false;
+}
+
+}  // namespace
+
+std::string_view KvMethodName(KvMethod method) { return Info(method).name; }
+
+std::optional<KvMethod> KvMethodFromName(std::string_view name) {
+  for (const MethodInfo& info : kMethods)
+    if (info.name == name) return info.method;
+  return std::nullopt;
+}
+
+std::string ValidKvMethodNames() {
+  std::string names;
+  for (const MethodInfo& info : kMethods) names += (names.empty() ? "" : ", ") + std::string(info.name);
+  return names;
+}
+
+std::span<const std::string_view> KvMethodParamKeys(KvMethod method) { return Info(method).keys; }
+
+std::string_view HeadReduceName(HeadReduce r) { return r == HeadReduce::kMean ? "mean" : "max"; }
+std::string_view VotePoolingName(VotePooling p) { return p == VotePooling::kMax ? "max" : "avg"; }
+
+KvMethodParams DefaultMethodParams(KvMethod method) {
+  KvMethodParams p;
+  switch (method) {
+    case KvMethod::kStreamingLlm: p.n_sink = 4; break;           // Xiao et al.: 4 sink tokens
+    case KvMethod::kH2O: p.recent_ratio = 0.5; break;             // Zhang et al.: half heavy, half recent
+    case KvMethod::kScissorhands: p.recent_ratio = 0.1; break;    // ours (paper leaves it open)
+    case KvMethod::kRandom: p.recent_ratio = 0.5; break;          // mirrors H2O's split
+    case KvMethod::kFull:
+    case KvMethod::kTova:
+    case KvMethod::kSnapKv:
+    case KvMethod::kPyramidKv:
+    case KvMethod::kKNorm: break;
+  }
+  return p;
+}
+
+Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
+  const KvMethod method = config.method;
+  const KvMethodParams& p = config.params;
+  auto error = [&](std::string_view field, const std::string& what) {
+    return InvalidArgumentError(fmt::format("layer {} ({}): field '{}': {}", layer, KvMethodName(method), field, what));
+  };
+  const KvBudget& budget = config.budget;
+  if (budget.is_fraction()) {
+    if (!(budget.fraction > 0.0 && budget.fraction <= 1.0))
+      return error("budget", fmt::format("a fraction must lie in (0, 1]; found {:g}", budget.fraction));
+  } else if (budget.tokens < 1) {
+    return error("budget", fmt::format("a token budget must be >= 1; found {}", budget.tokens));
+  }
+  if (Uses(method, "n_sink") && p.n_sink < 0) return error("n_sink", fmt::format("must be >= 0; found {}", p.n_sink));
+  if (Uses(method, "recent") && p.recent < -1) return error("recent", fmt::format("must be >= 0; found {}", p.recent));
+  if (Uses(method, "recent_ratio") && !(p.recent_ratio >= 0.0 && p.recent_ratio <= 1.0))
+    return error("recent_ratio", fmt::format("must lie in [0, 1]; found {:g}", p.recent_ratio));
+  if (Uses(method, "history_window") && (p.history_window < 1 || p.history_window > 64))
+    return error("history_window", fmt::format("must lie in [1, 64] queries; found {}", p.history_window));
+  if (Uses(method, "window") && p.obs_window < 1)
+    return error("window", fmt::format("must be >= 1 query; found {}", p.obs_window));
+  if (Uses(method, "kernel") && (p.kernel < 1 || p.kernel % 2 == 0))
+    return error("kernel", fmt::format("must be odd and >= 1 (centred pooling); found {}", p.kernel));
+  if (Uses(method, "beta") && !(p.beta >= 1.0 && std::isfinite(p.beta)))
+    return error("beta", fmt::format("must be >= 1 (the last layer gets 1/beta of the mean share); found {:g}", p.beta));
+
+  // Protected tokens must leave room in an absolute budget (a fraction is checked as it
+  // resolves: windows are clamped to the budget then).
+  if (method != KvMethod::kFull && !budget.is_fraction()) {
+    const int32_t b = budget.tokens;
+    if (Uses(method, "n_sink") && p.n_sink > b)
+      return error("n_sink", fmt::format("{} sink tokens exceed the budget of {} tokens", p.n_sink, b));
+    if (Uses(method, "recent") && p.recent >= 0 && static_cast<int64_t>(p.recent) + p.n_sink > b)
+      return error("recent", fmt::format("a recent window of {} plus {} sink tokens exceeds the budget of {} tokens",
+                                         p.recent, p.n_sink, b));
+    if (Uses(method, "window") && p.obs_window >= b)
+      return error("window", fmt::format("the observation window of {} tokens must be smaller than the budget of "
+                                         "{} tokens so that earlier tokens can be selected",
+                                         p.obs_window, b));
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvsparse

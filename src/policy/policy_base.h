@@ -1,0 +1,43 @@
+// What the concrete policies share: a resolved budget, their parameters, checks of the
+// engine's calls against the policy's own token count, and the per-method constructors
+// the factory (policy_factory.cc) calls.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kvsparse/kv_budget.h"
+#include "kvsparse/kv_policies.h"
+#include "kvsparse/kv_policy.h"
+
+namespace kvsparse::policy {
+
+class BudgetedPolicy : public KvPolicy {
+ public:
+  BudgetedPolicy(const KvBudget& budget, const KvMethodParams& params) : budget_(budget), params_(params) {}
+  int32_t BudgetTokens(int32_t n_seen) const override { return ResolveBudget(budget_, n_seen); }
+
+ protected:
+  // Aborts when the engine's live count disagrees with the policy's (a missed OnAppend or
+  // OnEvict would silently misalign every per-token score).
+  static void CheckSelection(const SelectionContext& ctx, int32_t n_tracked);
+  static void CheckObservation(const AttentionObservation& obs, int32_t n_tracked, const float* field,
+                               const char* field_name);
+
+  KvBudget budget_;
+  KvMethodParams params_;
+};
+
+std::unique_ptr<KvPolicy> MakeFullPolicy();
+std::unique_ptr<KvPolicy> MakeStreamingLlmPolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeH2OPolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeTovaPolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeScissorhandsPolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeSnapKvPolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakePyramidKvPolicy(const KvBudget& average_budget, const KvMethodParams& params,
+                                              int layer, int n_layers);
+std::unique_ptr<KvPolicy> MakeKNormPolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeRandomPolicy(const KvBudget& budget, const KvMethodParams& params, uint64_t seed);
+
+}  // namespace kvsparse::policy

@@ -1,0 +1,30 @@
+// CreatePolicy: validates a layer's configuration and builds its policy.
+#include <fmt/format.h>
+
+#include "kvsparse/kv_policies.h"
+#include "policy/policy_base.h"
+
+namespace kvsparse {
+
+StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, int layer, int n_layers,
+                                                 uint64_t seed) {
+  if (n_layers < 1 || layer < 0 || layer >= n_layers)
+    return InvalidArgumentError(fmt::format("CreatePolicy: layer {} outside [0, n_layers {})", layer, n_layers));
+  KVS_RETURN_IF_ERROR(ValidateLayerKvConfig(config, layer));
+  const KvBudget& b = config.budget;
+  const KvMethodParams& p = config.params;
+  switch (config.method) {
+    case KvMethod::kFull: return policy::MakeFullPolicy();
+    case KvMethod::kStreamingLlm: return policy::MakeStreamingLlmPolicy(b, p);
+    case KvMethod::kH2O: return policy::MakeH2OPolicy(b, p);
+    case KvMethod::kTova: return policy::MakeTovaPolicy(b, p);
+    case KvMethod::kScissorhands: return policy::MakeScissorhandsPolicy(b, p);
+    case KvMethod::kSnapKv: return policy::MakeSnapKvPolicy(b, p);
+    case KvMethod::kPyramidKv: return policy::MakePyramidKvPolicy(b, p, layer, n_layers);
+    case KvMethod::kKNorm: return policy::MakeKNormPolicy(b, p);
+    case KvMethod::kRandom: return policy::MakeRandomPolicy(b, p, seed);
+  }
+  return InternalError(fmt::format("layer {}: unhandled method", layer));
+}
+
+}  // namespace kvsparse

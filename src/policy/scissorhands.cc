@@ -1,0 +1,86 @@
+// Scissorhands — Z. Liu, A. Desai, F. Liao, W. Wang, V. Xie, Z. Xu, A. Kyrillidis,
+// A. Shrivastava, "Scissorhands: Exploiting the Persistence of Importance Hypothesis for
+// LLM KV Cache Compression at Test Time", NeurIPS 2023, arXiv:2305.17118.
+//
+// Persistence of importance: a token that mattered recently keeps mattering. Over a
+// history window of the latest queries, count how often each token's attention fell
+// below the uniform share 1/n_tokens ("unimportant"); when over budget, drop the tokens
+// with the highest counts, never the recent window. Tokens younger than the history have
+// been judged fewer times and so are favoured, as in the paper's counter.
+//
+// Defaults (ours; the paper leaves them to the deployment): history_window 32 queries,
+// recent_ratio 0.1 of the budget protected, no sinks, counts averaged over KV heads
+// (head_reduce "max" keeps a token a single head finds important).
+// Per token and head the history is a 64-bit shift register (one bit per query), so the
+// count over the last w queries is a popcount. A prompt chunk contributes one history
+// entry, from its last query: the kernel gathers per-query probabilities only for that one.
+#include <bit>
+#include <limits>
+
+#include "policy/per_token_heads.h"
+#include "policy/policy_base.h"
+#include "policy/selection.h"
+
+namespace kvsparse::policy {
+namespace {
+
+class ScissorhandsPolicy final : public BudgetedPolicy {
+ public:
+  ScissorhandsPolicy(const KvBudget& budget, const KvMethodParams& params)
+      : BudgetedPolicy(budget, params),
+        history_mask_(params.history_window >= 64 ? ~uint64_t{0} : (uint64_t{1} << params.history_window) - 1) {}
+  std::string_view name() const override { return "scissorhands"; }
+  uint32_t NeededObservations() const override { return kObserveLast; }
+  void OnAppend(int32_t n_new) override { unimportant_.Append(n_new); }
+
+  void Observe(const AttentionObservation& obs) override {
+    CheckObservation(obs, unimportant_.size(), obs.last, "last");
+    if (obs.n_tokens == 0) return;
+    unimportant_.SetHeads(obs.n_kv_heads);
+    const float threshold = 1.f / static_cast<float>(obs.n_tokens);
+    const int heads = obs.n_kv_heads;
+    for (int h = 0; h < heads; ++h) {
+      const float* attention = obs.last + static_cast<size_t>(h) * obs.n_tokens;  // [n_tokens]
+      for (int32_t t = 0; t < obs.n_tokens; ++t) {
+        uint64_t& bits = unimportant_.row(t)[h];
+        bits = (bits << 1) | static_cast<uint64_t>(attention[t] < threshold);
+      }
+    }
+  }
+
+  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
+    CheckSelection(ctx, unimportant_.size());
+    scores_.assign(ctx.n_live, 0.f);
+    const int heads = unimportant_.heads();
+    for (int32_t t = 0; heads > 0 && t < ctx.n_live; ++t) {
+      const uint64_t* row = unimportant_.row(t);
+      int total = 0, fewest = std::numeric_limits<int>::max();
+      for (int h = 0; h < heads; ++h) {
+        const int count = std::popcount(row[h] & history_mask_);
+        total += count;
+        fewest = std::min(fewest, count);
+      }
+      // Importance is minus the unimportance count: mean over heads, or the best head.
+      scores_[t] = params_.head_reduce == HeadReduce::kMean ? -static_cast<float>(total) / heads
+                                                            : -static_cast<float>(fewest);
+    }
+    KeepSinksRecentAndTop(scores_.data(), ctx.n_live, ctx.target, params_.n_sink,
+                          RecentWindowTokens(params_, ctx.target), &scratch_, keep);
+  }
+
+  void OnEvict(const std::vector<uint8_t>& keep) override { unimportant_.Compact(keep); }
+
+ private:
+  const uint64_t history_mask_;                 // the last history_window bits
+  PerTokenHeads<uint64_t> unimportant_{0};      // [n_live, n_kv_heads] bit i: unimportant i queries ago
+  std::vector<float> scores_;                   // [n_live] scratch
+  std::vector<int32_t> scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<KvPolicy> MakeScissorhandsPolicy(const KvBudget& budget, const KvMethodParams& params) {
+  return std::make_unique<ScissorhandsPolicy>(budget, params);
+}
+
+}  // namespace kvsparse::policy

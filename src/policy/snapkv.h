@@ -1,0 +1,37 @@
+// SnapKV's policy class, shared with PyramidKV (same scoring, per-layer budget).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "policy/per_token_heads.h"
+#include "policy/policy_base.h"
+
+namespace kvsparse::policy {
+
+// out[t] = max (or sum / kernel, zero padded like avg_pool1d) of votes over the `kernel`
+// neighbours centred on t, clipped to [0, n). votes, out: [n].
+void PoolVotes(const float* votes, int32_t n, int kernel, VotePooling pooling, float* out);
+
+class SnapKvPolicy : public BudgetedPolicy {
+ public:
+  using BudgetedPolicy::BudgetedPolicy;
+  std::string_view name() const override { return "snapkv"; }
+  uint32_t NeededObservations() const override { return kObserveSumWindow; }
+  int32_t ObservationWindow() const override { return params_.obs_window; }
+  bool EvictsDuringDecode() const override { return params_.decode_evict; }
+  void OnAppend(int32_t n_new) override { votes_.Append(n_new); }
+  void Observe(const AttentionObservation& obs) override;
+  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override;
+  void OnEvict(const std::vector<uint8_t>& keep) override;
+
+ private:
+  PerTokenHeads<float> votes_{0.f};  // [n_live, n_kv_heads] attention from the observation window
+  bool last_selection_in_prefill_ = true;
+  std::vector<float> column_;        // [n_live] one head's votes
+  std::vector<float> pooled_;        // [n_live]
+  std::vector<float> scores_;        // [n_live]
+  std::vector<int32_t> scratch_;
+};
+
+}  // namespace kvsparse::policy

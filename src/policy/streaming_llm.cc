@@ -1,0 +1,46 @@
+// StreamingLLM — G. Xiao, Y. Tian, B. Chen, S. Han, M. Lewis, "Efficient Streaming Language
+// Models with Attention Sinks", ICLR 2024, arXiv:2309.17453.
+//
+// Keeps the first n_sink tokens (the "attention sinks"; default 4, as the paper) and the
+// most recent budget - n_sink tokens. Sinks count inside the budget. Needs no attention.
+// The paper re-numbers positions inside the rolling cache; keys here are cached after RoPE
+// at their original positions, so only the selection rule is reproduced.
+#include <algorithm>
+
+#include "policy/policy_base.h"
+
+namespace kvsparse::policy {
+namespace {
+
+class StreamingLlmPolicy final : public BudgetedPolicy {
+ public:
+  using BudgetedPolicy::BudgetedPolicy;
+  std::string_view name() const override { return "streaming_llm"; }
+  void OnAppend(int32_t n_new) override { n_live_ += n_new; }
+
+  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
+    CheckSelection(ctx, n_live_);
+    const int32_t sinks = std::clamp(params_.n_sink, 0, ctx.target);
+    keep->assign(ctx.n_live, 0);
+    for (int32_t t = 0; t < sinks; ++t) (*keep)[t] = 1;
+    for (int32_t t = ctx.n_live - (ctx.target - sinks); t < ctx.n_live; ++t) (*keep)[t] = 1;
+  }
+
+  void OnEvict(const std::vector<uint8_t>& keep) override {
+    KVS_CHECK(keep.size() == static_cast<size_t>(n_live_));
+    int32_t kept = 0;
+    for (uint8_t k : keep) kept += k != 0;
+    n_live_ = kept;
+  }
+
+ private:
+  int32_t n_live_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<KvPolicy> MakeStreamingLlmPolicy(const KvBudget& budget, const KvMethodParams& params) {
+  return std::make_unique<StreamingLlmPolicy>(budget, params);
+}
+
+}  // namespace kvsparse::policy

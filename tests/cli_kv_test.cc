@@ -1,0 +1,121 @@
+// The KV-sparsity flags of `kvsparse generate` and `bench-speed`: they run end to end on
+// stories260K, --kv-stats prints the per-layer table, a full paged run prints exactly the
+// dense run's tokens, and flag mistakes give a clear error (never a crash).
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  bool crashed = false;
+  std::string out;  // stdout only
+  std::string all;  // stdout + stderr
+};
+
+std::string Cli() {
+  const char* env = std::getenv("KVS_CLI");
+  return env ? env : std::string(KVS_BINARY_DIR) + "/kvsparse";
+}
+
+Result RunCli(const std::string& args) {
+  Result r;
+  const std::string err_path = testing::TempPath("cli_kv_stderr.txt");
+  const std::string cmd = Cli() + " " + args + " 2>" + err_path;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(pipe);
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+    r.crashed = r.exit_code >= 128;
+  } else {
+    r.crashed = true;
+  }
+  std::ifstream err(err_path);
+  r.all = r.out + std::string(std::istreambuf_iterator<char>(err), {});
+  return r;
+}
+
+void ExpectCleanFailure(const Result& r, const std::string& must_mention) {
+  EXPECT_FALSE(r.crashed) << r.all;
+  EXPECT_NE(r.exit_code, 0) << r.all;
+  EXPECT_NE(r.all.find("error:"), std::string::npos) << r.all;
+  EXPECT_NE(r.all.find(must_mention), std::string::npos) << "expected '" << must_mention << "' in: " << r.all;
+}
+
+TEST(CliKv, FullPagedGeneratesExactlyTheDenseTokens) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string base = "generate -m " + model + " -n 80 --temp 0 -t 2";
+  const Result dense = RunCli(base + " --kv-type f32");
+  ASSERT_EQ(dense.exit_code, 0) << dense.all;
+  for (const std::string extra : {"--kv-method full --kv-type f32", "--kv-method full --kv-type f32 --page-size 5",
+                                  "--kv-method h2o --kv-budget 1.0 --kv-type f32"}) {
+    const Result paged = RunCli(base + " " + extra);
+    ASSERT_EQ(paged.exit_code, 0) << paged.all;
+    EXPECT_EQ(paged.out, dense.out) << extra;
+  }
+}
+
+TEST(CliKv, SparseMethodsRunWithStats) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string base = "generate -m " + model + " -n 60 --temp 0 -t 2 --kv-stats";
+  for (const std::string extra : {"--kv-method streaming_llm --kv-budget 0.25 --evict-interval 4",
+                                  "--kv-method snapkv --kv-budget 48 --kv-type int8",
+                                  "--kv-method tova --kv-budget 0.5 --kv-type f16 --page-size 8"}) {
+    const Result r = RunCli(base + " " + extra);
+    ASSERT_EQ(r.exit_code, 0) << extra << "\n" << r.all;
+    EXPECT_NE(r.all.find("| layer | method"), std::string::npos) << r.all;
+    EXPECT_NE(r.all.find("policy time:"), std::string::npos) << r.all;
+  }
+  const Result bench = RunCli("bench-speed -m " + model +
+                              " -p 32 -n 16 -d 0 -r 1 -t 2 --kv-method h2o --kv-budget 16 --kv-stats");
+  ASSERT_EQ(bench.exit_code, 0) << bench.all;
+  EXPECT_NE(bench.out.find("policy ms/tok"), std::string::npos) << bench.out;
+  EXPECT_NE(bench.out.find("KV stats after tg16"), std::string::npos) << bench.out;
+}
+
+TEST(CliKv, ConfigFile) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string path = testing::TempPath("cli_kv_config.json");
+  {
+    std::ofstream f(path);
+    f << R"({"default": {"method": "h2o", "budget": 32, "kv_type": "int8"},
+             "layers": [{"layers": "0-1", "method": "full", "kv_type": "f16"}],
+             "evict_interval": 4})";
+  }
+  const Result r = RunCli("generate -m " + model + " -n 50 --temp 0 -t 2 --kv-stats --kv-config " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.all;
+  EXPECT_NE(r.all.find("| 0 | full | f16"), std::string::npos) << r.all;
+  EXPECT_NE(r.all.find("| 4 | h2o | int8"), std::string::npos) << r.all;
+}
+
+TEST(CliKv, FlagMistakesAreCleanErrors) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string base = "generate -m " + model + " -n 4 ";
+  ExpectCleanFailure(RunCli(base + "--kv-budget 0.5"), "--kv-method");
+  ExpectCleanFailure(RunCli(base + "--kv-method nope"), "nope");
+  ExpectCleanFailure(RunCli(base + "--kv-method h2o"), "budget");
+  ExpectCleanFailure(RunCli(base + "--kv-method h2o --kv-budget 1.5"), "budget");
+  ExpectCleanFailure(RunCli(base + "--kv-type q4"), "--kv-type");
+  ExpectCleanFailure(RunCli(base + "--kv-config /nonexistent/kv.json"), "/nonexistent/kv.json");
+  ExpectCleanFailure(RunCli(base + "--kv-config /nonexistent/kv.json --kv-method h2o"), "--kv-config");
+  const Result zero_page = RunCli(base + "--kv-method full --page-size 0");
+  EXPECT_FALSE(zero_page.crashed);
+  EXPECT_NE(zero_page.exit_code, 0);
+  ExpectCleanFailure(RunCli("bench-speed -m " + model + " -p 8 -n 0 -r 1 --kv-method h2o --kv-budget 0"), "budget");
+}
+
+}  // namespace
+}  // namespace kvsparse

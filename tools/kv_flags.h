@@ -1,0 +1,33 @@
+// The KV-sparsity flags shared by `generate` and `bench-speed`, and how they become a
+// KvSparsityConfig (nullopt: the dense cache, no policies).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <optional>
+#include <string>
+
+#include "kvsparse/kv_config.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse::cli {
+
+struct KvFlags {
+  std::string method;       // --kv-method
+  std::string budget;       // --kv-budget: "0.2" (fraction of the tokens seen) or "512" (tokens)
+  std::string kv_type;      // --kv-type; empty: the command's default
+  std::string config_file;  // --kv-config FILE.json
+  int page_size = 0;        // --page-size; 0: the config's (16)
+  int evict_interval = 0;   // --evict-interval; 0: the config's (16)
+  bool stats = false;       // --kv-stats
+};
+
+void AddKvFlags(CLI::App* cmd, KvFlags* flags, const std::string& default_kv_type);
+
+// The paged, policy-driven cache is used when a method or config file is given, or when the
+// KV type is int8 (the dense cache stores f32/f16 only), or --page-size / --evict-interval
+// is set; a method-less run is then "full". Otherwise nullopt: the dense cache of type
+// *dense_storage. Conflicting or incomplete flags are errors naming the flag.
+StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& flags, const std::string& default_kv_type,
+                                                         int n_layers, KvStorage* dense_storage);
+
+}  // namespace kvsparse::cli
