@@ -63,6 +63,12 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   SpeedReport report;
   report.model_path = model.path();
   report.weight_bytes = static_cast<double>(model.WeightBytes());
+  // A decode step reads every weight once, except the token-embedding table, of which it reads one
+  // row — unless the output projection is tied to it and reads it whole.
+  const WeightView& emb = model.token_embedding;
+  const double embedding_bytes = static_cast<double>(DTypeRowBytes(emb.type, emb.cols)) * emb.rows;
+  const double weight_bytes_per_token =
+      model.config().tied_output ? report.weight_bytes : report.weight_bytes - embedding_bytes + embedding_bytes / emb.rows;
   report.n_params = model.ParameterCount();
   report.model_desc = fmt::format("{} {:.2f}B {}", ArchName(c.arch), report.n_params / 1e9,
                                   DTypeName(model.layers.empty() ? DType::kF32 : model.layers[0].wq.type));
@@ -174,7 +180,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       // before each step (positions and scales included).
       const double kv_bytes = controller != nullptr ? live_kv_bytes / n
                                                     : dense_kv_bytes_per_token * (depth + (n - 1) / 2.0);
-      r.bytes_per_token = report.weight_bytes + kv_bytes;
+      r.bytes_per_token = weight_bytes_per_token + kv_bytes;
       if (report.read_bandwidth_gbs > 0) r.limit_tokens_per_s = report.read_bandwidth_gbs * 1e9 / r.bytes_per_token;
       finish(r, policy_s, evictions, config.repetitions);
       report.results.push_back(r);
@@ -202,7 +208,7 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
                        r.n_threads, r.tokens_per_s_mean, r.tokens_per_s_stddev, limit, pct,
                        r.kv_allocated_bytes / 1048576.0, r.kv_live_bytes / 1048576.0, r.policy_ms_per_token);
   }
-  out += "\nlimit = read bandwidth / (weight bytes + KV bytes read per generated token)\n";
+  out += "\nlimit = measured read bandwidth / bytes one generated token must read (all weights except the unread rows of an untied token-embedding table, plus the live KV)\n";
   for (const SpeedResult& r : report.results) {
     if (r.kv_stats_table.empty()) continue;
     out += fmt::format("\nKV stats after {} at depth {}:\n{}", r.test, r.depth, r.kv_stats_table);

@@ -140,22 +140,29 @@ void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int
   const uint8_t* packed = reinterpret_cast<const uint8_t*>(x);
   size_t token_bytes = sizeof(float) * static_cast<size_t>(w.cols);
   uint8_t* scratch = nullptr;
-  if (kernel.pack_token != nullptr) {
+  // Decode may use a kernel-specific compact single-token layout (see Kernel::pack_decode_token).
+  auto pack_token = kernel.pack_token;
+  if (n_tokens == 1 && kernel.pack_decode_token != nullptr) {
+    pack_token = kernel.pack_decode_token;
+    token_bytes = kernel.decode_token_bytes(w.cols);
+  } else if (pack_token != nullptr) {
     token_bytes = kernel.packed_token_bytes(w.cols);
+  }
+  if (pack_token != nullptr) {
     scratch = PackScratch(token_bytes * static_cast<size_t>(n_tokens));
     packed = scratch;
   }
   // A few tokens pack in about a microsecond: do it here rather than pay a barrier in the region.
   const bool pack_in_parallel = scratch != nullptr && n_tokens >= 2 * n_threads;
   if (scratch != nullptr && !pack_in_parallel) {
-    for (int64_t t = 0; t < n_tokens; ++t) kernel.pack_token(x + t * w.cols, w.cols, scratch + t * token_bytes);
+    for (int64_t t = 0; t < n_tokens; ++t) pack_token(x + t * w.cols, w.cols, scratch + t * token_bytes);
   }
 
 #pragma omp parallel num_threads(n_threads)
   {
     if (pack_in_parallel) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < n_tokens; ++t) kernel.pack_token(x + t * w.cols, w.cols, scratch + t * token_bytes);
+      for (int64_t t = 0; t < n_tokens; ++t) pack_token(x + t * w.cols, w.cols, scratch + t * token_bytes);
     }
     // Contiguous row-tile ranges keep each thread's weight reads one sequential stream.
     const int n = omp_get_num_threads();

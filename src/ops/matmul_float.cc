@@ -63,9 +63,38 @@ inline float HorizontalSum(__m256 v) {
 }
 #endif
 
+#if KVS_ISA_AVX512VNNI
+// One weight row against one f32 token: the decode hot loop. Four accumulators hide the FMA
+// latency (one chain would cap a row at 16 weights per FMA latency); only the tail is masked.
+template <DType kType>
+__attribute__((noinline)) float DotRowOneToken(const void* row, const float* x, int64_t n) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __mmask16 all = 0xFFFF;
+  int64_t c = 0;
+  for (; c + 64 <= n; c += 64) {
+    for (int k = 0; k < 4; ++k) {
+      acc[k] = _mm512_fmadd_ps(LoadWeights16<kType>(row, c + 16 * k, all), _mm512_loadu_ps(x + c + 16 * k), acc[k]);
+    }
+  }
+  for (; c < n; c += 16) {
+    const __mmask16 mask = n - c >= 16 ? all : static_cast<__mmask16>((1u << (n - c)) - 1);
+    acc[0] = _mm512_fmadd_ps(LoadWeights16<kType>(row, c, mask), _mm512_maskz_loadu_ps(mask, x + c), acc[0]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+#endif
+
 template <DType kType>
 struct FloatTile {
   using Elem = typename WeightElem<kType>::T;
+
+#if KVS_ISA_AVX512VNNI
+  // Decode: rows one after another against one token.
+  static void RunStripOneToken(const TileArgs& a) {
+    const float* x = reinterpret_cast<const float*>(a.x);
+    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken<kType>(a.w + r * a.w_row_bytes, x, a.cols);
+  }
+#endif
 
   template <int R, int T>
   static void Run(const TileArgs& a) {

@@ -38,6 +38,10 @@ struct Kernel {
   // If > 0, the driver splits the inner dimension into chunks of this many columns (a multiple
   // of the block size) so a row tile's chunk stays in L1; the kernel must honour `accumulate`.
   int64_t k_chunk = 0;
+  // Optional single-token (decode) packing, used instead of pack_token when n_tokens == 1; the
+  // kernel's single-token strip then reads this layout. Null: pack_token serves decode too.
+  size_t (*decode_token_bytes)(int64_t cols) = nullptr;
+  void (*pack_decode_token)(const float* x, int64_t cols, uint8_t* dst) = nullptr;
 };
 
 // Fast kernels for this build's ISA (AVX512-VNNI, AVX2 or scalar, chosen at compile time).

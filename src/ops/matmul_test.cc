@@ -134,15 +134,21 @@ TEST(MatMulTest, EmptyShapesDoNothing) {
 }
 
 TEST(MatMulTest, ResultDoesNotDependOnThreadCount) {
-  const int64_t rows = 67, cols = 512, n_tokens = 9;
-  const std::vector<float> w_f32 = RandomFloats(rows * cols, 5);
-  const std::vector<uint8_t> w_data = QuantizeMatrix(DType::kQ8_0, w_f32, rows, cols);
-  const std::vector<float> x = RandomFloats(n_tokens * cols, 6);
-  std::vector<float> y1(rows * n_tokens), y2(rows * n_tokens);
-  const WeightView w{DType::kQ8_0, w_data.data(), rows, cols};
-  ops::MatMul(w, x.data(), n_tokens, y1.data(), 1);
-  ops::MatMul(w, x.data(), n_tokens, y2.data(), 2);
-  EXPECT_EQ(y1, y2);
+  const int64_t rows = 67, cols = 512;
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16}) {
+    for (int64_t n_tokens : {1, 3, 9}) {
+      const std::vector<float> w_f32 = RandomFloats(rows * cols, 5);
+      const std::vector<uint8_t> w_data = QuantizeMatrix(type, w_f32, rows, cols);
+      const std::vector<float> x = RandomFloats(n_tokens * cols, 6);
+      std::vector<float> y1(rows * n_tokens), y2(rows * n_tokens), y3(rows * n_tokens);
+      const WeightView w{type, w_data.data(), rows, cols};
+      ops::MatMul(w, x.data(), n_tokens, y1.data(), 1);
+      ops::MatMul(w, x.data(), n_tokens, y2.data(), 2);
+      ops::MatMul(w, x.data(), n_tokens, y3.data(), 3);
+      EXPECT_EQ(y1, y2) << DTypeName(type) << " n_tokens " << n_tokens;
+      EXPECT_EQ(y1, y3) << DTypeName(type) << " n_tokens " << n_tokens;
+    }
+  }
 }
 
 }  // namespace

@@ -58,4 +58,17 @@ void PackQ8Token(const float* x, int64_t cols, uint8_t* dst, int offset, Q8Order
   }
 }
 
+void PackQ8TokenCompact(const float* x, int64_t cols, uint8_t* dst, Q8Order order) {
+  const int64_t n_blocks = cols / kQK8_0;
+  const int64_t n_steps = PackedSteps(cols);
+  int8_t* q = reinterpret_cast<int8_t*>(dst);
+  float* scales = reinterpret_cast<float*>(dst + n_steps * kStepElems);
+  for (int64_t b = 0; b < n_steps * kStepBlocks; ++b) {
+    int8_t block_q[kQK8_0] = {};
+    scales[b] = b < n_blocks ? F16ToF32(quant::QuantizeBlockQ8_0(x + b * kQK8_0, block_q)) : 0.f;
+    int8_t* step_q = q + (b / kStepBlocks) * kStepElems;
+    for (int e = 0; e < kQK8_0; ++e) step_q[PositionInStep(order, static_cast<int>(b % kStepBlocks), e)] = block_q[e];
+  }
+}
+
 }  // namespace kvsparse::matmul

@@ -37,6 +37,10 @@ template <class K>
 void DispatchTile(const TileArgs& a) {
   static_assert(kMaxTileRows == 4 && kMaxTileTokens == 4);
   if (a.row_strip) {
+    // Kernels may provide a dedicated single-token strip (the decode hot loop).
+    if constexpr (requires { K::RunStripOneToken(a); }) {
+      if (a.n_tokens == 1) return K::RunStripOneToken(a);
+    }
     switch (a.n_tokens) {
       case 1: return RunStrip<K, 1>(a);
       case 2: return RunStrip<K, 2>(a);
