@@ -3,57 +3,20 @@
 // dense run's tokens, and flag mistakes give a clear error (never a crash).
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
 #include <array>
 #include <cstdio>
 #include <fstream>
 #include <string>
 
-#include "support/shared_data.h"
+#include "support/cli_runner.h"
 
 namespace kvsparse {
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  bool crashed = false;
-  std::string out;  // stdout only
-  std::string all;  // stdout + stderr
-};
-
-std::string Cli() {
-  const char* env = std::getenv("KVS_CLI");
-  return env ? env : std::string(KVS_BINARY_DIR) + "/kvsparse";
-}
-
-Result RunCli(const std::string& args) {
-  Result r;
-  const std::string err_path = testing::TempPath("cli_kv_stderr.txt");
-  const std::string cmd = Cli() + " " + args + " 2>" + err_path;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  if (WIFEXITED(status)) {
-    r.exit_code = WEXITSTATUS(status);
-    r.crashed = r.exit_code >= 128;
-  } else {
-    r.crashed = true;
-  }
-  std::ifstream err(err_path);
-  r.all = r.out + std::string(std::istreambuf_iterator<char>(err), {});
-  return r;
-}
-
-void ExpectCleanFailure(const Result& r, const std::string& must_mention) {
-  EXPECT_FALSE(r.crashed) << r.all;
-  EXPECT_NE(r.exit_code, 0) << r.all;
-  EXPECT_NE(r.all.find("error:"), std::string::npos) << r.all;
-  EXPECT_NE(r.all.find(must_mention), std::string::npos) << "expected '" << must_mention << "' in: " << r.all;
-}
+using testing::CliResult;
+using testing::ExpectCleanFailure;
+using testing::RunCli;
+using Result = CliResult;
 
 TEST(CliKv, FullPagedGeneratesExactlyTheDenseTokens) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");

@@ -2,47 +2,20 @@
 // exit (never a crash), and convert produces a GGUF that generates exactly like the original.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
 #include <array>
 #include <cstdio>
 #include <fstream>
 #include <string>
 
-#include "support/shared_data.h"
+#include "support/cli_runner.h"
 
 namespace kvsparse {
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  bool crashed = false;  // killed by a signal (segfault, abort, ASan)
-  std::string output;    // stdout + stderr
-};
-
-std::string Cli() {
-  const char* env = std::getenv("KVS_CLI");
-  return env ? env : std::string(KVS_BINARY_DIR) + "/kvsparse";
-}
-
-Result RunCli(const std::string& args) {
-  Result r;
-  const std::string cmd = Cli() + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  if (WIFEXITED(status)) {
-    r.exit_code = WEXITSTATUS(status);
-    // A shell reports a child killed by a signal as 128 + signal.
-    r.crashed = r.exit_code >= 128;
-  } else {
-    r.crashed = true;
-  }
-  return r;
-}
+using testing::CliResult;
+using testing::ExpectCleanFailure;
+using testing::RunCli;
+using Result = CliResult;
 
 void WriteFile(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
@@ -54,14 +27,6 @@ std::string ReadFile(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-void ExpectCleanFailure(const Result& r, const std::string& must_mention) {
-  EXPECT_FALSE(r.crashed) << r.output;
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("error:"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find(must_mention), std::string::npos) << "expected the message to mention '" << must_mention
-                                                             << "', got: " << r.output;
-}
-
 TEST(CliBadInput, MissingFile) {
   ExpectCleanFailure(RunCli("inspect /nonexistent/model.gguf"), "/nonexistent/model.gguf");
   ExpectCleanFailure(RunCli("generate -m /nonexistent/model.gguf -n 1"), "/nonexistent/model.gguf");
@@ -71,8 +36,8 @@ TEST(CliBadInput, WrongMagic) {
   const std::string path = testing::TempPath("wrong_magic.gguf");
   WriteFile(path, std::string("NOPE") + std::string(64, '\x01'));
   const Result r = RunCli("inspect " + path);
-  EXPECT_FALSE(r.crashed) << r.output;
-  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(r.crashed) << r.all;
+  EXPECT_NE(r.exit_code, 0) << r.all;
 }
 
 TEST(CliBadInput, TruncatedGguf) {
@@ -128,28 +93,28 @@ TEST(CliConvert, GgufGeneratesLikeTheCheckpoint) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   const std::string gguf = testing::TempPath("stories260K_f32.gguf");
   const Result conv = RunCli("convert " + model + " -o " + gguf + " --type f32");
-  ASSERT_EQ(conv.exit_code, 0) << conv.output;
+  ASSERT_EQ(conv.exit_code, 0) << conv.all;
   const std::string args = " --tokens 1 -n 100 --temp 0 --kv-type f32 -t 2";
   const Result a = RunCli("generate -m " + model + args);
   const Result b = RunCli("generate -m " + gguf + args);
-  ASSERT_EQ(a.exit_code, 0) << a.output;
-  ASSERT_EQ(b.exit_code, 0) << b.output;
-  EXPECT_FALSE(GeneratedIds(a.output).empty()) << a.output;
-  EXPECT_EQ(GeneratedIds(a.output), GeneratedIds(b.output));
+  ASSERT_EQ(a.exit_code, 0) << a.all;
+  ASSERT_EQ(b.exit_code, 0) << b.all;
+  EXPECT_FALSE(GeneratedIds(a.all).empty()) << a.all;
+  EXPECT_EQ(GeneratedIds(a.all), GeneratedIds(b.all));
   const Result info = RunCli("inspect " + gguf);
-  EXPECT_EQ(info.exit_code, 0) << info.output;
-  EXPECT_NE(info.output.find("blk.4.ffn_down.weight"), std::string::npos) << info.output;
+  EXPECT_EQ(info.exit_code, 0) << info.all;
+  EXPECT_NE(info.all.find("blk.4.ffn_down.weight"), std::string::npos) << info.all;
 }
 
 TEST(CliSynth, TinyShapeRuns) {
   const std::string path = testing::TempPath("cli_tiny_synth.gguf");
   const Result s = RunCli("synth --shape tiny-llama --type q8_0 -o " + path);
-  ASSERT_EQ(s.exit_code, 0) << s.output;
+  ASSERT_EQ(s.exit_code, 0) << s.all;
   const Result g = RunCli("generate -m " + path + " -n 8 --temp 0 -t 1");
-  ASSERT_EQ(g.exit_code, 0) << g.output;
+  ASSERT_EQ(g.exit_code, 0) << g.all;
   const Result b = RunCli("bench-speed -m " + path + " -p 16 -n 4 -d 0,8 -r 1 -o json");
-  ASSERT_EQ(b.exit_code, 0) << b.output;
-  EXPECT_NE(b.output.find("\"tg4\""), std::string::npos) << b.output;
+  ASSERT_EQ(b.exit_code, 0) << b.all;
+  EXPECT_NE(b.all.find("\"tg4\""), std::string::npos) << b.all;
 }
 
 }  // namespace
