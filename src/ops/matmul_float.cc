@@ -1,7 +1,5 @@
 // F32 / F16 / BF16 weights x f32 activations. Weights are widened to f32 in registers (F16C for
 // f16, a 16-bit shift for bf16) and multiplied in f32 FMA; activations are used as given.
-#include <algorithm>
-#include <cstring>
 
 #include "kvsparse/dtype.h"
 #include "ops/matmul_kernels.h"

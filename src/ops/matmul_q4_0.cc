@@ -1,7 +1,6 @@
 // Q4_0 weights x Q8_0 activations (packed_q8.h). Weight nibbles are used as unsigned bytes
 // (q in 0..15, value = q - 8); the packed activations' `init` holds -8 * sum(x) per lane, so
 // the integer dot starts pre-corrected -- ggml's vec_dot_q4_0_q8_0 arithmetic.
-#include <algorithm>
 
 #include "kvsparse/dtype.h"
 #include "ops/matmul_kernels.h"

@@ -1,7 +1,6 @@
 // Q4_K weights x Q8_K activations -- ggml's vec_dot_q4_K_q8_K arithmetic. Per 256-element
 // super-block: sum = d_x * (d * sum_j sc_j * dot(q_j, x_j) - dmin * sum_j m_j * sum(x_j)),
 // where the integer part is exact and sum(x_j) comes from the activations' bsums.
-#include <algorithm>
 #include <cstring>
 
 #include "kvsparse/dtype.h"

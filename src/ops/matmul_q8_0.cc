@@ -1,6 +1,5 @@
 // Q8_0 weights x Q8_0 activations (packed_q8.h), integer dot products per 32-element block,
 // scaled by d_w * d_x and accumulated in f32 -- ggml's vec_dot_q8_0_q8_0 scheme.
-#include <algorithm>
 
 #include "kvsparse/dtype.h"
 #include "ops/matmul_kernels.h"
