@@ -6,18 +6,12 @@
 #include <vector>
 
 #include "kvsparse/dtype.h"
+#include "support/random_data.h"
 
 namespace kvsparse {
 namespace {
 
-std::vector<float> RandomVector(size_t n, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-2.f, 2.f);
-  std::vector<float> v(n);
-  for (float& x : v) {
-    do x = dist(rng); while (x == 0.f);
-  }
-  return v;
-}
+std::vector<float> RandomVector(size_t n, std::mt19937& rng) { return testing::RandomNonZeroFloats(n, rng); }
 
 class ContiguousKvCacheTest : public ::testing::TestWithParam<KvStorage> {};
 

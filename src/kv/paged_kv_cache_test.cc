@@ -11,18 +11,12 @@
 #include "kv/kv_quant.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/dtype.h"
+#include "support/random_data.h"
 
 namespace kvsparse {
 namespace {
 
-std::vector<float> RandomVector(size_t n, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-2.f, 2.f);
-  std::vector<float> v(n);
-  for (float& x : v) {
-    do x = dist(rng); while (x == 0.f);
-  }
-  return v;
-}
+std::vector<float> RandomVector(size_t n, std::mt19937& rng) { return testing::RandomNonZeroFloats(n, rng); }
 
 std::unique_ptr<PagedKvCache> MakeCache(const KvGeometry& geo, std::vector<KvStorage> storage, int n_seqs,
                                         int32_t page_size, size_t budget) {
