@@ -36,7 +36,8 @@ TEST(CliKv, SparseMethodsRunWithStats) {
   const std::string base = "generate -m " + model + " -n 60 --temp 0 -t 2 --kv-stats";
   for (const std::string extra : {"--kv-method streaming_llm --kv-budget 0.25 --evict-interval 4",
                                   "--kv-method snapkv --kv-budget 48 --kv-type int8",
-                                  "--kv-method tova --kv-budget 0.5 --kv-type f16 --page-size 8"}) {
+                                  "--kv-method tova --kv-budget 0.5 --kv-type f16 --page-size 8",
+                                  "--kv-method h2o --kv-budget 0.3 --kv-type int8_kivi --evict-interval 4"}) {
     const Result r = RunCli(base + " " + extra);
     ASSERT_EQ(r.exit_code, 0) << extra << "\n" << r.all;
     EXPECT_NE(r.all.find("| layer | method"), std::string::npos) << r.all;
@@ -78,6 +79,22 @@ TEST(CliKv, FlagMistakesAreCleanErrors) {
   EXPECT_FALSE(zero_page.crashed);
   EXPECT_NE(zero_page.exit_code, 0);
   ExpectCleanFailure(RunCli("bench-speed -m " + model + " -p 8 -n 0 -r 1 --kv-method h2o --kv-budget 0"), "budget");
+}
+
+// --kv-per-head: Full per head prints exactly the dense tokens, a sparse method marks its
+// per-head layers in the stats, and it conflicts with --kv-config (which says "per_head").
+TEST(CliKv, PerHeadFlag) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string base = "generate -m " + model + " -n 40 --temp 0 -t 2";
+  const Result dense = RunCli(base + " --kv-type f32");
+  ASSERT_EQ(dense.exit_code, 0) << dense.all;
+  const Result full = RunCli(base + " --kv-method full --kv-type f32 --kv-per-head");
+  ASSERT_EQ(full.exit_code, 0) << full.all;
+  EXPECT_EQ(full.out, dense.out);
+  const Result h2o = RunCli(base + " --kv-method h2o --kv-budget 24 --kv-type f16 --kv-per-head --kv-stats");
+  ASSERT_EQ(h2o.exit_code, 0) << h2o.all;
+  EXPECT_NE(h2o.all.find("| 0 | h2o | f16/head"), std::string::npos) << h2o.all;
+  ExpectCleanFailure(RunCli(base + " --kv-config /nonexistent/kv.json --kv-per-head"), "--kv-per-head");
 }
 
 }  // namespace

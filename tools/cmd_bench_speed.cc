@@ -13,7 +13,8 @@ namespace {
 constexpr const char* kDefaultKvType = "f16";
 
 struct BenchArgs {
-  std::string model, output = "md", out_file;
+  std::string model, output = "md", out_file, fill = "prefill";
+  bool compare_dense = false;
   KvFlags kv;
   SpeedBenchConfig config;
 };
@@ -28,9 +29,29 @@ int Run(BenchArgs& a) {
   if (!sparsity.ok()) return Fail(sparsity.status());
   a.config.kv_sparsity = *sparsity;
   a.config.kv_stats = a.kv.stats;
-  auto report = RunSpeedBench(**model, a.config);
-  if (!report.ok()) return Fail(report.status());
-  const std::string text = a.output == "json" ? SpeedReportJson(*report) : SpeedReportMarkdown(*report);
+  a.config.synthetic_fill = a.fill == "synthetic";
+  std::string text;
+  if (a.compare_dense && a.config.kv_sparsity) {
+    // The dense f16 baseline first, in the same process and with the same bandwidth figure.
+    SpeedBenchConfig dense_config = a.config;
+    dense_config.kv_sparsity.reset();
+    dense_config.kv_storage = KvStorage::kF16;
+    auto dense = RunSpeedBench(**model, dense_config);
+    if (!dense.ok()) return Fail(dense.status());
+    a.config.known_bandwidth_gbs = dense->read_bandwidth_gbs;
+    auto sparse = RunSpeedBench(**model, a.config);
+    if (!sparse.ok()) return Fail(sparse.status());
+    if (a.output == "json") {
+      text = "{\"dense\": " + SpeedReportJson(*dense) + ",\n\"sparse\": " + SpeedReportJson(*sparse) + "}\n";
+    } else {
+      text = SpeedReportMarkdown(*dense) + "\n" + SpeedReportMarkdown(*sparse) + "\n" +
+             SpeedComparisonMarkdown(*dense, *sparse);
+    }
+  } else {
+    auto report = RunSpeedBench(**model, a.config);
+    if (!report.ok()) return Fail(report.status());
+    text = a.output == "json" ? SpeedReportJson(*report) : SpeedReportMarkdown(*report);
+  }
   std::fputs(text.c_str(), stdout);
   if (!a.out_file.empty()) {
     std::ofstream f(a.out_file);
@@ -51,6 +72,19 @@ void RegisterBenchSpeed(CLI::App& app, int* exit_code) {
   cmd->add_option("-t,--threads", a->config.n_threads, "threads (0 = all cores)")->capture_default_str();
   cmd->add_option("-r,--repetitions", a->config.repetitions, "timed repetitions per test")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("-b,--batch-size", a->config.prefill_chunk, "tokens per forward pass in prefill")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--fill", a->fill,
+                  "how the depth is filled: prefill (run the tokens through the model) or synthetic (append random "
+                  "K/V; decode speed and memory do not depend on the values)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"prefill", "synthetic"}));
+  cmd->add_option("--warmup", a->config.warmup, "run an untimed repetition before the timed ones (0 or 1)")
+      ->capture_default_str();
+  cmd->add_option("--attention-reps", a->config.attention_reps,
+                  "time one decode step's attention over the final cache this many times (0 = off)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--compare-dense", a->compare_dense,
+                "with a sparse KV method: also run the same tests with the dense f16 cache and print both side by side");
   AddKvFlags(cmd, &a->kv, kDefaultKvType);
   cmd->add_option("-o,--output", a->output, "md or json")->capture_default_str();
   cmd->add_option("--out-file", a->out_file, "also write the report to this file");

@@ -8,20 +8,24 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
   cmd->add_option("--kv-method", f->method, "KV sparsity method: " + ValidKvMethodNames() + " (default: dense cache)");
   cmd->add_option("--kv-budget", f->budget,
                   "KV tokens kept per layer: a fraction of the tokens seen (0.2) or a count (512)");
-  cmd->add_option("--kv-type", f->kv_type, "KV storage: f32, f16 or int8 (default " + default_kv_type + ")");
+  cmd->add_option("--kv-type", f->kv_type, "KV storage: f32, f16, int8 or int8_kivi (default " + default_kv_type + ")");
   cmd->add_option("--kv-config", f->config_file, "per-layer KV sparsity config (JSON); excludes --kv-method/--kv-budget");
   cmd->add_option("--page-size", f->page_size, "tokens per KV page (default 16)")->check(CLI::PositiveNumber);
   cmd->add_option("--evict-interval", f->evict_interval,
                   "decode steps a layer may grow past its budget before evicting (default 16)")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--kv-stats", f->stats, "print per-layer KV bytes (allocated, live), evictions and policy time");
+  cmd->add_flag("--kv-per-head", f->per_head,
+                "one policy and page table per KV head, so each head keeps its own tokens (JSON: \"per_head\")");
 }
 
 StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const std::string& default_kv_type,
                                                          int n_layers, KvStorage* dense_storage) {
   const std::string kv_type = f.kv_type.empty() ? default_kv_type : f.kv_type;
   const std::optional<KvStorage> storage = KvStorageFromName(kv_type);
-  if (!storage) return InvalidArgumentError(fmt::format("--kv-type: expected f32, f16 or int8, found '{}'", kv_type));
+  if (!storage) {
+    return InvalidArgumentError(fmt::format("--kv-type: expected f32, f16, int8 or int8_kivi, found '{}'", kv_type));
+  }
   *dense_storage = *storage;
 
   KvSparsityConfig config;
@@ -32,15 +36,23 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
     if (!f.kv_type.empty()) {
       return InvalidArgumentError("--kv-config sets kv_type per layer; drop --kv-type (or set \"kv_type\" in the file)");
     }
+    if (f.per_head) {
+      return InvalidArgumentError("--kv-config sets per_head per layer; drop --kv-per-head (or set \"per_head\": true "
+                                  "in the file)");
+    }
     KVS_ASSIGN_OR_RETURN(config, LoadKvSparsityConfig(f.config_file, n_layers));
   } else if (!f.method.empty()) {
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags(f.method, f.budget, kv_type, n_layers));
   } else if (!f.budget.empty()) {
     return InvalidArgumentError(fmt::format("--kv-budget needs --kv-method (one of {})", ValidKvMethodNames()));
-  } else if (*storage == KvStorage::kInt8 || f.page_size > 0 || f.evict_interval > 0) {
+  } else if (*storage == KvStorage::kInt8 || *storage == KvStorage::kInt8Kivi || f.page_size > 0 ||
+             f.evict_interval > 0 || f.per_head) {  // int8 types need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
   } else {
     return std::optional<KvSparsityConfig>();  // dense
+  }
+  if (f.per_head) {
+    for (LayerKvConfig& layer : config.layers) layer.per_head = true;
   }
   if (f.page_size > 0) config.page_size = f.page_size;
   if (f.evict_interval > 0) config.evict_interval = f.evict_interval;

@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "commands.h"
+#include "kvsparse/retrieval_model.h"
 #include "kvsparse/synth.h"
 
 namespace kvsparse::cli {
@@ -17,23 +18,45 @@ struct SynthArgs {
 void RegisterSynth(CLI::App& app, int* exit_code) {
   auto a = std::make_shared<SynthArgs>();
   CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight GGUF with the exact shape of a real model");
-  cmd->add_option("--shape", a->shape, "shape name (see --list)");
+  cmd->add_option("--shape", a->shape, "shape name (see --list); 'retrieval' writes the built-in retrieval model");
   cmd->add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0, q4_0, q4_k")->capture_default_str();
   cmd->add_option("-o,--output", a->out, "GGUF file to write");
   cmd->add_option("--vocab", a->vocab, "vocab-only GGUF to copy the tokenizer from (token count must match)");
   cmd->add_option("--seed", a->seed, "weight seed")->capture_default_str();
   cmd->add_option("--layers", a->layers, "override the layer count (0 = the shape's)")->capture_default_str();
   cmd->add_flag("--list", a->list, "list the known shapes");
-  cmd->callback([a, exit_code] {
+  cmd->callback([a, exit_code, cmd] {
     if (a->list) {
       for (const SynthShape& s : SynthShapes()) {
         std::printf("%-16s %-6s vocab %6d dim %5d ffn %5d layers %3d heads %3d kv %2d ctx %6d\n", s.name.c_str(),
                     s.arch.c_str(), s.n_vocab, s.dim, s.hidden_dim, s.n_layers, s.n_heads, s.n_kv_heads, s.context);
       }
+      std::printf("%-16s %-6s constructed weights for token-level retrieval (see retrieval_model.h)\n", "retrieval",
+                  "llama");
       return;
     }
     if (a->shape.empty() || a->out.empty()) {
       *exit_code = Fail(InvalidArgumentError("synth needs --shape NAME and -o FILE (see --list)"));
+      return;
+    }
+    if (a->shape == "retrieval") {
+      // Constructed, not random: f32 unless --type asks for f16; --layers >= 2 (0 = default).
+      RetrievalModelOptions options;
+      if (a->layers > 0) options.n_layers = a->layers;
+      if (cmd->count("--type") > 0) {
+        auto type = DTypeFromName(a->type);
+        if (!type) {
+          *exit_code = Fail(InvalidArgumentError("--type: expected f32 or f16 for --shape retrieval, found '" + a->type + "'"));
+          return;
+        }
+        options.weight_type = *type;  // WriteRetrievalModel rejects types other than f32/f16
+      }
+      Status s = WriteRetrievalModel(options, a->out);
+      if (!s.ok()) {
+        *exit_code = Fail(s);
+        return;
+      }
+      std::printf("wrote %s\n", a->out.c_str());
       return;
     }
     auto shape = FindSynthShape(a->shape);

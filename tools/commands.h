@@ -15,6 +15,7 @@ void RegisterInspect(CLI::App& app, int* exit_code);
 void RegisterConvert(CLI::App& app, int* exit_code);
 void RegisterSynth(CLI::App& app, int* exit_code);
 void RegisterBenchSpeed(CLI::App& app, int* exit_code);
+void RegisterBench(CLI::App& app, int* exit_code);  // bench, bench-merge, bench-report
 
 // Prints "error: <status>" to stderr and returns 1.
 int Fail(const Status& status);

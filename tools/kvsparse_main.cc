@@ -1,4 +1,4 @@
-// kvsparse: one binary with subcommands — generate, inspect, convert, synth, bench-speed.
+// kvsparse: one binary with subcommands — generate, inspect, convert, synth, bench-speed, bench.
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   kvsparse::cli::RegisterConvert(app, &exit_code);
   kvsparse::cli::RegisterSynth(app, &exit_code);
   kvsparse::cli::RegisterBenchSpeed(app, &exit_code);
+  kvsparse::cli::RegisterBench(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

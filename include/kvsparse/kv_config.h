@@ -3,7 +3,8 @@
 //
 // JSON form (every field optional except each entry's "layers"):
 //   {
-//     "default": {"method": "h2o", "budget": 0.2, "kv_type": "int8", "recent_ratio": 0.5},
+//     "default": {"method": "h2o", "budget": 0.2, "kv_type": "int8", "recent_ratio": 0.5,
+//                 "per_head": false},
 //     "layers": [{"layers": "0-1", "method": "full", "kv_type": "f16"},
 //                {"layers": 7, "budget": 64}],
 //     "evict_interval": 16, "page_size": 16, "gqa_aggregation": "mean", "prefill_chunk": 512
@@ -11,7 +12,12 @@
 // - "budget": an integer is a token count (>= 1); a non-integer number is a fraction in
 //   (0, 1] of the tokens seen so far (see kv_budget.h).
 // - "layers": an index (3 or "3") or an inclusive range "a-b"; entries may not overlap.
-// - An entry inherits budget and kv_type from "default". It inherits the default's method
+// - "per_head": true gives the layer one policy and one page table per KV head, so heads
+//   keep different tokens; the budget then applies to each head (default false: every head
+//   keeps the same tokens).
+// - "cache_positions": true (streaming_llm only) numbers RoPE positions inside the cache, as
+//   StreamingLLM does; any other method rejects it, naming the layer and the field.
+// - An entry inherits budget, kv_type and per_head from "default". It inherits the default's method
 //   parameters when it keeps the default's method; naming another method starts from
 //   that method's paper defaults.
 // - Without "default", uncovered layers are "full".
@@ -33,12 +39,20 @@
 
 namespace kvsparse {
 
+// When prompts are compressed. kEveryChunk (default) trims every layer to its budget after
+// each prompt chunk, so a long prompt never holds more than budget + chunk tokens; methods then
+// choose without seeing the rest of the prompt. kPromptEnd keeps the whole prompt until its
+// last chunk was attended and trims once (the protocol of SnapKV and kvpress: a question at the
+// end of the prompt can steer the choice), at the price of the prompt's full KV at peak.
+enum class PrefillEviction { kEveryChunk, kPromptEnd };
+
 struct KvSparsityConfig {
   std::vector<LayerKvConfig> layers;  // [n_layers]
   int evict_interval = 16;
   int page_size = 16;
   GqaAggregation agg = GqaAggregation::kMean;
   int prefill_chunk = 512;
+  PrefillEviction prefill_eviction = PrefillEviction::kEveryChunk;  // JSON "prefill_eviction": "chunk" | "prompt_end"
 };
 
 // `source` names the text in messages (a file path, or "kv config").
@@ -53,7 +67,7 @@ StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, st
 
 // "512" -> 512 tokens, "0.2" -> a fifth of the context.
 StatusOr<KvBudget> ParseKvBudget(std::string_view text);
-std::optional<KvStorage> KvStorageFromName(std::string_view name);  // "f32" | "f16" | "int8"
+std::optional<KvStorage> KvStorageFromName(std::string_view name);  // "f32" | "f16" | "int8" | "int8_kivi"
 
 // Re-checks a config built in code (ranges, every layer's values).
 Status ValidateKvSparsityConfig(const KvSparsityConfig& config);

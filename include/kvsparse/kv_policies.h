@@ -2,7 +2,7 @@
 // (sequence, layer). Each method's file in src/policy/ cites its paper and its defaults:
 //
 //   full           keep everything (never evicts)
-//   streaming_llm  n_sink first tokens + the most recent ones            (n_sink 4)
+//   streaming_llm  n_sink first tokens + the most recent ones            (n_sink 4, cache_positions off)
 //   h2o            accumulated attention heavy hitters + recent window   (recent_ratio 0.5)
 //   tova           attention of the last query, averaged over heads      (no window)
 //   scissorhands   fewest "unimportant" marks over a history of queries  (history 32, recent_ratio 0.1)
@@ -10,6 +10,8 @@
 //   pyramidkv      SnapKV scoring, budgets decreasing with depth         (beta 20)
 //   knorm          lowest key L2 norm                                    (no window)
 //   random         uniform random subset, seeded                         (recent_ratio 0.5)
+//   quest          never evicts; each decode step reads the pages whose  (page_tokens = cache page,
+//                  key min/max bound q·k highest, within the budget       head_reduce max)
 #pragma once
 
 #include <cstdint>
@@ -27,14 +29,16 @@
 
 namespace kvsparse {
 
-enum class KvMethod { kFull, kStreamingLlm, kH2O, kTova, kScissorhands, kSnapKv, kPyramidKv, kKNorm, kRandom };
+enum class KvMethod { kFull, kStreamingLlm, kH2O, kTova, kScissorhands, kSnapKv, kPyramidKv, kKNorm, kRandom, kQuest };
 
 std::string_view KvMethodName(KvMethod method);                  // "h2o"
 std::optional<KvMethod> KvMethodFromName(std::string_view name);  // exact, lower case
 std::string ValidKvMethodNames();                                 // "full, streaming_llm, ..."
 
-// How a token's per-KV-head importance becomes one score (this increment keeps the same
-// tokens for every head of a layer): the mean over heads, or the head that values it most.
+// How a token's per-KV-head importance becomes one score when a layer keeps the same tokens
+// for every head (per_head false): the mean over heads, or the head that values it most.
+// Quest folds a page's bounds with it twice: over the query heads of each kv head's group,
+// then (shared layers) over kv heads.
 enum class HeadReduce { kMean, kMax };
 // SnapKV's smoothing of the votes over neighbouring tokens.
 enum class VotePooling { kMax, kAvg };
@@ -52,6 +56,11 @@ struct KvMethodParams {
   VotePooling pooling = VotePooling::kMax;  // "pooling": "max" | "avg"
   bool decode_evict = false;    // "decode_evict": SnapKV/PyramidKV also evict while decoding
   double beta = 20.0;           // "beta": PyramidKV: last layer gets 1/beta of the mean share
+  int32_t page_tokens = 0;      // "page_tokens": Quest page in tokens; 0 = the cache's page size
+  // "cache_positions": StreamingLLM only. RoPE positions are places in the cache (0..n-1, a new
+  // token gets n) instead of places in the text; survivors are renumbered and their keys
+  // re-rotated after every eviction (the paper's setting; see docs/DESIGN.md "Positions").
+  bool cache_positions = false;
 };
 
 // The paper defaults of `method` (see the table above).
@@ -68,6 +77,9 @@ struct LayerKvConfig {
   KvBudget budget = KvBudget::Fraction(1.0);  // ignored by kFull
   KvStorage kv_type = KvStorage::kF32;
   KvMethodParams params = DefaultMethodParams(KvMethod::kFull);
+  // One policy and one page table per KV head, so each head keeps its own tokens
+  // (PagedKvCacheOptions::layer_per_head). False: every head keeps the same tokens.
+  bool per_head = false;
 };
 
 // Checks a layer's values (budget range, parameter ranges, sinks/windows that cannot fit

@@ -68,9 +68,22 @@ struct SelectionContext {
   int head_dim = 0;
 };
 
+// What a policy that selects spans per decode query (Quest) may look at.
+struct SpanSelectionContext {
+  int layer = 0;
+  const float* q = nullptr;  // [n_q_heads, head_dim] the decode query, after RoPE
+  int n_q_heads = 0;         // query heads in q (a per-head table: its group)
+  int n_kv_heads = 0;        // kv heads in each span row (1 for HeadSpans)
+  int head_dim = 0;
+  KvStorage storage = KvStorage::kF32;  // the layer's storage type
+  int32_t cache_page_size = 0;          // tokens per page of the paged cache
+};
+
 // Where in the forward pass an eviction decision is taken.
 enum class EvictionPoint {
-  kPrefillChunk,  // after a prompt chunk (including the last one): trim straight to budget
+  kPrefillChunk,  // after a prompt chunk that more chunks of the same prompt follow: trim to budget
+                  // (unless the config evicts at the prompt's end only, see PrefillEviction)
+  kPromptEnd,     // after the last chunk of a prompt (a multi-token forward call): trim to budget
   kDecodeStep,    // after a decode step: let the layer grow to budget + evict_interval first
 };
 
@@ -90,6 +103,17 @@ class KvPolicy {
   // False for methods that compress the prompt only (SnapKV, PyramidKV by default):
   // generated tokens are then all kept.
   virtual bool EvictsDuringDecode() const { return true; }
+  // False when observations of decode steps are never used (SnapKV, PyramidKV without
+  // decode_evict): the controller then skips the scoring pass on decode steps.
+  virtual bool ObservesDecode() const { return true; }
+  // Query-aware span selection (Quest): true when decode attention should read only the spans
+  // SelectSpans picks. Such policies keep every token (they save reads, not memory).
+  virtual bool SelectsSpans() const { return false; }
+  // Filters *spans (every live span of the table, ascending) in place, keeping order, to the
+  // runs a decode step's attention reads for the query ctx.q. Called before decode attention only.
+  virtual void SelectSpans(const SpanSelectionContext& ctx, std::vector<KvSpan>* spans) {}
+  // Bytes of per-page metadata the policy keeps (Quest's key bounds), allocated.
+  virtual size_t MetadataBytes() const { return 0; }
 
   virtual void OnAppend(int32_t n_new) = 0;
   virtual void Observe(const AttentionObservation& obs) {}

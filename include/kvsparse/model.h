@@ -9,6 +9,7 @@
 
 #include "kvsparse/gguf.h"
 #include "kvsparse/kv_cache.h"
+#include "kvsparse/kv_policy.h"
 #include "kvsparse/ops.h"
 #include "kvsparse/status.h"
 
@@ -110,6 +111,9 @@ class Engine {
   Status ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits, bool all_logits);
   // The attention of one layer when a SparseKvController is attached (scratch spans already gathered).
   Status SparseAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape);
+  // The attention of a per-head layer (KvCache::per_head): one call per kv head, with or without a controller.
+  Status PerHeadAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape);
+  EvictionPoint chunk_point_ = EvictionPoint::kDecodeStep;  // of the chunk ForwardChunk is running
   const Model& model_;
   KvCache* cache_;
   int n_threads_;

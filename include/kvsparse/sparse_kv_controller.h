@@ -10,8 +10,20 @@
 // Evicting right after each layer's attention bounds every layer to budget + chunk tokens
 // during prefill (and budget + evict_interval while decoding).
 //
+// Per-head layers (LayerKvConfig::per_head): one KvPolicy per (sequence, layer, kv head). The
+// engine attends each head on its own (KvCache::HeadSpans) and calls ObserveHeadAttention per
+// head; each policy sees observations with n_kv_heads = 1 and evicts its own head table, so
+// heads keep different tokens. Layer statistics sum over the heads.
+//
+// Policies whose decode observations are never used (KvPolicy::ObservesDecode false: SnapKV,
+// PyramidKV without decode_evict) are not scored on decode steps: WantsScores says no.
+//
+// Query-aware layers (KvPolicy::SelectsSpans: Quest) never evict; before each decode step's
+// attention the engine calls SelectSpans, which narrows the spans attention reads to the pages
+// the policy picks for the query. Prompt chunks stay dense.
+//
 // Time spent in policy work is measured per layer: scoring (the gathering pass + Observe),
-// selection (SelectKeep) and compaction (Evict + OnEvict).
+// selection (SelectKeep, SelectSpans) and compaction (Evict + OnEvict).
 #pragma once
 
 #include <cstdint>
@@ -27,14 +39,23 @@
 
 namespace kvsparse {
 
+// Per layer, all sequences (and, in per-head layers, all heads) together.
 struct SparseKvLayerStats {
-  int64_t evictions = 0;       // eviction events (SelectKeep + Evict calls)
-  int64_t evicted_tokens = 0;  // tokens dropped by them
-  int64_t observations = 0;    // gathering passes fed to the policy
-  int32_t peak_live_tokens = 0;  // most live tokens seen by any attention call (before eviction)
+  int64_t evictions = 0;       // eviction events (SelectKeep + Evict calls; one per head in per-head layers)
+  int64_t evicted_tokens = 0;  // tokens dropped by them (per-head layers: (token, head) slots)
+  int64_t observations = 0;    // gathering passes fed to a policy (one per head in per-head layers)
+  int32_t peak_live_tokens = 0;  // most live tokens (of one head, in per-head layers) seen by an attention call
   double score_s = 0;          // ops::AttentionScores + Observe
   double select_s = 0;         // SelectKeep
   double compact_s = 0;        // PagedKvCache::Evict + OnEvict
+  // Query-aware span selection (Quest): decode attention calls narrowed, the tokens they read
+  // and the live tokens they could have read (one per head in per-head layers).
+  int64_t span_selections = 0;
+  int64_t selected_tokens = 0;
+  int64_t selectable_tokens = 0;
+  // Bytes the layer's policies hold as page metadata (Quest's key bounds and selection
+  // buffers), all sequences and heads, allocated now; a gauge that ResetStats keeps.
+  size_t metadata_bytes = 0;
   double policy_s() const { return score_s + select_s + compact_s; }
 };
 
@@ -51,41 +72,90 @@ class SparseKvController {
   PagedKvCache* cache() const { return cache_; }
   // Tokens per forward chunk for prompts (the config's prefill_chunk).
   int32_t prefill_chunk() const { return config_.prefill_chunk; }
-  KvPolicy& policy(int seq, int layer) { return *policies_[Index(seq, layer)]; }
+  // The policy of (seq, layer), or of one kv head of a per-head layer (kv_head 0 otherwise).
+  KvPolicy& policy(int seq, int layer, int kv_head = 0) { return *policies_[Index(seq, layer, kv_head)]; }
+  bool per_head(int layer) const { return config_.layers[layer].per_head; }
+
+  // ---- StreamingLLM's positions within the cache (params.cache_positions) ----
+  // True when `layer` numbers RoPE positions inside the cache: the engine rotates a chunk's q
+  // and k at NextCachePosition() + i and stores and attends with those positions; after every
+  // eviction of the layer the controller renumbers the survivors 0..n-1 and re-rotates their
+  // keys (PagedKvCache::RenumberPositions) with the rotation below.
+  bool UsesCachePositions(int layer) const {
+    return config_.layers[layer].method == KvMethod::kStreamingLlm && config_.layers[layer].params.cache_positions;
+  }
+  // The model's RoPE (an Engine sets it); needed before a cache-position layer evicts.
+  void SetKeyRotation(KeyRotateFn rotate) { rotate_ = std::move(rotate); }
+  // Position the next token of (seq, layer) gets: the layer's live token count. Renumbers the
+  // layer first when its positions are not 0..n-1 (e.g. after RemoveRange).
+  StatusOr<int32_t> NextCachePosition(int seq, int layer);
 
   // ---- Engine hooks (same seq / layer order as the forward pass) ----
+  // Every policy of the layer (each head's, in a per-head layer) grows by n_new tokens.
   void OnAppend(int seq, int layer, int32_t n_new);
-  // True when this layer's policy reads attention (the caller then asks ops::Attention for
-  // row_max_sum and calls ObserveAttention).
-  bool WantsScores(int seq, int layer) const;
-  // Runs the gathering pass over the same inputs as the attention call and feeds the policy.
+  // True when this layer's policy reads attention at this point (the caller then asks
+  // ops::Attention for row_max_sum and calls ObserveAttention / ObserveHeadAttention).
+  // False on decode steps for policies that do not observe them (ObservesDecode).
+  bool WantsScores(int seq, int layer, EvictionPoint point) const;
+  // Runs the gathering pass over the same inputs as the attention call and feeds the policy
+  // (shared layers).
   void ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
                         int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads);
-  // Evicts when the policy's schedule says so. n_seen: tokens of the sequence processed so
-  // far (prompt + generated), which sizes fraction budgets.
+  // The same for one kv head of a per-head layer: shape has n_kv_heads 1 (n_heads = the
+  // group), q is [n_q, group, head_dim], spans are that head's (HeadSpans), row_max_sum
+  // [n_q, group, 2] from the head's attention call.
+  void ObserveHeadAttention(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
+                            const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
+                            const float* row_max_sum, int n_threads);
+  // Evicts when the policy's schedule says so (each head on its own in a per-head layer).
+  // n_seen: tokens of the sequence processed so far (prompt + generated), which sizes
+  // fraction budgets.
   Status AfterAttention(int seq, int layer, EvictionPoint point, int32_t n_seen, int32_t current_position);
+  // Before a decode step's attention: a query-aware policy (Quest) filters *spans in place
+  // (keeping order) to the runs attention reads; other policies leave them as they are.
+  // kv_head -1 with the layer's Spans and the model's shape and q [n_heads, head_dim]; for a
+  // per-head layer the head's index, its HeadSpans, shape {group, 1, head_dim} and q
+  // [group, head_dim]. The spans must be every live token of the table.
+  void SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
+                   std::vector<KvSpan>* spans);
 
   // Drops every token of seq from the cache and restarts its policies.
   Status ResetSequence(int seq);
 
   const std::vector<SparseKvLayerStats>& layer_stats() const { return stats_; }
   void ResetStats();
-  // Per-layer table: method, storage, allocated and live KV bytes, live tokens, evictions,
-  // policy time; then totals.
+  // Per-layer table: method, storage ("/head" for per-head layers), allocated and live KV
+  // bytes, live tokens (per-head layers: "min-max" over heads), evictions, policy time; then totals,
+  // and for query-aware layers the share of live tokens decode attention read and their page
+  // metadata bytes.
   std::string FormatStats() const;
 
  private:
   SparseKvController(const KvSparsityConfig& config, PagedKvCache* cache, uint64_t seed);
-  size_t Index(int seq, int layer) const { return static_cast<size_t>(seq) * n_layers_ + layer; }
+  size_t Index(int seq, int layer, int kv_head = 0) const {
+    return static_cast<size_t>(seq) * policies_per_seq_ + policy_offset_[layer] + kv_head;
+  }
+  int n_policies(int layer) const { return per_head(layer) ? cache_->geometry().n_kv_heads : 1; }
   Status BuildPolicies(int seq);
+  // The gathering pass and Observe for one policy; `shape` as the attention call's.
+  void Observe(KvPolicy& p, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
+               int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads);
+  // RenumberPositions of the layer's table(s) (kv_head < 0: all) with rotate_.
+  Status RenumberPositions(int seq, int layer, int kv_head);
+  // Eviction of one table: the layer's (kv_head < 0) or one head's.
+  Status EvictTable(int seq, int layer, int kv_head, EvictionPoint point, int32_t n_seen,
+                    int32_t current_position);
 
   KvSparsityConfig config_;
   PagedKvCache* cache_;
   uint64_t seed_;
   int n_layers_;
-  std::vector<std::unique_ptr<KvPolicy>> policies_;  // [n_seqs, n_layers]
+  std::vector<size_t> policy_offset_;                // [n_layers] first policy of each layer within a sequence
+  size_t policies_per_seq_ = 0;                      // Σ layers' policies (n_kv_heads for per-head layers)
+  std::vector<std::unique_ptr<KvPolicy>> policies_;  // [n_seqs, policies_per_seq_]
   std::vector<uint64_t> generation_;                  // [n_seqs] restarts, varies the Random seed
   std::vector<SparseKvLayerStats> stats_;             // [n_layers], all sequences together
+  KeyRotateFn rotate_;                                // RoPE by a position delta (cache-position layers)
 
   // Reused buffers (no allocation in steady-state decode).
   std::vector<float> sum_all_, sum_window_, last_;  // each [n_kv_heads, n_tokens]
@@ -94,8 +164,8 @@ class SparseKvController {
   std::vector<uint8_t> keep_;                       // [n_live]
 };
 
-// A paged cache sized for max_tokens per sequence in every layer (storage per layer from the
-// config), and its controller.
+// A paged cache sized for max_tokens per sequence in every table (storage and per-head tables
+// per layer from the config), and its controller.
 struct SparseKvSetup {
   std::unique_ptr<PagedKvCache> cache;
   std::unique_ptr<SparseKvController> controller;

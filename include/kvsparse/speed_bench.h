@@ -19,12 +19,22 @@ struct SpeedBenchConfig {
   std::vector<int> depths = {0};      // KV tokens present before timing starts
   int n_threads = 0;                  // <= 0: all cores
   int repetitions = 3;
+  bool warmup = true;                 // an untimed first repetition of every test
   int prefill_chunk = 512;            // tokens per Forward call when filling the depth / prompt
   KvStorage kv_storage = KvStorage::kF16;  // dense cache (ignored when kv_sparsity is set)
   // Set: run through the paged cache with these sparsity policies (each test restarts them).
   std::optional<KvSparsityConfig> kv_sparsity;
   bool kv_stats = false;  // keep the per-layer KV table of each test (SpeedResult::kv_stats_table)
   bool measure_bandwidth = true;
+  double known_bandwidth_gbs = 0;  // > 0: use this read bandwidth instead of measuring it again
+  // Fill the depth by appending random K/V straight into the cache (policies still trim after
+  // every chunk, without attention observations) instead of running the prompt through the
+  // model. Decode speed and memory do not depend on the cached values, and a 32K-token depth
+  // then takes seconds instead of the quadratic dense prefill.
+  bool synthetic_fill = false;
+  // Time one decode step's attention over the cache as it stands after each tgN test
+  // (SpeedResult::attention_ms_per_token), repeated this many times (0 = off).
+  int attention_reps = 5;
 };
 
 struct SpeedResult {
@@ -44,6 +54,14 @@ struct SpeedResult {
   size_t kv_live_bytes = 0;
   double policy_ms_per_token = 0;
   int64_t evictions = 0;           // eviction events per repetition (all layers)
+  // Attention of one decode step over the final cache, all layers (ops::Attention alone,
+  // without the policies' scoring pass, which policy_ms_per_token holds). tgN only.
+  double attention_ms_per_token = 0;
+  size_t kv_peak_allocated_bytes = 0;  // paged cache: most KV bytes allocated at once in the test
+  // The dense f16 cache's bytes for the tokens of the sequence at the end of the test (the
+  // reference of the "x% of dense f16").
+  double dense_f16_kv_bytes = 0;
+  size_t peak_rss_bytes = 0;       // the process's peak resident set so far (getrusage)
   std::string kv_stats_table;      // SparseKvController::FormatStats() (with kv_stats)
 };
 
@@ -60,5 +78,8 @@ struct SpeedReport {
 StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& config);
 std::string SpeedReportMarkdown(const SpeedReport& report);
 std::string SpeedReportJson(const SpeedReport& report);
+// The same tests run with a dense cache and with a sparse one, side by side: tokens/s,
+// decode attention time and KV bytes, with the sparse/dense ratios.
+std::string SpeedComparisonMarkdown(const SpeedReport& dense, const SpeedReport& sparse);
 
 }  // namespace kvsparse

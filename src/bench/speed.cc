@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <omp.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -10,6 +11,7 @@
 #include <numeric>
 #include <random>
 
+#include "kvsparse/attention.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/ops.h"
 #include "kvsparse/sparse_kv_controller.h"
@@ -36,6 +38,83 @@ Status Prefill(Engine& engine, const std::vector<int32_t>& tokens, int32_t pos0,
     KVS_RETURN_IF_ERROR(engine.Forward(0, tokens.data() + i, n, pos0 + static_cast<int32_t>(i), logits.data()));
   }
   return Status::Ok();
+}
+
+// Appends `n_tokens` tokens of random K/V to every layer of sequence 0 in chunks, as a
+// prefill would store them (the controller trims each layer after every chunk).
+Status SyntheticFill(KvCache& cache, SparseKvController* controller, int32_t n_tokens, int chunk) {
+  const KvGeometry& g = cache.geometry();
+  const size_t row = static_cast<size_t>(g.n_kv_heads) * g.head_dim;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> k(static_cast<size_t>(chunk) * row), v(k.size());  // [chunk, n_kv_heads, head_dim]
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  std::vector<int32_t> positions(chunk);  // [chunk]
+  for (int32_t done = 0; done < n_tokens; done += chunk) {
+    const int32_t n = std::min<int32_t>(chunk, n_tokens - done);
+    for (int32_t i = 0; i < n; ++i) positions[i] = done + i;
+    for (int layer = 0; layer < g.n_layers; ++layer) {
+      KVS_RETURN_IF_ERROR(cache.Append(0, layer, n, k.data(), v.data(), positions.data()));
+      if (controller == nullptr) continue;
+      controller->OnAppend(0, layer, n);
+      KVS_RETURN_IF_ERROR(
+          controller->AfterAttention(0, layer, EvictionPoint::kPrefillChunk, done + n, done + n - 1));
+    }
+  }
+  return Status::Ok();
+}
+
+// Seconds of one decode step's attention over every layer of the cache as it stands (a random
+// query at the next position), the best of `reps` timings.
+double TimeDecodeAttention(const KvCache& cache, const ModelConfig& c, int32_t position, int n_threads, int reps) {
+  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> q(static_cast<size_t>(c.n_heads) * c.head_dim);  // [1, n_heads, head_dim]
+  for (float& x : q) x = normal(rng);
+  std::vector<float> out(q.size());  // [1, n_heads, head_dim]
+  // Per-head layers (KvCache::per_head) attend each kv head over its own spans, as the engine does.
+  const int group = c.n_heads / c.n_kv_heads;
+  const AttentionShape head_shape{group, 1, c.head_dim, shape.scale};
+  std::vector<std::vector<KvSpan>> spans(static_cast<size_t>(c.n_layers) * c.n_kv_heads);  // [layer, kv head]
+  auto layer_spans = [&](int layer, int head) -> std::vector<KvSpan>& {
+    return spans[static_cast<size_t>(layer) * c.n_kv_heads + head];
+  };
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    if (!cache.per_head(layer)) {
+      cache.Spans(0, layer, &layer_spans(layer, 0));
+      continue;
+    }
+    for (int h = 0; h < c.n_kv_heads; ++h) cache.HeadSpans(0, layer, h, &layer_spans(layer, h));
+  }
+  double best = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    const auto t0 = Clock::now();
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      if (!cache.per_head(layer)) {
+        const std::vector<KvSpan>& ls = layer_spans(layer, 0);
+        ops::Attention(shape, cache.layer_storage(layer), q.data(), &position, 1, ls.data(),
+                       static_cast<int32_t>(ls.size()), out.data(), n_threads);
+        continue;
+      }
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        const std::vector<KvSpan>& hs = layer_spans(layer, h);
+        const size_t offset = static_cast<size_t>(h) * group * c.head_dim;  // the group's rows of q / out
+        ops::Attention(head_shape, cache.layer_storage(layer), q.data() + offset, &position, 1, hs.data(),
+                       static_cast<int32_t>(hs.size()), out.data() + offset, n_threads);
+      }
+    }
+    const double s = Seconds(t0, Clock::now());
+    best = rep == 0 ? s : std::min(best, s);
+  }
+  return best;
+}
+
+size_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<size_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
 // The policy work recorded since the last ResetStats.
@@ -72,7 +151,11 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   report.n_params = model.ParameterCount();
   report.model_desc = fmt::format("{} {:.2f}B {}", ArchName(c.arch), report.n_params / 1e9,
                                   DTypeName(model.layers.empty() ? DType::kF32 : model.layers[0].wq.type));
-  if (config.measure_bandwidth) report.read_bandwidth_gbs = ops::MeasureReadBandwidthGBs(n_threads);
+  if (config.known_bandwidth_gbs > 0) {
+    report.read_bandwidth_gbs = config.known_bandwidth_gbs;
+  } else if (config.measure_bandwidth) {
+    report.read_bandwidth_gbs = ops::MeasureReadBandwidthGBs(n_threads);
+  }
 
   int max_tokens = 0;
   for (int d : config.depths)
@@ -96,10 +179,14 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
   const double dense_kv_bytes_per_token =
       2.0 * c.n_layers * c.n_kv_heads * c.head_dim * KvStorageValueBytes(config.kv_storage);
+  const double dense_f16_bytes_per_token = 2.0 * c.n_layers * c.n_kv_heads * c.head_dim * 2;
   // After a test's last repetition: the cache's size and the policy work of its timed part.
   auto finish = [&](SpeedResult& r, double policy_s, int64_t evictions, int reps) {
     r.kv_allocated_bytes = cache.AllocatedBytes();
     r.kv_live_bytes = cache.LiveBytes();
+    r.kv_peak_allocated_bytes = sparse.cache ? sparse.cache->Stats().peak_allocated_bytes : r.kv_allocated_bytes;
+    r.dense_f16_kv_bytes = dense_f16_bytes_per_token * (r.depth + r.n_tokens);
+    r.peak_rss_bytes = PeakRssBytes();
     if (controller != nullptr) {
       r.policy_ms_per_token = policy_s * 1e3 / (static_cast<double>(r.n_tokens) * reps);
       r.evictions = evictions / reps;
@@ -108,13 +195,14 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   };
 
   for (int depth : config.depths) {
-    const std::vector<int32_t> fill = BenchTokens(depth, c.n_vocab, 7);
+    const std::vector<int32_t> fill = config.synthetic_fill ? std::vector<int32_t>() : BenchTokens(depth, c.n_vocab, 7);
     auto reset_to_depth = [&]() -> Status {
       if (controller != nullptr) {
         KVS_RETURN_IF_ERROR(controller->ResetSequence(0));  // fresh policies too
       } else {
         cache.Clear(0);
       }
+      if (config.synthetic_fill) return SyntheticFill(cache, controller, depth, config.prefill_chunk);
       return Prefill(engine, fill, 0, config.prefill_chunk, logits);
     };
     // Starts the timed part: policy counters from zero.
@@ -135,7 +223,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       const std::vector<int32_t> prompt = BenchTokens(n, c.n_vocab, 11);
       double policy_s = 0;
       int64_t evictions = 0;
-      for (int rep = 0; rep <= config.repetitions; ++rep) {  // rep 0 warms up
+      for (int rep = config.warmup ? 0 : 1; rep <= config.repetitions; ++rep) {  // rep 0 warms up
         KVS_RETURN_IF_ERROR(reset_to_depth());
         const auto t0 = start_timing();
         KVS_RETURN_IF_ERROR(Prefill(engine, prompt, depth, config.prefill_chunk, logits));
@@ -158,7 +246,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       r.n_threads = n_threads;
       double policy_s = 0, live_kv_bytes = 0;
       int64_t evictions = 0;
-      for (int rep = 0; rep <= config.repetitions; ++rep) {
+      for (int rep = config.warmup ? 0 : 1; rep <= config.repetitions; ++rep) {
         KVS_RETURN_IF_ERROR(reset_to_depth());
         int32_t token = 1 % c.n_vocab;
         live_kv_bytes = 0;
@@ -181,6 +269,10 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       const double kv_bytes = controller != nullptr ? live_kv_bytes / n
                                                     : dense_kv_bytes_per_token * (depth + (n - 1) / 2.0);
       r.bytes_per_token = weight_bytes_per_token + kv_bytes;
+      if (config.attention_reps > 0) {
+        r.attention_ms_per_token =
+            1e3 * TimeDecodeAttention(cache, c, depth + n, n_threads, config.attention_reps);
+      }
       if (report.read_bandwidth_gbs > 0) r.limit_tokens_per_s = report.read_bandwidth_gbs * 1e9 / r.bytes_per_token;
       finish(r, policy_s, evictions, config.repetitions);
       report.results.push_back(r);
@@ -196,23 +288,57 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   if (report.read_bandwidth_gbs > 0) out += fmt::format(", measured read bandwidth {:.1f} GB/s", report.read_bandwidth_gbs);
   out += "\n";
   out += fmt::format("KV: {}\n\n", report.kv_desc);
-  out += "| test | depth | threads | t/s | ± | limit t/s | % of limit | KV alloc MiB | KV live MiB | policy ms/tok |\n";
-  out += "|------|------:|--------:|----:|--:|----------:|-----------:|-------------:|------------:|--------------:|\n";
+  out += "| test | depth | threads | t/s | ± | limit t/s | % of limit | KV alloc MiB | KV live MiB | % of dense f16 | policy ms/tok | attn ms/tok |\n";
+  out += "|------|------:|--------:|----:|--:|----------:|-----------:|-------------:|------------:|---------------:|--------------:|------------:|\n";
   for (const SpeedResult& r : report.results) {
     std::string limit = "", pct = "";
     if (r.limit_tokens_per_s > 0) {
       limit = fmt::format("{:.2f}", r.limit_tokens_per_s);
       pct = fmt::format("{:.0f}%", 100.0 * r.tokens_per_s_mean / r.limit_tokens_per_s);
     }
-    out += fmt::format("| {} | {} | {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.3f} |\n", r.test, r.depth,
-                       r.n_threads, r.tokens_per_s_mean, r.tokens_per_s_stddev, limit, pct,
-                       r.kv_allocated_bytes / 1048576.0, r.kv_live_bytes / 1048576.0, r.policy_ms_per_token);
+    const std::string attn = r.attention_ms_per_token > 0 ? fmt::format("{:.2f}", r.attention_ms_per_token) : "";
+    out += fmt::format("| {} | {} | {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.1f}% | {:.3f} | {} |\n", r.test,
+                       r.depth, r.n_threads, r.tokens_per_s_mean, r.tokens_per_s_stddev, limit, pct,
+                       r.kv_allocated_bytes / 1048576.0, r.kv_live_bytes / 1048576.0,
+                       100.0 * r.kv_allocated_bytes / r.dense_f16_kv_bytes, r.policy_ms_per_token, attn);
   }
+  size_t peak_rss = 0, peak_kv = 0;
+  for (const SpeedResult& r : report.results) {
+    peak_rss = std::max(peak_rss, r.peak_rss_bytes);
+    peak_kv = std::max(peak_kv, r.kv_peak_allocated_bytes);
+  }
+  out += fmt::format("\npeak KV allocated {:.2f} MiB; peak resident memory of the process {:.1f} MiB (weights are mmapped and count once read)\n",
+                     peak_kv / 1048576.0, peak_rss / 1048576.0);
   out += "\nlimit = measured read bandwidth / bytes one generated token must read (all weights except the unread rows of an untied token-embedding table, plus the live KV)\n";
   for (const SpeedResult& r : report.results) {
     if (r.kv_stats_table.empty()) continue;
     out += fmt::format("\nKV stats after {} at depth {}:\n{}", r.test, r.depth, r.kv_stats_table);
   }
+  return out;
+}
+
+std::string SpeedComparisonMarkdown(const SpeedReport& dense, const SpeedReport& sparse) {
+  std::string out = fmt::format("dense: {}\nsparse: {}\n\n", dense.kv_desc, sparse.kv_desc);
+  out += "| test | depth | dense t/s | sparse t/s | speedup | dense attn ms/tok | sparse attn ms/tok | attn speedup | "
+         "dense KV MiB | sparse KV MiB | sparse/dense KV | policy share of step |\n";
+  out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const SpeedResult& s : sparse.results) {
+    for (const SpeedResult& d : dense.results) {
+      if (d.test != s.test || d.depth != s.depth) continue;
+      auto ratio = [](double a, double b) { return b > 0 && a > 0 ? fmt::format("{:.2f}x", a / b) : std::string(); };
+      auto ms = [](double v) { return v > 0 ? fmt::format("{:.2f}", v) : std::string(); };
+      const double step_ms = s.tokens_per_s_mean > 0 ? 1e3 / s.tokens_per_s_mean : 0;
+      out += fmt::format("| {} | {} | {:.2f} | {:.2f} | {} | {} | {} | {} | {:.2f} | {:.2f} | {:.1f}% | {:.1f}% |\n",
+                         s.test, s.depth, d.tokens_per_s_mean, s.tokens_per_s_mean,
+                         ratio(s.tokens_per_s_mean, d.tokens_per_s_mean), ms(d.attention_ms_per_token),
+                         ms(s.attention_ms_per_token), ratio(d.attention_ms_per_token, s.attention_ms_per_token),
+                         d.kv_allocated_bytes / 1048576.0, s.kv_allocated_bytes / 1048576.0,
+                         100.0 * s.kv_allocated_bytes / std::max<double>(1, d.kv_allocated_bytes),
+                         step_ms > 0 ? 100.0 * s.policy_ms_per_token / step_ms : 0.0);
+    }
+  }
+  out += "\nattn = one decode step's attention over the final cache, all layers (best of 5); policy share = "
+         "scoring + selection + compaction per token / the sparse decode step\n";
   return out;
 }
 
@@ -237,7 +363,11 @@ std::string SpeedReportJson(const SpeedReport& report) {
                             {"kv_allocated_bytes", r.kv_allocated_bytes},
                             {"kv_live_bytes", r.kv_live_bytes},
                             {"policy_ms_per_token", r.policy_ms_per_token},
-                            {"evictions", r.evictions}});
+                            {"evictions", r.evictions},
+                            {"attention_ms_per_token", r.attention_ms_per_token},
+                            {"kv_peak_allocated_bytes", r.kv_peak_allocated_bytes},
+                            {"dense_f16_kv_bytes", r.dense_f16_kv_bytes},
+                            {"peak_rss_bytes", r.peak_rss_bytes}});
     if (!r.kv_stats_table.empty()) j["results"].back()["kv_stats"] = r.kv_stats_table;
   }
   return j.dump(2);

@@ -35,7 +35,7 @@ ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage stora
   KVS_CHECK(n_seqs > 0 && max_tokens > 0);
   // int8 needs per-row scales this layout has no room for: such a cache stores nothing and its
   // Append reports Unimplemented (PagedKvCache stores int8).
-  row_bytes_ = storage == KvStorage::kInt8
+  row_bytes_ = storage == KvStorage::kInt8 || storage == KvStorage::kInt8Kivi
                    ? 0
                    : static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
   slots_.resize(static_cast<size_t>(n_seqs) * geometry.n_layers);
@@ -67,9 +67,9 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
                                 std::to_string(geometry_.n_layers) + ")");
   }
   if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
-  if (storage_ == KvStorage::kInt8) {
-    return UnimplementedError(
-        "ContiguousKvCache stores f32 or f16 K/V only; int8 KV storage needs the paged KV cache");
+  if (storage_ == KvStorage::kInt8 || storage_ == KvStorage::kInt8Kivi) {
+    return UnimplementedError(std::string("ContiguousKvCache stores f32 or f16 K/V only; ") +
+                              KvStorageName(storage_) + " KV storage needs the paged KV cache");
   }
   if (n == 0) return Status::Ok();
   if (k == nullptr || v == nullptr || positions == nullptr) {

@@ -29,6 +29,27 @@ void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, 
   }
 }
 
+void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+  for (int c = 0; c < row_len; ++c) {
+    float amax = 0.f;
+    for (int64_t r = 0; r < n_rows; ++r) amax = std::max(amax, std::fabs(x[r * row_len + c]));
+    channel_scales[c] = amax / 127.f;
+  }
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int c = 0; c < row_len; ++c) {
+      const float scale = channel_scales[c];
+      const float t = scale != 0.f ? std::nearbyint(x[r * row_len + c] / scale) : 0.f;
+      q[r * row_len + c] = static_cast<int8_t>(std::clamp(t, -127.f, 127.f));
+    }
+  }
+}
+
+void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
+    for (int c = 0; c < row_len; ++c) x[c] = static_cast<float>(q[c]) * channel_scales[c];
+  }
+}
+
 }  // namespace ref
 
 namespace ops {
@@ -76,6 +97,48 @@ void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, 
   }
 }
 
+void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+  // Column maxima, row by row (rows are contiguous), accumulated in channel_scales.
+  for (int c = 0; c < row_len; c += 16) _mm512_mask_storeu_ps(channel_scales + c, TailMask(row_len - c), _mm512_setzero_ps());
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* row = x + r * row_len;
+    for (int c = 0; c < row_len; c += 16) {
+      const __mmask16 m = TailMask(row_len - c);
+      const __m512 cur = _mm512_maskz_loadu_ps(m, channel_scales + c);
+      _mm512_mask_storeu_ps(channel_scales + c, m, _mm512_max_ps(cur, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, row + c))));
+    }
+  }
+  const __m512 inv = _mm512_set1_ps(127.f);
+  for (int c = 0; c < row_len; c += 16) {
+    const __mmask16 m = TailMask(row_len - c);
+    _mm512_mask_storeu_ps(channel_scales + c, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, channel_scales + c), inv));
+  }
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* row = x + r * row_len;
+    int8_t* out = q + r * row_len;
+    for (int c = 0; c < row_len; c += 16) {
+      const __mmask16 m = TailMask(row_len - c);
+      const __m512 scale = _mm512_maskz_loadu_ps(m, channel_scales + c);
+      // Zero-scale columns (all zeros) stay 0 instead of 0/0.
+      const __mmask16 nonzero = _mm512_mask_cmp_ps_mask(m, scale, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+      __m512 t = _mm512_maskz_div_ps(nonzero, _mm512_maskz_loadu_ps(m, row + c), scale);
+      t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+      _mm_mask_storeu_epi8(out + c, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));  // round-half-even
+    }
+  }
+}
+
+void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
+    for (int c = 0; c < row_len; c += 16) {
+      const __mmask16 m = TailMask(row_len - c);
+      const __m512i qi = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + c));
+      _mm512_mask_storeu_ps(x + c, m, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), _mm512_maskz_loadu_ps(m, channel_scales + c)));
+    }
+  }
+}
+
 #elif KVS_ISA_AVX2
 
 void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
@@ -113,6 +176,15 @@ void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, 
   ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);  // auto-vectorizes well
 }
 
+// Column-wise loops over contiguous rows auto-vectorize; no hand-written AVX2 version.
+void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+  ref::QuantizeKvColumnsInt8(x, n_rows, row_len, q, channel_scales);
+}
+
+void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+  ref::DequantizeKvColumnsInt8(q, channel_scales, n_rows, row_len, x);
+}
+
 #else
 
 void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
@@ -121,6 +193,14 @@ void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, 
 
 void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
   ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);
+}
+
+void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+  ref::QuantizeKvColumnsInt8(x, n_rows, row_len, q, channel_scales);
+}
+
+void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+  ref::DequantizeKvColumnsInt8(q, channel_scales, n_rows, row_len, x);
 }
 
 #endif

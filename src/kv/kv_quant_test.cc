@@ -95,5 +95,130 @@ TEST(KvQuantTest, ZeroRowHasZeroScaleAndZeroCodes) {
   }
 }
 
+// ---- per-channel (int8_kivi keys) ----
+
+// Rows whose columns have very different magnitudes (a few "outlier channels", as in keys).
+std::vector<float> RandomColumns(int64_t n_rows, int row_len, std::mt19937& rng) {
+  std::uniform_real_distribution<float> unit(-1.f, 1.f);
+  std::uniform_real_distribution<float> magnitude(0.01f, 50.f);
+  std::vector<float> column_magnitude(row_len);
+  for (float& m : column_magnitude) m = magnitude(rng);
+  std::vector<float> x(static_cast<size_t>(n_rows) * row_len);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int i = 0; i < row_len; ++i) {
+      float v;
+      do v = unit(rng); while (v == 0.f);
+      x[r * row_len + i] = v * column_magnitude[i];
+    }
+  }
+  return x;
+}
+
+TEST(KvQuantTest, ColumnsFastMatchesScalarTwinBitForBit) {
+  std::mt19937 rng(4321);
+  for (int row_len : kRowLens) {
+    for (int64_t n_rows : {1, 2, 5, 16, 17}) {
+      const std::vector<float> x = RandomColumns(n_rows, row_len, rng);
+      std::vector<int8_t> q_fast(x.size(), 99), q_ref(x.size(), -99);
+      std::vector<float> s_fast(row_len, -1.f), s_ref(row_len, -2.f);
+      ops::QuantizeKvColumnsInt8(x.data(), n_rows, row_len, q_fast.data(), s_fast.data());
+      ref::QuantizeKvColumnsInt8(x.data(), n_rows, row_len, q_ref.data(), s_ref.data());
+      ASSERT_EQ(q_fast, q_ref) << "row_len " << row_len << " n_rows " << n_rows;
+      ASSERT_EQ(0, std::memcmp(s_fast.data(), s_ref.data(), row_len * sizeof(float))) << "row_len " << row_len;
+
+      std::vector<float> d_fast(x.size(), 7.f), d_ref(x.size(), -7.f);
+      ops::DequantizeKvColumnsInt8(q_ref.data(), s_ref.data(), n_rows, row_len, d_fast.data());
+      ref::DequantizeKvColumnsInt8(q_ref.data(), s_ref.data(), n_rows, row_len, d_ref.data());
+      ASSERT_EQ(0, std::memcmp(d_fast.data(), d_ref.data(), x.size() * sizeof(float))) << "row_len " << row_len;
+    }
+  }
+}
+
+TEST(KvQuantTest, ColumnsRoundTripErrorIsAtMostHalfAChannelStep) {
+  std::mt19937 rng(98);
+  for (int row_len : kRowLens) {
+    const int64_t n_rows = 16;
+    const std::vector<float> x = RandomColumns(n_rows, row_len, rng);
+    std::vector<int8_t> q(x.size());
+    std::vector<float> scales(row_len), back(x.size());
+    ops::QuantizeKvColumnsInt8(x.data(), n_rows, row_len, q.data(), scales.data());
+    ops::DequantizeKvColumnsInt8(q.data(), scales.data(), n_rows, row_len, back.data());
+    for (int c = 0; c < row_len; ++c) {
+      float amax = 0.f;
+      for (int64_t r = 0; r < n_rows; ++r) amax = std::max(amax, std::fabs(x[r * row_len + c]));
+      EXPECT_EQ(scales[c], amax / 127.f);
+      const float bound = scales[c] * 0.5f + amax * 4e-7f;  // half a step + float rounding
+      int max_abs_q = 0;
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const size_t idx = r * row_len + c;
+        EXPECT_LE(std::fabs(x[idx] - back[idx]), bound) << "row_len " << row_len << " column " << c;
+        EXPECT_GE(q[idx], -127);
+        max_abs_q = std::max(max_abs_q, std::abs(static_cast<int>(q[idx])));
+      }
+      EXPECT_EQ(max_abs_q, 127) << "the column's largest magnitude maps to ±127";
+    }
+  }
+}
+
+// A column of zeros gets scale 0 and codes 0 (no 0/0), its neighbours are unaffected.
+TEST(KvQuantTest, ColumnsZeroColumnIsExact) {
+  for (int row_len : kRowLens) {
+    std::mt19937 rng(row_len);
+    std::vector<float> x = RandomColumns(3, row_len, rng);
+    for (int r = 0; r < 3; ++r) x[r * row_len + row_len / 2] = 0.f;
+    std::vector<int8_t> q_fast(x.size(), 5), q_ref(x.size(), 5);
+    std::vector<float> s_fast(row_len, 1.f), s_ref(row_len, 1.f);
+    ops::QuantizeKvColumnsInt8(x.data(), 3, row_len, q_fast.data(), s_fast.data());
+    ref::QuantizeKvColumnsInt8(x.data(), 3, row_len, q_ref.data(), s_ref.data());
+    EXPECT_EQ(s_fast[row_len / 2], 0.f);
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(q_fast[r * row_len + row_len / 2], 0);
+    EXPECT_EQ(q_fast, q_ref);
+  }
+}
+
+// Compaction regroups already quantized keys: dequantize, requantize with the new group's
+// scales. Each regrouping adds at most half a step of the new scale, so after one the error
+// is at most (old scale + new scale) / 2 per element; the new scale is at most the largest
+// old scale of the tokens gathered (dequantized values never exceed max|x|).
+TEST(KvQuantTest, ColumnsRequantizationAddsAtMostHalfANewStep) {
+  std::mt19937 rng(77);
+  const int row_len = 96;
+  const int64_t group = 16;
+  const std::vector<float> a = RandomColumns(group, row_len, rng), b = RandomColumns(group, row_len, rng);
+  std::vector<int8_t> qa(a.size()), qb(b.size()), q_new(a.size());
+  std::vector<float> sa(row_len), sb(row_len), s_new(row_len);
+  ops::QuantizeKvColumnsInt8(a.data(), group, row_len, qa.data(), sa.data());
+  ops::QuantizeKvColumnsInt8(b.data(), group, row_len, qb.data(), sb.data());
+  std::vector<float> da(a.size()), db(b.size());
+  ops::DequantizeKvColumnsInt8(qa.data(), sa.data(), group, row_len, da.data());
+  ops::DequantizeKvColumnsInt8(qb.data(), sb.data(), group, row_len, db.data());
+  // The new group: the even rows of a (survivors) then the odd rows of b (moved in).
+  std::vector<float> merged, original;
+  std::vector<const float*> old_scale;
+  for (int64_t r = 0; r < group; ++r) {
+    const bool from_a = r < group / 2;
+    const int64_t src = from_a ? 2 * r : 2 * (r - group / 2) + 1;
+    const std::vector<float>& d = from_a ? da : db;
+    const std::vector<float>& x = from_a ? a : b;
+    merged.insert(merged.end(), d.begin() + src * row_len, d.begin() + (src + 1) * row_len);
+    original.insert(original.end(), x.begin() + src * row_len, x.begin() + (src + 1) * row_len);
+    old_scale.push_back(from_a ? sa.data() : sb.data());
+  }
+  std::vector<float> back(merged.size());
+  ops::QuantizeKvColumnsInt8(merged.data(), group, row_len, q_new.data(), s_new.data());
+  ops::DequantizeKvColumnsInt8(q_new.data(), s_new.data(), group, row_len, back.data());
+  float worst_extra = 0.f;
+  for (int c = 0; c < row_len; ++c) {
+    EXPECT_LE(s_new[c], std::max(sa[c], sb[c]) * (1 + 1e-6f));
+    for (int64_t r = 0; r < group; ++r) {
+      const size_t idx = r * row_len + c;
+      const float bound = (old_scale[r][c] + s_new[c]) * 0.5f * (1 + 1e-5f);
+      EXPECT_LE(std::fabs(back[idx] - original[idx]), bound) << "row " << r << " column " << c;
+      worst_extra = std::max(worst_extra, std::fabs(back[idx] - merged[idx]) / s_new[c]);
+    }
+  }
+  EXPECT_LE(worst_extra, 0.5f + 1e-5f);
+}
+
 }  // namespace
 }  // namespace kvsparse

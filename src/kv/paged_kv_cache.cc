@@ -17,10 +17,8 @@ constexpr int32_t kMaxPageSize = 1 << 16;
 
 size_t Align64(size_t n) { return (n + 63) / 64 * 64; }
 
-int StorageIndex(KvStorage s) { return static_cast<int>(s); }
-
 bool IsKnownStorage(KvStorage s) {
-  return s == KvStorage::kF32 || s == KvStorage::kF16 || s == KvStorage::kInt8;
+  return s == KvStorage::kF32 || s == KvStorage::kF16 || s == KvStorage::kInt8 || s == KvStorage::kInt8Kivi;
 }
 
 }  // namespace
@@ -49,17 +47,36 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
   for (KvStorage s : options.layer_storage) {
     if (!IsKnownStorage(s)) return InvalidArgumentError("paged KV cache: unknown KV storage type");
   }
+  const size_t n_per_head = options.layer_per_head.size();
+  if (n_per_head > 1 && n_per_head != static_cast<size_t>(geometry.n_layers)) {
+    return InvalidArgumentError("paged KV cache: layer_per_head lists " + std::to_string(n_per_head) +
+                                " flags; expected none, 1 (all layers) or " + std::to_string(geometry.n_layers) +
+                                " (one per layer)");
+  }
   if (options.budget_bytes == 0) {
     return InvalidArgumentError("paged KV cache: the KV budget is 0 bytes; give it room for at least one page");
   }
   std::unique_ptr<PagedKvCache> cache(new PagedKvCache(geometry, options, options.budget_bytes));
-  for (Layer& layer : cache->layers_) {
-    std::unique_ptr<PagePool>& pool = cache->pools_[StorageIndex(layer.storage)];
-    if (!pool) {
-      KVS_ASSIGN_OR_RETURN(pool, PagePool::Create(layer.layout.page_bytes, &cache->budget_,
-                                                  std::string("kv-") + KvStorageName(layer.storage)));
+  // Layers with the same page layout share a pool: "kv-f16", "kv-int8-head", ...
+  auto pool_index = [&](KvStorage storage, bool per_head, size_t page_bytes) -> StatusOr<int> {
+    const std::string name = std::string("kv-") + KvStorageName(storage) + (per_head ? "-head" : "");
+    size_t index = 0;
+    while (index < cache->pools_.size() && cache->pools_[index]->name() != name) ++index;
+    if (index == cache->pools_.size()) {
+      KVS_ASSIGN_OR_RETURN(std::unique_ptr<PagePool> pool, PagePool::Create(page_bytes, &cache->budget_, name));
+      cache->pools_.push_back(std::move(pool));
     }
-    layer.pool = pool.get();
+    KVS_CHECK(cache->pools_[index]->page_bytes() == page_bytes);
+    return static_cast<int>(index);
+  };
+  for (Layer& layer : cache->layers_) {
+    KVS_ASSIGN_OR_RETURN(layer.pool_index, pool_index(layer.storage, layer.per_head, layer.layout.page_bytes));
+    layer.pool = cache->pools_[layer.pool_index].get();
+    if (layer.kivi) {  // residual pages have the f16 layout: the f16 pool serves them
+      KVS_ASSIGN_OR_RETURN(layer.residual_pool_index,
+                           pool_index(kKiviResidualStorage, layer.per_head, layer.residual_layout.page_bytes));
+      layer.residual_pool = cache->pools_[layer.residual_pool_index].get();
+    }
   }
   return cache;
 }
@@ -67,14 +84,20 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
 PagedKvCache::PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions& options, size_t budget_bytes)
     : geometry_(geometry), n_seqs_(options.n_seqs), page_size_(options.page_size), budget_(budget_bytes) {
   const size_t P = static_cast<size_t>(page_size_);
-  const size_t H = static_cast<size_t>(geometry.n_kv_heads);
-  const size_t row_values = H * static_cast<size_t>(geometry.head_dim);
   layers_.resize(geometry.n_layers);
   for (int l = 0; l < geometry.n_layers; ++l) {
     Layer& layer = layers_[l];
     layer.storage = options.layer_storage.size() == 1 ? options.layer_storage[0] : options.layer_storage[l];
+    const std::vector<uint8_t>& ph = options.layer_per_head;
+    layer.per_head = !ph.empty() && (ph.size() == 1 ? ph[0] : ph[l]) != 0;
+    layer.n_tables = layer.per_head ? geometry.n_kv_heads : 1;
+    layer.first_table = tables_per_seq_;
+    tables_per_seq_ += static_cast<size_t>(layer.n_tables);
     PageLayout& p = layer.layout;
-    p.row_bytes = row_values * KvStorageValueBytes(layer.storage);
+    // A per-head layer's pages hold one head: the same sections with H = 1.
+    p.row_heads = layer.per_head ? 1 : geometry.n_kv_heads;
+    const size_t H = static_cast<size_t>(p.row_heads);
+    p.row_bytes = H * static_cast<size_t>(geometry.head_dim) * KvStorageValueBytes(layer.storage);
     const bool int8 = layer.storage == KvStorage::kInt8;
     p.k_offset = 0;
     p.v_offset = Align64(P * p.row_bytes);
@@ -87,8 +110,9 @@ PagedKvCache::PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions
     }
     p.page_bytes = end;
     p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + (int8 ? 2 * H * sizeof(float) : 0);
+    if (layer.storage == KvStorage::kInt8Kivi) SetKiviLayout(&layer);
   }
-  tables_.resize(static_cast<size_t>(n_seqs_) * geometry.n_layers);
+  tables_.resize(static_cast<size_t>(n_seqs_) * tables_per_seq_);
 }
 
 KvStorage PagedKvCache::layer_storage(int layer) const {
@@ -106,12 +130,44 @@ size_t PagedKvCache::token_bytes(int layer) const {
   return layers_[layer].layout.token_bytes;
 }
 
+int32_t PagedKvCache::tables_per_seq(int layer) const {
+  KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
+  return layers_[layer].n_tables;
+}
+
+bool PagedKvCache::per_head(int layer) const {
+  KVS_CHECK_MSG(layer >= 0 && layer < geometry_.n_layers, "layer " + std::to_string(layer) + " out of range");
+  return layers_[layer].per_head;
+}
+
 Status PagedKvCache::CheckSeq(const char* op, int seq) const {
   if (seq < 0 || seq >= n_seqs_) {
     return InvalidArgumentError(std::string("KV cache ") + op + ": seq " + std::to_string(seq) +
                                 " out of range [0, " + std::to_string(n_seqs_) + ")");
   }
   return Status::Ok();
+}
+
+Status PagedKvCache::CheckLayer(const char* op, int layer) const {
+  if (layer < 0 || layer >= geometry_.n_layers) {
+    return InvalidArgumentError(std::string("KV cache ") + op + ": layer " + std::to_string(layer) +
+                                " out of range [0, " + std::to_string(geometry_.n_layers) + ")");
+  }
+  return Status::Ok();
+}
+
+void PagedKvCache::CheckSeqLayer(const char* op, int seq, int layer) const {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_ && layer >= 0 && layer < geometry_.n_layers,
+                std::string(op) + ": seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                    " out of range");
+}
+
+const int32_t* PagedKvCache::LastPosition(const Layer& L, const Table& t) const {
+  if (t.n == 0) return nullptr;
+  const size_t last = t.pages.size() - 1;
+  return reinterpret_cast<const int32_t*>(PoolOf(L, t, last)->data(t.pages[last]) +
+                                          LayoutOf(L, t, last).positions_offset) +
+         (PageFill(t, last) - 1);
 }
 
 int32_t PagedKvCache::PageFill(const Table& t, size_t page_index) const {
@@ -138,8 +194,9 @@ void PagedKvCache::ReleasePage(int layer, PageId id, int32_t fill) {
   KVS_CHECK(L.pages >= 0 && L.live_slots >= 0);
 }
 
-Status PagedKvCache::BudgetError(const char* op, int seq, int layer, int64_t pages, size_t bytes) const {
-  std::string where = "seq " + std::to_string(seq) + (layer >= 0 ? " layer " + std::to_string(layer) : "");
+Status PagedKvCache::BudgetError(const char* op, int seq, int layer, int head, int64_t pages, size_t bytes) const {
+  std::string where = "seq " + std::to_string(seq) + (layer >= 0 ? " layer " + std::to_string(layer) : "") +
+                      (head >= 0 ? " kv head " + std::to_string(head) : "");
   return ResourceExhaustedError("KV cache budget exhausted: " + std::string(op) + " on " + where + " needs " +
                                 std::to_string(pages) + " more page(s) (" + std::to_string(bytes) +
                                 " bytes), but the budget of " + std::to_string(budget_.limit_bytes()) +
@@ -160,7 +217,7 @@ void PagedKvCache::CopySlots(const Layer& L, PageId src, int32_t src_slot, PageI
   std::memmove(d + p.positions_offset + dst_slot * sizeof(int32_t), s + p.positions_offset + src_slot * sizeof(int32_t),
                n * sizeof(int32_t));
   if (L.storage == KvStorage::kInt8) {
-    const size_t scale_row = static_cast<size_t>(geometry_.n_kv_heads) * sizeof(float);  // [n_kv_heads] f32
+    const size_t scale_row = static_cast<size_t>(p.row_heads) * sizeof(float);  // [row_heads] f32
     std::memmove(d + p.k_scale_offset + dst_slot * scale_row, s + p.k_scale_offset + src_slot * scale_row,
                  n * scale_row);
     std::memmove(d + p.v_scale_offset + dst_slot * scale_row, s + p.v_scale_offset + src_slot * scale_row,
@@ -168,136 +225,193 @@ void PagedKvCache::CopySlots(const Layer& L, PageId src, int32_t src_slot, PageI
   }
 }
 
-Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const float* v,
-                            const int32_t* positions) {
-  KVS_RETURN_IF_ERROR(CheckSeq("append", seq));
-  if (layer < 0 || layer >= geometry_.n_layers) {
-    return InvalidArgumentError("KV cache append: layer " + std::to_string(layer) + " out of range [0, " +
-                                std::to_string(geometry_.n_layers) + ")");
-  }
-  if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
-  if (n == 0) return Status::Ok();
-  if (k == nullptr || v == nullptr || positions == nullptr) {
-    return InvalidArgumentError("KV cache append: null k, v or positions for " + std::to_string(n) + " tokens");
-  }
-  Table& t = table(seq, layer);
-  Layer& L = layers_[layer];
-  if (n > INT32_MAX - t.n) {
-    return ResourceExhaustedError("KV cache append: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
-                                  " would exceed 2^31 tokens");
-  }
-  // Validate every position before writing anything, so a failed append leaves the cache unchanged.
-  const int32_t* last_pos =
-      t.n > 0 ? reinterpret_cast<const int32_t*>(L.pool->data(t.pages.back()) + L.layout.positions_offset) +
-                    (PageFill(t, t.pages.size() - 1) - 1)
-              : nullptr;
-  for (int32_t i = 0; i < n; ++i) {
-    const bool has_prev = i > 0 || last_pos != nullptr;
-    const int32_t prev = i > 0 ? positions[i - 1] : (last_pos ? *last_pos : 0);
-    if (positions[i] < 0 || (has_prev && positions[i] <= prev)) {
-      return InvalidArgumentError("KV cache append: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
-                                  ": position " + std::to_string(positions[i]) + " (token " + std::to_string(i) +
-                                  " of the batch) must be >= 0 and greater than the previous position " +
-                                  (has_prev ? std::to_string(prev) : std::string("(none)")));
-    }
-  }
-
-  const int32_t P = page_size_;
-  const int32_t room = static_cast<int32_t>(t.pages.size()) * P - t.n;
-  const bool copy_last = room > 0 && L.pool->refcount(t.pages.back()) > 1;
-  const int64_t new_pages = (static_cast<int64_t>(std::max(0, n - room)) + P - 1) / P + (copy_last ? 1 : 0);
-  const size_t new_bytes = static_cast<size_t>(new_pages) * L.layout.page_bytes;
-  if (!budget_.CanAfford(new_bytes)) return BudgetError("append", seq, layer, new_pages, new_bytes);
-
-  if (copy_last) {  // copy-on-write: the partly filled last page is shared with another sequence
-    const PageId shared = t.pages.back();
-    const int32_t fill = PageFill(t, t.pages.size() - 1);
-    const PageId own = AllocatePage(layer);
-    CopySlots(L, shared, 0, own, 0, fill);
-    L.live_slots += fill;
-    ReleasePage(layer, shared, fill);
-    t.pages.back() = own;
-    ++cow_pages_;
-  }
-
+void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_t count, const float* k,
+                             const float* v, int head) {
   const PageLayout& p = L.layout;
-  const int H = geometry_.n_kv_heads, D = geometry_.head_dim;
-  const size_t row_values = static_cast<size_t>(H) * D;
-  for (int32_t done = 0; done < n;) {
-    if (t.n == static_cast<int32_t>(t.pages.size()) * P) t.pages.push_back(AllocatePage(layer));
-    const int32_t slot = t.n - static_cast<int32_t>(t.pages.size() - 1) * P;
-    const int32_t chunk = std::min(n - done, P - slot);
-    uint8_t* page = L.pool->data(t.pages.back());
-    const float* k_src = k + done * row_values;  // [chunk, n_kv_heads, head_dim]
-    const float* v_src = v + done * row_values;
-    uint8_t* k_dst = page + p.k_offset + slot * p.row_bytes;
-    uint8_t* v_dst = page + p.v_offset + slot * p.row_bytes;
-    const size_t values = static_cast<size_t>(chunk) * row_values;
+  const int D = geometry_.head_dim;
+  const size_t src_stride = static_cast<size_t>(geometry_.n_kv_heads) * D;  // floats between tokens of k, v
+  // All heads of a run of tokens are contiguous in k / v: one call for the run. A single head
+  // is strided there: one row per token.
+  const int32_t tokens_per_call = head < 0 ? count : 1;
+  const int32_t calls = head < 0 ? 1 : count;
+  const size_t head_offset = head < 0 ? 0 : static_cast<size_t>(head) * D;
+  const int64_t rows = static_cast<int64_t>(tokens_per_call) * p.row_heads;  // rows of head_dim values
+  for (int32_t c = 0; c < calls; ++c) {
+    const int32_t s = slot + c;
+    const float* k_src = k + c * src_stride + head_offset;  // [tokens_per_call, row_heads, head_dim]
+    const float* v_src = v + c * src_stride + head_offset;
+    uint8_t* k_dst = page + p.k_offset + s * p.row_bytes;
+    uint8_t* v_dst = page + p.v_offset + s * p.row_bytes;
+    const int64_t values = rows * D;
     switch (L.storage) {
       case KvStorage::kF32:
         std::memcpy(k_dst, k_src, values * sizeof(float));
         std::memcpy(v_dst, v_src, values * sizeof(float));
         break;
       case KvStorage::kF16:
-        ops::QuantizeRow(DType::kF16, k_src, k_dst, static_cast<int64_t>(values));
-        ops::QuantizeRow(DType::kF16, v_src, v_dst, static_cast<int64_t>(values));
+        ops::QuantizeRow(DType::kF16, k_src, k_dst, values);
+        ops::QuantizeRow(DType::kF16, v_src, v_dst, values);
         break;
       case KvStorage::kInt8: {
-        float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + slot * H;  // [chunk, n_kv_heads]
-        float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + slot * H;
-        ops::QuantizeKvRowsInt8(k_src, static_cast<int64_t>(chunk) * H, D, reinterpret_cast<int8_t*>(k_dst), k_scale);
-        ops::QuantizeKvRowsInt8(v_src, static_cast<int64_t>(chunk) * H, D, reinterpret_cast<int8_t*>(v_dst), v_scale);
+        float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + s * p.row_heads;  // [rows]
+        float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + s * p.row_heads;
+        ops::QuantizeKvRowsInt8(k_src, rows, D, reinterpret_cast<int8_t*>(k_dst), k_scale);
+        ops::QuantizeKvRowsInt8(v_src, rows, D, reinterpret_cast<int8_t*>(v_dst), v_scale);
         break;
       }
+      case KvStorage::kInt8Kivi:
+        KVS_CHECK_MSG(false, "int8_kivi pages are written by AppendKivi");
+        break;
     }
-    std::memcpy(page + p.positions_offset + slot * sizeof(int32_t), positions + done, chunk * sizeof(int32_t));
-    t.n += chunk;
-    L.live_slots += chunk;
-    done += chunk;
+  }
+}
+
+Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const float* v,
+                            const int32_t* positions) {
+  KVS_RETURN_IF_ERROR(CheckSeq("append", seq));
+  KVS_RETURN_IF_ERROR(CheckLayer("append", layer));
+  if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
+  if (n == 0) return Status::Ok();
+  if (k == nullptr || v == nullptr || positions == nullptr) {
+    return InvalidArgumentError("KV cache append: null k, v or positions for " + std::to_string(n) + " tokens");
+  }
+  Layer& L = layers_[layer];
+  const int32_t P = page_size_;
+  auto where = [&](int h) {
+    return "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+           (L.per_head ? " kv head " + std::to_string(h) : std::string());
+  };
+  // Validate every table (one per head in a per-head layer) and count the pages before
+  // writing anything, so a failed append leaves the cache unchanged.
+  int64_t new_pages = 0;
+  for (int h = 0; h < L.n_tables; ++h) {
+    const Table& t = table(seq, layer, h);
+    if (n > INT32_MAX - t.n) {
+      return ResourceExhaustedError("KV cache append: " + where(h) + " would exceed 2^31 tokens");
+    }
+    const int32_t* last_pos = LastPosition(L, t);
+    for (int32_t i = 0; i < n; ++i) {
+      const bool has_prev = i > 0 || last_pos != nullptr;
+      const int32_t prev = i > 0 ? positions[i - 1] : (last_pos ? *last_pos : 0);
+      if (positions[i] < 0 || (has_prev && positions[i] <= prev)) {
+        return InvalidArgumentError("KV cache append: " + where(h) + ": position " + std::to_string(positions[i]) +
+                                    " (token " + std::to_string(i) +
+                                    " of the batch) must be >= 0 and greater than the previous position " +
+                                    (has_prev ? std::to_string(prev) : std::string("(none)")));
+      }
+    }
+    const int32_t room = static_cast<int32_t>(t.pages.size()) * P - t.n;
+    const bool copy_last = room > 0 && PoolOf(L, t, t.pages.size() - 1)->refcount(t.pages.back()) > 1;
+    new_pages += (static_cast<int64_t>(std::max(0, n - room)) + P - 1) / P + (copy_last ? 1 : 0);
+  }
+  if (L.kivi) return AppendKivi(seq, layer, n, k, v, positions);  // its own page plan and budget
+  const size_t new_bytes = static_cast<size_t>(new_pages) * L.layout.page_bytes;
+  if (!budget_.CanAfford(new_bytes)) return BudgetError("append", seq, layer, -1, new_pages, new_bytes);
+
+  const size_t row_values = static_cast<size_t>(geometry_.n_kv_heads) * geometry_.head_dim;
+  for (int h = 0; h < L.n_tables; ++h) {
+    Table& t = table(seq, layer, h);
+    const int32_t room = static_cast<int32_t>(t.pages.size()) * P - t.n;
+    if (room > 0 && L.pool->refcount(t.pages.back()) > 1) {
+      // Copy-on-write: the partly filled last page is shared with another sequence.
+      const PageId shared = t.pages.back();
+      const int32_t fill = PageFill(t, t.pages.size() - 1);
+      const PageId own = AllocatePage(layer);
+      CopySlots(L, shared, 0, own, 0, fill);
+      L.live_slots += fill;
+      ReleasePage(layer, shared, fill);
+      t.pages.back() = own;
+      ++cow_pages_;
+    }
+    for (int32_t done = 0; done < n;) {
+      if (t.n == static_cast<int32_t>(t.pages.size()) * P) t.pages.push_back(AllocatePage(layer));
+      const int32_t slot = t.n - static_cast<int32_t>(t.pages.size() - 1) * P;
+      const int32_t chunk = std::min(n - done, P - slot);
+      uint8_t* page = L.pool->data(t.pages.back());
+      StoreRows(L, page, slot, chunk, k + done * row_values, v + done * row_values, L.per_head ? h : -1);
+      std::memcpy(page + L.layout.positions_offset + slot * sizeof(int32_t), positions + done,
+                  chunk * sizeof(int32_t));
+      t.n += chunk;
+      L.live_slots += chunk;
+      done += chunk;
+    }
   }
   return Status::Ok();
 }
 
-void PagedKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) const {
-  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_ && layer >= 0 && layer < geometry_.n_layers,
-                "seq " + std::to_string(seq) + " layer " + std::to_string(layer) + " out of range");
-  const Table& t = table(seq, layer);
-  const Layer& L = layers_[layer];
-  const PageLayout& p = L.layout;
+void PagedKvCache::FillSpans(const Layer& L, const Table& t, std::vector<KvSpan>* out) const {
   const bool int8 = L.storage == KvStorage::kInt8;
   out->clear();
   for (size_t i = 0; i < t.pages.size(); ++i) {
-    const uint8_t* page = L.pool->data(t.pages[i]);
+    const PageLayout& p = LayoutOf(L, t, i);
+    const uint8_t* page = PoolOf(L, t, i)->data(t.pages[i]);
+    const bool kivi_page = L.kivi && !IsResidualPage(L, t, i);  // the residual span has no scales
     KvSpan s;
     s.k = page + p.k_offset;
     s.v = page + p.v_offset;
     s.positions = reinterpret_cast<const int32_t*>(page + p.positions_offset);
     s.k_scale = int8 ? reinterpret_cast<const float*>(page + p.k_scale_offset) : nullptr;
-    s.v_scale = int8 ? reinterpret_cast<const float*>(page + p.v_scale_offset) : nullptr;
+    s.v_scale = int8 || kivi_page ? reinterpret_cast<const float*>(page + p.v_scale_offset) : nullptr;
+    s.k_channel_scale = kivi_page ? reinterpret_cast<const float*>(page + p.k_channel_scale_offset) : nullptr;
     s.n = PageFill(t, i);
     out->push_back(s);
   }
 }
 
-int32_t PagedKvCache::NumTokens(int seq, int layer) const {
-  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_ && layer >= 0 && layer < geometry_.n_layers,
-                "seq " + std::to_string(seq) + " layer " + std::to_string(layer) + " out of range");
-  return table(seq, layer).n;
+void PagedKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) const {
+  CheckSeqLayer("Spans", seq, layer);
+  KVS_CHECK_MSG(!layers_[layer].per_head, "Spans: layer " + std::to_string(layer) +
+                                              " keeps different tokens per KV head; read it with "
+                                              "HeadSpans(seq, layer, kv_head)");
+  FillSpans(layers_[layer], table(seq, layer), out);
 }
 
-void PagedKvCache::ClearTable(int seq, int layer) {
-  Table& t = table(seq, layer);
-  for (size_t i = 0; i < t.pages.size(); ++i) ReleasePage(layer, t.pages[i], PageFill(t, i));
+void PagedKvCache::HeadSpans(int seq, int layer, int kv_head, std::vector<KvSpan>* out) const {
+  CheckSeqLayer("HeadSpans", seq, layer);
+  KVS_CHECK_MSG(layers_[layer].per_head, "HeadSpans: layer " + std::to_string(layer) +
+                                             " keeps the same tokens for every KV head; read it with Spans()");
+  KVS_CHECK_MSG(kv_head >= 0 && kv_head < geometry_.n_kv_heads,
+                "HeadSpans: kv head " + std::to_string(kv_head) + " out of range");
+  FillSpans(layers_[layer], table(seq, layer, kv_head), out);
+}
+
+int32_t PagedKvCache::NumTokens(int seq, int layer) const {
+  CheckSeqLayer("NumTokens", seq, layer);
+  int32_t most = 0;
+  for (int h = 0; h < layers_[layer].n_tables; ++h) most = std::max(most, table(seq, layer, h).n);
+  return most;
+}
+
+int32_t PagedKvCache::NumHeadTokens(int seq, int layer, int kv_head) const {
+  CheckSeqLayer("NumHeadTokens", seq, layer);
+  KVS_CHECK_MSG(kv_head >= 0 && kv_head < geometry_.n_kv_heads,
+                "NumHeadTokens: kv head " + std::to_string(kv_head) + " out of range");
+  return table(seq, layer, layers_[layer].per_head ? kv_head : 0).n;
+}
+
+void PagedKvCache::ClearTable(Table& t, int layer) {
+  for (size_t i = 0; i < t.pages.size(); ++i) {
+    if (IsResidualPage(layers_[layer], t, i)) {
+      ReleaseResidualPage(layer, t.pages[i], PageFill(t, i));
+    } else {
+      ReleasePage(layer, t.pages[i], PageFill(t, i));
+    }
+  }
   t.pages.clear();
   t.n = 0;
 }
 
+void PagedKvCache::ClearLayer(int seq, int layer) {
+  for (int h = 0; h < layers_[layer].n_tables; ++h) ClearTable(table(seq, layer, h), layer);
+}
+
 void PagedKvCache::Clear(int seq) {
   KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_, "Clear: seq " + std::to_string(seq) + " out of range");
-  for (int layer = 0; layer < geometry_.n_layers; ++layer) ClearTable(seq, layer);
+  for (int layer = 0; layer < geometry_.n_layers; ++layer) ClearLayer(seq, layer);
 }
 
 PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, const uint8_t* keep) const {
+  if (L.kivi) return PlanEvictKivi(t, L, keep);
   EvictPlan plan;
   int32_t i = 0;
   while (i < t.n && keep[i]) ++i;
@@ -315,9 +429,9 @@ PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, 
   return plan;
 }
 
-void PagedKvCache::ApplyEvict(int seq, int layer, const uint8_t* keep, const EvictPlan& plan) {
+void PagedKvCache::ApplyEvict(Table& t, int layer, const uint8_t* keep, const EvictPlan& plan) {
   if (plan.first_drop < 0) return;
-  Table& t = table(seq, layer);
+  if (layers_[layer].kivi) return ApplyEvictKivi(t, layer, keep, plan);
   Layer& L = layers_[layer];
   const int32_t P = page_size_;
   const int32_t n_old = t.n;
@@ -374,24 +488,47 @@ void PagedKvCache::ApplyEvict(int seq, int layer, const uint8_t* keep, const Evi
   t.n = plan.n_keep;
 }
 
+Status PagedKvCache::EvictTable(int seq, int layer, int head, const std::vector<uint8_t>& keep) {
+  Layer& L = layers_[layer];
+  Table& t = table(seq, layer, head);
+  const std::string where = "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                            (L.per_head ? " kv head " + std::to_string(head) : std::string());
+  if (keep.size() != static_cast<size_t>(t.n)) {
+    return InvalidArgumentError("KV cache evict: " + where + ": keep mask has " + std::to_string(keep.size()) +
+                                " entries but " + std::to_string(t.n) + " tokens are cached");
+  }
+  const EvictPlan plan = PlanEvict(t, L, keep.data());
+  const size_t bytes = PlanBytes(L, plan);
+  if (!budget_.CanAfford(bytes)) {
+    return BudgetError("evict (copy of shared pages)", seq, layer, L.per_head ? head : -1, plan.fresh_pages, bytes);
+  }
+  ApplyEvict(t, layer, keep.data(), plan);
+  if (plan.first_drop >= 0) L.evicted_tokens += keep.size() - plan.n_keep;
+  return Status::Ok();
+}
+
 Status PagedKvCache::Evict(int seq, int layer, const std::vector<uint8_t>& keep) {
   KVS_RETURN_IF_ERROR(CheckSeq("evict", seq));
-  if (layer < 0 || layer >= geometry_.n_layers) {
-    return InvalidArgumentError("KV cache evict: layer " + std::to_string(layer) + " out of range [0, " +
-                                std::to_string(geometry_.n_layers) + ")");
+  KVS_RETURN_IF_ERROR(CheckLayer("evict", layer));
+  if (layers_[layer].per_head) {
+    return InvalidArgumentError("KV cache evict: layer " + std::to_string(layer) +
+                                " keeps tokens per KV head; evict each head with Evict(seq, layer, kv_head, keep)");
   }
-  const Table& t = table(seq, layer);
-  if (keep.size() != static_cast<size_t>(t.n)) {
-    return InvalidArgumentError("KV cache evict: seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
-                                ": keep mask has " + std::to_string(keep.size()) + " entries but " +
-                                std::to_string(t.n) + " tokens are cached");
+  return EvictTable(seq, layer, 0, keep);
+}
+
+Status PagedKvCache::Evict(int seq, int layer, int kv_head, const std::vector<uint8_t>& keep) {
+  KVS_RETURN_IF_ERROR(CheckSeq("evict", seq));
+  KVS_RETURN_IF_ERROR(CheckLayer("evict", layer));
+  if (!layers_[layer].per_head) {
+    return InvalidArgumentError("KV cache evict: layer " + std::to_string(layer) +
+                                " keeps the same tokens for every KV head; evict it with Evict(seq, layer, keep)");
   }
-  const EvictPlan plan = PlanEvict(t, layers_[layer], keep.data());
-  const size_t bytes = static_cast<size_t>(plan.fresh_pages) * layers_[layer].layout.page_bytes;
-  if (!budget_.CanAfford(bytes)) return BudgetError("evict (copy of shared pages)", seq, layer, plan.fresh_pages, bytes);
-  ApplyEvict(seq, layer, keep.data(), plan);
-  if (plan.first_drop >= 0) layers_[layer].evicted_tokens += keep.size() - plan.n_keep;
-  return Status::Ok();
+  if (kv_head < 0 || kv_head >= geometry_.n_kv_heads) {
+    return InvalidArgumentError("KV cache evict: kv head " + std::to_string(kv_head) + " out of range [0, " +
+                                std::to_string(geometry_.n_kv_heads) + ")");
+  }
+  return EvictTable(seq, layer, kv_head, keep);
 }
 
 Status PagedKvCache::RemoveRange(int seq, int32_t p0, int32_t p1) {
@@ -399,38 +536,47 @@ Status PagedKvCache::RemoveRange(int seq, int32_t p0, int32_t p1) {
   const int32_t begin = std::max(p0, 0);
   const int32_t end = p1 < 0 ? INT32_MAX : p1;
   if (begin >= end) return Status::Ok();
-  // Plan every layer first so that a budget failure leaves all layers unchanged.
-  const int n_layers = geometry_.n_layers;
-  std::vector<EvictPlan> plans(n_layers);
-  std::vector<size_t> mask_offset(n_layers);
+  // Plan every table (every layer, every head of per-head layers) first so that a budget
+  // failure leaves all of them unchanged. Tables are visited in their storage order.
+  const size_t n_tables = tables_per_seq_;
+  Table* tables = &tables_[static_cast<size_t>(seq) * tables_per_seq_];
+  std::vector<EvictPlan> plans(n_tables);
+  std::vector<size_t> mask_offset(n_tables);
   size_t total = 0;
-  for (int l = 0; l < n_layers; ++l) {
-    mask_offset[l] = total;
-    total += table(seq, l).n;
+  for (size_t i = 0; i < n_tables; ++i) {
+    mask_offset[i] = total;
+    total += tables[i].n;
   }
   scratch_keep_.resize(total);
   int64_t fresh_pages = 0;
   size_t fresh_bytes = 0;
-  for (int l = 0; l < n_layers; ++l) {
-    const Table& t = table(seq, l);
+  for (int l = 0; l < geometry_.n_layers; ++l) {
     const Layer& L = layers_[l];
-    uint8_t* keep = scratch_keep_.data() + mask_offset[l];
-    for (size_t pi = 0; pi < t.pages.size(); ++pi) {
-      const int32_t* pos = reinterpret_cast<const int32_t*>(L.pool->data(t.pages[pi]) + L.layout.positions_offset);
-      const int32_t fill = PageFill(t, pi);
-      for (int32_t s = 0; s < fill; ++s) keep[pi * page_size_ + s] = (pos[s] < begin || pos[s] >= end) ? 1 : 0;
+    for (int h = 0; h < L.n_tables; ++h) {
+      const size_t ti = L.first_table + h;
+      const Table& t = tables[ti];
+      uint8_t* keep = scratch_keep_.data() + mask_offset[ti];
+      for (size_t pi = 0; pi < t.pages.size(); ++pi) {
+        const int32_t* pos = reinterpret_cast<const int32_t*>(PoolOf(L, t, pi)->data(t.pages[pi]) +
+                                                              LayoutOf(L, t, pi).positions_offset);
+        const int32_t fill = PageFill(t, pi);
+        for (int32_t s = 0; s < fill; ++s) keep[pi * page_size_ + s] = (pos[s] < begin || pos[s] >= end) ? 1 : 0;
+      }
+      plans[ti] = PlanEvict(t, L, keep);
+      fresh_pages += plans[ti].fresh_pages;
+      fresh_bytes += PlanBytes(L, plans[ti]);
     }
-    plans[l] = PlanEvict(t, L, keep);
-    fresh_pages += plans[l].fresh_pages;
-    fresh_bytes += static_cast<size_t>(plans[l].fresh_pages) * L.layout.page_bytes;
   }
   if (!budget_.CanAfford(fresh_bytes)) {
-    return BudgetError("remove-range (copy of shared pages)", seq, -1, fresh_pages, fresh_bytes);
+    return BudgetError("remove-range (copy of shared pages)", seq, -1, -1, fresh_pages, fresh_bytes);
   }
-  for (int l = 0; l < n_layers; ++l) {
-    const int32_t n_before = table(seq, l).n;
-    ApplyEvict(seq, l, scratch_keep_.data() + mask_offset[l], plans[l]);
-    layers_[l].removed_tokens += n_before - table(seq, l).n;
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    for (int h = 0; h < layers_[l].n_tables; ++h) {
+      const size_t ti = layers_[l].first_table + h;
+      const int32_t n_before = tables[ti].n;
+      ApplyEvict(tables[ti], l, scratch_keep_.data() + mask_offset[ti], plans[ti]);
+      layers_[l].removed_tokens += n_before - tables[ti].n;
+    }
   }
   return Status::Ok();
 }
@@ -440,12 +586,14 @@ Status PagedKvCache::Fork(int src, int dst) {
   KVS_RETURN_IF_ERROR(CheckSeq("fork (destination)", dst));
   if (src == dst) return Status::Ok();
   for (int l = 0; l < geometry_.n_layers; ++l) {
-    ClearTable(dst, l);
-    const Table& from = table(src, l);
-    Table& to = table(dst, l);
-    to.pages = from.pages;
-    to.n = from.n;
-    for (PageId id : to.pages) layers_[l].pool->Retain(id);
+    ClearLayer(dst, l);
+    for (int h = 0; h < layers_[l].n_tables; ++h) {
+      const Table& from = table(src, l, h);
+      Table& to = table(dst, l, h);
+      to.pages = from.pages;
+      to.n = from.n;
+      for (size_t i = 0; i < to.pages.size(); ++i) PoolOf(layers_[l], to, i)->Retain(to.pages[i]);
+    }
   }
   return Status::Ok();
 }
@@ -460,12 +608,20 @@ Status PagedKvCache::KeepOnly(int seq) {
 
 size_t PagedKvCache::LayerAllocatedBytes(int layer) const {
   KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
-  return static_cast<size_t>(layers_[layer].pages) * layers_[layer].layout.page_bytes;
+  const Layer& L = layers_[layer];
+  return static_cast<size_t>(L.pages) * L.layout.page_bytes +
+         static_cast<size_t>(L.residual_pages) * L.residual_layout.page_bytes;
 }
 
 size_t PagedKvCache::LayerLiveBytes(int layer) const {
   KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
-  return static_cast<size_t>(layers_[layer].live_slots) * layers_[layer].layout.token_bytes;
+  const Layer& L = layers_[layer];
+  // int8_kivi: each quantized page's K channel scales are live with it; residual slots are f16.
+  const size_t channel_scale_bytes =
+      L.kivi ? static_cast<size_t>(L.layout.row_heads) * geometry_.head_dim * sizeof(float) : 0;
+  return static_cast<size_t>(L.live_slots) * L.layout.token_bytes +
+         static_cast<size_t>(L.pages) * channel_scale_bytes +
+         static_cast<size_t>(L.residual_slots) * L.residual_layout.token_bytes;
 }
 
 size_t PagedKvCache::AllocatedBytes() const {
@@ -488,10 +644,14 @@ PagedKvStats PagedKvCache::Stats() const {
     const Layer& L = layers_[l];
     PagedKvLayerStats ls;
     ls.storage = L.storage;
+    ls.per_head = L.per_head;
+    ls.tables_per_seq = L.n_tables;
     ls.page_bytes = L.layout.page_bytes;
     ls.token_bytes = L.layout.token_bytes;
-    ls.pages = L.pages;
-    ls.live_tokens = L.live_slots;
+    ls.pages = L.pages + L.residual_pages;
+    ls.live_tokens = L.live_slots + L.residual_slots;
+    ls.residual_pages = L.residual_pages;
+    ls.residual_tokens = L.residual_slots;
     ls.allocated_bytes = LayerAllocatedBytes(l);
     ls.live_bytes = LayerLiveBytes(l);
     ls.evicted_tokens = L.evicted_tokens;
@@ -508,42 +668,53 @@ PagedKvStats PagedKvCache::Stats() const {
   s.peak_allocated_bytes = budget_.peak_bytes();
   s.moved_tokens = moved_tokens_;
   s.cow_pages = cow_pages_;
+  s.rerotated_tokens = rerotated_tokens_;
   return s;
 }
 
 void PagedKvCache::CheckInvariants() const {
-  // Per pool: references found in the tables, the fill each referencer sees, the owning layer.
+  // Per pool: references found in the tables, the fill each referencer sees, and the owning
+  // table (its index among a sequence's tables: one (layer, head)).
   struct PoolView {
-    std::vector<int32_t> refs, fill, layer;
+    std::vector<int32_t> refs, fill;
+    std::vector<int64_t> owner;
   };
-  PoolView views[3];
-  for (int i = 0; i < 3; ++i) {
-    if (!pools_[i]) continue;
+  std::vector<PoolView> views(pools_.size());
+  for (size_t i = 0; i < pools_.size(); ++i) {
     const size_t touched = static_cast<size_t>(pools_[i]->pages_touched());
     views[i].refs.assign(touched, 0);
     views[i].fill.assign(touched, -1);
-    views[i].layer.assign(touched, -1);
+    views[i].owner.assign(touched, -1);
+  }
+  std::vector<int> table_layer(tables_per_seq_);
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    KVS_CHECK(layers_[l].n_tables == (layers_[l].per_head ? geometry_.n_kv_heads : 1));
+    KVS_CHECK(layers_[l].pool == pools_[layers_[l].pool_index].get());
+    for (int h = 0; h < layers_[l].n_tables; ++h) table_layer[layers_[l].first_table + h] = l;
   }
   for (int seq = 0; seq < n_seqs_; ++seq) {
-    for (int l = 0; l < geometry_.n_layers; ++l) {
-      const Table& t = table(seq, l);
+    for (size_t ti = 0; ti < tables_per_seq_; ++ti) {
+      const Table& t = tables_[static_cast<size_t>(seq) * tables_per_seq_ + ti];
+      const int l = table_layer[ti];
       const Layer& L = layers_[l];
       KVS_CHECK(t.n >= 0);
       KVS_CHECK(t.pages.size() == static_cast<size_t>((t.n + page_size_ - 1) / page_size_));
-      PoolView& view = views[StorageIndex(L.storage)];
       bool has_prev = false;
       int32_t prev = 0;
       for (size_t i = 0; i < t.pages.size(); ++i) {
+        PoolView& view = views[IsResidualPage(L, t, i) ? L.residual_pool_index : L.pool_index];
         const PageId id = t.pages[i];
         KVS_CHECK(id < view.refs.size());
         const int32_t fill = PageFill(t, i);
         KVS_CHECK(fill >= 1 && fill <= page_size_);
         ++view.refs[id];
         KVS_CHECK_MSG(view.fill[id] < 0 || view.fill[id] == fill, "shared page seen with different fills");
-        KVS_CHECK_MSG(view.layer[id] < 0 || view.layer[id] == l, "page shared across layers");
+        KVS_CHECK_MSG(view.owner[id] < 0 || view.owner[id] == static_cast<int64_t>(ti),
+                      "page shared across tables of different (layer, kv head)");
         view.fill[id] = fill;
-        view.layer[id] = l;
-        const int32_t* pos = reinterpret_cast<const int32_t*>(L.pool->data(id) + L.layout.positions_offset);
+        view.owner[id] = static_cast<int64_t>(ti);
+        const int32_t* pos =
+            reinterpret_cast<const int32_t*>(PoolOf(L, t, i)->data(id) + LayoutOf(L, t, i).positions_offset);
         for (int32_t s = 0; s < fill; ++s) {
           KVS_CHECK_MSG(pos[s] >= 0 && (!has_prev || pos[s] > prev), "positions not ascending");
           prev = pos[s];
@@ -553,10 +724,10 @@ void PagedKvCache::CheckInvariants() const {
     }
   }
   std::vector<int64_t> layer_pages(geometry_.n_layers, 0), layer_slots(geometry_.n_layers, 0);
+  std::vector<int64_t> residual_pages(geometry_.n_layers, 0), residual_slots(geometry_.n_layers, 0);
   int64_t total_in_use = 0;
   size_t total_bytes = 0;
-  for (int i = 0; i < 3; ++i) {
-    if (!pools_[i]) continue;
+  for (size_t i = 0; i < pools_.size(); ++i) {
     int64_t distinct = 0;
     for (size_t id = 0; id < views[i].refs.size(); ++id) {
       KVS_CHECK_MSG(views[i].refs[id] == pools_[i]->refcount(static_cast<PageId>(id)),
@@ -565,8 +736,10 @@ void PagedKvCache::CheckInvariants() const {
                         std::to_string(views[i].refs[id]) + " table references");
       if (views[i].refs[id] == 0) continue;
       ++distinct;
-      ++layer_pages[views[i].layer[id]];
-      layer_slots[views[i].layer[id]] += views[i].fill[id];
+      const int l = table_layer[static_cast<size_t>(views[i].owner[id])];
+      const bool residual = layers_[l].kivi && static_cast<int>(i) == layers_[l].residual_pool_index;
+      ++(residual ? residual_pages : layer_pages)[l];
+      (residual ? residual_slots : layer_slots)[l] += views[i].fill[id];
     }
     KVS_CHECK(distinct == pools_[i]->pages_in_use());
     total_in_use += distinct;
@@ -575,6 +748,8 @@ void PagedKvCache::CheckInvariants() const {
   for (int l = 0; l < geometry_.n_layers; ++l) {
     KVS_CHECK_MSG(layer_pages[l] == layers_[l].pages, "layer " + std::to_string(l) + " page count");
     KVS_CHECK_MSG(layer_slots[l] == layers_[l].live_slots, "layer " + std::to_string(l) + " live slots");
+    KVS_CHECK_MSG(residual_pages[l] == layers_[l].residual_pages, "layer " + std::to_string(l) + " residual pages");
+    KVS_CHECK_MSG(residual_slots[l] == layers_[l].residual_slots, "layer " + std::to_string(l) + " residual slots");
   }
   KVS_CHECK(total_in_use == pages_in_use_);
   KVS_CHECK(total_bytes == budget_.used_bytes());

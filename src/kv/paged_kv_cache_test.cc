@@ -3,12 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kv/kv_quant.h"
+#include "kvsparse/attention.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/dtype.h"
 #include "support/random_data.h"
@@ -19,12 +21,13 @@ namespace {
 std::vector<float> RandomVector(size_t n, std::mt19937& rng) { return testing::RandomNonZeroFloats(n, rng); }
 
 std::unique_ptr<PagedKvCache> MakeCache(const KvGeometry& geo, std::vector<KvStorage> storage, int n_seqs,
-                                        int32_t page_size, size_t budget) {
+                                        int32_t page_size, size_t budget, std::vector<uint8_t> per_head = {}) {
   PagedKvCacheOptions options;
   options.n_seqs = n_seqs;
   options.page_size = page_size;
   options.budget_bytes = budget;
   options.layer_storage = std::move(storage);
+  options.layer_per_head = std::move(per_head);
   auto cache = PagedKvCache::Create(geo, options);
   KVS_CHECK_MSG(cache.ok(), cache.status().ToString());
   return std::move(cache).value();
@@ -61,6 +64,9 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
       ref::QuantizeKvRowsInt8(x.data(), n_kv_heads, head_dim, reinterpret_cast<int8_t*>(e.values.data()),
                               e.scales.data());
       break;
+    case KvStorage::kInt8Kivi:  // groups of tokens, not rows: paged_kv_cache_kivi_test.cc
+      ADD_FAILURE() << "int8_kivi rows are not encoded one by one";
+      break;
   }
   return e;
 }
@@ -82,16 +88,33 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
   return ::testing::AssertionSuccess();
 }
 
-// Spans equal the model token by token; every span but the last is a full page.
-::testing::AssertionResult MatchesModel(const PagedKvCache& cache, int seq, int layer, const ModelTable& model) {
-  const KvGeometry& geo = cache.geometry();
+// Spans equal the model token by token; every span but the last is a full page. head >= 0:
+// one head table of a per-head layer (HeadSpans), compared with that head's slice of the rows.
+::testing::AssertionResult MatchesTable(const PagedKvCache& cache, int seq, int layer, int head,
+                                        const ModelTable& full_model) {
+  KvGeometry geo = cache.geometry();
   const KvStorage storage = cache.layer_storage(layer);
-  const size_t row_bytes = static_cast<size_t>(geo.n_kv_heads) * geo.head_dim * KvStorageValueBytes(storage);
   std::vector<KvSpan> spans;
-  cache.Spans(seq, layer, &spans);
-  if (cache.NumTokens(seq, layer) != static_cast<int32_t>(model.size())) {
-    return ::testing::AssertionFailure() << "seq " << seq << " layer " << layer << ": NumTokens "
-                                         << cache.NumTokens(seq, layer) << ", model " << model.size();
+  ModelTable head_model;
+  int32_t n_cached = 0;
+  if (head >= 0) {
+    cache.HeadSpans(seq, layer, head, &spans);
+    n_cached = cache.NumHeadTokens(seq, layer, head);
+    for (const ModelToken& t : full_model) {
+      const auto first = static_cast<size_t>(head) * geo.head_dim;
+      head_model.push_back(ModelToken{t.pos, std::vector<float>(t.k.begin() + first, t.k.begin() + first + geo.head_dim),
+                                      std::vector<float>(t.v.begin() + first, t.v.begin() + first + geo.head_dim)});
+    }
+    geo.n_kv_heads = 1;  // head spans hold [n, 1, head_dim]
+  } else {
+    cache.Spans(seq, layer, &spans);
+    n_cached = cache.NumTokens(seq, layer);
+  }
+  const ModelTable& model = head >= 0 ? head_model : full_model;
+  const size_t row_bytes = static_cast<size_t>(geo.n_kv_heads) * geo.head_dim * KvStorageValueBytes(storage);
+  if (n_cached != static_cast<int32_t>(model.size())) {
+    return ::testing::AssertionFailure() << "seq " << seq << " layer " << layer << " head " << head << ": "
+                                         << n_cached << " tokens cached, model " << model.size();
   }
   size_t t = 0;
   for (size_t si = 0; si < spans.size(); ++si) {
@@ -120,25 +143,52 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
   return ::testing::AssertionSuccess();
 }
 
-// Appends n random tokens at positions after `next_pos` to the cache and (on success) the model.
-Status AppendRandom(PagedKvCache& cache, ModelTable& model, int seq, int layer, int32_t n, std::mt19937& rng) {
+::testing::AssertionResult MatchesModel(const PagedKvCache& cache, int seq, int layer, const ModelTable& model) {
+  return MatchesTable(cache, seq, layer, -1, model);
+}
+::testing::AssertionResult MatchesHeadModel(const PagedKvCache& cache, int seq, int layer, int head,
+                                            const ModelTable& model) {
+  return MatchesTable(cache, seq, layer, head, model);
+}
+
+// Appends n random tokens at positions after the last one of every table to the cache and
+// (on success) to each table: one table for a shared layer, one per head for a per-head layer
+// (every head gets the same tokens, as the engine appends).
+Status AppendRandomTables(PagedKvCache& cache, const std::vector<ModelTable*>& tables, int seq, int layer, int32_t n,
+                          std::mt19937& rng) {
   const KvGeometry& geo = cache.geometry();
   const size_t row = static_cast<size_t>(geo.n_kv_heads) * geo.head_dim;
   const std::vector<float> k = RandomVector(n * row, rng), v = RandomVector(n * row, rng);
   std::vector<int32_t> pos(n);
-  int32_t p = model.empty() ? static_cast<int32_t>(rng() % 3) : model.back().pos + 1;
+  int32_t last = -1;
+  for (const ModelTable* m : tables) last = std::max(last, m->empty() ? -1 : m->back().pos);
+  int32_t p = last < 0 ? static_cast<int32_t>(rng() % 3) : last + 1;
   for (int32_t i = 0; i < n; ++i) {
     pos[i] = p;
     p += 1 + static_cast<int32_t>(rng() % 2);  // sometimes skip a position
   }
   Status st = cache.Append(seq, layer, n, k.data(), v.data(), pos.data());
   if (st.ok()) {
-    for (int32_t i = 0; i < n; ++i) {
-      model.push_back(ModelToken{pos[i], std::vector<float>(k.begin() + i * row, k.begin() + (i + 1) * row),
-                                 std::vector<float>(v.begin() + i * row, v.begin() + (i + 1) * row)});
+    for (ModelTable* model : tables) {
+      for (int32_t i = 0; i < n; ++i) {
+        model->push_back(ModelToken{pos[i], std::vector<float>(k.begin() + i * row, k.begin() + (i + 1) * row),
+                                    std::vector<float>(v.begin() + i * row, v.begin() + (i + 1) * row)});
+      }
     }
   }
   return st;
+}
+
+Status AppendRandom(PagedKvCache& cache, ModelTable& model, int seq, int layer, int32_t n, std::mt19937& rng) {
+  return AppendRandomTables(cache, {&model}, seq, layer, n, rng);
+}
+
+ModelTable KeepRows(const ModelTable& m, const std::vector<uint8_t>& keep) {
+  ModelTable kept;
+  for (size_t i = 0; i < keep.size(); ++i) {
+    if (keep[i]) kept.push_back(m[i]);
+  }
+  return kept;
 }
 
 std::string StorageName(const std::vector<KvStorage>& s) {
@@ -521,6 +571,222 @@ TEST(PagedKvCacheTest, EvictEverythingAndNothing) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Per-head layers: one table per (seq, layer, kv head), single-head pages.
+
+class PagedKvCachePerHeadTest : public ::testing::TestWithParam<KvStorage> {};
+
+// The same keep applied to every head table gives exactly the shared layer's attention: each
+// (query, head) row sees the same tokens in the same page runs. 3 kv heads of 2 query heads,
+// ~280 live tokens so the kernel also splits tokens into chunks (2 threads).
+TEST_P(PagedKvCachePerHeadTest, SameKeepForEveryHeadGivesTheSharedAttention) {
+  const int H = 3, group = 2, D = 8;
+  const KvGeometry geo{1, H, D};
+  auto shared = MakeCache(geo, {GetParam()}, 1, 16, 1 << 22);
+  auto per_head = MakeCache(geo, {GetParam()}, 1, 16, 1 << 22, {1});
+  ASSERT_FALSE(shared->per_head(0));
+  ASSERT_TRUE(per_head->per_head(0));
+  std::mt19937 rng(21);
+  ModelTable model;
+  for (int32_t n : {150, 1, 90, 159}) {
+    const size_t before = model.size();
+    ASSERT_TRUE(AppendRandom(*shared, model, 0, 0, n, rng).ok());
+    std::vector<float> k, v;  // the same rows for the per-head cache
+    std::vector<int32_t> pos;
+    for (size_t i = before; i < model.size(); ++i) {
+      k.insert(k.end(), model[i].k.begin(), model[i].k.end());
+      v.insert(v.end(), model[i].v.begin(), model[i].v.end());
+      pos.push_back(model[i].pos);
+    }
+    ASSERT_TRUE(per_head->Append(0, 0, n, k.data(), v.data(), pos.data()).ok());
+  }
+  std::vector<uint8_t> keep(model.size());
+  for (size_t i = 0; i < keep.size(); ++i) keep[i] = rng() % 10 < 7;
+  ASSERT_TRUE(shared->Evict(0, 0, keep).ok());
+  for (int h = 0; h < H; ++h) ASSERT_TRUE(per_head->Evict(0, 0, h, keep).ok());
+  model = KeepRows(model, keep);
+  ASSERT_GT(model.size(), 256u);
+  EXPECT_TRUE(MatchesModel(*shared, 0, 0, model));
+  for (int h = 0; h < H; ++h) EXPECT_TRUE(MatchesHeadModel(*per_head, 0, 0, h, model)) << "head " << h;
+  shared->CheckInvariants();
+  per_head->CheckInvariants();
+
+  const AttentionShape shape{H * group, H, D, 1.0f / std::sqrt(static_cast<float>(D))};
+  const AttentionShape head_shape{group, 1, D, shape.scale};
+  std::vector<KvSpan> spans, head_spans;
+  shared->Spans(0, 0, &spans);
+  for (int32_t n_q : {1, 7}) {
+    // Decode: one query after every token; a chunk: queries from the middle on (causal masks).
+    std::vector<int32_t> q_pos(n_q);
+    for (int32_t i = 0; i < n_q; ++i) q_pos[i] = n_q == 1 ? model.back().pos + 1 : model[model.size() / 2].pos + 3 * i;
+    const size_t row = static_cast<size_t>(H) * group * D, group_values = static_cast<size_t>(group) * D;
+    const std::vector<float> q = RandomVector(n_q * row, rng);
+    std::vector<float> want(n_q * row), want_stats(n_q * H * group * 2);
+    ops::Attention(shape, GetParam(), q.data(), q_pos.data(), n_q, spans.data(), static_cast<int32_t>(spans.size()),
+                   want.data(), 2, want_stats.data());
+    std::vector<float> got(n_q * row), got_stats(n_q * H * group * 2);
+    std::vector<float> q_head(n_q * group_values), out_head(n_q * group_values), stats_head(n_q * group * 2);
+    for (int h = 0; h < H; ++h) {
+      for (int32_t i = 0; i < n_q; ++i) {
+        std::copy_n(q.data() + i * row + h * group_values, group_values, q_head.data() + i * group_values);
+      }
+      per_head->HeadSpans(0, 0, h, &head_spans);
+      ops::Attention(head_shape, GetParam(), q_head.data(), q_pos.data(), n_q, head_spans.data(),
+                     static_cast<int32_t>(head_spans.size()), out_head.data(), 2, stats_head.data());
+      for (int32_t i = 0; i < n_q; ++i) {
+        std::copy_n(out_head.data() + i * group_values, group_values, got.data() + i * row + h * group_values);
+        std::copy_n(stats_head.data() + i * group * 2, group * 2, got_stats.data() + (i * H + h) * group * 2);
+      }
+    }
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << n_q << " queries";
+    EXPECT_EQ(0, std::memcmp(got_stats.data(), want_stats.data(), got_stats.size() * sizeof(float)))
+        << n_q << " queries";
+  }
+}
+
+// Different keeps per head: each head holds its own tokens; pages, live bytes and the stats
+// count every head table exactly; fork, remove-range, append and clear cover every table.
+TEST_P(PagedKvCachePerHeadTest, HeadsKeepDifferentTokensWithExactAccounting) {
+  const int H = 3, D = 8;
+  const int32_t P = 4;
+  const KvGeometry geo{2, H, D};
+  auto cache = MakeCache(geo, {GetParam()}, 2, P, 1 << 20, {0, 1});  // layer 1 per-head
+  const size_t vb = KvStorageValueBytes(GetParam());
+  const bool int8 = GetParam() == KvStorage::kInt8;
+  auto align = [](size_t n) { return (n + 63) / 64 * 64; };
+  const size_t shared_page = 2 * align(P * H * D * vb) + align(P * sizeof(int32_t)) +
+                             (int8 ? 2 * align(P * H * sizeof(float)) : 0);
+  const size_t head_page = 2 * align(P * D * vb) + align(P * sizeof(int32_t)) + (int8 ? 2 * align(P * sizeof(float)) : 0);
+  const size_t head_slot = 2 * D * vb + sizeof(int32_t) + (int8 ? 2 * sizeof(float) : 0);  // incl. its position copy
+  EXPECT_EQ(cache->page_bytes(0), shared_page);
+  EXPECT_EQ(cache->page_bytes(1), head_page);
+  EXPECT_EQ(cache->token_bytes(1), head_slot);
+  EXPECT_EQ(cache->tables_per_seq(0), 1);
+  EXPECT_EQ(cache->tables_per_seq(1), H);
+  EXPECT_FALSE(cache->per_head(0));
+  EXPECT_TRUE(cache->per_head(1));
+
+  std::mt19937 rng(22);
+  ModelTable m0;
+  std::vector<ModelTable> heads(H);
+  auto head_ptrs = [&](std::vector<ModelTable>& tables) {
+    std::vector<ModelTable*> ptrs;
+    for (ModelTable& t : tables) ptrs.push_back(&t);
+    return ptrs;
+  };
+  ASSERT_TRUE(AppendRandom(*cache, m0, 0, 0, 10, rng).ok());
+  ASSERT_TRUE(AppendRandomTables(*cache, head_ptrs(heads), 0, 1, 10, rng).ok());
+  for (int h = 0; h < H; ++h) EXPECT_TRUE(MatchesHeadModel(*cache, 0, 1, h, heads[h]));
+  EXPECT_EQ(cache->LayerAllocatedBytes(1), 3 * 3 * head_page);
+  EXPECT_EQ(cache->LayerLiveBytes(1), 30 * head_slot);
+  cache->CheckInvariants();
+
+  // Head 0 keeps all, head 1 the first 5, head 2 every third token.
+  std::vector<std::vector<uint8_t>> keeps(H, std::vector<uint8_t>(10, 1));
+  for (int i = 5; i < 10; ++i) keeps[1][i] = 0;
+  for (int i = 0; i < 10; ++i) keeps[2][i] = i % 3 == 0;
+  for (int h = 0; h < H; ++h) {
+    ASSERT_TRUE(cache->Evict(0, 1, h, keeps[h]).ok());
+    heads[h] = KeepRows(heads[h], keeps[h]);
+  }
+  EXPECT_EQ(cache->NumHeadTokens(0, 1, 0), 10);
+  EXPECT_EQ(cache->NumHeadTokens(0, 1, 1), 5);
+  EXPECT_EQ(cache->NumHeadTokens(0, 1, 2), 4);
+  EXPECT_EQ(cache->NumTokens(0, 1), 10);      // the largest head
+  EXPECT_EQ(cache->NumHeadTokens(0, 0, 2), 10);  // a shared layer: every head has all tokens
+  for (int h = 0; h < H; ++h) EXPECT_TRUE(MatchesHeadModel(*cache, 0, 1, h, heads[h]));
+  EXPECT_EQ(cache->LayerAllocatedBytes(1), (3 + 2 + 1) * head_page);
+  EXPECT_EQ(cache->LayerLiveBytes(1), 19 * head_slot);
+  EXPECT_EQ(cache->AllocatedBytes(), 3 * shared_page + 6 * head_page);
+  EXPECT_EQ(cache->budget().used_bytes(), cache->AllocatedBytes());
+  EXPECT_EQ(cache->LiveBytes(), 10 * cache->token_bytes(0) + 19 * head_slot);
+  PagedKvStats stats = cache->Stats();
+  EXPECT_FALSE(stats.layers[0].per_head);
+  EXPECT_TRUE(stats.layers[1].per_head);
+  EXPECT_EQ(stats.layers[1].tables_per_seq, H);
+  EXPECT_EQ(stats.layers[1].pages, 6);
+  EXPECT_EQ(stats.layers[1].live_tokens, 19);
+  EXPECT_EQ(stats.layers[1].evicted_tokens, 5 + 6);
+  EXPECT_EQ(stats.layers[1].live_bytes, 19 * head_slot);
+  cache->CheckInvariants();
+
+  // Wrong entry points and sizes are InvalidArgument naming the head.
+  EXPECT_EQ(cache->Evict(0, 1, std::vector<uint8_t>(10, 1)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Evict(0, 0, 0, std::vector<uint8_t>(10, 1)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Evict(0, 1, H, {}).code(), StatusCode::kInvalidArgument);
+  Status st = cache->Evict(0, 1, 1, std::vector<uint8_t>(10, 1));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("kv head 1"), std::string::npos) << st.message();
+  // An append must follow every head's last position; a failure leaves every head unchanged.
+  const std::vector<float> kv(H * D, 0.5f);
+  const int32_t between = heads[1].back().pos + 1;  // after head 1's last, before head 0's
+  ASSERT_LT(between, heads[0].back().pos);
+  st = cache->Append(0, 1, 1, kv.data(), kv.data(), &between);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("kv head 0"), std::string::npos) << st.message();
+  for (int h = 0; h < H; ++h) EXPECT_TRUE(MatchesHeadModel(*cache, 0, 1, h, heads[h]));
+
+  // Fork shares every head table; appending to the fork copies only the shared last pages.
+  ASSERT_TRUE(cache->Fork(0, 1).ok());
+  std::vector<ModelTable> forked = heads;
+  ModelTable m0_forked = m0;
+  EXPECT_EQ(cache->AllocatedBytes(), 3 * shared_page + 6 * head_page);  // nothing copied
+  ASSERT_TRUE(AppendRandomTables(*cache, head_ptrs(forked), 1, 1, 3, rng).ok());
+  for (int h = 0; h < H; ++h) {
+    EXPECT_TRUE(MatchesHeadModel(*cache, 0, 1, h, heads[h]));
+    EXPECT_TRUE(MatchesHeadModel(*cache, 1, 1, h, forked[h]));
+  }
+  EXPECT_GT(cache->Stats().cow_pages, 0);
+  cache->CheckInvariants();
+
+  // RemoveRange drops the positions from every table of the sequence, shared or per head.
+  const int32_t p0 = m0[2].pos, p1 = m0[7].pos;
+  ASSERT_TRUE(cache->RemoveRange(1, p0, p1).ok());
+  auto drop = [&](ModelTable& m) {
+    m.erase(std::remove_if(m.begin(), m.end(), [&](const ModelToken& t) { return t.pos >= p0 && t.pos < p1; }),
+            m.end());
+  };
+  drop(m0_forked);
+  for (ModelTable& m : forked) drop(m);
+  EXPECT_TRUE(MatchesModel(*cache, 1, 0, m0_forked));
+  EXPECT_TRUE(MatchesModel(*cache, 0, 0, m0));
+  for (int h = 0; h < H; ++h) {
+    EXPECT_TRUE(MatchesHeadModel(*cache, 1, 1, h, forked[h]));
+    EXPECT_TRUE(MatchesHeadModel(*cache, 0, 1, h, heads[h]));
+  }
+  EXPECT_GT(cache->Stats().layers[1].removed_tokens, 0);
+  cache->CheckInvariants();
+
+  ASSERT_TRUE(cache->KeepOnly(1).ok());
+  for (int h = 0; h < H; ++h) EXPECT_EQ(cache->NumHeadTokens(0, 1, h), 0);
+  cache->CheckInvariants();
+  cache->Clear(1);
+  cache->CheckInvariants();
+  EXPECT_EQ(cache->pages_in_use(), 0);
+  EXPECT_EQ(cache->budget().used_bytes(), 0u);
+  EXPECT_EQ(cache->LiveBytes(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, PagedKvCachePerHeadTest,
+                         ::testing::Values(KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8),
+                         [](const ::testing::TestParamInfo<KvStorage>& info) {
+                           return std::string(KvStorageName(info.param));
+                         });
+
+TEST(PagedKvCachePerHeadDeathTest, SpansOfTheWrongKindAbortWithAHint) {
+  const KvGeometry geo{2, 2, 4};
+  auto cache = MakeCache(geo, {KvStorage::kF32}, 1, 4, 1 << 16, {0, 1});
+  std::vector<KvSpan> spans;
+  EXPECT_DEATH(cache->Spans(0, 1, &spans), "HeadSpans");
+  EXPECT_DEATH(cache->HeadSpans(0, 0, 0, &spans), "Spans\\(\\)");
+  PagedKvCacheOptions options;
+  options.budget_bytes = 1 << 16;
+  options.layer_per_head = {1, 0, 1};  // neither 1 nor n_layers entries
+  auto bad = PagedKvCache::Create(geo, options);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("layer_per_head"), std::string::npos) << bad.status().message();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Property test: random operations over several sequences and layers, checked after every
 // operation against the model, with the pool accounting verified by CheckInvariants.
 
@@ -528,12 +794,20 @@ struct PropertyConfig {
   std::vector<KvStorage> storage;
   int32_t page_size;
   bool with_fork;
+  std::vector<uint8_t> per_head = {};  // PagedKvCacheOptions::layer_per_head
 };
+
+std::string PerHeadName(const std::vector<uint8_t>& per_head) {
+  std::string name;
+  for (uint8_t x : per_head) name += x ? "H" : "S";
+  return name.empty() ? name : "_" + name;
+}
 
 std::string StorageName(const std::vector<KvStorage>& s);
 
 void PrintTo(const PropertyConfig& c, std::ostream* os) {
-  *os << StorageName(c.storage) << " page " << c.page_size << (c.with_fork ? " fork" : " no-fork");
+  *os << StorageName(c.storage) << " page " << c.page_size << (c.with_fork ? " fork" : " no-fork")
+      << PerHeadName(c.per_head);
 }
 
 class PagedKvCachePropertyTest : public ::testing::TestWithParam<PropertyConfig> {};
@@ -543,19 +817,47 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
   const int n_seqs = 3;
   const KvGeometry geo{3, 2, 5};  // odd head_dim: ragged rows for every kernel
   const int32_t P = cfg.page_size;
-  auto probe = MakeCache(geo, cfg.storage, n_seqs, P, 1 << 24);
+  auto probe = MakeCache(geo, cfg.storage, n_seqs, P, 1 << 24, cfg.per_head);
   size_t budget = 0;
-  for (int l = 0; l < geo.n_layers; ++l) budget += probe->page_bytes(l) * n_seqs * ((20 + P - 1) / P);
-  auto cache = MakeCache(geo, cfg.storage, n_seqs, P, budget);
+  for (int l = 0; l < geo.n_layers; ++l) {
+    budget += probe->page_bytes(l) * probe->tables_per_seq(l) * n_seqs * ((20 + P - 1) / P);
+  }
+  auto cache = MakeCache(geo, cfg.storage, n_seqs, P, budget, cfg.per_head);
 
-  std::mt19937 rng(1000 + P * 7 + static_cast<int>(cfg.storage.size()) + (cfg.with_fork ? 1 : 0));
-  std::vector<ModelTable> model(static_cast<size_t>(n_seqs) * geo.n_layers);
-  auto M = [&](int seq, int layer) -> ModelTable& { return model[static_cast<size_t>(seq) * geo.n_layers + layer]; };
-  int exhausted = 0, succeeded = 0;
+  std::mt19937 rng(1000 + P * 7 + static_cast<int>(cfg.storage.size()) + (cfg.with_fork ? 1 : 0) +
+                   static_cast<int>(cfg.per_head.size()) * 13);
+  // The model: one table per cache table, per sequence: layer l's tables are [first[l], first[l] + n_tables(l)).
+  std::vector<int> first(geo.n_layers);
+  int tables_per_seq = 0;
+  for (int l = 0; l < geo.n_layers; ++l) {
+    first[l] = tables_per_seq;
+    tables_per_seq += cache->tables_per_seq(l);
+  }
+  std::vector<ModelTable> model(static_cast<size_t>(n_seqs) * tables_per_seq);
+  auto T = [&](int seq, int layer, int head) -> ModelTable& {
+    return model[static_cast<size_t>(seq) * tables_per_seq + first[layer] + head];
+  };
+  auto layer_tables = [&](int seq, int layer) {
+    std::vector<ModelTable*> tables;
+    for (int h = 0; h < cache->tables_per_seq(layer); ++h) tables.push_back(&T(seq, layer, h));
+    return tables;
+  };
+  auto clear_layer = [&](int seq, int layer) {
+    for (ModelTable* t : layer_tables(seq, layer)) t->clear();
+  };
+  int exhausted = 0, succeeded = 0, head_evictions = 0;
 
   auto check_all = [&](const std::string& op) {
     for (int s = 0; s < n_seqs; ++s) {
-      for (int l = 0; l < geo.n_layers; ++l) ASSERT_TRUE(MatchesModel(*cache, s, l, M(s, l))) << "after " << op;
+      for (int l = 0; l < geo.n_layers; ++l) {
+        if (!cache->per_head(l)) {
+          ASSERT_TRUE(MatchesModel(*cache, s, l, T(s, l, 0))) << "after " << op;
+          continue;
+        }
+        for (int h = 0; h < geo.n_kv_heads; ++h) {
+          ASSERT_TRUE(MatchesHeadModel(*cache, s, l, h, T(s, l, h))) << "after " << op;
+        }
+      }
     }
     cache->CheckInvariants();
     EXPECT_LE(cache->LiveBytes(), cache->AllocatedBytes());
@@ -564,7 +866,9 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
       // Memory tracks live tokens: no layer holds more pages than its tables need, and
       // without sharing exactly that many.
       int64_t needed = 0;
-      for (int s = 0; s < n_seqs; ++s) needed += (cache->NumTokens(s, l) + P - 1) / P;
+      for (int s = 0; s < n_seqs; ++s) {
+        for (int h = 0; h < cache->tables_per_seq(l); ++h) needed += (cache->NumHeadTokens(s, l, h) + P - 1) / P;
+      }
       const int64_t pages = static_cast<int64_t>(cache->LayerAllocatedBytes(l) / cache->page_bytes(l));
       if (cfg.with_fork) {
         EXPECT_LE(pages, needed) << "after " << op;
@@ -584,14 +888,18 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
       op = "append";
       const int32_t n = 1 + static_cast<int32_t>(rng() % std::max(12, 2 * P + 2));
       if (rng() % 2 == 0) {
-        st = AppendRandom(*cache, M(seq, layer), seq, layer, n, rng);
+        st = AppendRandomTables(*cache, layer_tables(seq, layer), seq, layer, n, rng);
       } else {  // the engine's pattern: the same positions into every layer
         op = "append-all-layers";
-        for (int l = 0; l < geo.n_layers && st.ok(); ++l) st = AppendRandom(*cache, M(seq, l), seq, l, n, rng);
+        for (int l = 0; l < geo.n_layers && st.ok(); ++l) {
+          st = AppendRandomTables(*cache, layer_tables(seq, l), seq, l, n, rng);
+        }
       }
     } else if (r < 70) {
       op = "evict";
-      ModelTable& m = M(seq, layer);
+      // A per-head layer evicts one head at a time: its heads drift apart.
+      const int head = cache->per_head(layer) ? static_cast<int>(rng() % geo.n_kv_heads) : -1;
+      ModelTable& m = T(seq, layer, std::max(head, 0));
       std::vector<uint8_t> keep(m.size());
       const int kind = static_cast<int>(rng() % 4);
       for (size_t i = 0; i < keep.size(); ++i) {
@@ -600,13 +908,10 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
         if (kind == 2) keep[i] = i >= keep.size() / 3;            // drop the head
         if (kind == 3) keep[i] = i != keep.size() / 2;            // drop one in the middle
       }
-      st = cache->Evict(seq, layer, keep);
+      st = head >= 0 ? cache->Evict(seq, layer, head, keep) : cache->Evict(seq, layer, keep);
       if (st.ok()) {
-        ModelTable kept;
-        for (size_t i = 0; i < keep.size(); ++i) {
-          if (keep[i]) kept.push_back(m[i]);
-        }
-        m = std::move(kept);
+        m = KeepRows(m, keep);
+        head_evictions += head >= 0 ? 1 : 0;
       }
     } else if (r < 80) {
       op = "remove-range";
@@ -616,10 +921,11 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
       if (st.ok()) {
         const int32_t begin = std::max(p0, 0), end = p1 < 0 ? INT32_MAX : p1;
         for (int l = 0; l < geo.n_layers; ++l) {
-          ModelTable& m = M(seq, l);
-          m.erase(std::remove_if(m.begin(), m.end(),
-                                 [&](const ModelToken& t) { return t.pos >= begin && t.pos < end; }),
-                  m.end());
+          for (ModelTable* m : layer_tables(seq, l)) {
+            m->erase(std::remove_if(m->begin(), m->end(),
+                                    [&](const ModelToken& t) { return t.pos >= begin && t.pos < end; }),
+                     m->end());
+          }
         }
       }
     } else if (r < 90) {
@@ -627,21 +933,23 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
       op = "fork";
       const int dst = static_cast<int>(rng() % n_seqs);
       st = cache->Fork(seq, dst);
-      if (st.ok()) {
-        for (int l = 0; l < geo.n_layers; ++l) M(dst, l) = M(seq, l);
+      if (st.ok() && dst != seq) {
+        for (int l = 0; l < geo.n_layers; ++l) {
+          for (int h = 0; h < cache->tables_per_seq(l); ++h) T(dst, l, h) = T(seq, l, h);
+        }
       }
     } else if (r < 93) {
       op = "keep-only";
       st = cache->KeepOnly(seq);
       for (int s = 0; s < n_seqs; ++s) {
         for (int l = 0; l < geo.n_layers; ++l) {
-          if (s != seq) M(s, l).clear();
+          if (s != seq) clear_layer(s, l);
         }
       }
     } else {
       op = "clear";
       cache->Clear(seq);
-      for (int l = 0; l < geo.n_layers; ++l) M(seq, l).clear();
+      for (int l = 0; l < geo.n_layers; ++l) clear_layer(seq, l);
     }
     if (st.ok()) {
       ++succeeded;
@@ -653,7 +961,7 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
     if (cache->budget().available_bytes() < budget / 10 && rng() % 4 == 0) {
       const int victim = static_cast<int>(rng() % n_seqs);
       cache->Clear(victim);
-      for (int l = 0; l < geo.n_layers; ++l) M(victim, l).clear();
+      for (int l = 0; l < geo.n_layers; ++l) clear_layer(victim, l);
     }
     check_all(op);
     if (::testing::Test::HasFatalFailure()) return;
@@ -665,6 +973,11 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
   EXPECT_GT(stats.moved_tokens, 0);
   if (cfg.with_fork) {
     EXPECT_GT(stats.cow_pages, 0);
+  }
+  bool any_per_head = false;
+  for (int l = 0; l < geo.n_layers; ++l) any_per_head |= cache->per_head(l);
+  if (any_per_head) {
+    EXPECT_GT(head_evictions, 0);
   }
   for (int s = 0; s < n_seqs; ++s) cache->Clear(s);
   cache->CheckInvariants();
@@ -680,10 +993,14 @@ INSTANTIATE_TEST_SUITE_P(
                       PropertyConfig{{KvStorage::kF32}, 16, true}, PropertyConfig{{KvStorage::kF32}, 4, false},
                       PropertyConfig{{KvStorage::kF16}, 4, true}, PropertyConfig{{KvStorage::kInt8}, 5, true},
                       PropertyConfig{{KvStorage::kInt8}, 16, false},
-                      PropertyConfig{{KvStorage::kF16, KvStorage::kInt8, KvStorage::kF32}, 3, true}),
+                      PropertyConfig{{KvStorage::kF16, KvStorage::kInt8, KvStorage::kF32}, 3, true},
+                      // Per-head layers, alone and mixed with shared ones.
+                      PropertyConfig{{KvStorage::kF32}, 1, true, {1}}, PropertyConfig{{KvStorage::kInt8}, 4, true, {1}},
+                      PropertyConfig{{KvStorage::kF16}, 5, false, {0, 1, 0}},
+                      PropertyConfig{{KvStorage::kF16, KvStorage::kInt8, KvStorage::kF32}, 3, true, {1, 0, 1}}),
     [](const ::testing::TestParamInfo<PropertyConfig>& info) {
       return StorageName(info.param.storage) + "_page" + std::to_string(info.param.page_size) +
-             (info.param.with_fork ? "_fork" : "_nofork");
+             (info.param.with_fork ? "_fork" : "_nofork") + PerHeadName(info.param.per_head);
     });
 
 }  // namespace

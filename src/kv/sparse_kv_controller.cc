@@ -36,6 +36,12 @@ StatusOr<std::unique_ptr<SparseKvController>> SparseKvController::Create(const K
                                               layer, KvStorageName(config.layers[layer].kv_type),
                                               KvStorageName(cache->layer_storage(layer))));
     }
+    if (config.layers[layer].per_head != cache->per_head(layer)) {
+      return InvalidArgumentError(fmt::format("sparse KV controller: layer {} is configured with per_head {} but the "
+                                              "cache's layer is {}",
+                                              layer, config.layers[layer].per_head,
+                                              cache->per_head(layer) ? "per-head" : "shared by all heads"));
+    }
   }
   std::unique_ptr<SparseKvController> controller(new SparseKvController(config, cache, seed));
   for (int seq = 0; seq < cache->n_seqs(); ++seq) KVS_RETURN_IF_ERROR(controller->BuildPolicies(seq));
@@ -47,21 +53,32 @@ SparseKvController::SparseKvController(const KvSparsityConfig& config, PagedKvCa
       cache_(cache),
       seed_(seed),
       n_layers_(cache->geometry().n_layers),
-      policies_(static_cast<size_t>(cache->n_seqs()) * n_layers_),
+      policy_offset_(n_layers_),
       generation_(cache->n_seqs(), 0),
-      stats_(n_layers_) {}
+      stats_(n_layers_) {
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    policy_offset_[layer] = policies_per_seq_;
+    policies_per_seq_ += static_cast<size_t>(n_policies(layer));
+  }
+  policies_.resize(static_cast<size_t>(cache->n_seqs()) * policies_per_seq_);
+}
 
 Status SparseKvController::BuildPolicies(int seq) {
   for (int layer = 0; layer < n_layers_; ++layer) {
-    // Distinct, reproducible seeds per (restart, sequence, layer).
-    const uint64_t seed = seed_ * 0x9E3779B97F4A7C15ull + (generation_[seq] * cache_->n_seqs() + seq) * 1000003ull +
-                          static_cast<uint64_t>(layer);
-    auto policy = CreatePolicy(config_.layers[layer], layer, n_layers_, seed);
-    if (!policy.ok()) {
-      return Status(policy.status().code(),
-                    fmt::format("sparse KV controller: layer {}: {}", layer, policy.status().message()));
+    for (int head = 0; head < n_policies(layer); ++head) {
+      // Distinct, reproducible seeds per (restart, sequence, layer, head); head 0 (and every
+      // shared layer) keeps the per-layer seed.
+      const uint64_t seed = seed_ * 0x9E3779B97F4A7C15ull +
+                            (generation_[seq] * cache_->n_seqs() + seq) * 1000003ull + static_cast<uint64_t>(layer) +
+                            static_cast<uint64_t>(head) * 0xD1B54A32D192ED03ull;
+      auto policy = CreatePolicy(config_.layers[layer], layer, n_layers_, seed);
+      if (!policy.ok()) {
+        return Status(policy.status().code(),
+                      fmt::format("sparse KV controller: layer {}: {}", layer, policy.status().message()));
+      }
+      if (const auto& old = policies_[Index(seq, layer, head)]) stats_[layer].metadata_bytes -= old->MetadataBytes();
+      policies_[Index(seq, layer, head)] = std::move(*policy);
     }
-    policies_[Index(seq, layer)] = std::move(*policy);
   }
   return Status::Ok();
 }
@@ -76,17 +93,40 @@ Status SparseKvController::ResetSequence(int seq) {
   return BuildPolicies(seq);
 }
 
-void SparseKvController::OnAppend(int seq, int layer, int32_t n_new) { policy(seq, layer).OnAppend(n_new); }
+void SparseKvController::OnAppend(int seq, int layer, int32_t n_new) {
+  for (int head = 0; head < n_policies(layer); ++head) policy(seq, layer, head).OnAppend(n_new);
+}
 
-bool SparseKvController::WantsScores(int seq, int layer) const {
-  return policies_[Index(seq, layer)]->NeedsAttention();
+bool SparseKvController::WantsScores(int seq, int layer, EvictionPoint point) const {
+  // Every head of a per-head layer runs the same method: head 0 answers for all.
+  const KvPolicy& p = *policies_[Index(seq, layer)];
+  return p.NeedsAttention() && (point != EvictionPoint::kDecodeStep || p.ObservesDecode());
 }
 
 void SparseKvController::ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q,
                                           const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
                                           const float* row_max_sum, int n_threads) {
+  KVS_CHECK_MSG(!per_head(layer), fmt::format("ObserveAttention: layer {} is per-head; observe each head with "
+                                              "ObserveHeadAttention",
+                                              layer));
+  Observe(policy(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads);
+}
+
+void SparseKvController::ObserveHeadAttention(int seq, int layer, int kv_head, const AttentionShape& shape,
+                                              const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans,
+                                              int32_t n_spans, const float* row_max_sum, int n_threads) {
+  KVS_CHECK_MSG(per_head(layer), fmt::format("ObserveHeadAttention: layer {} keeps the same tokens for every kv "
+                                             "head; use ObserveAttention",
+                                             layer));
+  KVS_CHECK_MSG(kv_head >= 0 && kv_head < n_policies(layer) && shape.n_kv_heads == 1,
+                fmt::format("ObserveHeadAttention: kv head {} with a {}-kv-head shape", kv_head, shape.n_kv_heads));
+  Observe(policy(seq, layer, kv_head), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads);
+}
+
+void SparseKvController::Observe(KvPolicy& p, int layer, const AttentionShape& shape, const float* q,
+                                 const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
+                                 const float* row_max_sum, int n_threads) {
   const auto t0 = Clock::now();
-  KvPolicy& p = policy(seq, layer);
   int64_t n_tokens = 0;
   for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
   const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
@@ -127,15 +167,33 @@ void SparseKvController::ObserveAttention(int seq, int layer, const AttentionSha
 
 Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint point, int32_t n_seen,
                                           int32_t current_position) {
-  KvPolicy& p = policy(seq, layer);
+  // Prompt-end eviction: the prompt's chunks all stay until its last one has been attended.
+  if (point == EvictionPoint::kPrefillChunk && config_.prefill_eviction == PrefillEviction::kPromptEnd) {
+    return Status::Ok();
+  }
+  if (!per_head(layer)) return EvictTable(seq, layer, -1, point, n_seen, current_position);
+  for (int head = 0; head < n_policies(layer); ++head) {
+    KVS_RETURN_IF_ERROR(EvictTable(seq, layer, head, point, n_seen, current_position));
+  }
+  return Status::Ok();
+}
+
+Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionPoint point, int32_t n_seen,
+                                      int32_t current_position) {
+  const bool one_head = kv_head >= 0;
+  KvPolicy& p = policy(seq, layer, one_head ? kv_head : 0);
   SparseKvLayerStats& st = stats_[layer];
-  const int32_t n_live = cache_->NumTokens(seq, layer);
+  const int32_t n_live = one_head ? cache_->NumHeadTokens(seq, layer, kv_head) : cache_->NumTokens(seq, layer);
   st.peak_live_tokens = std::max(st.peak_live_tokens, n_live);
   const int32_t target = p.EvictionTarget(n_live, n_seen, point, config_.evict_interval);
   if (target >= n_live) return Status::Ok();
 
   const auto t0 = Clock::now();
-  cache_->Spans(seq, layer, &spans_);
+  if (one_head) {
+    cache_->HeadSpans(seq, layer, kv_head, &spans_);
+  } else {
+    cache_->Spans(seq, layer, &spans_);
+  }
   positions_.resize(n_live);
   int32_t at = 0;
   for (const KvSpan& s : spans_) {
@@ -150,11 +208,11 @@ Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint poin
   ctx.target = target;
   ctx.positions = positions_.data();
   ctx.current_position = current_position;
-  ctx.in_prefill = point == EvictionPoint::kPrefillChunk;
+  ctx.in_prefill = point != EvictionPoint::kDecodeStep;
   ctx.spans = spans_.data();
   ctx.n_spans = static_cast<int32_t>(spans_.size());
   ctx.storage = cache_->layer_storage(layer);
-  ctx.n_kv_heads = g.n_kv_heads;
+  ctx.n_kv_heads = one_head ? 1 : g.n_kv_heads;  // head spans are [n, 1, head_dim]
   ctx.head_dim = g.head_dim;
   p.SelectKeep(ctx, &keep_);
   const auto t1 = Clock::now();
@@ -165,12 +223,15 @@ Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint poin
   for (uint8_t k : keep_) kept += k != 0;
   KVS_CHECK_MSG(kept == target, fmt::format("policy '{}' kept {} of {} tokens, asked for {}", p.name(), kept, n_live,
                                             target));
-  Status evicted = cache_->Evict(seq, layer, keep_);
+  Status evicted = one_head ? cache_->Evict(seq, layer, kv_head, keep_) : cache_->Evict(seq, layer, keep_);
   if (!evicted.ok()) {
-    return Status(evicted.code(), fmt::format("evicting {} tokens of sequence {} layer {}: {}", n_live - target, seq,
-                                              layer, evicted.message()));
+    return Status(evicted.code(), fmt::format("evicting {} tokens of sequence {} layer {}{}: {}", n_live - target, seq,
+                                              layer, one_head ? fmt::format(" kv head {}", kv_head) : "",
+                                              evicted.message()));
   }
   p.OnEvict(keep_);
+  // Cache positions: survivors become 0..n-1; the re-rotation counts as compaction time.
+  if (UsesCachePositions(layer)) KVS_RETURN_IF_ERROR(RenumberPositions(seq, layer, kv_head));
   const auto t2 = Clock::now();
   ++st.evictions;
   st.evicted_tokens += n_live - target;
@@ -179,7 +240,75 @@ Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint poin
   return Status::Ok();
 }
 
-void SparseKvController::ResetStats() { std::fill(stats_.begin(), stats_.end(), SparseKvLayerStats{}); }
+Status SparseKvController::RenumberPositions(int seq, int layer, int kv_head) {
+  if (!rotate_) {
+    return InvalidArgumentError(fmt::format("sparse KV controller: layer {} numbers positions inside the cache "
+                                            "(streaming_llm cache_positions) but no key rotation was set; an Engine "
+                                            "sets it (SetKeyRotation)",
+                                            layer));
+  }
+  const Status status = cache_->RenumberPositions(seq, layer, kv_head, rotate_);
+  if (!status.ok()) {
+    return Status(status.code(), fmt::format("renumbering the positions of sequence {} layer {}: {}", seq, layer,
+                                             status.message()));
+  }
+  return Status::Ok();
+}
+
+StatusOr<int32_t> SparseKvController::NextCachePosition(int seq, int layer) {
+  KVS_CHECK_MSG(UsesCachePositions(layer), fmt::format("NextCachePosition: layer {} keeps absolute positions", layer));
+  const int32_t n = cache_->NumTokens(seq, layer);
+  bool renumber = false;
+  for (int head = 0; head < n_policies(layer); ++head) {
+    // StreamingLLM keeps the same count in every head; positions 0..n-1 need equal counts.
+    if (cache_->NumHeadTokens(seq, layer, head) != n) {
+      return InvalidArgumentError(fmt::format("sparse KV controller: sequence {} layer {}: kv head {} holds {} tokens, "
+                                              "another {}; cache positions need the same count in every head",
+                                              seq, layer, head, cache_->NumHeadTokens(seq, layer, head), n));
+    }
+    renumber = renumber || cache_->LastTokenPosition(seq, layer, head) != n - 1;
+  }
+  if (renumber) KVS_RETURN_IF_ERROR(RenumberPositions(seq, layer, -1));
+  return n;
+}
+
+void SparseKvController::SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
+                                     std::vector<KvSpan>* spans) {
+  KvPolicy& p = policy(seq, layer, kv_head < 0 ? 0 : kv_head);
+  if (!p.SelectsSpans()) return;
+  KVS_CHECK_MSG((kv_head >= 0) == per_head(layer) && kv_head < n_policies(layer),
+                fmt::format("SelectSpans: kv head {} on layer {} ({})", kv_head, layer,
+                            per_head(layer) ? "per-head: pass the head" : "shared: pass -1"));
+  const auto t0 = Clock::now();
+  int64_t live = 0;
+  for (const KvSpan& s : *spans) live += s.n;
+  SpanSelectionContext ctx;
+  ctx.layer = layer;
+  ctx.q = q;
+  ctx.n_q_heads = shape.n_heads;
+  ctx.n_kv_heads = shape.n_kv_heads;
+  ctx.head_dim = shape.head_dim;
+  ctx.storage = cache_->layer_storage(layer);
+  ctx.cache_page_size = cache_->page_size();
+  const size_t bytes_before = p.MetadataBytes();
+  p.SelectSpans(ctx, spans);
+  int64_t read = 0;
+  for (const KvSpan& s : *spans) read += s.n;
+  SparseKvLayerStats& st = stats_[layer];
+  st.metadata_bytes = st.metadata_bytes - bytes_before + p.MetadataBytes();
+  ++st.span_selections;
+  st.selected_tokens += read;
+  st.selectable_tokens += live;
+  st.select_s += Seconds(t0, Clock::now());
+}
+
+void SparseKvController::ResetStats() {
+  for (SparseKvLayerStats& s : stats_) {
+    const size_t metadata = s.metadata_bytes;  // a gauge of what is allocated, not a counter
+    s = SparseKvLayerStats{};
+    s.metadata_bytes = metadata;
+  }
+}
 
 std::string SparseKvController::FormatStats() const {
   std::string out = "| layer | method | kv | allocated MiB | live MiB | live tokens | peak tokens | evictions | "
@@ -190,11 +319,19 @@ std::string SparseKvController::FormatStats() const {
   int64_t total_live = 0;
   for (int layer = 0; layer < n_layers_; ++layer) {
     const SparseKvLayerStats& s = stats_[layer];
-    int64_t live = 0;
-    for (int seq = 0; seq < cache_->n_seqs(); ++seq) live += cache_->NumTokens(seq, layer);
-    out += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n", layer,
+    // Per-head layers: tokens per head (all sequences), shown as the range over heads.
+    int64_t live = 0, live_min = INT64_MAX;
+    for (int head = 0; head < n_policies(layer); ++head) {
+      int64_t head_live = 0;
+      for (int seq = 0; seq < cache_->n_seqs(); ++seq) head_live += cache_->NumHeadTokens(seq, layer, head);
+      live = std::max(live, head_live);
+      live_min = std::min(live_min, head_live);
+    }
+    const std::string live_text = per_head(layer) ? fmt::format("{}-{}", live_min, live) : fmt::format("{}", live);
+    out += fmt::format("| {} | {} | {}{} | {} | {} | {} | {} | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n", layer,
                        KvMethodName(config_.layers[layer].method), KvStorageName(cache_->layer_storage(layer)),
-                       MiB(cache_->LayerAllocatedBytes(layer)), MiB(cache_->LayerLiveBytes(layer)), live,
+                       per_head(layer) ? "/head" : "", MiB(cache_->LayerAllocatedBytes(layer)),
+                       MiB(cache_->LayerLiveBytes(layer)), live_text,
                        s.peak_live_tokens, s.evictions, s.evicted_tokens, s.score_s * 1e3, s.select_s * 1e3,
                        s.compact_s * 1e3);
     total.evictions += s.evictions;
@@ -211,6 +348,28 @@ std::string SparseKvController::FormatStats() const {
                      "peak KV allocated {} MiB\n",
                      total.policy_s() * 1e3, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3,
                      MiB(cache_->Stats().peak_allocated_bytes));
+  // Query-aware layers keep every token; what they save is reads, and their page metadata
+  // is memory on top of the KV pages.
+  int64_t selections = 0, selected = 0, selectable = 0;
+  size_t metadata = 0;
+  std::string per_layer;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    const SparseKvLayerStats& s = stats_[layer];
+    selections += s.span_selections;
+    selected += s.selected_tokens;
+    selectable += s.selectable_tokens;
+    metadata += s.metadata_bytes;
+    if (s.metadata_bytes > 0 || s.span_selections > 0) {
+      per_layer += fmt::format("{}{}: {} B", per_layer.empty() ? "" : ", ", layer, s.metadata_bytes);
+    }
+  }
+  if (selections > 0 || metadata > 0) {
+    out += fmt::format("query-aware selection: {} decode attention calls read {} of {} live tokens ({:.1f}%); "
+                       "page metadata {} MiB (per layer: {})\n",
+                       selections, selected, selectable,
+                       selectable > 0 ? 100.0 * static_cast<double>(selected) / static_cast<double>(selectable) : 0.0,
+                       MiB(metadata), per_layer);
+  }
   return out;
 }
 
@@ -225,7 +384,11 @@ StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSpars
   options.n_seqs = n_seqs;
   options.page_size = config.page_size;
   options.layer_storage.clear();
-  for (const LayerKvConfig& l : config.layers) options.layer_storage.push_back(l.kv_type);
+  options.layer_per_head.clear();
+  for (const LayerKvConfig& l : config.layers) {
+    options.layer_storage.push_back(l.kv_type);
+    options.layer_per_head.push_back(l.per_head ? 1 : 0);
+  }
   // Page sizes come from the cache's own layout: ask a probe cache, then reserve room for
   // max_tokens (+ one partly filled page) per (sequence, layer). The reservation is address
   // space only; memory is used as pages fill.
@@ -236,9 +399,9 @@ StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSpars
                          5 * 64;  // at least one page of any storage type, sections padded to 64 bytes
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<PagedKvCache> probe, PagedKvCache::Create(geometry, options));
   size_t budget = 0;
-  const size_t pages_per_table = static_cast<size_t>((max_tokens + config.page_size - 1) / config.page_size) + 1;
   for (int layer = 0; layer < geometry.n_layers; ++layer) {
-    budget += pages_per_table * probe->page_bytes(layer) * static_cast<size_t>(n_seqs);
+    budget += probe->TableReserveBytes(layer, max_tokens) * static_cast<size_t>(probe->tables_per_seq(layer)) *
+              static_cast<size_t>(n_seqs);
   }
   probe.reset();
   options.budget_bytes = budget;

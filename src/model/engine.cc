@@ -33,7 +33,10 @@ struct Engine::Scratch {
   std::vector<float> up;           // [rows, hidden]
   std::vector<int32_t> positions;  // [rows]
   std::vector<float> row_max_sum;  // [rows, n_heads, 2] softmax statistics (only for observing policies)
-  std::vector<KvSpan> spans;       // live K/V of the current (seq, layer)
+  std::vector<KvSpan> spans;       // live K/V of the current (seq, layer), or of one head
+  // Per-head layers, prompt chunks only (a decode step's group rows are contiguous in q / att):
+  std::vector<float> q_head;       // [rows, group, head_dim] the query rows of one kv head
+  std::vector<float> att_head;     // [rows, group, head_dim] their attention output
 
   void Reserve(const ModelConfig& c, int32_t n) {
     if (n <= rows) return;
@@ -69,6 +72,14 @@ Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvContro
   // Decode needs one row; prefill grows the scratch up to kMaxChunkTokens on first use.
   scratch_->Reserve(c, 1);
   scratch_->spans.reserve(16);
+  if (controller != nullptr) {
+    // Cache-position layers re-rotate surviving keys after an eviction: RoPE by the delta, with
+    // this model's frequencies (copied, so the rotation does not depend on this Engine).
+    controller->SetKeyRotation([inv_freq = model.rope_inv_freq, head_dim = c.head_dim, style = c.rope_style](
+                                   float* k, int64_t n_rows, int32_t delta) {
+      ops::Rope(k, static_cast<int>(n_rows), head_dim, delta, inv_freq.data(), style);
+    });
+  }
 }
 
 Engine::~Engine() = default;
@@ -99,6 +110,9 @@ Status Engine::Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, 
     } else if (last_chunk) {
       chunk_logits = logits;
     }
+    // What the policies may do after this chunk: a one-token call is a decode step.
+    chunk_point_ = n == 1 ? EvictionPoint::kDecodeStep
+                          : (last_chunk ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
     KVS_RETURN_IF_ERROR(ForwardChunk(seq, tokens + done, chunk, pos0 + done, chunk_logits, all_logits));
   }
   return Status::Ok();
@@ -134,6 +148,13 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
 
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
+    // RoPE positions of the chunk in this layer, which are also its stored and query positions:
+    // absolute, or (StreamingLLM cache positions) the places right after the layer's live tokens.
+    int32_t layer_pos0 = pos0;
+    if (controller_ != nullptr && controller_->UsesCachePositions(layer)) {
+      KVS_ASSIGN_OR_RETURN(layer_pos0, controller_->NextCachePosition(seq, layer));
+    }
+    for (int32_t i = 0; i < n; ++i) s.positions[static_cast<size_t>(i)] = layer_pos0 + i;
 
     // ---- attention ----
     norm_rows(w.attn_norm);
@@ -148,20 +169,24 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
       if (w.bq != nullptr) ops::Add(q_row, w.bq, q_dim);
       if (w.bk != nullptr) ops::Add(k_row, w.bk, kv_dim);
       if (w.bv != nullptr) ops::Add(v_row, w.bv, kv_dim);
-      ops::Rope(q_row, c.n_heads, c.head_dim, pos0 + i, model_.rope_inv_freq.data(), c.rope_style);
-      ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos0 + i, model_.rope_inv_freq.data(), c.rope_style);
+      const int32_t pos = s.positions[static_cast<size_t>(i)];
+      ops::Rope(q_row, c.n_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);
+      ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);
     }
     Status appended = cache_->Append(seq, layer, n, s.k.data(), s.v.data(), s.positions.data());
     if (!appended.ok()) {
       return Status(appended.code(), fmt::format("Forward: storing K/V of sequence {} layer {} (positions {}..{}): {}",
-                                                 seq, layer, pos0, pos0 + n - 1, appended.message()));
+                                                 seq, layer, layer_pos0, layer_pos0 + n - 1, appended.message()));
     }
-    cache_->Spans(seq, layer, &s.spans);
     const KvStorage storage = cache_->layer_storage(layer);
-    if (controller_ == nullptr) {
+    if (cache_->per_head(layer)) {
+      KVS_RETURN_IF_ERROR(PerHeadAttention(seq, layer, n, pos0, shape));
+    } else if (controller_ == nullptr) {
+      cache_->Spans(seq, layer, &s.spans);
       ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(),
                      static_cast<int32_t>(s.spans.size()), s.att.data(), n_threads_);
     } else {
+      cache_->Spans(seq, layer, &s.spans);
       KVS_RETURN_IF_ERROR(SparseAttention(seq, layer, n, pos0, shape));
     }
     ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
@@ -193,9 +218,16 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
 Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape) {
   Scratch& s = *scratch_;
   const KvStorage storage = cache_->layer_storage(layer);
-  const int32_t n_spans = static_cast<int32_t>(s.spans.size());
+  // A multi-token call is a prompt chunk (trimmed straight to the budget); one token is a decode step.
+  const EvictionPoint point = chunk_point_;
   controller_->OnAppend(seq, layer, n);
-  if (controller_->WantsScores(seq, layer)) {
+  // Query-aware methods (Quest) narrow a decode step's spans to the pages its query needs;
+  // prompt chunks stay dense.
+  if (point == EvictionPoint::kDecodeStep) {
+    controller_->SelectSpans(seq, layer, /*kv_head=*/-1, shape, s.q.data(), &s.spans);
+  }
+  const int32_t n_spans = static_cast<int32_t>(s.spans.size());
+  if (controller_->WantsScores(seq, layer, point)) {
     s.row_max_sum.resize(static_cast<size_t>(n) * shape.n_heads * 2);
     ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
                    n_threads_, s.row_max_sum.data());
@@ -205,8 +237,64 @@ Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, cons
     ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
                    n_threads_);
   }
-  // A multi-token call is a prompt chunk (trimmed straight to the budget); one token is a decode step.
-  const EvictionPoint point = n > 1 ? EvictionPoint::kPrefillChunk : EvictionPoint::kDecodeStep;
+  return controller_->AfterAttention(seq, layer, point, /*n_seen=*/pos0 + n, /*current_position=*/pos0 + n - 1);
+}
+
+// Attention of a per-head layer, whose kv heads keep different tokens: one call per kv head
+// over that head's spans ([n, 1, head_dim]) with the head's group of query heads, shape
+// {group, 1, head_dim}. Every (query, head) row is computed exactly as in the shared call,
+// so with the same tokens per head the output is bit-identical. With a controller, each
+// head's policy observes its own head and evicts its own head table.
+Status Engine::PerHeadAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape) {
+  Scratch& s = *scratch_;
+  const KvStorage storage = cache_->layer_storage(layer);
+  const int group = shape.n_heads / shape.n_kv_heads;
+  const int d = shape.head_dim;
+  const AttentionShape head_shape{group, 1, d, shape.scale};
+  const size_t row = static_cast<size_t>(shape.n_heads) * d;   // one token's q / att: [n_heads, head_dim]
+  const size_t group_values = static_cast<size_t>(group) * d;  // one kv head's rows of it
+  const EvictionPoint point = chunk_point_;
+  bool scores = false;
+  if (controller_ != nullptr) {
+    controller_->OnAppend(seq, layer, n);
+    scores = controller_->WantsScores(seq, layer, point);
+  }
+  // A decode step's group rows are contiguous in q and att; a chunk's are gathered.
+  const bool gather = n > 1;
+  if (gather) {
+    s.q_head.resize(static_cast<size_t>(n) * group_values);
+    s.att_head.resize(static_cast<size_t>(n) * group_values);
+  }
+  if (scores) s.row_max_sum.resize(static_cast<size_t>(n) * group * 2);
+  for (int h = 0; h < shape.n_kv_heads; ++h) {
+    cache_->HeadSpans(seq, layer, h, &s.spans);
+    const float* q = s.q.data() + h * group_values;  // [1, group, head_dim] when not gathered
+    if (controller_ != nullptr && point == EvictionPoint::kDecodeStep) {
+      controller_->SelectSpans(seq, layer, h, head_shape, q, &s.spans);  // q: [1, group, head_dim]
+    }
+    const int32_t n_spans = static_cast<int32_t>(s.spans.size());
+    float* out = s.att.data() + h * group_values;
+    if (gather) {
+      for (int32_t i = 0; i < n; ++i) {
+        std::copy_n(s.q.data() + i * row + h * group_values, group_values, s.q_head.data() + i * group_values);
+      }
+      q = s.q_head.data();  // [n, group, head_dim]
+      out = s.att_head.data();
+    }
+    float* row_max_sum = scores ? s.row_max_sum.data() : nullptr;  // [n, group, 2]
+    ops::Attention(head_shape, storage, q, s.positions.data(), n, s.spans.data(), n_spans, out, n_threads_,
+                   row_max_sum);
+    if (scores) {
+      controller_->ObserveHeadAttention(seq, layer, h, head_shape, q, s.positions.data(), n, s.spans.data(), n_spans,
+                                        row_max_sum, n_threads_);
+    }
+    if (gather) {
+      for (int32_t i = 0; i < n; ++i) {
+        std::copy_n(s.att_head.data() + i * group_values, group_values, s.att.data() + i * row + h * group_values);
+      }
+    }
+  }
+  if (controller_ == nullptr) return Status::Ok();
   return controller_->AfterAttention(seq, layer, point, /*n_seen=*/pos0 + n, /*current_position=*/pos0 + n - 1);
 }
 

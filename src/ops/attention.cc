@@ -8,6 +8,9 @@
 // Scores live in the log2 domain (q is pre-scaled by scale*log2(e)) so the softmax
 // uses exp2. When the tokens are split into several chunks (decode: one query tile for
 // all threads), the partial (m, l, acc) of each chunk are merged at the end.
+// Spans of different storage types (an int8_kivi layer's quantized pages and its
+// full-precision residual) form segments, each chunked on its own; a segment's chunks are
+// merged like any other, so mixed storage costs no extra pass.
 // The block primitives (K packing, scores, softmax step, PV) are in attention_kernels.h.
 #include <omp.h>
 
@@ -32,14 +35,22 @@ constexpr int64_t kPrefetchTokens = 32;   // how far ahead of the current block 
 
 struct Plan {
   AttentionShape shape;
-  KvStorage storage;
   int group = 0;
   int dp = 0;                 // head_dim padded to kLanes
   int tile_queries = 0;       // queries per unit
   int n_tiles = 0;
-  int n_chunks = 0;           // token chunks per tile
-  int64_t chunk_tokens = 0;   // multiple of kBlock
   bool v_in_place = false;    // head_dim % 16 == 0: whole V blocks are read in place, no copy
+};
+
+// The spans of one storage type (KvSegment) with what the units need to walk them.
+struct Segment {
+  TokenSequence seq;
+  KvStorage storage = KvStorage::kF32;
+  std::vector<int64_t> visible;  // [n_q] tokens of this segment each query attends to (a prefix)
+  int64_t max_visible = 0;
+  int n_chunks = 0;              // token chunks per tile
+  int64_t chunk_tokens = 0;      // multiple of kBlock
+  Segment(const KvSpan* spans, int32_t n_spans, KvStorage type) : seq(spans, n_spans), storage(type) {}
 };
 
 // Unnormalized per-row state of one token chunk, for the split-K merge.
@@ -61,8 +72,11 @@ struct UnitOutput {
 // range together streams whole cache rows from memory ([n, n_kv_heads, head_dim] is
 // token-major); a unit per kv head would stride through memory and waste DRAM bandwidth.
 // With partial == nullptr the chunk is the whole context and normalized rows go to out.
-void RunUnit(const Plan& plan, const TokenSequence& seq, const float* q, const int64_t* visible, int32_t n_q,
-             int tile, int chunk, const UnitOutput& output) {
+void RunUnit(const Plan& plan, const Segment& segment, const float* q, int32_t n_q, int tile, int chunk,
+             const UnitOutput& output) {
+  const TokenSequence& seq = segment.seq;
+  const int64_t* visible = segment.visible.data();
+  const KvStorage storage = segment.storage;
   const AttentionShape& shape = plan.shape;
   const int d = shape.head_dim, dp = plan.dp, group = plan.group;
   const int q_begin = tile * plan.tile_queries;
@@ -76,8 +90,8 @@ void RunUnit(const Plan& plan, const TokenSequence& seq, const float* q, const i
 
   int64_t max_visible = 0;
   for (int i = q_begin; i < q_begin + tile_queries; ++i) max_visible = std::max(max_visible, visible[i]);
-  const int64_t t_begin = static_cast<int64_t>(chunk) * plan.chunk_tokens;
-  const int64_t t_end = std::min(max_visible, t_begin + plan.chunk_tokens);
+  const int64_t t_begin = static_cast<int64_t>(chunk) * segment.chunk_tokens;
+  const int64_t t_end = std::min(max_visible, t_begin + segment.chunk_tokens);
 
   // Per-thread scratch, reused across calls.
   static thread_local AlignedBuffer buffer;
@@ -106,8 +120,9 @@ void RunUnit(const Plan& plan, const TokenSequence& seq, const float* q, const i
   std::fill(acc, acc + q_floats, 0.f);
   std::fill(l_lanes, l_lanes + static_cast<size_t>(rows) * kBlock, 0.f);
 
-  const bool int8 = plan.storage == KvStorage::kInt8;
-  const size_t elem_bytes = KvStorageValueBytes(plan.storage);
+  const bool int8 = IsInt8Storage(storage);  // int8 or int8_kivi: scaled codes
+  const bool kivi = storage == KvStorage::kInt8Kivi;
+  const size_t elem_bytes = KvStorageValueBytes(storage);
   const size_t token_bytes = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;  // one token, all heads
   const size_t head_bytes = static_cast<size_t>(d) * elem_bytes;
   const size_t span_stride = static_cast<size_t>(shape.n_kv_heads) * d;  // elements between rows in a span
@@ -136,16 +151,21 @@ void RunUnit(const Plan& plan, const TokenSequence& seq, const float* q, const i
     for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
       const size_t head_offset = static_cast<size_t>(kv_head) * head_bytes;
       const uint8_t* k_head[kBlock];
-      float k_scale[kBlock];  // int8 only: token j's K scale for this head
-      float v_scale[kBlock];  // int8 only: token j's V scale for this head
+      float k_scale[kBlock];         // int8 only: token j's K scale for this head
+      const float* k_chan[kBlock];   // int8_kivi only: token j's K channel scales for this head [d]
+      float v_scale[kBlock];         // int8 and int8_kivi: token j's V scale for this head
       for (int j = 0; j < n_block; ++j) k_head[j] = block.k[j] + head_offset;
       if (int8) {
         for (int j = 0; j < n_block; ++j) {
-          k_scale[j] = block.k_scale[j][kv_head];
+          if (kivi) {
+            k_chan[j] = block.k_chan[j] + static_cast<size_t>(kv_head) * d;
+          } else {
+            k_scale[j] = block.k_scale[j][kv_head];
+          }
           v_scale[j] = block.v_scale[j][kv_head];
         }
       }
-      PackK(plan.storage, k_head, k_scale, n_block, d, dp, k_block);
+      PackK(storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
       // V is read in place (converted on the fly) when it needs no padding and the block is
       // whole and inside one span; otherwise it is converted into zero-padded scratch rows.
       const void* v_rows = v_block;
@@ -154,10 +174,10 @@ void RunUnit(const Plan& plan, const TokenSequence& seq, const float* q, const i
       if (v_in_place) {
         v_rows = block.v[0] + head_offset;
         v_stride = span_stride;
-        v_type = plan.storage;
+        v_type = storage;
       } else {
         for (int j = 0; j < n_block; ++j) {
-          LoadRowF32(plan.storage, block.v[j] + head_offset, int8 ? v_scale[j] : 1.f, d,
+          LoadRowF32(storage, block.v[j] + head_offset, int8 ? v_scale[j] : 1.f, d,
                      v_block + static_cast<size_t>(j) * dp);
         }
         // Rows past the block end must be finite: their p is 0, but 0 * NaN is not.
@@ -203,7 +223,8 @@ void RunUnit(const Plan& plan, const TokenSequence& seq, const float* q, const i
         case KvStorage::kF16:
           AccumulateHead(p, correction, static_cast<const f16_bits*>(v_rows), v_stride, acc, dp, r_begin, r_end);
           break;
-        case KvStorage::kInt8: {
+        case KvStorage::kInt8:
+        case KvStorage::kInt8Kivi: {
           // In-place int8 V is unscaled: fold each token's V scale into the probabilities
           // (the running sums above already hold the unscaled ones).
           alignas(64) float lane_scale[kBlock];
@@ -245,20 +266,33 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
   KVS_CHECK(n_q >= 0 && n_spans >= 0);
   if (n_q == 0) return;
   if (n_threads <= 0) n_threads = omp_get_max_threads();
-  if (storage == KvStorage::kInt8) {
-    for (int32_t i = 0; i < n_spans; ++i) {
-      KVS_CHECK_MSG(spans[i].n == 0 || (spans[i].k_scale != nullptr && spans[i].v_scale != nullptr),
-                    "int8 KV spans need k_scale and v_scale");
-    }
-  }
 
-  const TokenSequence seq(spans, n_spans);
-  std::vector<int64_t> visible(n_q);  // [n_q] tokens each query attends to (a prefix)
-  for (int32_t i = 0; i < n_q; ++i) visible[i] = seq.VisibleCount(q_pos[i]);
+  // Segments some query sees; the others cost nothing.
+  std::vector<Segment> segments;
+  int64_t total_visible = 0;
+  for (const KvSegment& kv_segment : KvSegments(storage, spans, n_spans)) {
+    Segment segment(spans + kv_segment.first_span, kv_segment.n_spans, kv_segment.storage);
+    segment.visible.resize(n_q);
+    for (int32_t i = 0; i < n_q; ++i) segment.visible[i] = segment.seq.VisibleCount(q_pos[i]);
+    segment.max_visible = *std::max_element(segment.visible.begin(), segment.visible.end());
+    if (segment.max_visible == 0) continue;
+    total_visible += segment.max_visible;
+    segments.push_back(std::move(segment));
+  }
+  const size_t n_rows_total = static_cast<size_t>(n_q) * shape.n_heads;
+  if (segments.empty()) {  // no query sees any token
+    std::fill(out, out + n_rows_total * shape.head_dim, 0.f);
+    if (row_max_sum != nullptr) {
+      for (size_t row = 0; row < n_rows_total; ++row) {
+        row_max_sum[2 * row] = kNegInf;
+        row_max_sum[2 * row + 1] = 0.f;
+      }
+    }
+    return;
+  }
 
   Plan plan;
   plan.shape = shape;
-  plan.storage = storage;
   plan.group = shape.n_heads / shape.n_kv_heads;
   plan.dp = static_cast<int>(RoundUp(shape.head_dim, kLanes));
   plan.tile_queries = std::clamp(kTileRows / plan.group, 1, static_cast<int>(n_q));
@@ -267,18 +301,22 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
 
   // Split the tokens (flash-decoding split-K) when query tiles alone give fewer than
   // kUnitsPerThread units per thread: decode has a single tile, so it always splits
-  // once the context is long enough, and a late thread then costs little.
-  const int64_t max_visible = *std::max_element(visible.begin(), visible.end());
-  int n_chunks = 1;
+  // once the context is long enough, and a late thread then costs little. Segments share
+  // the wanted chunks in proportion to their tokens.
+  int wanted = 1;
   if (n_threads > 1 && plan.n_tiles < kUnitsPerThread * n_threads) {
-    const int wanted = (kUnitsPerThread * n_threads + plan.n_tiles - 1) / plan.n_tiles;
-    const int64_t affordable = std::max<int64_t>(1, max_visible / kMinChunkTokens);
-    n_chunks = static_cast<int>(std::min<int64_t>(wanted, affordable));
+    wanted = (kUnitsPerThread * n_threads + plan.n_tiles - 1) / plan.n_tiles;
   }
-  plan.n_chunks = n_chunks;
-  plan.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((max_visible + n_chunks - 1) / n_chunks, kBlock));
+  int n_chunks = 0;  // over all segments
+  for (Segment& segment : segments) {
+    const int64_t share = std::max<int64_t>(1, (wanted * segment.max_visible + total_visible - 1) / total_visible);
+    const int64_t affordable = std::max<int64_t>(1, segment.max_visible / kMinChunkTokens);
+    const int64_t chunks = std::min(share, affordable);
+    segment.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((segment.max_visible + chunks - 1) / chunks, kBlock));
+    segment.n_chunks = static_cast<int>((segment.max_visible + segment.chunk_tokens - 1) / segment.chunk_tokens);
+    n_chunks += segment.n_chunks;
+  }
 
-  const size_t n_rows_total = static_cast<size_t>(n_q) * shape.n_heads;
   static thread_local AlignedBuffer partial_buffer;
   std::vector<PartialState> partials;
   if (n_chunks > 1) {
@@ -289,6 +327,11 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
       partials.push_back({b, b + n_rows_total, b + 2 * n_rows_total});
     }
   }
+  // Global chunk index -> (segment, chunk within it).
+  std::vector<std::pair<int, int>> chunk_of(n_chunks);
+  for (int g = 0, seg = 0; seg < static_cast<int>(segments.size()); ++seg) {
+    for (int c = 0; c < segments[seg].n_chunks; ++c) chunk_of[g++] = {seg, c};
+  }
 
   const int n_units = plan.n_tiles * n_chunks;
   const int threads = std::min(n_threads, n_units);
@@ -298,7 +341,7 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
     const int chunk = u % n_chunks;
     const int tile = plan.n_tiles - 1 - u / n_chunks;
     UnitOutput output{out, row_max_sum, n_chunks > 1 ? &partials[chunk] : nullptr};
-    RunUnit(plan, seq, q, visible.data(), n_q, tile, chunk, output);
+    RunUnit(plan, segments[chunk_of[chunk].first], q, n_q, tile, chunk_of[chunk].second, output);
   }
 
   if (n_chunks > 1) {

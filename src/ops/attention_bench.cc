@@ -26,7 +26,8 @@ constexpr int kHeadDim = 64;
 struct BenchCache {
   KvStorage storage;
   std::vector<uint8_t> k, v;         // [depth, kKvHeads, kHeadDim] in storage type
-  std::vector<float> k_scale, v_scale;  // [depth, kKvHeads] (int8)
+  std::vector<float> k_scale, v_scale;  // [depth, kKvHeads] (int8; v_scale also int8_kivi)
+  std::vector<float> k_channel_scale;   // [spans, kKvHeads, kHeadDim] (int8_kivi: one page per span)
   std::vector<int32_t> positions;    // [depth]
   std::vector<KvSpan> spans;
 
@@ -50,15 +51,18 @@ struct BenchCache {
           reinterpret_cast<float*>(v.data())[i] = kv[1];
           break;
         case KvStorage::kInt8:
+        case KvStorage::kInt8Kivi:
           reinterpret_cast<int8_t*>(k.data())[i] = static_cast<int8_t>(code(rng));
           reinterpret_cast<int8_t*>(v.data())[i] = static_cast<int8_t>(code(rng));
           break;
       }
     }
-    if (st == KvStorage::kInt8) {
-      k_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
+    if (st == KvStorage::kInt8) k_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
+    if (st == KvStorage::kInt8 || st == KvStorage::kInt8Kivi) {
       v_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
     }
+    const int64_t n_spans = (depth + span_tokens - 1) / span_tokens;
+    if (st == KvStorage::kInt8Kivi) k_channel_scale.assign(static_cast<size_t>(n_spans) * kKvHeads * kHeadDim, 1.f / 127);
     positions.resize(depth);
     for (int64_t t = 0; t < depth; ++t) positions[t] = static_cast<int32_t>(t);
     const size_t row_bytes = kKvHeads * kHeadDim * elem_bytes;
@@ -67,19 +71,22 @@ struct BenchCache {
       span.k = k.data() + t0 * row_bytes;
       span.v = v.data() + t0 * row_bytes;
       span.positions = positions.data() + t0;
-      if (st == KvStorage::kInt8) {
-        span.k_scale = k_scale.data() + t0 * kKvHeads;
-        span.v_scale = v_scale.data() + t0 * kKvHeads;
+      if (st == KvStorage::kInt8) span.k_scale = k_scale.data() + t0 * kKvHeads;
+      if (!v_scale.empty()) span.v_scale = v_scale.data() + t0 * kKvHeads;
+      if (st == KvStorage::kInt8Kivi) {
+        span.k_channel_scale = k_channel_scale.data() + (t0 / span_tokens) * kKvHeads * kHeadDim;
       }
       span.n = static_cast<int32_t>(std::min(span_tokens, depth - t0));
       spans.push_back(span);
     }
   }
-  size_t Bytes() const { return k.size() + v.size() + (k_scale.size() + v_scale.size()) * sizeof(float); }
+  size_t Bytes() const {
+    return k.size() + v.size() + (k_scale.size() + v_scale.size() + k_channel_scale.size()) * sizeof(float);
+  }
 };
 
 KvStorage StorageArg(int64_t arg) {
-  return arg == 0 ? KvStorage::kF32 : arg == 1 ? KvStorage::kF16 : KvStorage::kInt8;
+  return arg == 0 ? KvStorage::kF32 : arg == 1 ? KvStorage::kF16 : arg == 2 ? KvStorage::kInt8 : KvStorage::kInt8Kivi;
 }
 
 std::vector<float> RandomQ(size_t n) {
@@ -90,7 +97,7 @@ std::vector<float> RandomQ(size_t n) {
   return q;
 }
 
-// Args: depth, storage (0 = f32, 1 = f16, 2 = int8), threads, span tokens (0 = one span).
+// Args: depth, storage (0 = f32, 1 = f16, 2 = int8, 3 = int8_kivi), threads, span tokens (0 = one span).
 void BM_AttentionDecode(benchmark::State& state) {
   const int64_t depth = state.range(0);
   const KvStorage storage = StorageArg(state.range(1));
@@ -187,6 +194,7 @@ BENCHMARK(BM_AttentionDecode)
     ->ArgsProduct({{512, 4096, 32768}, {1, 0, 2}, {1, 2}, {0}})
     ->Args({4096, 1, 2, 16})  // paged layout: one span per 16-token page
     ->Args({4096, 2, 2, 16})
+    ->Args({4096, 3, 2, 16})  // int8_kivi pages
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionDecode22Layers)
@@ -197,7 +205,7 @@ BENCHMARK(BM_AttentionDecode22Layers)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionScores)
     ->ArgNames({"n_q", "depth", "storage", "threads"})
-    ->ArgsProduct({{1, 512}, {4096}, {1}, {1, 2}})
+    ->ArgsProduct({{1, 512}, {4096}, {1, 3}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionPrefill)

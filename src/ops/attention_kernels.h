@@ -14,6 +14,11 @@
 // Storage types: f32 and f16 rows are converted on load; int8 rows (value = scale * q,
 // one scale per token and kv head) are dequantized on load for K. V is either dequantized
 // into scratch or read in place, with its per-token scale folded into the probabilities.
+// int8_kivi K rows carry one scale per channel for the whole span (page): packing multiplies
+// by that scale vector instead of a broadcast token scale, at the same cost (the pack is
+// amortized over every query row of the kv head, so folding the scales into q would not pay);
+// its V is int8 per token, exactly as int8. A kernel call handles one storage type; callers
+// split a kivi layer's spans into uniform segments (see KvSegments).
 #pragma once
 
 #include <algorithm>
@@ -108,6 +113,39 @@ struct TokenSequence {
   }
 };
 
+// A run of consecutive spans sharing one storage type. Kernels walk one segment at a time; a
+// uniform layer is one segment, an int8_kivi layer its quantized pages then its residual span.
+// Empty spans join the segment around them.
+struct KvSegment {
+  int32_t first_span = 0;
+  int32_t n_spans = 0;
+  KvStorage storage = KvStorage::kF32;
+  int64_t first_token = 0;  // index of the segment's first token among all the spans' tokens
+};
+
+// Splits spans (of a layer stored as `storage`, see SpanStorage) into segments; none when no
+// span holds a token. Aborts (KVS_CHECK) when a span lacks the scales its type needs.
+inline std::vector<KvSegment> KvSegments(KvStorage storage, const KvSpan* spans, int32_t n_spans) {
+  std::vector<KvSegment> segments;
+  int64_t tokens = 0;
+  for (int32_t i = 0; i < n_spans; ++i) {
+    const KvSpan& span = spans[i];
+    KVS_CHECK(span.n >= 0);
+    if (span.n == 0) continue;
+    const KvStorage type = SpanStorage(storage, span);
+    KVS_CHECK_MSG(type != KvStorage::kInt8 || (span.k_scale != nullptr && span.v_scale != nullptr),
+                  "int8 KV spans need k_scale and v_scale");
+    KVS_CHECK_MSG(type != KvStorage::kInt8Kivi || span.v_scale != nullptr, "int8_kivi KV spans need v_scale");
+    if (segments.empty() || segments.back().storage != type) {
+      if (!segments.empty()) segments.back().n_spans = i - segments.back().first_span;
+      segments.push_back({segments.empty() ? 0 : i, 0, type, tokens});
+    }
+    tokens += span.n;
+  }
+  if (!segments.empty()) segments.back().n_spans = n_spans - segments.back().first_span;
+  return segments;
+}
+
 // Addresses of one block's token rows (all kv heads of each token), found by walking the
 // spans forward; `span` is a cursor that only advances, so a unit's walk is linear.
 struct BlockRows {
@@ -115,11 +153,14 @@ struct BlockRows {
   const uint8_t* v[kBlock];
   const float* k_scale[kBlock];  // [n_kv_heads] token j's scales (filled only with_scales)
   const float* v_scale[kBlock];
+  const float* k_chan[kBlock];   // [n_kv_heads, head_dim] token j's span's K channel scales (int8_kivi)
   bool one_span = false;       // all kBlock tokens lie in one span (V may be read in place)
 };
 
-// with_scales: also fill k_scale / v_scale (int8 spans); skipped otherwise, since this runs
-// once per block on the decode hot path.
+inline bool IsInt8Storage(KvStorage s) { return s == KvStorage::kInt8 || s == KvStorage::kInt8Kivi; }
+
+// with_scales: also fill k_scale / v_scale / k_chan (int8 and int8_kivi spans); skipped
+// otherwise, since this runs once per block on the decode hot path.
 inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, size_t token_bytes, int n_kv_heads,
                             bool with_scales, int32_t* span, BlockRows* rows) {
   while (t0 >= seq.span_start[*span + 1]) ++*span;
@@ -135,9 +176,11 @@ inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, s
       rows->v[j] = v + static_cast<size_t>(j) * token_bytes;
     }
     if (with_scales) {
+      // int8_kivi spans have no per-token K scales (and no arithmetic on a null pointer).
       for (int j = 0; j < n_block; ++j) {
-        rows->k_scale[j] = s.k_scale + (local + j) * n_kv_heads;
+        rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + (local + j) * n_kv_heads : nullptr;
         rows->v_scale[j] = s.v_scale + (local + j) * n_kv_heads;
+        rows->k_chan[j] = s.k_channel_scale;
       }
     }
     rows->one_span = n_block == kBlock;
@@ -151,8 +194,9 @@ inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, s
     rows->k[j] = static_cast<const uint8_t*>(s.k) + offset;
     rows->v[j] = static_cast<const uint8_t*>(s.v) + offset;
     if (with_scales) {
-      rows->k_scale[j] = s.k_scale + local * n_kv_heads;
+      rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + local * n_kv_heads : nullptr;
       rows->v_scale[j] = s.v_scale + local * n_kv_heads;
+      rows->k_chan[j] = s.k_channel_scale;
     }
   }
   rows->one_span = false;
@@ -186,7 +230,8 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       }
       break;
     }
-    case KvStorage::kInt8: {
+    case KvStorage::kInt8:
+    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
       const int8_t* b = static_cast<const int8_t*>(src);
       const __m512 s = _mm512_set1_ps(scale);
       for (; c + 16 <= head_dim; c += 16) _mm512_store_ps(dst + c, _mm512_mul_ps(Int8ToF32(b + c), s));
@@ -209,10 +254,10 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
 }
 
 // Packs the K rows of up to kBlock tokens (rows[j] = token j's head row in storage type,
-// scales[j] its int8 scale; tokens n_rows..kBlock-1 become zeros) into the layout described
-// above: k_packed [dp/4][4][16].
-inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* scales, int n_rows, int head_dim,
-                  int dp, float* k_packed) {
+// scales[j] its int8 scale, channel_scales[j] its int8_kivi scales [head_dim]; tokens
+// n_rows..kBlock-1 become zeros) into the layout described above: k_packed [dp/4][4][16].
+inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* scales,
+                  const float* const* channel_scales, int n_rows, int head_dim, int dp, float* k_packed) {
   for (int g = 0; g < 4; ++g) {
     const uint8_t* src[4];
     for (int lane = 0; lane < 4; ++lane) src[lane] = 4 * g + lane < n_rows ? rows[4 * g + lane] : nullptr;
@@ -243,6 +288,9 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
           } else if (storage == KvStorage::kInt8) {
             x[lane] = _mm512_mul_ps(Int8ToF32(mask, reinterpret_cast<const int8_t*>(src[lane]) + d0),
                                     _mm512_set1_ps(scales[4 * g + lane]));
+          } else if (storage == KvStorage::kInt8Kivi) {
+            x[lane] = _mm512_mul_ps(Int8ToF32(mask, reinterpret_cast<const int8_t*>(src[lane]) + d0),
+                                    _mm512_maskz_loadu_ps(mask, channel_scales[4 * g + lane] + d0));
           } else {
             x[lane] = _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(src[lane]) + d0);
           }
@@ -395,7 +443,8 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       for (int c = 0; c < head_dim; ++c) dst[c] = F16ToF32(h[c]);
       break;
     }
-    case KvStorage::kInt8: {
+    case KvStorage::kInt8:
+    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
       const int8_t* b = static_cast<const int8_t*>(src);
       for (int c = 0; c < head_dim; ++c) dst[c] = scale * static_cast<float>(b[c]);
       break;
@@ -408,11 +457,16 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
 }
 
 // k_packed here is simply [kBlock, dp] rows.
-inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* scales, int n_rows, int head_dim,
-                  int dp, float* k_packed) {
+inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* scales,
+                  const float* const* channel_scales, int n_rows, int head_dim, int dp, float* k_packed) {
   for (int j = 0; j < kBlock; ++j) {
-    if (j < n_rows) {
-      LoadRowF32(storage, rows[j], scales[j], head_dim, k_packed + static_cast<size_t>(j) * dp);
+    float* dst = k_packed + static_cast<size_t>(j) * dp;
+    if (j < n_rows && storage == KvStorage::kInt8Kivi) {
+      const int8_t* b = reinterpret_cast<const int8_t*>(rows[j]);
+      for (int c = 0; c < head_dim; ++c) dst[c] = static_cast<float>(b[c]) * channel_scales[j][c];
+      std::fill(dst + head_dim, dst + dp, 0.f);
+    } else if (j < n_rows) {
+      LoadRowF32(storage, rows[j], storage == KvStorage::kInt8 ? scales[j] : 1.f, head_dim, dst);
     } else {
       std::fill(k_packed + static_cast<size_t>(j) * dp, k_packed + static_cast<size_t>(j + 1) * dp, 0.f);
     }

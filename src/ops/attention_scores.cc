@@ -4,8 +4,11 @@
 // ever stored.
 //
 // Work is split into units of (kv head, token chunk); a unit owns its output columns, so
-// units never write the same element; inside a unit, queries go in cache-sized tiles. Scores come from the same block primitives as the
-// attention kernel (attention_kernels.h), so they match its scores bit for bit.
+// units never write the same element; inside a unit, queries go in cache-sized tiles. Scores
+// come from the same block primitives as the attention kernel (attention_kernels.h), so they
+// match its scores bit for bit. Spans of different storage types (int8_kivi pages and their
+// full-precision residual) are walked as separate segments; a row's softmax statistics are
+// global, so segments need no merge.
 #include <omp.h>
 
 #include <algorithm>
@@ -28,24 +31,36 @@ constexpr int kTileRows = 64;  // query rows (queries x group) whose q stays cac
 
 struct ScorePlan {
   AttentionShape shape;
-  KvStorage storage;
   ScoreGathering gathering;
   ScoreOutputs outputs;
   int group = 0;
   int dp = 0;
   int64_t n_tokens = 0;       // output row length
-  int64_t chunk_tokens = 0;   // multiple of kBlock
   const float* q = nullptr;
   const int32_t* q_pos = nullptr;
   int32_t n_q = 0;
-  const int64_t* visible = nullptr;  // [n_q]
   const float* row_max_sum = nullptr;
+};
+
+// The spans of one storage type (KvSegment), their visibility and chunking.
+struct ScoreSegment {
+  TokenSequence seq;
+  KvStorage storage = KvStorage::kF32;
+  int64_t first_token = 0;       // output column of the segment's first token
+  std::vector<int64_t> visible;  // [n_q] tokens of this segment each query attends to (a prefix)
+  int64_t max_visible = 0;
+  int64_t chunk_tokens = 0;      // multiple of kBlock
+  int n_chunks = 0;
+  ScoreSegment(const KvSpan* spans, int32_t n_spans, KvStorage type, int64_t first)
+      : seq(spans, n_spans), storage(type), first_token(first) {}
 };
 
 // One (kv head, token chunk) unit. Queries are processed in tiles of about kTileRows rows so
 // that a tile's pre-scaled q rows stay in L1/L2 while the chunk's K blocks stream past; the
 // unit adds each tile's contribution into its own output columns.
-void RunScoreUnit(const ScorePlan& plan, const TokenSequence& seq, int kv_head, int64_t t_begin, int64_t t_end) {
+void RunScoreUnit(const ScorePlan& plan, const ScoreSegment& segment, int kv_head, int64_t t_begin, int64_t t_end) {
+  const TokenSequence& seq = segment.seq;
+  const int64_t* visible = segment.visible.data();
   const AttentionShape& shape = plan.shape;
   const int d = shape.head_dim, dp = plan.dp, group = plan.group;
   const int tile_queries = std::max(1, kTileRows / group);
@@ -61,14 +76,15 @@ void RunScoreUnit(const ScorePlan& plan, const TokenSequence& seq, int kv_head, 
   float* row_max = k_block + static_cast<size_t>(kBlock) * dp;  // [rows] softmax max, log2 domain
   float* row_inv_sum = row_max + max_rows;  // [rows] 1 / softmax sum (0: row sees nothing)
 
-  const bool int8 = plan.storage == KvStorage::kInt8;
-  const size_t elem_bytes = KvStorageValueBytes(plan.storage);
+  const bool int8 = IsInt8Storage(segment.storage);
+  const bool kivi = segment.storage == KvStorage::kInt8Kivi;
+  const size_t elem_bytes = KvStorageValueBytes(segment.storage);
   const size_t token_bytes = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;
   const size_t head_offset = static_cast<size_t>(kv_head) * d * elem_bytes;
   const bool max_fold = plan.gathering.aggregation == GqaAggregation::kMax;
   const float fold_scale = max_fold ? 1.f : 1.f / static_cast<float>(group);
   const ScoreOutputs& out = plan.outputs;
-  const size_t out_row = static_cast<size_t>(kv_head) * plan.n_tokens;
+  const size_t out_row = static_cast<size_t>(kv_head) * plan.n_tokens + segment.first_token;
   const float q_scale = shape.scale * kLog2e;
 
   for (int32_t q_begin = 0; q_begin < plan.n_q; q_begin += tile_queries) {
@@ -76,7 +92,7 @@ void RunScoreUnit(const ScorePlan& plan, const TokenSequence& seq, int kv_head, 
     // Rows: the tile's queries' heads of this kv head, row r = (i - q_begin) * group + head_in_group.
     const int rows = (q_end - q_begin) * group;
     int64_t tile_visible = 0;
-    for (int32_t i = q_begin; i < q_end; ++i) tile_visible = std::max(tile_visible, plan.visible[i]);
+    for (int32_t i = q_begin; i < q_end; ++i) tile_visible = std::max(tile_visible, visible[i]);
     const int64_t tile_end = std::min(t_end, tile_visible);
     if (tile_end <= t_begin) continue;  // causal mask: the tile sees none of the chunk
     for (int r = 0; r < rows; ++r) {
@@ -96,15 +112,20 @@ void RunScoreUnit(const ScorePlan& plan, const TokenSequence& seq, int kv_head, 
       GatherBlockRows(seq, t0, n_block, token_bytes, shape.n_kv_heads, int8, &block_span, &block);
       const uint8_t* k_head[kBlock];
       float k_scale[kBlock];
+      const float* k_chan[kBlock];
       for (int j = 0; j < n_block; ++j) {
         k_head[j] = block.k[j] + head_offset;
-        if (int8) k_scale[j] = block.k_scale[j][kv_head];
+        if (kivi) {
+          k_chan[j] = block.k_chan[j] + static_cast<size_t>(kv_head) * d;
+        } else if (int8) {
+          k_scale[j] = block.k_scale[j][kv_head];
+        }
       }
-      PackK(plan.storage, k_head, k_scale, n_block, d, dp, k_block);
+      PackK(segment.storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
 
       // Probabilities of every row, two rows at a time so they share the K loads.
       auto valid_of = [&](int r) {
-        return static_cast<int>(std::clamp<int64_t>(plan.visible[q_begin + r / group] - t0, 0, n_block));
+        return static_cast<int>(std::clamp<int64_t>(visible[q_begin + r / group] - t0, 0, n_block));
       };
       for (int r = 0; r < rows; r += 2) {
         const int n_pair = std::min(2, rows - r);
@@ -127,7 +148,7 @@ void RunScoreUnit(const ScorePlan& plan, const TokenSequence& seq, int kv_head, 
       // Fold each query's heads, then sum over the tile's queries (lane order throughout).
       float sum_all[kBlock] = {}, sum_window[kBlock] = {}, last[kBlock] = {};
       for (int32_t i = q_begin; i < q_end; ++i) {
-        if (plan.visible[i] <= t0) continue;
+        if (visible[i] <= t0) continue;
         float folded[kBlock] = {};
         for (int g = 0; g < group; ++g) {
           const float* p_row = p + (static_cast<size_t>(i - q_begin) * group + g) * kBlock;
@@ -163,59 +184,72 @@ void AttentionScores(const AttentionShape& shape, KvStorage storage, const float
   KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   KVS_CHECK(n_q >= 0 && n_spans >= 0);
   KVS_CHECK_MSG(n_q == 0 || row_max_sum != nullptr, "AttentionScores needs the row_max_sum of ops::Attention");
-  if (storage == KvStorage::kInt8) {
-    for (int32_t i = 0; i < n_spans; ++i) {
-      KVS_CHECK_MSG(spans[i].n == 0 || spans[i].k_scale != nullptr, "int8 KV spans need k_scale");
-    }
-  }
   if (n_threads <= 0) n_threads = omp_get_max_threads();
 
-  const TokenSequence seq(spans, n_spans);
+  const std::vector<KvSegment> kv_segments = KvSegments(storage, spans, n_spans);
+  int64_t n_tokens = 0;
+  for (int32_t i = 0; i < n_spans; ++i) n_tokens += spans[i].n;
   // Tokens no query sees, and every token when there are no queries, stay 0.
-  const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * seq.n_tokens;
+  const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
   for (float* o : {outputs.sum_all, outputs.sum_window, outputs.last}) {
     if (o != nullptr) std::fill(o, o + n_out, 0.f);
   }
-  if (n_q == 0 || seq.n_tokens == 0) return;
+  if (n_q == 0 || n_tokens == 0) return;
 
-  std::vector<int64_t> visible(n_q);  // [n_q] tokens each query attends to (a prefix)
-  for (int32_t i = 0; i < n_q; ++i) visible[i] = seq.VisibleCount(q_pos[i]);
-  const int64_t max_visible = *std::max_element(visible.begin(), visible.end());
-  if (max_visible == 0) return;
+  std::vector<ScoreSegment> segments;
+  int64_t total_visible = 0;
+  for (const KvSegment& kv_segment : kv_segments) {
+    ScoreSegment segment(spans + kv_segment.first_span, kv_segment.n_spans, kv_segment.storage,
+                         kv_segment.first_token);
+    segment.visible.resize(n_q);
+    for (int32_t i = 0; i < n_q; ++i) segment.visible[i] = segment.seq.VisibleCount(q_pos[i]);
+    segment.max_visible = *std::max_element(segment.visible.begin(), segment.visible.end());
+    if (segment.max_visible == 0) continue;
+    total_visible += segment.max_visible;
+    segments.push_back(std::move(segment));
+  }
+  if (segments.empty()) return;
 
   ScorePlan plan;
   plan.shape = shape;
-  plan.storage = storage;
   plan.gathering = gathering;
   plan.outputs = outputs;
   plan.group = shape.n_heads / shape.n_kv_heads;
   plan.dp = static_cast<int>(RoundUp(shape.head_dim, kLanes));
-  plan.n_tokens = seq.n_tokens;
+  plan.n_tokens = n_tokens;
   plan.q = q;
   plan.q_pos = q_pos;
   plan.n_q = n_q;
-  plan.visible = visible.data();
   plan.row_max_sum = row_max_sum;
 
-  // Enough (kv head, chunk) units to keep every thread busy, but chunks of at least kMinChunkTokens.
-  const int64_t work = static_cast<int64_t>(n_q) * shape.n_heads * max_visible * shape.head_dim;
+  // Enough (kv head, chunk) units to keep every thread busy, but chunks of at least
+  // kMinChunkTokens; segments share the chunks in proportion to their tokens.
+  const int64_t work = static_cast<int64_t>(n_q) * shape.n_heads * total_visible * shape.head_dim;
   if (work < kMinParallelWork) n_threads = 1;
-  int n_chunks = 1;
-  if (n_threads > 1) {
-    const int wanted = (kUnitsPerThread * n_threads + shape.n_kv_heads - 1) / shape.n_kv_heads;
-    const int64_t affordable = std::max<int64_t>(1, max_visible / kMinChunkTokens);
-    n_chunks = static_cast<int>(std::min<int64_t>(wanted, affordable));
+  int wanted = 1;
+  if (n_threads > 1) wanted = (kUnitsPerThread * n_threads + shape.n_kv_heads - 1) / shape.n_kv_heads;
+  int n_chunks = 0;  // over all segments
+  std::vector<std::pair<int, int>> chunk_of;  // global chunk -> (segment, chunk within it)
+  for (int seg = 0; seg < static_cast<int>(segments.size()); ++seg) {
+    ScoreSegment& segment = segments[seg];
+    const int64_t share = std::max<int64_t>(1, (wanted * segment.max_visible + total_visible - 1) / total_visible);
+    const int64_t affordable = std::max<int64_t>(1, segment.max_visible / kMinChunkTokens);
+    const int64_t chunks = std::min(share, affordable);
+    segment.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((segment.max_visible + chunks - 1) / chunks, kBlock));
+    segment.n_chunks = static_cast<int>((segment.max_visible + segment.chunk_tokens - 1) / segment.chunk_tokens);
+    for (int c = 0; c < segment.n_chunks; ++c) chunk_of.push_back({seg, c});
+    n_chunks += segment.n_chunks;
   }
-  plan.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((max_visible + n_chunks - 1) / n_chunks, kBlock));
-  n_chunks = static_cast<int>((max_visible + plan.chunk_tokens - 1) / plan.chunk_tokens);
 
   const int n_units = shape.n_kv_heads * n_chunks;
   const int threads = std::min(n_threads, n_units);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int u = 0; u < n_units; ++u) {
     const int kv_head = u % shape.n_kv_heads;
-    const int64_t t_begin = static_cast<int64_t>(u / shape.n_kv_heads) * plan.chunk_tokens;
-    RunScoreUnit(plan, seq, kv_head, t_begin, std::min(max_visible, t_begin + plan.chunk_tokens));
+    const auto [seg, chunk] = chunk_of[u / shape.n_kv_heads];
+    const ScoreSegment& segment = segments[seg];
+    const int64_t t_begin = static_cast<int64_t>(chunk) * segment.chunk_tokens;
+    RunScoreUnit(plan, segment, kv_head, t_begin, std::min(segment.max_visible, t_begin + segment.chunk_tokens));
   }
 }
 

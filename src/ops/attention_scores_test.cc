@@ -99,7 +99,7 @@ std::vector<ScoreCase> AllScoreCases() {
   for (int n_q : {1, 4, 19})
     for (int head_dim : {64, 20})
       for (int group : {1, 2, 8})
-        for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8})
+        for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi})
           for (GqaAggregation aggregation : {GqaAggregation::kMean, GqaAggregation::kMax})
             for (int n_threads : {1, 3}) cases.push_back({n_q, head_dim, group, storage, aggregation, n_threads});
   return cases;
@@ -119,6 +119,27 @@ TEST(AttentionScoresTest, LongContextMatchesReference) {
     std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 64, rng, 3.f);
     ScoreGathering gathering{GqaAggregation::kMean, q_pos[n_q - 1] - 100};
     for (int n_threads : {1, 2, 4}) {
+      CheckAgainstReference(shape, set, q, q_pos, gathering, n_threads,
+                            "n_q " + std::to_string(n_q) + " threads " + std::to_string(n_threads));
+    }
+  }
+}
+
+// int8_kivi: quantized pages and full-precision spans interleaved (segments), empty spans at
+// their edges, long enough to split each segment over several chunks.
+TEST(AttentionScoresTest, Int8KiviMixedSegmentsMatchReference) {
+  std::mt19937 rng(15);
+  AttentionShape shape{8, 2, 64, 0.125f};
+  SpanSet set = MakeSpans(KvStorage::kInt8Kivi, {16, 0, 16, 16, 300, 0, 9, 400, 11}, 2, 64, rng);
+  set.MakeResidual(4);
+  set.MakeResidual(6);
+  const int32_t last = LastPosition(set);
+  for (int n_q : {1, 24}) {
+    std::vector<int32_t> q_pos(n_q);
+    for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 29;
+    std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 64, rng, 3.f);
+    ScoreGathering gathering{GqaAggregation::kMax, q_pos[n_q - 1] - 90};
+    for (int n_threads : {1, 3}) {
       CheckAgainstReference(shape, set, q, q_pos, gathering, n_threads,
                             "n_q " + std::to_string(n_q) + " threads " + std::to_string(n_threads));
     }

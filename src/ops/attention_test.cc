@@ -20,7 +20,8 @@ using testing::MakeSpans;
 using testing::RandomQueries;
 using testing::SpanSet;
 
-constexpr KvStorage kAllStorage[] = {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8};
+// int8_kivi span sets end with a full-precision residual span (see MakeSpans).
+constexpr KvStorage kAllStorage[] = {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi};
 
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size());
@@ -292,6 +293,137 @@ TEST(AttentionTest, Int8ScalesArePerTokenAndHead) {
   set.v_scale[0][7 * 2 + 1] *= 2;
   ops::Attention(shape, KvStorage::kInt8, q.data(), &q_pos, 1, set.spans.data(), 1, after.data(), 1);
   EXPECT_EQ(after, before);
+}
+
+// int8_kivi against f32 on the same values. A quantized page's K element moves by at most half
+// its (page, head, channel) scale, a residual (f16) element by at most |x| 2^-11; V as int8 or
+// f16. With kerr_c the largest K error of channel c, a score moves by at most
+//   delta = scale * sum_c |q_c| kerr_c,
+// and, as for int8, |out_kivi - out_f32| <= max V error + (e^(2 delta) - 1) * max |v|.
+TEST(AttentionTest, Int8KiviStaysWithinQuantizationBoundOfF32) {
+  std::mt19937 rng(405);
+  for (int head_dim : {64, 20, 128}) {
+    AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
+    SpanSet set = MakeSpans(KvStorage::kInt8Kivi, {16, 16, 16, 16, 9}, shape.n_kv_heads, head_dim, rng);
+    // One channel per head with a large magnitude in every token, as in real keys: per-channel
+    // scales keep the other channels fine. Codes are rebuilt in place (the spans' pointers stay).
+    for (size_t s = 0; s < set.spans.size(); ++s) {
+      std::vector<float>& k = set.k_f32[s];
+      for (size_t row = 0; row < k.size() / head_dim; ++row) k[row * head_dim + 3] *= 8.f;
+      testing::QuantizeColumnsInt8(k, shape.n_kv_heads * head_dim, &set.k_i8[s], &set.k_channel_scale[s]);
+      for (size_t e = 0; e < k.size(); ++e) set.k_f16[s][e] = F32ToF16(k[e]);
+    }
+    const std::vector<KvSpan> f32_spans = set.F32Spans();
+    const size_t row_len = static_cast<size_t>(shape.n_kv_heads) * head_dim;
+    std::vector<float> k_err(row_len, 0.f);  // [n_kv_heads, head_dim] largest K error per channel
+    float max_v_err = 0.f, max_v = 0.f;
+    for (size_t s = 0; s < set.spans.size(); ++s) {
+      const bool residual = set.spans[s].k_channel_scale == nullptr;
+      for (size_t e = 0; e < set.k_f32[s].size(); ++e) {
+        const float err = residual ? std::fabs(set.k_f32[s][e]) * 0x1p-11f : set.k_channel_scale[s][e % row_len] / 2;
+        k_err[e % row_len] = std::max(k_err[e % row_len], err);
+      }
+      for (size_t e = 0; e < set.v_f32[s].size(); ++e) {
+        const float v = std::fabs(set.v_f32[s][e]);
+        max_v = std::max(max_v, v);
+        max_v_err = std::max(max_v_err, residual ? v * 0x1p-11f : set.v_scale[s][e / head_dim] / 2);
+      }
+    }
+    const int n_q = 6;
+    const int32_t last = LastPosition(set);
+    std::vector<int32_t> q_pos = {2, 20, 40, last - 30, last - 1, last};
+    std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * head_dim, rng, 1.f);
+    std::vector<float> want(q.size()), got_ops(q.size()), got_ref(q.size());
+    ref::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), n_q, f32_spans.data(),
+                   static_cast<int32_t>(f32_spans.size()), want.data());
+    ops::Attention(shape, KvStorage::kInt8Kivi, q.data(), q_pos.data(), n_q, set.spans.data(),
+                   static_cast<int32_t>(set.spans.size()), got_ops.data(), 2);
+    ref::Attention(shape, KvStorage::kInt8Kivi, q.data(), q_pos.data(), n_q, set.spans.data(),
+                   static_cast<int32_t>(set.spans.size()), got_ref.data());
+    float worst = 0.f;
+    for (int row = 0; row < n_q * shape.n_heads; ++row) {
+      const int kv_head = (row % shape.n_heads) / (shape.n_heads / shape.n_kv_heads);
+      double delta = 0;
+      for (int c = 0; c < head_dim; ++c) {
+        delta += std::fabs(q[static_cast<size_t>(row) * head_dim + c]) * k_err[kv_head * head_dim + c];
+      }
+      delta *= shape.scale;
+      const double bound = max_v_err + std::expm1(2 * delta) * max_v + 1e-5;
+      ASSERT_LT(bound, 0.25) << "test data too coarse for a meaningful bound";
+      for (int c = 0; c < head_dim; ++c) {
+        const size_t e = static_cast<size_t>(row) * head_dim + c;
+        ASSERT_LE(std::fabs(got_ops[e] - want[e]), bound) << "ops, head_dim " << head_dim << " row " << row;
+        ASSERT_LE(std::fabs(got_ref[e] - want[e]), bound) << "ref, head_dim " << head_dim << " row " << row;
+        worst = std::max(worst, std::fabs(got_ops[e] - want[e]));
+      }
+    }
+    EXPECT_GT(worst, 0.f) << "int8_kivi should not be exact";
+  }
+}
+
+// int8_kivi K scales really are per (page, kv head, channel): halving one channel's codes in
+// one page and doubling that page's channel scale leaves attention unchanged; the same change
+// with the scale of another page (or channel) does not.
+TEST(AttentionTest, Int8KiviScalesArePerPageHeadAndChannel) {
+  std::mt19937 rng(10);
+  AttentionShape shape{4, 2, 32, 0.2f};
+  SpanSet set = MakeSpans(KvStorage::kInt8Kivi, {16, 16, 16, 5}, 2, 32, rng);
+  std::vector<float> q = RandomQueries(4 * 32, rng, 1.f);
+  const int32_t q_pos = LastPosition(set);
+  for (auto& codes : set.k_i8)
+    for (int8_t& x : codes) x = static_cast<int8_t>(x / 2 * 2);  // even, so halving is exact
+  std::vector<float> before(q.size()), after(q.size()), wrong(q.size());
+  ops::Attention(shape, KvStorage::kInt8Kivi, q.data(), &q_pos, 1, set.spans.data(), 4, before.data(), 2);
+  const int page = 1, kv_head = 1, channel = 7;
+  const size_t column = static_cast<size_t>(kv_head) * 32 + channel;
+  for (int t = 0; t < 16; ++t) {
+    int8_t& x = set.k_i8[page][static_cast<size_t>(t) * 64 + column];
+    x = static_cast<int8_t>(x / 2);
+  }
+  set.k_channel_scale[page][column] *= 2;
+  ops::Attention(shape, KvStorage::kInt8Kivi, q.data(), &q_pos, 1, set.spans.data(), 4, after.data(), 2);
+  EXPECT_EQ(after, before);
+  set.k_channel_scale[page][column] /= 2;
+  set.k_channel_scale[page + 1][column] *= 2;
+  ops::Attention(shape, KvStorage::kInt8Kivi, q.data(), &q_pos, 1, set.spans.data(), 4, wrong.data(), 2);
+  EXPECT_NE(wrong, before);
+}
+
+// Segments: full-precision spans anywhere in an int8_kivi list (and empty spans at segment
+// edges) give the reference's result, for decode, a prefill chunk, and the split-K path.
+TEST(AttentionTest, Int8KiviMixedSegmentsMatchReference) {
+  std::mt19937 rng(11);
+  AttentionShape shape{6, 3, 48, 0.15f};
+  SpanSet set = MakeSpans(KvStorage::kInt8Kivi, {0, 16, 16, 0, 5, 16, 0, 300, 200, 7, 0}, 3, 48, rng);
+  set.MakeResidual(0);
+  set.MakeResidual(4);
+  set.MakeResidual(8);
+  set.MakeResidual(9);
+  const int32_t last = LastPosition(set);
+  for (int n_q : {1, 4, 33}) {
+    std::vector<int32_t> q_pos(n_q);
+    for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 17;
+    if (n_q == 4) q_pos = {-2, 20, last / 2, last};
+    std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * 48, rng, 2.f);
+    std::vector<float> want(q.size()), want_stats(static_cast<size_t>(n_q) * shape.n_heads * 2);
+    ref::Attention(shape, KvStorage::kInt8Kivi, q.data(), q_pos.data(), n_q, set.spans.data(), 11, want.data(),
+                   want_stats.data());
+    for (int n_threads : {1, 2, 3}) {
+      std::vector<float> got(q.size()), got_stats(want_stats.size());
+      ops::Attention(shape, KvStorage::kInt8Kivi, q.data(), q_pos.data(), n_q, set.spans.data(), 11, got.data(),
+                     n_threads, got_stats.data());
+      ExpectClose(got, want, "n_q " + std::to_string(n_q) + " threads " + std::to_string(n_threads));
+      for (size_t r = 0; r < want_stats.size() / 2; ++r) {
+        if (std::isinf(want_stats[2 * r])) {
+          EXPECT_TRUE(std::isinf(got_stats[2 * r]) && got_stats[2 * r + 1] == 0.f) << "row " << r;
+          continue;
+        }
+        const double got_z = std::log(got_stats[2 * r + 1]) + got_stats[2 * r];
+        const double want_z = std::log(want_stats[2 * r + 1]) + want_stats[2 * r];
+        EXPECT_NEAR(got_z, want_z, 1e-4) << "row " << r;
+      }
+    }
+  }
 }
 
 // The optional softmax statistics match the reference's, for the single-pass and split-K paths.

@@ -31,14 +31,37 @@ inline void QuantizeRowsInt8(const std::vector<float>& x, int row_len, std::vect
   }
 }
 
+// Symmetric int8 quantization of columns over all rows (int8_kivi keys: one page's tokens):
+// scale[c] = max_r |x[r, c]| / 127, q = round(x / scale).
+inline void QuantizeColumnsInt8(const std::vector<float>& x, int row_len, std::vector<int8_t>* q,
+                                std::vector<float>* scales) {
+  const size_t n_rows = x.size() / row_len;
+  q->resize(x.size());
+  scales->assign(row_len, 0.f);
+  for (size_t r = 0; r < n_rows; ++r)
+    for (int c = 0; c < row_len; ++c) (*scales)[c] = std::max((*scales)[c], std::fabs(x[r * row_len + c]));
+  for (float& s : *scales) s /= 127.f;
+  for (size_t r = 0; r < n_rows; ++r) {
+    for (int c = 0; c < row_len; ++c) {
+      const float scale = (*scales)[c];
+      const float v = scale > 0.f ? std::nearbyint(x[r * row_len + c] / scale) : 0.f;
+      (*q)[r * row_len + c] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+    }
+  }
+}
+
 // Owns the K/V/position buffers behind a list of spans, in the given storage type.
+// int8_kivi: every span is a quantized page (K per channel, V per token) except the last,
+// which is the layer's full-precision residual (kKiviResidualStorage); MakeResidual turns
+// another span into a residual one.
 struct SpanSet {
   KvStorage storage = KvStorage::kF32;
   int n_kv_heads = 0, head_dim = 0;
   std::vector<std::vector<float>> k_f32, v_f32;  // each [n, n_kv_heads, head_dim]: the values before conversion
   std::vector<std::vector<f16_bits>> k_f16, v_f16;
   std::vector<std::vector<int8_t>> k_i8, v_i8;
-  std::vector<std::vector<float>> k_scale, v_scale;  // each [n, n_kv_heads] (int8)
+  std::vector<std::vector<float>> k_scale, v_scale;  // each [n, n_kv_heads] (int8; v_scale also int8_kivi)
+  std::vector<std::vector<float>> k_channel_scale;   // each [n_kv_heads, head_dim] (int8_kivi)
   std::vector<std::vector<int32_t>> positions;
   std::vector<KvSpan> spans;
 
@@ -48,9 +71,16 @@ struct SpanSet {
     for (size_t s = 0; s < out.size(); ++s) {
       out[s].k = k_f32[s].data();
       out[s].v = v_f32[s].data();
-      out[s].k_scale = out[s].v_scale = nullptr;
+      out[s].k_scale = out[s].v_scale = out[s].k_channel_scale = nullptr;
     }
     return out;
+  }
+
+  // int8_kivi: span s becomes a full-precision residual span (f16 K/V, no scales).
+  void MakeResidual(size_t s) {
+    spans[s].k = k_f16[s].data();
+    spans[s].v = v_f16[s].data();
+    spans[s].k_scale = spans[s].v_scale = spans[s].k_channel_scale = nullptr;
   }
 };
 
@@ -77,16 +107,20 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     set.positions.push_back(std::move(p));
     std::vector<f16_bits> kh, vh;
     std::vector<int8_t> kq, vq;
-    std::vector<float> ks, vs;
-    if (storage == KvStorage::kF16) {
+    std::vector<float> ks, vs, kc;
+    if (storage == KvStorage::kF16 || storage == KvStorage::kInt8Kivi) {
       kh.resize(elems);
       vh.resize(elems);
       for (size_t i = 0; i < elems; ++i) {
         kh[i] = F32ToF16(k[i]);
         vh[i] = F32ToF16(v[i]);
       }
-    } else if (storage == KvStorage::kInt8) {
+    }
+    if (storage == KvStorage::kInt8) {
       QuantizeRowsInt8(k, head_dim, &kq, &ks);
+      QuantizeRowsInt8(v, head_dim, &vq, &vs);
+    } else if (storage == KvStorage::kInt8Kivi) {
+      QuantizeColumnsInt8(k, n_kv_heads * head_dim, &kq, &kc);
       QuantizeRowsInt8(v, head_dim, &vq, &vs);
     }
     set.k_f32.push_back(std::move(k));
@@ -97,6 +131,7 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     set.v_i8.push_back(std::move(vq));
     set.k_scale.push_back(std::move(ks));
     set.v_scale.push_back(std::move(vs));
+    set.k_channel_scale.push_back(std::move(kc));
   }
   for (size_t s = 0; s < lengths.size(); ++s) {
     KvSpan span;
@@ -115,11 +150,18 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
         span.k_scale = set.k_scale[s].data();
         span.v_scale = set.v_scale[s].data();
         break;
+      case KvStorage::kInt8Kivi:
+        span.k = set.k_i8[s].data();
+        span.v = set.v_i8[s].data();
+        span.v_scale = set.v_scale[s].data();
+        span.k_channel_scale = set.k_channel_scale[s].data();
+        break;
     }
     span.positions = set.positions[s].data();
     span.n = lengths[s];
     set.spans.push_back(span);
   }
+  if (storage == KvStorage::kInt8Kivi && !lengths.empty()) set.MakeResidual(lengths.size() - 1);
   return set;
 }
 

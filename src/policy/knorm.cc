@@ -4,8 +4,8 @@
 // Keys with a low L2 norm tend to receive high attention, so keep the tokens whose keys
 // have the LOWEST norm (per KV head, averaged over heads by default; head_reduce "max"
 // keeps a token if any head's key is short). No attention is needed. Keys are read
-// through the cache spans in its storage type (f32, f16, or int8 with per-(token, head)
-// scales). Each token's norms are computed once, at its first selection, and compacted
+// through the cache spans in their storage type (f32, f16, int8 with per-(token, head)
+// scales, or int8_kivi pages with per-channel scales and a full-precision residual). Each token's norms are computed once, at its first selection, and compacted
 // with the cache afterwards.
 // Defaults: no sinks and no recent window, as the paper; "n_sink", "recent",
 // "recent_ratio" add them. The paper leaves the first layers uncompressed; express that
@@ -21,8 +21,10 @@
 namespace kvsparse::policy {
 namespace {
 
-// L2 norm of one key head vector of `head_dim` values stored as `storage`.
-float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int head_dim, float scale) {
+// L2 norm of one key head vector of `head_dim` values stored as `storage` (int8: times `scale`;
+// int8_kivi: times channel_scale[d], the head's [head_dim] channel scales).
+float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int head_dim, float scale,
+              const float* channel_scale) {
   double sum = 0.0;
   switch (storage) {
     case KvStorage::kF32: {
@@ -42,6 +44,14 @@ float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int he
       const int8_t* k = static_cast<const int8_t*>(keys) + element_offset;
       for (int d = 0; d < head_dim; ++d) sum += static_cast<double>(k[d]) * k[d];
       return std::fabs(scale) * static_cast<float>(std::sqrt(sum));
+    }
+    case KvStorage::kInt8Kivi: {
+      const int8_t* k = static_cast<const int8_t*>(keys) + element_offset;
+      for (int d = 0; d < head_dim; ++d) {
+        const double v = static_cast<double>(k[d]) * channel_scale[d];
+        sum += v * v;
+      }
+      return static_cast<float>(std::sqrt(sum));
     }
   }
   return 0.f;
@@ -79,13 +89,16 @@ class KNormPolicy final : public BudgetedPolicy {
     int32_t index = 0;
     for (int32_t s = 0; s < ctx.n_spans; ++s) {
       const KvSpan& span = ctx.spans[s];
+      const KvStorage type = SpanStorage(ctx.storage, span);  // int8_kivi residual: full precision
       const int32_t first = std::max<int32_t>(0, n_scored_ - index);  // skip tokens scored before
       for (int32_t i = first; i < span.n; ++i) {
         float* row = neg_norms_.row(index + i);
         for (int h = 0; h < heads; ++h) {
           const size_t offset = (static_cast<size_t>(i) * heads + h) * head_dim;  // k: [n, heads, head_dim]
-          const float scale = ctx.storage == KvStorage::kInt8 ? span.k_scale[static_cast<size_t>(i) * heads + h] : 1.f;
-          row[h] = -KeyNorm(ctx.storage, span.k, offset, head_dim, scale);
+          const float scale = type == KvStorage::kInt8 ? span.k_scale[static_cast<size_t>(i) * heads + h] : 1.f;
+          const float* channel_scale =
+              type == KvStorage::kInt8Kivi ? span.k_channel_scale + static_cast<size_t>(h) * head_dim : nullptr;
+          row[h] = -KeyNorm(type, span.k, offset, head_dim, scale, channel_scale);
         }
       }
       index += span.n;

@@ -3,6 +3,7 @@
 #include <array>
 #include <cmath>
 
+#include "kv/kv_quant.h"
 #include "kvsparse/dtype.h"
 #include "policy/policy_test_util.h"
 
@@ -82,6 +83,39 @@ TEST(KNormTest, Int8NormsUseTheScales) {
   const std::vector<float> scales = {0.5f, 0.5f, 0.01f, 0.02f, 0.3f, 0.1f, 0.04f, 0.01f};  // [4, kHeads]
   Spans s = TwoSpans(keys, scales, 4, h.live());
   EXPECT_EQ(h.Evict(2, false, s.spans.data(), 2, KvStorage::kInt8, kHeads, kHeadDim), (Positions{1, 3}));
+}
+
+// int8_kivi: the first span is a quantized page (K codes times per-(head, channel) scales), the
+// second the full-precision (f16) residual; both are read in their own type.
+TEST(KNormTest, Int8KiviReadsChannelScalesAndResidual) {
+  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  h.Append(7);
+  const std::vector<float> keys = KeysWithNorms(kNorms);
+  const int page = 3, row_len = kHeads * kHeadDim;
+  std::vector<int8_t> codes(static_cast<size_t>(page) * row_len);
+  std::vector<float> channel_scale(row_len), v_scale(static_cast<size_t>(page) * kHeads, 1.f);
+  ops::QuantizeKvColumnsInt8(keys.data(), page, row_len, codes.data(), channel_scale.data());
+  std::vector<f16_bits> residual;
+  for (size_t e = static_cast<size_t>(page) * row_len; e < keys.size(); ++e) residual.push_back(F32ToF16(keys[e]));
+  Positions positions = h.live();
+  KvSpan spans[2];
+  spans[0].k = codes.data();
+  spans[0].v = codes.data();
+  spans[0].v_scale = v_scale.data();
+  spans[0].k_channel_scale = channel_scale.data();
+  spans[0].positions = positions.data();
+  spans[0].n = page;
+  spans[1].k = residual.data();
+  spans[1].v = residual.data();
+  spans[1].positions = positions.data() + page;
+  spans[1].n = 7 - page;
+  EXPECT_EQ(h.Evict(3, false, spans, 2, KvStorage::kInt8Kivi, kHeads, kHeadDim), (Positions{1, 3, 6}));
+  // The page's norms follow its channel scales: a tenth of them makes the page's three tokens
+  // (norms 5, 1, 8.5 -> 0.5, 0.1, 0.85) the shortest.
+  for (float& x : channel_scale) x *= 0.1f;
+  Harness h2(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  h2.Append(7);
+  EXPECT_EQ(h2.Evict(3, false, spans, 2, KvStorage::kInt8Kivi, kHeads, kHeadDim), (Positions{0, 1, 2}));
 }
 
 TEST(KNormTest, HeadReduceMaxKeepsATokenWithOneShortHead) {

@@ -17,9 +17,9 @@ namespace {
 
 using nlohmann::json;
 
-constexpr std::string_view kTopLevelKeys[] = {"default",         "layers",        "evict_interval",
-                                              "page_size",       "gqa_aggregation", "prefill_chunk"};
-constexpr std::string_view kKvTypeNames = "f32, f16, int8";
+constexpr std::string_view kTopLevelKeys[] = {"default",         "layers",          "evict_interval",   "page_size",
+                                              "gqa_aggregation", "prefill_chunk",   "prefill_eviction"};
+constexpr std::string_view kKvTypeNames = "f32, f16, int8, int8_kivi";
 
 std::string Join(const std::vector<std::string_view>& items) {
   std::string out;
@@ -144,7 +144,7 @@ Status ReadBudget(const json& v, const Where& where, KvBudget* out) {
 std::vector<std::string_view> MethodNameList() {
   std::vector<std::string_view> names;
   for (KvMethod m : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova, KvMethod::kScissorhands,
-                     KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom})
+                     KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom, KvMethod::kQuest})
     names.push_back(KvMethodName(m));
   return names;
 }
@@ -191,6 +191,8 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   }
   if (key == "decode_evict") return ReadBool(v, where, key, &p->decode_evict);
   if (key == "beta") return ReadNumber(v, where, key, &p->beta);
+  if (key == "page_tokens") return ReadInt(v, where, key, &p->page_tokens);
+  if (key == "cache_positions") return ReadBool(v, where, key, &p->cache_positions);
   return where.Error(key, "internal: parameter without a reader");
 }
 
@@ -224,8 +226,10 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
       const std::optional<KvStorage> storage = KvStorageFromName(name);
       if (!storage)
         return where.Error(key, fmt::format("unknown kv_type '{}'{}; valid kv types: {}", name,
-                                            Suggestion(name, {"f32", "f16", "int8"}), kKvTypeNames));
+                                            Suggestion(name, {"f32", "f16", "int8", "int8_kivi"}), kKvTypeNames));
       out->kv_type = *storage;
+    } else if (key == "per_head") {
+      KVS_RETURN_IF_ERROR(ReadBool(value, where, key, &out->per_head));
     } else if (MethodUses(out->method, key)) {
       KVS_RETURN_IF_ERROR(ReadParam(value, where, key, &out->params));
     } else {
@@ -233,6 +237,7 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
       if (is_entry) valid.push_back("layers");
       valid.insert(valid.end(), {"method", "budget", "kv_type"});
       for (std::string_view k : KvMethodParamKeys(out->method)) valid.push_back(k);
+      valid.push_back("per_head");
       const std::string users = MethodsUsing(key);
       if (!users.empty())
         return where.Error(key, fmt::format("is not a parameter of method '{}' (it belongs to {}); valid keys: {}",
@@ -290,6 +295,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
   std::string s(KvMethodName(l.method));
   if (l.method != KvMethod::kFull) s += " budget=" + KvBudgetToString(l.budget);
   s += fmt::format(" kv={}", KvStorageName(l.kv_type));
+  if (l.per_head) s += " per_head";
   const KvMethodParams& p = l.params;
   for (std::string_view key : KvMethodParamKeys(l.method)) {
     if (key == "n_sink") s += fmt::format(" n_sink={}", p.n_sink);
@@ -302,6 +308,8 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "pooling") s += fmt::format(" pooling={}", VotePoolingName(p.pooling));
     if (key == "decode_evict") s += fmt::format(" decode_evict={}", p.decode_evict);
     if (key == "beta") s += fmt::format(" beta={:g}", p.beta);
+    if (key == "page_tokens" && p.page_tokens > 0) s += fmt::format(" page_tokens={}", p.page_tokens);
+    if (key == "cache_positions" && p.cache_positions) s += " cache_positions";
   }
   return s;
 }
@@ -309,7 +317,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
 }  // namespace
 
 std::optional<KvStorage> KvStorageFromName(std::string_view name) {
-  for (KvStorage s : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8})
+  for (KvStorage s : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi})
     if (name == KvStorageName(s)) return s;
   return std::nullopt;
 }
@@ -376,6 +384,11 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
     size_t i = 0;
     KVS_RETURN_IF_ERROR(ReadChoice(*it, top, "gqa_aggregation", {"mean", "max"}, &i));
     config.agg = i == 0 ? GqaAggregation::kMean : GqaAggregation::kMax;
+  }
+  if (auto it = root.find("prefill_eviction"); it != root.end()) {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(*it, top, "prefill_eviction", {"chunk", "prompt_end"}, &i));
+    config.prefill_eviction = i == 0 ? PrefillEviction::kEveryChunk : PrefillEviction::kPromptEnd;
   }
 
   LayerKvConfig fallback;  // "full" when there is no "default"
@@ -502,6 +515,7 @@ std::string KvSparsityConfigSummary(const KvSparsityConfig& config) {
            description;
     first = last + 1;
   }
+  if (config.prefill_eviction == PrefillEviction::kPromptEnd) out += "; prefill_eviction=prompt_end";
   out += fmt::format("; evict_interval={} page_size={} gqa_aggregation={} prefill_chunk={}", config.evict_interval,
                      config.page_size, config.agg == GqaAggregation::kMean ? "mean" : "max", config.prefill_chunk);
   return out;

@@ -107,6 +107,9 @@ TEST(KvConfigTest, FromFlags) {
   EXPECT_EQ(config->layers[2].kv_type, KvStorage::kInt8);
   EXPECT_DOUBLE_EQ(config->layers[2].budget.fraction, 0.2);
   EXPECT_TRUE(KvSparsityConfigFromFlags("full", "", "", 3).ok());
+  auto kivi = KvSparsityConfigFromFlags("h2o", "0.2", "int8_kivi", 3);
+  ASSERT_TRUE(kivi.ok()) << kivi.status().ToString();
+  EXPECT_EQ(kivi->layers[1].kv_type, KvStorage::kInt8Kivi);
 
   EXPECT_MENTIONS(KvSparsityConfigFromFlags("h2", "0.2", "", 3).status().message(), "did you mean 'h2o'");
   EXPECT_MENTIONS(KvSparsityConfigFromFlags("h2o", "", "", 3).status().message(), "--kv-budget");
@@ -170,7 +173,8 @@ TEST(KvConfigErrorTest, UnknownKvType) {
   EXPECT_MENTIONS(m, "layers[0] (layers 0-1)");
   EXPECT_MENTIONS(m, "field 'kv_type'");
   EXPECT_MENTIONS(m, "'fp16'");
-  EXPECT_MENTIONS(m, "f32, f16, int8");
+  EXPECT_MENTIONS(m, "f32, f16, int8, int8_kivi");
+  EXPECT_MENTIONS(Rejection(R"({"default": {"kv_type": "int8_kivy"}})"), "did you mean 'int8_kivi'");
 }
 
 TEST(KvConfigErrorTest, LayerRangeOutOfBounds) {
@@ -328,6 +332,33 @@ TEST(KvConfigTest, ValidateCatchesConfigsBuiltInCode) {
   config.layers[1].params.recent = -1;
   config.evict_interval = 0;
   EXPECT_FALSE(ValidateKvSparsityConfig(config).ok());
+}
+
+// "per_head" is inherited from "default" like kv_type (also across a method change), set or
+// cleared per entry, shown in the summary, and must be a boolean.
+TEST(KvConfigTest, PerHeadIsInheritedAndChecked) {
+  auto config = ParseKvSparsityConfig(
+      R"({"default": {"method": "h2o", "budget": 32, "per_head": true},
+          "layers": [{"layers": 0, "method": "full"}, {"layers": "3-4", "per_head": false}]})",
+      kLayers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_TRUE(config->layers[0].per_head);  // inherited, though the method changed
+  EXPECT_TRUE(config->layers[1].per_head);
+  EXPECT_TRUE(config->layers[2].per_head);
+  EXPECT_FALSE(config->layers[3].per_head);
+  EXPECT_FALSE(config->layers[4].per_head);
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "layers 1-2: h2o budget=32 tokens kv=f32 per_head");
+  EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 32}})", kLayers)->layers[2].per_head);
+  EXPECT_FALSE(KvSparsityConfigFromFlags("h2o", "32", "f32", kLayers)->layers[0].per_head);
+
+  std::string m = Rejection(R"({"layers": [{"layers": "1-2", "per_head": "yes"}]})");
+  EXPECT_MENTIONS(m, "layers[0] (layers 1-2)");
+  EXPECT_MENTIONS(m, "field 'per_head'");
+  EXPECT_MENTIONS(m, "expected true or false");
+  m = Rejection(R"({"default": {"method": "tova", "budget": 8, "per_head": 1}})");
+  EXPECT_MENTIONS(m, "default: field 'per_head'");
+  m = Rejection(R"({"default": {"method": "tova", "budget": 8, "per_heads": true}})");
+  EXPECT_MENTIONS(m, "did you mean 'per_head'");
 }
 
 }  // namespace

@@ -15,14 +15,15 @@ struct MethodInfo {
   std::span<const std::string_view> keys;
 };
 
-constexpr std::string_view kStreamingKeys[] = {"n_sink"};
+constexpr std::string_view kStreamingKeys[] = {"n_sink", "cache_positions"};
 constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce"};
 constexpr std::string_view kScissorhandsKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "history_window"};
 constexpr std::string_view kSnapKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict"};
 constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict", "beta"};
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
+constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce"};
 
-constexpr std::array<MethodInfo, 9> kMethods = {{
+constexpr std::array<MethodInfo, 10> kMethods = {{
     {KvMethod::kFull, "full", {}},
     {KvMethod::kStreamingLlm, "streaming_llm", kStreamingKeys},
     {KvMethod::kH2O, "h2o", kWindowedKeys},
@@ -32,6 +33,7 @@ constexpr std::array<MethodInfo, 9> kMethods = {{
     {KvMethod::kPyramidKv, "pyramidkv", kPyramidKvKeys},
     {KvMethod::kKNorm, "knorm", kWindowedKeys},
     {KvMethod::kRandom, "random", kRandomKeys},
+    {KvMethod::kQuest, "quest", kQuestKeys},
 }};
 
 const MethodInfo& Info(KvMethod method) {
@@ -75,6 +77,7 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
     case KvMethod::kH2O: p.recent_ratio = 0.5; break;             // Zhang et al.: half heavy, half recent
     case KvMethod::kScissorhands: p.recent_ratio = 0.1; break;    // ours (paper leaves it open)
     case KvMethod::kRandom: p.recent_ratio = 0.5; break;          // mirrors H2O's split
+    case KvMethod::kQuest: p.head_reduce = HeadReduce::kMax; break;  // Tang et al.: max over heads; page 16
     case KvMethod::kFull:
     case KvMethod::kTova:
     case KvMethod::kSnapKv:
@@ -97,6 +100,9 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
   } else if (budget.tokens < 1) {
     return error("budget", fmt::format("a token budget must be >= 1; found {}", budget.tokens));
   }
+  if (p.cache_positions && !Uses(method, "cache_positions"))
+    return error("cache_positions", "only streaming_llm numbers positions inside the cache (Xiao et al. 2024); "
+                                    "other methods keep absolute positions: remove the field or use streaming_llm");
   if (Uses(method, "n_sink") && p.n_sink < 0) return error("n_sink", fmt::format("must be >= 0; found {}", p.n_sink));
   if (Uses(method, "recent") && p.recent < -1) return error("recent", fmt::format("must be >= 0; found {}", p.recent));
   if (Uses(method, "recent_ratio") && !(p.recent_ratio >= 0.0 && p.recent_ratio <= 1.0))
@@ -107,6 +113,9 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
     return error("window", fmt::format("must be >= 1 query; found {}", p.obs_window));
   if (Uses(method, "kernel") && (p.kernel < 1 || p.kernel % 2 == 0))
     return error("kernel", fmt::format("must be odd and >= 1 (centred pooling); found {}", p.kernel));
+  if (Uses(method, "page_tokens") && p.page_tokens < 0)
+    return error("page_tokens", fmt::format("must be >= 1 token (or 0 for the cache's page size); found {}",
+                                            p.page_tokens));
   if (Uses(method, "beta") && !(p.beta >= 1.0 && std::isfinite(p.beta)))
     return error("beta", fmt::format("must be >= 1 (the last layer gets 1/beta of the mean share); found {:g}", p.beta));
 

@@ -6,7 +6,7 @@ int32_t KvPolicy::EvictionTarget(int32_t n_live, int32_t n_seen, EvictionPoint p
   KVS_CHECK_MSG(evict_interval >= 1, "evict_interval must be >= 1");
   const int32_t budget = BudgetTokens(n_seen);
   if (n_live <= budget) return n_live;
-  if (point == EvictionPoint::kPrefillChunk) return budget;
+  if (point != EvictionPoint::kDecodeStep) return budget;
   if (!EvictsDuringDecode()) return n_live;
   // Evicting evict_interval tokens at once amortizes selection and compaction.
   if (static_cast<int64_t>(n_live) - budget >= evict_interval) return budget;

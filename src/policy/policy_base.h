@@ -39,5 +39,6 @@ std::unique_ptr<KvPolicy> MakePyramidKvPolicy(const KvBudget& average_budget, co
                                               int layer, int n_layers);
 std::unique_ptr<KvPolicy> MakeKNormPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeRandomPolicy(const KvBudget& budget, const KvMethodParams& params, uint64_t seed);
+std::unique_ptr<KvPolicy> MakeQuestPolicy(const KvBudget& budget, const KvMethodParams& params);
 
 }  // namespace kvsparse::policy

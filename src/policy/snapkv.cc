@@ -16,6 +16,7 @@
 // them, so a window split across two chunks is covered by the union of both windows.
 // Generated tokens are all kept (EvictsDuringDecode false) unless "decode_evict" is set;
 // then decode-time compression uses the votes of the queries since the previous one.
+// Without it decode steps are not observed at all (ObservesDecode false: no scoring pass).
 #include "policy/snapkv.h"
 
 #include <algorithm>

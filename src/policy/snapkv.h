@@ -20,6 +20,8 @@ class SnapKvPolicy : public BudgetedPolicy {
   uint32_t NeededObservations() const override { return kObserveSumWindow; }
   int32_t ObservationWindow() const override { return params_.obs_window; }
   bool EvictsDuringDecode() const override { return params_.decode_evict; }
+  // Without decode-time compression the votes of decode queries would never be read.
+  bool ObservesDecode() const override { return params_.decode_evict; }
   void OnAppend(int32_t n_new) override { votes_.Append(n_new); }
   void Observe(const AttentionObservation& obs) override;
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override;

@@ -3,8 +3,11 @@
 //
 // Keeps the first n_sink tokens (the "attention sinks"; default 4, as the paper) and the
 // most recent budget - n_sink tokens. Sinks count inside the budget. Needs no attention.
-// The paper re-numbers positions inside the rolling cache; keys here are cached after RoPE
-// at their original positions, so only the selection rule is reproduced.
+// Positions: the paper (§3.2) numbers positions inside the rolling cache (the cache holds
+// 0..n-1, a new token gets n). By default keys here keep their original positions (cached
+// after RoPE, never re-rotated); "cache_positions": true reproduces the paper: after each
+// eviction the controller renumbers the survivors 0..n-1 and re-rotates their keys
+// (PagedKvCache::RenumberPositions), and the engine rotates new tokens at the live count.
 #include <algorithm>
 
 #include "policy/policy_base.h"

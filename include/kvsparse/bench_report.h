@@ -1,0 +1,23 @@
+// Reports of `kvsparse bench` from its result rows: a Markdown summary (accuracy per task,
+// protocol, method, budget and length; fidelity; latency and memory; the method ordering
+// per budget) and PNG plots drawn by python3-matplotlib from the JSON lines.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+std::string BenchReportMarkdown(const std::vector<nlohmann::json>& rows);
+
+// Writes plot_bench.py into out_dir and runs it on results_path: accuracy vs KV memory with
+// the Pareto frontier per task and protocol, latency vs context length per method, kept
+// tokens per layer. Returns the PNG paths written. Unavailable (python3 or matplotlib
+// missing) → FailedPrecondition with what to install; the Markdown report does not need it.
+StatusOr<std::vector<std::string>> WriteBenchPlots(const std::string& results_path, const std::string& out_dir);
+
+}  // namespace kvsparse

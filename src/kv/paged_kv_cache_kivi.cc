@@ -1,0 +1,345 @@
+// int8_kivi storage of PagedKvCache (KIVI, Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric
+// 2bit Quantization for KV Cache"; here symmetric int8): keys quantized per channel over the
+// tokens of a page, values per token, the last partly filled page in full precision.
+//
+// A table of an int8_kivi layer is its full quantized pages followed, when its token count is
+// not a multiple of the page size, by one residual page in the f16 layout (from the f16 pool).
+// Append fills the residual page and quantizes it, as one group, when it fills (a run of whole
+// pages in one call is quantized straight from the f32 input). Eviction stages every survivor
+// from the first rewritten page on (K dequantized to f32, V keeping its int8 codes), releases
+// the old pages and writes new ones: full pages requantized from their new group, the rest as
+// the residual. Writing fresh pages (never in place) makes shared pages copy-on-write for free;
+// freed pages are reused first (LIFO), so this costs no extra memory.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "kv/kv_quant.h"
+#include "kvsparse/dtype.h"
+#include "kvsparse/ops.h"
+#include "kvsparse/paged_kv_cache.h"
+
+namespace kvsparse {
+
+namespace {
+
+size_t Align64(size_t n) { return (n + 63) / 64 * 64; }
+
+}  // namespace
+
+void PagedKvCache::SetKiviLayout(Layer* layer) const {
+  const size_t P = static_cast<size_t>(page_size_);
+  const size_t H = static_cast<size_t>(layer->layout.row_heads);
+  const size_t D = static_cast<size_t>(geometry_.head_dim);
+  layer->kivi = true;
+  PageLayout& p = layer->layout;  // quantized page
+  p.row_bytes = H * D;            // int8
+  p.k_offset = 0;
+  p.v_offset = Align64(P * p.row_bytes);
+  p.positions_offset = p.v_offset + Align64(P * p.row_bytes);
+  p.v_scale_offset = p.positions_offset + Align64(P * sizeof(int32_t));
+  p.k_channel_scale_offset = p.v_scale_offset + Align64(P * H * sizeof(float));
+  p.k_scale_offset = 0;  // no per-token K scales
+  p.page_bytes = p.k_channel_scale_offset + Align64(H * D * sizeof(float));
+  // The K channel scales belong to the page, not to a token: live bytes add them per page.
+  p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + H * sizeof(float);
+
+  PageLayout& r = layer->residual_layout;  // the f16 layout, so the f16 pool can serve it
+  r.row_heads = p.row_heads;
+  r.row_bytes = H * D * KvStorageValueBytes(kKiviResidualStorage);
+  r.k_offset = 0;
+  r.v_offset = Align64(P * r.row_bytes);
+  r.positions_offset = r.v_offset + Align64(P * r.row_bytes);
+  r.page_bytes = r.positions_offset + Align64(P * sizeof(int32_t));
+  r.token_bytes = 2 * r.row_bytes + sizeof(int32_t);
+}
+
+PageId PagedKvCache::AllocateResidualPage(int layer) {
+  Layer& L = layers_[layer];
+  StatusOr<PageId> id = L.residual_pool->Allocate();
+  KVS_CHECK_MSG(id.ok(), "residual page allocation failed after the budget check: " + id.status().ToString());
+  ++L.residual_pages;
+  ++pages_in_use_;
+  peak_pages_in_use_ = std::max(peak_pages_in_use_, pages_in_use_);
+  return *id;
+}
+
+void PagedKvCache::ReleaseResidualPage(int layer, PageId id, int32_t fill) {
+  Layer& L = layers_[layer];
+  if (!L.residual_pool->Release(id)) return;  // still shared
+  --L.residual_pages;
+  --pages_in_use_;
+  L.residual_slots -= fill;
+  KVS_CHECK(L.residual_pages >= 0 && L.residual_slots >= 0);
+}
+
+size_t PagedKvCache::PlanBytes(const Layer& L, const EvictPlan& plan) const {
+  return L.kivi ? plan.fresh_bytes : static_cast<size_t>(plan.fresh_pages) * L.layout.page_bytes;
+}
+
+size_t PagedKvCache::TableReserveBytes(int layer, int32_t max_tokens) const {
+  KVS_CHECK(layer >= 0 && layer < geometry_.n_layers && max_tokens >= 0);
+  const Layer& L = layers_[layer];
+  if (!L.kivi) {
+    const size_t pages = static_cast<size_t>((max_tokens + page_size_ - 1) / page_size_) + 1;
+    return pages * L.layout.page_bytes;
+  }
+  // Full pages, the residual, and the page a filling residual is quantized into before it is freed.
+  const size_t full_pages = static_cast<size_t>(max_tokens / page_size_) + 1;
+  return full_pages * L.layout.page_bytes + L.residual_layout.page_bytes;
+}
+
+void PagedKvCache::KiviStaging::Resize(int32_t tokens, int row_heads, int head_dim) {
+  const size_t n = static_cast<size_t>(tokens);
+  const size_t values = n * static_cast<size_t>(row_heads) * head_dim;
+  k.resize(values);
+  v.resize(values);
+  v_codes.resize(values);
+  v_scale.resize(n * static_cast<size_t>(row_heads));
+  v_coded.resize(n);
+  positions.resize(n);
+}
+
+void PagedKvCache::ReadKiviSlots(const Layer& L, const Table& t, size_t page_index, int32_t slot, int32_t count,
+                                 KiviStaging* st, int32_t at) const {
+  const bool residual = IsResidualPage(L, t, page_index);
+  const PageLayout& p = residual ? L.residual_layout : L.layout;
+  const uint8_t* page = PoolOf(L, t, page_index)->data(t.pages[page_index]);
+  const int rh = p.row_heads, D = geometry_.head_dim;
+  const size_t row_values = static_cast<size_t>(rh) * D;
+  const size_t first = static_cast<size_t>(at) * row_values;  // staged values before `at`
+  const size_t values = static_cast<size_t>(count) * row_values;
+  std::memcpy(st->positions.data() + at, page + p.positions_offset + slot * sizeof(int32_t),
+              count * sizeof(int32_t));
+  if (residual) {
+    ops::DequantizeRow(DType::kF16, page + p.k_offset + slot * p.row_bytes, st->k.data() + first,
+                       static_cast<int64_t>(values));
+    ops::DequantizeRow(DType::kF16, page + p.v_offset + slot * p.row_bytes, st->v.data() + first,
+                       static_cast<int64_t>(values));
+    std::fill(st->v_coded.begin() + at, st->v_coded.begin() + at + count, 0);
+    return;
+  }
+  const int8_t* k_codes = reinterpret_cast<const int8_t*>(page + p.k_offset) + slot * row_values;
+  const int8_t* v_codes = reinterpret_cast<const int8_t*>(page + p.v_offset) + slot * row_values;
+  const float* channel_scale = reinterpret_cast<const float*>(page + p.k_channel_scale_offset);  // [rh, D]
+  const float* v_scale = reinterpret_cast<const float*>(page + p.v_scale_offset) + static_cast<size_t>(slot) * rh;
+  ops::DequantizeKvColumnsInt8(k_codes, channel_scale, count, static_cast<int>(row_values), st->k.data() + first);
+  ops::DequantizeKvRowsInt8(v_codes, v_scale, static_cast<int64_t>(count) * rh, D, st->v.data() + first);
+  std::memcpy(st->v_codes.data() + first, v_codes, values);
+  std::memcpy(st->v_scale.data() + static_cast<size_t>(at) * rh, v_scale, static_cast<size_t>(count) * rh * sizeof(float));
+  std::fill(st->v_coded.begin() + at, st->v_coded.begin() + at + count, 1);
+}
+
+void PagedKvCache::WriteKiviPage(const Layer& L, uint8_t* page, bool residual, int32_t slot, const KiviStaging& st,
+                                 int32_t at, int32_t count) {
+  const PageLayout& p = residual ? L.residual_layout : L.layout;
+  const int rh = p.row_heads, D = geometry_.head_dim;
+  const size_t row_values = static_cast<size_t>(rh) * D;
+  const size_t first = static_cast<size_t>(at) * row_values;
+  const size_t values = static_cast<size_t>(count) * row_values;
+  std::memcpy(page + p.positions_offset + slot * sizeof(int32_t), st.positions.data() + at, count * sizeof(int32_t));
+  if (residual) {
+    ops::QuantizeRow(DType::kF16, st.k.data() + first, page + p.k_offset + slot * p.row_bytes,
+                     static_cast<int64_t>(values));
+    ops::QuantizeRow(DType::kF16, st.v.data() + first, page + p.v_offset + slot * p.row_bytes,
+                     static_cast<int64_t>(values));
+    return;
+  }
+  KVS_CHECK_MSG(slot == 0 && count == page_size_, "an int8_kivi page is quantized whole");
+  int8_t* k_codes = reinterpret_cast<int8_t*>(page + p.k_offset);
+  int8_t* v_codes = reinterpret_cast<int8_t*>(page + p.v_offset);
+  float* channel_scale = reinterpret_cast<float*>(page + p.k_channel_scale_offset);  // [rh, D]
+  float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset);                 // [P, rh]
+  ops::QuantizeKvColumnsInt8(st.k.data() + first, count, static_cast<int>(row_values), k_codes, channel_scale);
+  for (int32_t j = 0; j < count; ++j) {
+    const size_t src = first + static_cast<size_t>(j) * row_values;
+    if (st.v_coded[at + j]) {  // moved from a quantized page: keep its codes bit for bit
+      std::memcpy(v_codes + j * row_values, st.v_codes.data() + src, row_values);
+      std::memcpy(v_scale + static_cast<size_t>(j) * rh, st.v_scale.data() + static_cast<size_t>(at + j) * rh,
+                  rh * sizeof(float));
+    } else {
+      ops::QuantizeKvRowsInt8(st.v.data() + src, rh, D, v_codes + j * row_values, v_scale + static_cast<size_t>(j) * rh);
+    }
+  }
+}
+
+Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, const float* v,
+                                const int32_t* positions) {
+  Layer& L = layers_[layer];
+  const int32_t P = page_size_;
+  const int64_t page_bytes = static_cast<int64_t>(L.layout.page_bytes);
+  const int64_t residual_bytes = static_cast<int64_t>(L.residual_layout.page_bytes);
+
+  // Budget first, by walking the same steps as below: the peak of bytes allocated minus bytes
+  // freed (a residual page is freed right after its quantized page is allocated).
+  int64_t extra = 0, peak = 0, new_pages = 0;
+  auto allocate = [&](int64_t bytes) {
+    extra += bytes;
+    peak = std::max(peak, extra);
+    ++new_pages;
+  };
+  for (int h = 0; h < L.n_tables; ++h) {
+    const Table& t = table(seq, layer, h);
+    int32_t r = t.n % P;
+    bool shared = r > 0 && L.residual_pool->refcount(t.pages.back()) > 1;
+    for (int32_t left = n; left > 0;) {
+      const int32_t c = std::min(left, P - r);
+      if (r + c == P) {  // a page fills: quantize it, free the residual
+        allocate(page_bytes);
+        if (r > 0 && !shared) extra -= residual_bytes;
+        r = 0;
+        shared = false;
+      } else {  // into the residual page: a new one, or a copy of a shared one
+        if (r == 0 || shared) allocate(residual_bytes);
+        r += c;
+        shared = false;
+      }
+      left -= c;
+    }
+  }
+  if (!budget_.CanAfford(static_cast<size_t>(peak))) {
+    return BudgetError("append", seq, layer, -1, new_pages, static_cast<size_t>(peak));
+  }
+
+  const int rh = L.layout.row_heads, D = geometry_.head_dim;
+  const size_t row_values = static_cast<size_t>(rh) * D;
+  const size_t in_stride = static_cast<size_t>(geometry_.n_kv_heads) * D;  // floats between input tokens
+  KiviStaging& st = kivi_stage_;
+  st.Resize(P, rh, D);
+  for (int h = 0; h < L.n_tables; ++h) {
+    Table& t = table(seq, layer, h);
+    const size_t head_offset = L.per_head ? static_cast<size_t>(h) * D : 0;
+    // Stages input tokens [from, from + count) at staged index `at`.
+    auto stage_input = [&](int32_t from, int32_t count, int32_t at) {
+      for (int32_t j = 0; j < count; ++j) {
+        const size_t src = static_cast<size_t>(from + j) * in_stride + head_offset;
+        const size_t dst = static_cast<size_t>(at + j) * row_values;
+        std::memcpy(st.k.data() + dst, k + src, row_values * sizeof(float));
+        std::memcpy(st.v.data() + dst, v + src, row_values * sizeof(float));
+        st.v_coded[at + j] = 0;
+        st.positions[at + j] = positions[from + j];
+      }
+    };
+    for (int32_t done = 0; done < n;) {
+      const int32_t r = t.n % P;
+      const int32_t c = std::min(n - done, P - r);
+      if (r + c == P) {
+        // The page fills: its residual tokens and the new ones are quantized as one group.
+        if (r > 0) ReadKiviSlots(L, t, t.pages.size() - 1, 0, r, &st, 0);
+        stage_input(done, c, r);
+        const PageId id = AllocatePage(layer);
+        WriteKiviPage(L, L.pool->data(id), /*residual=*/false, 0, st, 0, P);
+        if (r > 0) {
+          ReleaseResidualPage(layer, t.pages.back(), r);
+          t.pages.back() = id;
+        } else {
+          t.pages.push_back(id);
+        }
+        L.live_slots += P;
+      } else {
+        if (r == 0) {
+          t.pages.push_back(AllocateResidualPage(layer));
+        } else if (L.residual_pool->refcount(t.pages.back()) > 1) {
+          // Copy-on-write: the residual page is shared with another sequence.
+          const PageId shared = t.pages.back();
+          ReadKiviSlots(L, t, t.pages.size() - 1, 0, r, &st, 0);
+          const PageId own = AllocateResidualPage(layer);
+          WriteKiviPage(L, L.residual_pool->data(own), /*residual=*/true, 0, st, 0, r);
+          L.residual_slots += r;
+          ReleaseResidualPage(layer, shared, r);
+          t.pages.back() = own;
+          ++cow_pages_;
+        }
+        stage_input(done, c, 0);
+        WriteKiviPage(L, L.residual_pool->data(t.pages.back()), /*residual=*/true, r, st, 0, c);
+        L.residual_slots += c;
+      }
+      t.n += c;
+      done += c;
+    }
+  }
+  return Status::Ok();
+}
+
+PagedKvCache::EvictPlan PagedKvCache::PlanEvictKivi(const Table& t, const Layer& L, const uint8_t* keep) const {
+  EvictPlan plan;
+  int32_t i = 0;
+  while (i < t.n && keep[i]) ++i;
+  if (i == t.n) return plan;  // keeps everything
+  plan.first_drop = i;
+  plan.n_keep = i;
+  for (; i < t.n; ++i) plan.n_keep += keep[i] ? 1 : 0;
+  // Pages from the first dropped token's on are released (exclusive ones free their bytes
+  // first) and rewritten: full pages quantized, the rest as a residual page.
+  const int32_t P = page_size_;
+  const int32_t first_page = plan.first_drop / P;
+  const int32_t full_pages = plan.n_keep / P;
+  const bool residual = plan.n_keep % P != 0;
+  plan.fresh_pages = full_pages - first_page + (residual ? 1 : 0);
+  const size_t needed = static_cast<size_t>(full_pages - first_page) * L.layout.page_bytes +
+                        (residual ? L.residual_layout.page_bytes : 0);
+  size_t freed = 0;
+  for (size_t d = static_cast<size_t>(first_page); d < t.pages.size(); ++d) {
+    if (PoolOf(L, t, d)->refcount(t.pages[d]) == 1) freed += LayoutOf(L, t, d).page_bytes;
+  }
+  plan.fresh_bytes = needed > freed ? needed - freed : 0;
+  return plan;
+}
+
+void PagedKvCache::ApplyEvictKivi(Table& t, int layer, const uint8_t* keep, const EvictPlan& plan) {
+  Layer& L = layers_[layer];
+  const int32_t P = page_size_;
+  const int32_t n_old = t.n;
+  const int32_t first_page = plan.first_drop / P;
+  const int32_t full_pages = plan.n_keep / P;
+  const int32_t residual = plan.n_keep % P;
+
+  // Stage the survivors of the rewritten pages, run by run within each page.
+  KiviStaging& st = kivi_stage_;
+  st.Resize(plan.n_keep - first_page * P, L.layout.row_heads, geometry_.head_dim);
+  int32_t at = 0;
+  for (int32_t i = first_page * P; i < n_old;) {
+    if (!keep[i]) {
+      ++i;
+      continue;
+    }
+    int32_t run_end = i + 1;
+    while (run_end < n_old && keep[run_end] && run_end % P != 0) ++run_end;
+    ReadKiviSlots(L, t, static_cast<size_t>(i / P), i % P, run_end - i, &st, at);
+    at += run_end - i;
+    i = run_end;
+  }
+  KVS_CHECK(at == plan.n_keep - first_page * P);
+  moved_tokens_ += plan.n_keep - plan.first_drop;
+
+  // Release the old pages (shared ones stay for their other tables), then write new ones.
+  const int32_t new_count = full_pages + (residual > 0 ? 1 : 0);
+  for (size_t d = static_cast<size_t>(first_page); d < t.pages.size(); ++d) {
+    const bool is_residual = IsResidualPage(L, t, d);
+    if (static_cast<int32_t>(d) < new_count && PoolOf(L, t, d)->refcount(t.pages[d]) > 1) ++cow_pages_;
+    if (is_residual) {
+      ReleaseResidualPage(layer, t.pages[d], PageFill(t, d));
+    } else {
+      ReleasePage(layer, t.pages[d], P);
+    }
+  }
+  t.pages.resize(first_page);
+  t.n = first_page * P;
+  for (int32_t d = first_page; d < full_pages; ++d) {
+    const PageId id = AllocatePage(layer);
+    WriteKiviPage(L, L.pool->data(id), /*residual=*/false, 0, st, (d - first_page) * P, P);
+    t.pages.push_back(id);
+    t.n += P;
+    L.live_slots += P;
+  }
+  if (residual > 0) {
+    const PageId id = AllocateResidualPage(layer);
+    WriteKiviPage(L, L.residual_pool->data(id), /*residual=*/true, 0, st, (full_pages - first_page) * P, residual);
+    t.pages.push_back(id);
+    t.n += residual;
+    L.residual_slots += residual;
+  }
+  KVS_CHECK(t.n == plan.n_keep);
+}
+
+}  // namespace kvsparse

@@ -1,0 +1,331 @@
+// The built-in retrieval model solves token-level needle, multi-key and copy tasks with the
+// full cache (dense, and paged with int8 KV), and fails a deep needle exactly when the sparse
+// cache drops it (StreamingLLM with a small budget). The tasks are built here from
+// RetrievalModelVocab(); the benchmark's own generators live in src/bench.
+#include "kvsparse/retrieval_model.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kvsparse/contiguous_kv_cache.h"
+#include "kvsparse/kv_config.h"
+#include "kvsparse/model.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+// One thread: the model is tiny, and on a loaded machine OpenMP barriers cost more than they save.
+constexpr int kThreads = 1;
+
+struct Task {
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> answer;  // the tokens greedy decoding must produce, in order
+};
+
+int32_t Pick(const std::vector<int32_t>& ids, std::mt19937& rng) {
+  return ids[std::uniform_int_distribution<size_t>(0, ids.size() - 1)(rng)];
+}
+
+std::vector<int32_t> Haystack(const TokenVocab& v, int n, std::mt19937& rng) {
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  for (int32_t& t : out) t = Pick(v.filler, rng);
+  return out;
+}
+
+// Filler with one key followed by n_values distinct values at a depth in [min_depth, max_depth];
+// the key is asked last and the answer is the values in order.
+Task NeedleTask(const TokenVocab& v, int length, int min_depth, int max_depth, std::mt19937& rng, int n_values = 1) {
+  Task task{Haystack(v, length, rng), {}};
+  const int depth = std::uniform_int_distribution<int>(min_depth, max_depth)(rng);
+  const int32_t key = Pick(v.keys, rng);
+  std::vector<int32_t> values = v.values;
+  std::shuffle(values.begin(), values.end(), rng);
+  values.resize(static_cast<size_t>(n_values));
+  task.prompt[static_cast<size_t>(depth)] = key;
+  std::copy(values.begin(), values.end(), task.prompt.begin() + depth + 1);
+  task.prompt.back() = key;
+  task.answer = values;
+  return task;
+}
+Task NeedleTask(const TokenVocab& v, int length, std::mt19937& rng) {
+  return NeedleTask(v, length, 0, length - 3, rng);
+}
+
+// n_pairs distinct keys with random values at distinct random slots; one key is asked.
+Task MultiKeyTask(const TokenVocab& v, int length, int n_pairs, std::mt19937& rng) {
+  Task task{Haystack(v, length, rng), {}};
+  std::vector<int32_t> keys = v.keys;
+  std::shuffle(keys.begin(), keys.end(), rng);
+  // Slots of two tokens each, none touching the question at the end.
+  std::vector<int> slots((length - 1) / 2);
+  for (size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<int>(2 * i);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  std::vector<int32_t> values;
+  for (int p = 0; p < n_pairs; ++p) {
+    values.push_back(Pick(v.values, rng));
+    task.prompt[static_cast<size_t>(slots[p])] = keys[p];
+    task.prompt[static_cast<size_t>(slots[p]) + 1] = values.back();
+  }
+  const int asked = std::uniform_int_distribution<int>(0, n_pairs - 1)(rng);
+  task.prompt.back() = keys[asked];
+  task.answer = {values[asked]};
+  return task;
+}
+
+// A span of distinct key/value tokens somewhere in the filler; the prompt ends with the span's
+// first token and the model must continue with the rest of it.
+Task CopyTask(const TokenVocab& v, int length, int span, std::mt19937& rng) {
+  std::vector<int32_t> pool = v.keys;
+  pool.insert(pool.end(), v.values.begin(), v.values.end());
+  std::shuffle(pool.begin(), pool.end(), rng);
+  pool.resize(static_cast<size_t>(span));
+  Task task{Haystack(v, length, rng), {}};
+  const int depth = std::uniform_int_distribution<int>(0, length - span - 2)(rng);
+  std::copy(pool.begin(), pool.end(), task.prompt.begin() + depth);
+  task.prompt.back() = pool[0];
+  task.answer.assign(pool.begin() + 1, pool.end());
+  return task;
+}
+
+int32_t ArgMax(const std::vector<float>& x) {
+  return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin());
+}
+
+// Greedy decoding of task.answer.size() tokens; true when all match.
+bool Solve(Engine& engine, const Task& task) {
+  const int n_vocab = engine.model().config().n_vocab;
+  std::vector<float> logits(static_cast<size_t>(n_vocab));
+  const int32_t n = static_cast<int32_t>(task.prompt.size());
+  EXPECT_TRUE(engine.Forward(0, task.prompt.data(), n, 0, logits.data()).ok());
+  for (size_t i = 0; i < task.answer.size(); ++i) {
+    int32_t token = ArgMax(logits);
+    if (token != task.answer[i]) return false;
+    if (i + 1 == task.answer.size()) break;
+    EXPECT_TRUE(engine.Forward(0, &token, 1, n + static_cast<int32_t>(i), logits.data()).ok());
+  }
+  return true;
+}
+
+KvGeometry Geometry(const Model& m) {
+  return KvGeometry{m.config().n_layers, m.config().n_kv_heads, m.config().head_dim};
+}
+
+// Fraction of tasks solved with a fresh dense f32 cache per task.
+double DenseAccuracy(const Model& model, const std::vector<Task>& tasks) {
+  int solved = 0;
+  for (const Task& task : tasks) {
+    ContiguousKvCache cache(Geometry(model), KvStorage::kF32, 1,
+                            static_cast<int32_t>(task.prompt.size() + task.answer.size()));
+    Engine engine(model, &cache, kThreads);
+    solved += Solve(engine, task);
+  }
+  return static_cast<double>(solved) / static_cast<double>(tasks.size());
+}
+
+// The same through the paged cache and the sparsity controller, every layer configured alike.
+double SparseAccuracy(const Model& model, const std::vector<Task>& tasks, const std::string& method,
+                      const std::string& budget, const std::string& kv_type) {
+  auto config = KvSparsityConfigFromFlags(method, budget, kv_type, model.config().n_layers);
+  EXPECT_TRUE(config.ok()) << config.status().ToString();
+  int solved = 0;
+  for (const Task& task : tasks) {
+    auto setup = CreateSparseKv(Geometry(model), *config, 1,
+                                static_cast<int32_t>(task.prompt.size() + task.answer.size()));
+    EXPECT_TRUE(setup.ok()) << setup.status().ToString();
+    Engine engine(model, setup->cache.get(), kThreads, setup->controller.get());
+    solved += Solve(engine, task);
+  }
+  return static_cast<double>(solved) / static_cast<double>(tasks.size());
+}
+
+template <typename Make>
+std::vector<Task> Tasks(int n, uint64_t seed, Make make) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<Task> tasks;
+  for (int i = 0; i < n; ++i) tasks.push_back(make(rng));
+  return tasks;
+}
+
+void Report(const std::string& what, double accuracy) {
+  std::printf("[ accuracy ] %-52s %5.1f%%\n", what.c_str(), 100.0 * accuracy);
+  ::testing::Test::RecordProperty(what, std::to_string(accuracy));
+}
+
+class RetrievalModelTest : public ::testing::Test {
+ protected:
+  // Two layers (the minimum, and the cheapest to run); the default's extra no-op layers are
+  // checked separately.
+  static void SetUpTestSuite() {
+    const std::string path = testing::TempPath("retrieval-2l.gguf");
+    RetrievalModelOptions options;
+    options.n_layers = 2;
+    ASSERT_TRUE(WriteRetrievalModel(options, path).ok());
+    auto model = Model::Load(path);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    model_ = nullptr;
+  }
+  static const Model& model() { return *model_; }
+  static inline Model* model_ = nullptr;
+  const TokenVocab vocab_ = RetrievalModelVocab();
+};
+
+TEST_F(RetrievalModelTest, VocabIsDistinctAndInRange) {
+  std::set<int32_t> all;
+  for (const auto* ids : {&vocab_.filler, &vocab_.keys, &vocab_.values}) {
+    EXPECT_FALSE(ids->empty());
+    for (int32_t id : *ids) {
+      EXPECT_GE(id, 0);
+      EXPECT_LT(id, model().config().n_vocab);
+      EXPECT_TRUE(all.insert(id).second) << "id " << id << " appears twice";
+    }
+  }
+  EXPECT_EQ(model().config().arch, Arch::kLlama);
+  EXPECT_EQ(model().config().n_layers, 2);
+  EXPECT_GE(model().config().max_context, 32768);
+}
+
+TEST_F(RetrievalModelTest, RejectsBadOptions) {
+  RetrievalModelOptions one_layer;
+  one_layer.n_layers = 1;
+  const Status s = WriteRetrievalModel(one_layer, testing::TempPath("bad.gguf"));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("n_layers"), std::string::npos) << s.message();
+  RetrievalModelOptions q4;
+  q4.weight_type = DType::kQ4_0;
+  EXPECT_EQ(WriteRetrievalModel(q4, testing::TempPath("bad.gguf")).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(RetrievalModelTest, NeedleWithFullCache) {
+  for (int length : {256, 1024}) {
+    const double acc = DenseAccuracy(model(), Tasks(20, length, [&](std::mt19937& rng) {
+                                       return NeedleTask(vocab_, length, rng);
+                                     }));
+    Report("needle, dense f32, length " + std::to_string(length) + " (20 seeds)", acc);
+    EXPECT_GE(acc, 0.95);
+  }
+  const double acc = DenseAccuracy(model(), Tasks(3, 4096, [&](std::mt19937& rng) {
+                                     return NeedleTask(vocab_, 4096, rng);
+                                   }));
+  Report("needle, dense f32, length 4096 (3 seeds)", acc);
+  EXPECT_GE(acc, 0.95);
+}
+
+// The first token attends to itself in layer 0, so a key there also looks like its own
+// successor; the own-token penalty must still make the value win.
+TEST_F(RetrievalModelTest, NeedleAtTheEdges) {
+  for (int depth : {0, 1, 253}) {  // 253: the value sits right before the question
+    const double acc = DenseAccuracy(model(), Tasks(5, depth + 7, [&](std::mt19937& rng) {
+                                       return NeedleTask(vocab_, 256, depth, depth, rng);
+                                     }));
+    EXPECT_EQ(acc, 1.0) << "needle at depth " << depth;
+  }
+}
+
+TEST_F(RetrievalModelTest, MultiKey) {
+  const double acc = DenseAccuracy(model(), Tasks(20, 11, [&](std::mt19937& rng) {
+                                     return MultiKeyTask(vocab_, 1024, 8, rng);
+                                   }));
+  Report("multi-key (8 pairs, 1 asked), dense f32, length 1024", acc);
+  EXPECT_GE(acc, 0.95);
+}
+
+TEST_F(RetrievalModelTest, CopyContinuesASpan) {
+  const double acc = DenseAccuracy(model(), Tasks(10, 12, [&](std::mt19937& rng) {
+                                     return CopyTask(vocab_, 1024, 16, rng);
+                                   }));
+  Report("copy (16-token span, all correct), dense f32, length 1024", acc);
+  EXPECT_GE(acc, 0.95);
+}
+
+// The engine evicts after each prompt chunk's attention (chunks of 512 by default), so the
+// question's own chunk is always seen in full: a needle only counts as evicted when it lies in
+// an earlier chunk, and the answer's first token comes from the prompt pass itself.
+TEST_F(RetrievalModelTest, PagedFullPassesAndStreamingLlmFailsADeepNeedle) {
+  // The needle lies in the first of two chunks, outside StreamingLLM's 4 sinks + 60 recent tokens.
+  const auto tasks = Tasks(20, 13, [&](std::mt19937& rng) { return NeedleTask(vocab_, 1024, 16, 400, rng); });
+  const double full = SparseAccuracy(model(), tasks, "full", "", "f32");
+  const double full_int8 = SparseAccuracy(model(), tasks, "full", "", "int8");
+  const double streaming = SparseAccuracy(model(), tasks, "streaming_llm", "64", "f32");
+  Report("deep needle, paged full f32, length 1024", full);
+  Report("deep needle, paged full int8, length 1024", full_int8);
+  Report("deep needle, paged streaming_llm budget 64, length 1024", streaming);
+  EXPECT_GE(full, 0.95);
+  EXPECT_GE(full_int8, 0.95);
+  EXPECT_EQ(streaming, 0.0);
+  // A needle inside the recent window survives StreamingLLM.
+  const double recent = SparseAccuracy(model(), Tasks(10, 14, [&](std::mt19937& rng) {
+                                         return NeedleTask(vocab_, 1024, 1024 - 40, 1024 - 3, rng);
+                                       }),
+                                       "streaming_llm", "64", "f32");
+  Report("recent needle, paged streaming_llm budget 64, length 1024", recent);
+  EXPECT_GE(recent, 0.95);
+}
+
+// One prompt chunk with the question last and a three-token answer: the first token comes from
+// the full prompt pass, the next two must be retrieved from the compressed cache. SnapKV's
+// observation window holds the question, which votes for the first value, and its pooling
+// keeps the neighbours that the rest of the answer needs; StreamingLLM keeps neither.
+TEST_F(RetrievalModelTest, SnapKvKeepsTheNeedleTheQuestionPointsAt) {
+  const auto tasks = Tasks(20, 15, [&](std::mt19937& rng) { return NeedleTask(vocab_, 512, 16, 400, rng, 3); });
+  const double snapkv = SparseAccuracy(model(), tasks, "snapkv", "64", "f32");
+  const double streaming = SparseAccuracy(model(), tasks, "streaming_llm", "64", "f32");
+  Report("3-token needle, one chunk, snapkv budget 64, length 512", snapkv);
+  Report("3-token needle, one chunk, streaming_llm budget 64, length 512", streaming);
+  EXPECT_GE(snapkv, 0.95);
+  EXPECT_EQ(streaming, 0.0);
+}
+
+TEST(RetrievalModelDefaultTest, DefaultLayersAndF16Weights) {
+  RetrievalModelOptions options;  // 4 layers, two of them no-ops
+  options.weight_type = DType::kF16;
+  const std::string path = testing::TempPath("retrieval-default-f16.gguf");
+  ASSERT_TRUE(WriteRetrievalModel(options, path).ok());
+  auto model = Model::Load(path);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  EXPECT_EQ((*model)->config().n_layers, 4);
+  const TokenVocab vocab = RetrievalModelVocab();
+  const double acc = DenseAccuracy(**model, Tasks(10, 21, [&](std::mt19937& rng) {
+                                     return NeedleTask(vocab, 1024, rng);
+                                   }));
+  Report("needle, 4 layers f16 weights, dense f32, length 1024", acc);
+  EXPECT_GE(acc, 0.95);
+}
+
+TEST(RetrievalModelDefaultTest, BuiltinPathIsWrittenOnceAndReused) {
+  const std::string dir = testing::TempPath("cache");
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(setenv("KVSPARSE_CACHE", dir.c_str(), 1), 0);
+  auto first = BuiltinRetrievalModelPath();
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  const auto written = std::filesystem::last_write_time(*first);
+  auto second = BuiltinRetrievalModelPath();
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(*first, *second);
+  EXPECT_EQ(std::filesystem::last_write_time(*second), written);
+  // Only the model remains: no temp files left behind.
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) files += entry.is_regular_file();
+  EXPECT_EQ(files, 1);
+  auto model = Model::Load(*first);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  EXPECT_EQ((*model)->config().n_layers, RetrievalModelOptions{}.n_layers);
+  unsetenv("KVSPARSE_CACHE");
+}
+
+}  // namespace
+}  // namespace kvsparse

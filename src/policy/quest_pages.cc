@@ -1,0 +1,248 @@
+// Quest's page index, bound, page choice and span filter (see quest_pages.h).
+#include "kvsparse/quest_pages.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+namespace {
+
+// Token t of `span` as stored, dequantized to f32: out [n_kv_heads, head_dim]. `type` is the
+// span's own storage (SpanStorage). Scales are applied per element, as attention does.
+void LoadKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_heads, int head_dim, float* out) {
+  const size_t row = static_cast<size_t>(n_kv_heads) * head_dim;
+  const size_t at = static_cast<size_t>(t) * row;  // k: [n, n_kv_heads, head_dim]
+  switch (type) {
+    case KvStorage::kF32: std::memcpy(out, static_cast<const float*>(span.k) + at, row * sizeof(float)); return;
+    case KvStorage::kF16: {
+      const f16_bits* k = static_cast<const f16_bits*>(span.k) + at;
+      for (size_t i = 0; i < row; ++i) out[i] = F16ToF32(k[i]);
+      return;
+    }
+    case KvStorage::kInt8: {
+      const int8_t* k = static_cast<const int8_t*>(span.k) + at;
+      for (int h = 0; h < n_kv_heads; ++h) {
+        const float scale = span.k_scale[static_cast<size_t>(t) * n_kv_heads + h];  // [n, n_kv_heads]
+        for (int c = 0; c < head_dim; ++c) out[h * head_dim + c] = scale * k[h * head_dim + c];
+      }
+      return;
+    }
+    case KvStorage::kInt8Kivi: {  // one scale per (page, kv head, channel)
+      const int8_t* k = static_cast<const int8_t*>(span.k) + at;
+      for (size_t i = 0; i < row; ++i) out[i] = span.k_channel_scale[i] * k[i];
+      return;
+    }
+  }
+}
+
+// `count` tokens of `span` from token `offset`, as a span of their own.
+KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int32_t count, int n_kv_heads,
+               int head_dim) {
+  const size_t value_bytes = KvStorageValueBytes(SpanStorage(layer_storage, span));  // K and V alike
+  const size_t skip_rows = static_cast<size_t>(offset) * n_kv_heads;
+  KvSpan out = span;
+  out.k = static_cast<const uint8_t*>(span.k) + skip_rows * head_dim * value_bytes;
+  out.v = static_cast<const uint8_t*>(span.v) + skip_rows * head_dim * value_bytes;
+  out.positions = span.positions + offset;
+  if (span.k_scale != nullptr) out.k_scale = span.k_scale + skip_rows;
+  if (span.v_scale != nullptr) out.v_scale = span.v_scale + skip_rows;
+  // k_channel_scale belongs to the whole page: unchanged.
+  out.n = count;
+  return out;
+}
+
+}  // namespace
+
+QuestPageIndex::QuestPageIndex(int32_t page_tokens, int n_kv_heads, int head_dim)
+    : page_tokens_(page_tokens),
+      n_kv_heads_(n_kv_heads),
+      head_dim_(head_dim),
+      row_(static_cast<size_t>(n_kv_heads) * head_dim),
+      unstable_from_(INT32_MAX),
+      key_row_(row_) {
+  KVS_CHECK_MSG(page_tokens >= 1 && n_kv_heads >= 1 && head_dim >= 1, "QuestPageIndex: bad shape");
+}
+
+void QuestPageIndex::ResetPages(int32_t first_page, int32_t n_pages) {
+  const size_t need = static_cast<size_t>(n_pages) * row_;
+  min_.resize(need);
+  max_.resize(need);
+  const size_t from = static_cast<size_t>(first_page) * row_;
+  std::fill(min_.begin() + from, min_.end(), std::numeric_limits<float>::infinity());
+  std::fill(max_.begin() + from, max_.end(), -std::numeric_limits<float>::infinity());
+}
+
+void QuestPageIndex::Update(KvStorage storage, const KvSpan* spans, int32_t n_spans) {
+  int64_t n_live64 = 0;
+  for (int32_t s = 0; s < n_spans; ++s) n_live64 += spans[s].n;
+  KVS_CHECK(n_live64 <= INT32_MAX);
+  const int32_t n_live = static_cast<int32_t>(n_live64);
+
+  // Where folding starts: the first token not folded yet, or earlier when folded keys changed.
+  int32_t from = n_folded_;
+  if (n_folded_ > n_live) {
+    from = 0;  // tokens were removed
+  } else if (n_folded_ > 0) {
+    // Tokens already folded are unchanged iff the last of them still sits at its index:
+    // positions strictly increase, so removing any earlier token moves a later one there.
+    int32_t index = 0;
+    for (int32_t s = 0; s < n_spans; ++s) {
+      const int32_t t = n_folded_ - 1 - index;
+      if (t < spans[s].n) {
+        if (spans[s].positions[t] != last_position_) from = 0;
+        break;
+      }
+      index += spans[s].n;
+    }
+  }
+  if (from > 0 && unstable_from_ < n_folded_) {
+    // An int8_kivi residual folded at full precision: once quantized, its keys differ slightly.
+    int32_t index = 0;
+    for (int32_t s = 0; s < n_spans; ++s) {
+      if (unstable_from_ < index + spans[s].n) {
+        if (SpanStorage(storage, spans[s]) == storage) from = std::min(from, unstable_from_);
+        break;
+      }
+      index += spans[s].n;
+    }
+  }
+  const int32_t n_pages_now = (n_live + page_tokens_ - 1) / page_tokens_;
+  if (from < n_folded_) {
+    const int32_t first_page = from / page_tokens_;
+    from = first_page * page_tokens_;
+    ResetPages(first_page, n_pages_now);
+  } else {
+    ResetPages(n_pages(), n_pages_now);  // only the pages not begun yet
+  }
+  if (from <= unstable_from_) unstable_from_ = INT32_MAX;
+
+  int32_t index = 0;  // live index of the span's first token
+  for (int32_t s = 0; s < n_spans; ++s) {
+    const KvSpan& span = spans[s];
+    const KvStorage type = SpanStorage(storage, span);
+    for (int32_t i = std::max(0, from - index); i < span.n; ++i) {
+      const int32_t token = index + i;
+      if (type != storage) unstable_from_ = std::min(unstable_from_, token);
+      LoadKeyRow(type, span, i, n_kv_heads_, head_dim_, key_row_.data());
+      float* mn = &min_[static_cast<size_t>(token / page_tokens_) * row_];
+      float* mx = &max_[static_cast<size_t>(token / page_tokens_) * row_];
+      for (size_t e = 0; e < row_; ++e) {
+        mn[e] = std::min(mn[e], key_row_[e]);
+        mx[e] = std::max(mx[e], key_row_[e]);
+      }
+    }
+    index += span.n;
+  }
+  n_folded_ = n_live;
+  if (n_live > 0) last_position_ = spans[n_spans - 1].positions[spans[n_spans - 1].n - 1];
+}
+
+float QuestBound(const float* q, const float* key_min, const float* key_max, int head_dim) {
+  // Eight independent partial sums so the loop vectorizes without reassociation flags.
+  constexpr int kLanes = 8;
+  float acc[kLanes] = {};
+  int c = 0;
+  for (; c + kLanes <= head_dim; c += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float a = q[c + j] * key_min[c + j], b = q[c + j] * key_max[c + j];
+      acc[j] += a > b ? a : b;
+    }
+  }
+  float sum = 0.f;
+  for (; c < head_dim; ++c) sum += std::max(q[c] * key_min[c], q[c] * key_max[c]);
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  return sum;
+}
+
+namespace ref {
+double QuestBound(const float* q, const float* key_min, const float* key_max, int head_dim) {
+  double sum = 0.0;
+  for (int c = 0; c < head_dim; ++c) {
+    sum += std::max(static_cast<double>(q[c]) * key_min[c], static_cast<double>(q[c]) * key_max[c]);
+  }
+  return sum;
+}
+}  // namespace ref
+
+void QuestPageScores(const QuestPageIndex& index, const float* q, int n_q_heads, HeadReduce reduce, float* scores) {
+  const int heads = index.n_kv_heads(), d = index.head_dim();
+  KVS_CHECK_MSG(n_q_heads >= heads && n_q_heads % heads == 0,
+                "QuestPageScores: the query heads must be a multiple of the kv heads");
+  const int group = n_q_heads / heads;
+  const bool max = reduce == HeadReduce::kMax;
+  for (int32_t page = 0; page < index.n_pages(); ++page) {
+    const float* mn = index.page_min(page);
+    const float* mx = index.page_max(page);
+    float page_score = max ? -std::numeric_limits<float>::infinity() : 0.f;
+    for (int h = 0; h < heads; ++h) {
+      float head_score = max ? -std::numeric_limits<float>::infinity() : 0.f;
+      for (int g = 0; g < group; ++g) {
+        float b = QuestBound(q + static_cast<size_t>(h * group + g) * d, mn + static_cast<size_t>(h) * d,
+                             mx + static_cast<size_t>(h) * d, d);
+        if (std::isnan(b)) b = -std::numeric_limits<float>::infinity();
+        head_score = max ? std::max(head_score, b) : head_score + b;
+      }
+      if (!max) head_score /= static_cast<float>(group);
+      page_score = max ? std::max(page_score, head_score) : page_score + head_score;
+    }
+    if (!max) page_score /= static_cast<float>(heads);
+    scores[page] = std::isnan(page_score) ? -std::numeric_limits<float>::infinity() : page_score;
+  }
+}
+
+void QuestSelectPages(const float* scores, int32_t n_pages, int32_t page_tokens, int32_t n_tokens,
+                      int32_t budget_tokens, std::vector<int32_t>* order, std::vector<int32_t>* pages) {
+  pages->clear();
+  if (n_pages <= 0) return;
+  const int32_t last = n_pages - 1;
+  const int32_t last_tokens = n_tokens - last * page_tokens;  // the last page may be partly filled
+  // Every other page is full, so what fits is a whole number of pages.
+  const int32_t room = budget_tokens - last_tokens;
+  const int32_t k = std::min(room > 0 ? room / page_tokens : 0, last);
+  order->resize(static_cast<size_t>(last));
+  for (int32_t p = 0; p < last; ++p) (*order)[p] = p;
+  // (score descending, page ascending) is a strict total order: the choice is deterministic.
+  auto better = [scores](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
+  if (k < last) std::nth_element(order->begin(), order->begin() + k, order->end(), better);
+  pages->assign(order->begin(), order->begin() + k);
+  pages->push_back(last);
+  std::sort(pages->begin(), pages->end());
+}
+
+void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std::vector<int32_t>& pages,
+                      int32_t page_tokens, std::vector<KvSpan>* spans, std::vector<KvSpan>* scratch) {
+  scratch->clear();
+  size_t s = 0;
+  int32_t span_first = 0;  // live index of spans[s]'s first token
+  int32_t last_source = -1, last_end = -1;  // the run last emitted: its span and end (within the span)
+  for (int32_t page : pages) {
+    const int32_t first = page * page_tokens;
+    const int32_t end = first + page_tokens;
+    // Skip the spans that end before the page.
+    while (s < spans->size() && span_first + (*spans)[s].n <= first) span_first += (*spans)[s++].n;
+    // The spans the page overlaps (several when Quest pages are larger than cache pages).
+    int32_t t_first = span_first;
+    for (size_t t = s; t < spans->size() && t_first < end; t_first += (*spans)[t++].n) {
+      const KvSpan& span = (*spans)[t];
+      const int32_t lo = std::max(first, t_first) - t_first;
+      const int32_t hi = std::min(end, t_first + span.n) - t_first;
+      if (hi <= lo) continue;
+      if (last_source == static_cast<int32_t>(t) && last_end == lo) {
+        scratch->back().n += hi - lo;  // continues the previous run of the same span
+      } else {
+        scratch->push_back(SubSpan(storage, span, lo, hi - lo, n_kv_heads, head_dim));
+      }
+      last_source = static_cast<int32_t>(t);
+      last_end = hi;
+    }
+  }
+  spans->swap(*scratch);
+}
+
+}  // namespace kvsparse

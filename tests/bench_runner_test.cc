@@ -1,0 +1,237 @@
+// The method benchmark's runner: configuration enumeration, resume, shard + merge, reports,
+// on the built-in retrieval model (small and exact, so accuracies are known).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "kvsparse/bench_report.h"
+#include "kvsparse/bench_runner.h"
+#include "kvsparse/retrieval_model.h"
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempPath;
+
+const std::string& RetrievalModelFile() {
+  static const std::string path = [] {
+    const std::string p = TempPath("bench_runner_retrieval.gguf");
+    KVS_CHECK(WriteRetrievalModel(RetrievalModelOptions{}, p).ok());
+    return p;
+  }();
+  return path;
+}
+
+BenchSpec SmallSpec() {
+  BenchSpec spec;
+  spec.model_path = RetrievalModelFile();
+  spec.model_name = "retrieval";
+  spec.methods = {"full", "streaming_llm", "snapkv"};
+  spec.budgets = {"48"};
+  spec.lengths = {256};
+  spec.tasks = {"niah_single"};
+  spec.depths = {0.3};
+  spec.samples = 3;
+  spec.n_threads = 1;
+  return spec;
+}
+
+std::string FreshFile(const std::string& name) {
+  const std::string p = TempPath(name);
+  fs::remove(p);
+  return p;
+}
+
+TEST(BenchRunnerTest, EnumeratesFullOncePerKvType) {
+  BenchSpec spec = SmallSpec();
+  spec.budgets = {"0.1", "0.2"};
+  spec.kv_types = {"f16", "int8"};
+  spec.tasks = {"niah_single", "latency"};
+  // niah: 2 protocols x 2 kv types x (full + 2 methods x 2 budgets); latency: one protocol.
+  EXPECT_EQ(EnumerateBenchConfigs(spec).size(), 2u * 2 * 5 + 1u * 2 * 5);
+  std::set<std::string> keys;
+  for (const BenchConfig& c : EnumerateBenchConfigs(spec)) keys.insert(c.Key(spec));
+  EXPECT_EQ(keys.size(), EnumerateBenchConfigs(spec).size());
+}
+
+TEST(BenchRunnerTest, RejectsBadSpecs) {
+  BenchSpec spec = SmallSpec();
+  spec.methods = {"h2o", "nosuch"};
+  Status st = ValidateBenchSpec(spec);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("nosuch"), std::string::npos) << st.message();
+  spec = SmallSpec();
+  spec.budgets = {"-1"};
+  EXPECT_FALSE(ValidateBenchSpec(spec).ok());
+  spec = SmallSpec();
+  spec.tasks = {"no_task"};
+  EXPECT_FALSE(ValidateBenchSpec(spec).ok());
+  spec = SmallSpec();
+  spec.depths = {1.5};
+  EXPECT_FALSE(ValidateBenchSpec(spec).ok());
+  EXPECT_FALSE(ParseBenchShard("3/2").ok());
+  EXPECT_FALSE(ParseBenchShard("a/2").ok());
+  EXPECT_FALSE(ParseBenchShard("1").ok());
+  ASSERT_TRUE(ParseBenchShard("1/4").ok());
+  EXPECT_TRUE(ParseBenchShard("1/4")->Owns(5));
+}
+
+TEST(BenchRunnerTest, FullSolvesAndSmallStreamingWindowLosesTheNeedle) {
+  const BenchSpec spec = SmallSpec();
+  const std::string results = FreshFile("bench_runner_rows.jsonl");
+  BenchRunOptions options;
+  options.results_path = results;
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  auto rows = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), EnumerateBenchConfigs(spec).size());
+  for (const nlohmann::json& row : *rows) {
+    SCOPED_TRACE(row.dump());
+    ASSERT_TRUE(row.contains("accuracy"));
+    if (row["method"] == "full") {
+      EXPECT_DOUBLE_EQ(row["accuracy"].get<double>(), 1.0);
+    }
+    if (row["method"] == "streaming_llm" && row["protocol"] == "question_after") {
+      // 48 tokens of sinks + recent window cannot hold a needle at 30% of 256 tokens.
+      EXPECT_DOUBLE_EQ(row["accuracy"].get<double>(), 0.0);
+    }
+    EXPECT_EQ(row["samples"].get<int>(), 3);
+    EXPECT_GT(row["kv_allocated_bytes"].get<double>(), 0);
+    EXPECT_EQ(row["layer_live_tokens"].size(), 4u);
+    EXPECT_TRUE(row["subtasks"].contains("depth=0.3")) << row["subtasks"].dump();
+  }
+}
+
+TEST(BenchRunnerTest, ResumeSkipsFinishedRowsAndRedoesATruncatedOne) {
+  const BenchSpec spec = SmallSpec();
+  const std::string results = FreshFile("bench_runner_resume.jsonl");
+  BenchRunOptions options;
+  options.results_path = results;
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  auto first = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(first.ok());
+  // A second run finds every configuration done: the file is unchanged (same timings too).
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  auto second = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*first, *second);
+
+  // Simulate a crash in the middle of writing the last row: it is dropped and redone.
+  std::string text;
+  {
+    std::ifstream in(results);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_GT(text.size(), 40u);
+  text.resize(text.size() - 30);
+  {
+    std::ofstream out(results, std::ios::trunc);
+    out << text;
+  }
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  auto third = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(third.ok());
+  ASSERT_EQ(third->size(), first->size());
+  for (size_t i = 0; i < third->size(); ++i) EXPECT_EQ((*third)[i]["key"], (*first)[i]["key"]);
+}
+
+TEST(BenchRunnerTest, ACorruptMiddleLineIsAnErrorNamingTheLine) {
+  const std::string results = FreshFile("bench_runner_corrupt.jsonl");
+  {
+    std::ofstream out(results);
+    out << "{\"key\": \"a\"}\nnot json\n{\"key\": \"b\"}\n";
+  }
+  auto store = BenchResultStore::Open(results);
+  ASSERT_FALSE(store.ok());
+  EXPECT_NE(store.status().message().find(":2:"), std::string::npos) << store.status().message();
+}
+
+// The accuracy-related fields of a row (timings differ between runs).
+nlohmann::json Outcome(const nlohmann::json& row) {
+  return {row["key"], row["accuracy"], row["subtasks"], row["layer_live_tokens"], row["kv_allocated_bytes"]};
+}
+
+TEST(BenchRunnerTest, ShardsMergeIntoTheUnshardedRun) {
+  const BenchSpec spec = SmallSpec();
+  const std::string whole = FreshFile("bench_runner_whole.jsonl");
+  BenchRunOptions options;
+  options.results_path = whole;
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  std::vector<std::string> shard_files;
+  for (int i = 0; i < 2; ++i) {
+    shard_files.push_back(FreshFile("bench_runner_shard" + std::to_string(i) + ".jsonl"));
+    BenchRunOptions shard_options;
+    shard_options.results_path = shard_files.back();
+    shard_options.shard = BenchShard{i, 2};
+    ASSERT_TRUE(RunBench(spec, shard_options).ok());
+  }
+  const std::string merged = FreshFile("bench_runner_merged.jsonl");
+  ASSERT_TRUE(MergeBenchResults(shard_files, merged).ok());
+  auto a = ReadBenchResultsSorted(whole);
+  auto b = ReadBenchResultsSorted(merged);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->size(), b->size());
+  for (size_t i = 0; i < a->size(); ++i) EXPECT_EQ(Outcome((*a)[i]), Outcome((*b)[i]));
+}
+
+TEST(BenchRunnerTest, FidelityAndLatencyRows) {
+  BenchSpec spec = SmallSpec();
+  spec.tasks = {"fidelity", "latency"};
+  spec.methods = {"full", "h2o"};
+  spec.samples = 1;
+  spec.latency_gen = 4;
+  const std::string results = FreshFile("bench_runner_fidelity.jsonl");
+  BenchRunOptions options;
+  options.results_path = results;
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  auto rows = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 4u);
+  for (const nlohmann::json& row : *rows) {
+    SCOPED_TRACE(row.dump());
+    if (row["task"] == "fidelity") {
+      if (row["method"] == "full") {
+        EXPECT_NEAR(row["kl"].get<double>(), 0.0, 1e-3);  // f16 pages vs the f32 reference cache
+        // Filler positions predict near-ties, which f16 rounding may flip.
+        EXPECT_GE(row["top1_agreement"].get<double>(), 0.95);
+      } else {
+        EXPECT_GE(row["kl"].get<double>(), 0.0);
+      }
+    } else {
+      EXPECT_GT(row["ttft_ms"]["median"].get<double>(), 0.0);
+      EXPECT_GT(row["decode_ms"]["median"].get<double>(), 0.0);
+    }
+  }
+  const std::string report = BenchReportMarkdown(*rows);
+  EXPECT_NE(report.find("### fidelity"), std::string::npos);
+  EXPECT_NE(report.find("### latency and memory"), std::string::npos);
+}
+
+TEST(BenchRunnerTest, ReportHasOrderingAccuracyTablesAndPlots) {
+  const BenchSpec spec = SmallSpec();
+  const std::string results = FreshFile("bench_runner_report.jsonl");
+  BenchRunOptions options;
+  options.results_path = results;
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  auto rows = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(rows.ok());
+  const std::string report = BenchReportMarkdown(*rows);
+  EXPECT_NE(report.find("## Method ordering"), std::string::npos) << report;
+  EXPECT_NE(report.find("### niah_single — question_last"), std::string::npos) << report;
+  EXPECT_NE(report.find("| full | — | f16 | 100 ["), std::string::npos) << report;
+  const std::string dir = TempPath("bench_runner_plots");
+  fs::create_directories(dir);
+  auto pngs = WriteBenchPlots(results, dir);
+  if (!pngs.ok() && pngs.status().code() == StatusCode::kUnimplemented) {
+    GTEST_SKIP() << "python3-matplotlib is not installed: plots not checked";
+  }
+  ASSERT_TRUE(pngs.ok()) << pngs.status().ToString();
+  EXPECT_GE(pngs->size(), 2u);
+  for (const std::string& p : *pngs) EXPECT_GT(fs::file_size(p), 1000u) << p;
+}
+
+}  // namespace
+}  // namespace kvsparse

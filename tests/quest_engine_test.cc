@@ -1,0 +1,210 @@
+// Quest through the engine (SparseKvController::SelectSpans before decode attention):
+// - a budget of the whole context reads everything: bit-identical to Full, shared and per-head;
+// - a small budget reads at most budget + one page per decode step, keeps every token, never
+//   evicts, and accounts its page metadata;
+// - on the built-in retrieval model a deep needle at 1024 tokens, asked as a separate decode
+//   step, is answered by Quest at a 64-token budget and missed by StreamingLLM at 64.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvsparse/kv_config.h"
+#include "kvsparse/model.h"
+#include "kvsparse/paged_kv_cache.h"
+#include "kvsparse/retrieval_model.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/synth.h"
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+constexpr int kThreads = 2;
+
+int32_t ArgMax(const std::vector<float>& x) {
+  return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin());
+}
+
+KvGeometry Geometry(const Model& m) { return KvGeometry{m.config().n_layers, m.config().n_kv_heads, m.config().head_dim}; }
+
+KvSparsityConfig FlagsConfig(const Model& model, const std::string& method, const std::string& budget,
+                             const std::string& kv_type = "f32") {
+  auto config = KvSparsityConfigFromFlags(method, budget, kv_type, model.config().n_layers);
+  EXPECT_TRUE(config.ok()) << config.status().ToString();
+  return config.ok() ? *config : KvSparsityConfig{};
+}
+
+// Prompt in one call, then n_decode greedy steps; the logits of every call.
+std::vector<std::vector<float>> RunGreedy(const Model& model, SparseKvSetup& kv, const std::vector<int32_t>& prompt,
+                                    int n_decode) {
+  Engine engine(model, kv.cache.get(), kThreads, kv.controller.get());
+  std::vector<float> logits(static_cast<size_t>(model.config().n_vocab));
+  std::vector<std::vector<float>> out;
+  Status s = engine.Forward(0, prompt.data(), static_cast<int32_t>(prompt.size()), 0, logits.data());
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  out.push_back(logits);
+  int32_t pos = static_cast<int32_t>(prompt.size());
+  for (int step = 0; step < n_decode && s.ok(); ++step) {
+    const int32_t token = ArgMax(logits);
+    s = engine.Forward(0, &token, 1, pos++, logits.data());
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    out.push_back(logits);
+  }
+  return out;
+}
+
+class QuestSynthTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto shape = FindSynthShape("tiny-gqa-untied");  // 8 query heads over 2 kv heads
+    ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+    const std::string path = testing::TempPath("quest_engine_tiny_gqa.gguf");
+    SynthOptions options;
+    options.weight_type = DType::kF32;
+    ASSERT_TRUE(WriteSynthModel(*shape, options, path).ok());
+    auto model = Model::Load(path);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    model_ = nullptr;
+  }
+  static std::vector<int32_t> Prompt(size_t n) {
+    std::vector<int32_t> prompt(n);
+    for (size_t i = 0; i < n; ++i) prompt[i] = static_cast<int32_t>((i * 131 + 7) % 512);
+    return prompt;
+  }
+  static inline Model* model_ = nullptr;
+};
+
+TEST_F(QuestSynthTest, WholeContextBudgetIsBitIdenticalToFull) {
+  const std::vector<int32_t> prompt = Prompt(70);
+  const int n_decode = 40;
+  const int32_t context = 70 + n_decode + 1;
+  for (const std::string kv_type : {"f32", "int8"}) {
+    for (bool per_head : {false, true}) {
+      KvSparsityConfig full = FlagsConfig(*model_, "full", "", kv_type);
+      KvSparsityConfig quest = FlagsConfig(*model_, "quest", std::to_string(context), kv_type);
+      for (LayerKvConfig& l : full.layers) l.per_head = per_head;
+      for (LayerKvConfig& l : quest.layers) l.per_head = per_head;
+      auto full_kv = CreateSparseKv(Geometry(*model_), full, 1, context);
+      auto quest_kv = CreateSparseKv(Geometry(*model_), quest, 1, context);
+      ASSERT_TRUE(full_kv.ok() && quest_kv.ok());
+      const auto want = RunGreedy(*model_, *full_kv, prompt, n_decode);
+      const auto got = RunGreedy(*model_, *quest_kv, prompt, n_decode);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t call = 0; call < want.size(); ++call) {
+        ASSERT_EQ(std::memcmp(got[call].data(), want[call].data(), want[call].size() * sizeof(float)), 0)
+            << kv_type << (per_head ? " per-head" : "") << ": logits differ after call " << call;
+      }
+      for (const SparseKvLayerStats& s : quest_kv->controller->layer_stats()) {
+        EXPECT_EQ(s.span_selections, n_decode * (per_head ? 2 : 1));
+        EXPECT_EQ(s.selected_tokens, s.selectable_tokens);
+        EXPECT_EQ(s.evictions, 0);
+      }
+    }
+  }
+}
+
+TEST_F(QuestSynthTest, SmallBudgetReadsAtMostBudgetPlusOnePageAndKeepsEverything) {
+  const std::vector<int32_t> prompt = Prompt(150);
+  const int n_decode = 30;
+  const int32_t context = 150 + n_decode + 1;
+  for (bool per_head : {false, true}) {
+    for (int32_t page_tokens : {0, 8}) {
+      KvSparsityConfig config = FlagsConfig(*model_, "quest", "40", "f16");
+      for (LayerKvConfig& l : config.layers) {
+        l.per_head = per_head;
+        l.params.page_tokens = page_tokens;
+      }
+      const int32_t page = page_tokens > 0 ? page_tokens : config.page_size;
+      auto kv = CreateSparseKv(Geometry(*model_), config, 1, context);
+      ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+      SparseKvController& controller = *kv->controller;
+      const auto out = RunGreedy(*model_, *kv, prompt, n_decode);
+      ASSERT_EQ(out.size(), static_cast<size_t>(n_decode) + 1);
+      for (int layer = 0; layer < model_->config().n_layers; ++layer) {
+        const SparseKvLayerStats& s = controller.layer_stats()[layer];
+        const int tables = per_head ? model_->config().n_kv_heads : 1;
+        EXPECT_EQ(s.span_selections, n_decode * tables);
+        EXPECT_LE(s.selected_tokens, s.span_selections * (40 + page)) << "layer " << layer;
+        EXPECT_LT(s.selected_tokens, s.selectable_tokens / 3);
+        EXPECT_EQ(s.evictions, 0);
+        EXPECT_GT(s.metadata_bytes, 0u);
+        EXPECT_EQ(kv->cache->NumTokens(0, layer), 150 + n_decode);  // Quest keeps every token
+      }
+      const std::string stats = controller.FormatStats();
+      EXPECT_NE(stats.find("query-aware selection"), std::string::npos) << stats;
+      // Restarting the sequence releases the policies' metadata.
+      ASSERT_TRUE(controller.ResetSequence(0).ok());
+      for (const SparseKvLayerStats& s : controller.layer_stats()) EXPECT_EQ(s.metadata_bytes, 0u);
+    }
+  }
+}
+
+// The built-in retrieval model (2 layers): context = filler, key, value, filler (1024 tokens
+// in all), then the key is asked as its own decode step; the answer is the value.
+class QuestRetrievalTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string path = testing::TempPath("quest-retrieval-2l.gguf");
+    RetrievalModelOptions options;
+    options.n_layers = 2;
+    ASSERT_TRUE(WriteRetrievalModel(options, path).ok());
+    auto model = Model::Load(path);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    model_ = nullptr;
+  }
+
+  // Solved needles out of `n_tasks` deep ones (depth 40..400 of 1024).
+  static int Solved(const std::string& method, const std::string& budget, const std::string& kv_type, int n_tasks) {
+    const TokenVocab vocab = RetrievalModelVocab();
+    std::mt19937 rng(2024);
+    auto pick = [&](const std::vector<int32_t>& ids) {
+      return ids[std::uniform_int_distribution<size_t>(0, ids.size() - 1)(rng)];
+    };
+    int solved = 0;
+    for (int task = 0; task < n_tasks; ++task) {
+      std::vector<int32_t> context(1024);
+      for (int32_t& t : context) t = pick(vocab.filler);
+      const int depth = std::uniform_int_distribution<int>(40, 400)(rng);
+      const int32_t key = pick(vocab.keys), value = pick(vocab.values);
+      context[static_cast<size_t>(depth)] = key;
+      context[static_cast<size_t>(depth) + 1] = value;
+      KvSparsityConfig config = FlagsConfig(*model_, method, budget, kv_type);
+      auto kv = CreateSparseKv(Geometry(*model_), config, 1, 1025);
+      EXPECT_TRUE(kv.ok()) << kv.status().ToString();
+      if (!kv.ok()) return -1;
+      Engine engine(*model_, kv->cache.get(), 1, kv->controller.get());
+      std::vector<float> logits(static_cast<size_t>(model_->config().n_vocab));
+      EXPECT_TRUE(engine.Forward(0, context.data(), 1024, 0, logits.data()).ok());
+      EXPECT_TRUE(engine.Forward(0, &key, 1, 1024, logits.data()).ok());
+      solved += ArgMax(logits) == value;
+      if (method == "quest") {
+        for (const SparseKvLayerStats& s : kv->controller->layer_stats()) EXPECT_LE(s.selected_tokens, 64 + 16);
+      }
+    }
+    return solved;
+  }
+  static inline Model* model_ = nullptr;
+};
+
+TEST_F(QuestRetrievalTest, DeepNeedleAt1024QuestAnswersWhereStreamingLlmFails) {
+  constexpr int kTasks = 6;
+  EXPECT_EQ(Solved("quest", "64", "f32", kTasks), kTasks);
+  EXPECT_EQ(Solved("quest", "64", "int8", kTasks), kTasks);
+  EXPECT_EQ(Solved("streaming_llm", "64", "f32", kTasks), 0);
+}
+
+}  // namespace
+}  // namespace kvsparse
