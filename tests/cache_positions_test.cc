@@ -125,32 +125,25 @@ TEST(CachePositions, WithoutEvictionIsBitIdenticalToFullAndStreamingLlm) {
   };
   for (const Case& k : {Case{"tiny-llama", KvStorage::kF32, false}, Case{"tiny-llama", KvStorage::kF16, true},
                         Case{"tiny-qwen2", KvStorage::kF32, true}, Case{"tiny-qwen2", KvStorage::kF16, false}}) {
-    const std::string shape = k.shape;
-    const KvStorage storage = k.storage;
-    const bool per_head = k.per_head;
-    const auto model = LoadSynth(shape);
+    const std::string what = std::string(k.shape) + " " + KvStorageName(k.storage) + (k.per_head ? " per-head" : "");
+    const auto model = LoadSynth(k.shape);
     const std::vector<int32_t> prompt = Prompt(40, model->config().n_vocab);
     const int n_decode = 24;
     const int32_t context = static_cast<int32_t>(prompt.size()) + n_decode + 1;
-    {
-      {
-        const std::string what = shape + " " + KvStorageName(storage) + (per_head ? " per-head" : "");
-        SparseRun full = NewRun(*model, Config(*model, "full", "", storage, false, per_head), context);
-        const auto want = Generate(*full.engine, prompt, n_decode);
-        for (bool cache_positions : {false, true}) {
-          SparseRun run = NewRun(*model,
-                           Config(*model, "streaming_llm", std::to_string(context), storage, cache_positions, per_head),
-                           context);
-          const auto got = Generate(*run.engine, prompt, n_decode);
-          ASSERT_EQ(got.size(), want.size()) << what;
-          for (size_t call = 0; call < want.size(); ++call) {
-            ASSERT_EQ(std::memcmp(got[call].data(), want[call].data(), want[call].size() * sizeof(float)), 0)
-                << what << (cache_positions ? " cache_positions" : "") << ": logits differ after call " << call;
-          }
-          EXPECT_EQ(run.kv.controller->layer_stats()[0].evictions, 0) << what;
-          EXPECT_EQ(run.kv.cache->Stats().rerotated_tokens, 0) << what;
-        }
+    SparseRun full = NewRun(*model, Config(*model, "full", "", k.storage, false, k.per_head), context);
+    const auto want = Generate(*full.engine, prompt, n_decode);
+    for (bool cache_positions : {false, true}) {
+      SparseRun run = NewRun(
+          *model, Config(*model, "streaming_llm", std::to_string(context), k.storage, cache_positions, k.per_head),
+          context);
+      const auto got = Generate(*run.engine, prompt, n_decode);
+      ASSERT_EQ(got.size(), want.size()) << what;
+      for (size_t call = 0; call < want.size(); ++call) {
+        ASSERT_EQ(std::memcmp(got[call].data(), want[call].data(), want[call].size() * sizeof(float)), 0)
+            << what << (cache_positions ? " cache_positions" : "") << ": logits differ after call " << call;
       }
+      EXPECT_EQ(run.kv.controller->layer_stats()[0].evictions, 0) << what;
+      EXPECT_EQ(run.kv.cache->Stats().rerotated_tokens, 0) << what;
     }
   }
 }

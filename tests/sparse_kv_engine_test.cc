@@ -255,7 +255,7 @@ TEST_F(SparseKvEngine, BudgetOfWholeContextReproducesFullForEveryMethod) {
   SparseRun full = NewSparseRun(*model_, full_config, context);
   const RunOutput want = RunEngine(*full.engine, prompt, 64, n_decode);
   for (const std::string method :
-       {"streaming_llm", "h2o", "tova", "scissorhands", "snapkv", "pyramidkv", "knorm", "random"}) {
+       {"streaming_llm", "h2o", "tova", "scissorhands", "snapkv", "pyramidkv", "knorm", "random", "quest"}) {
     KvSparsityConfig config = MakeConfig(*model_, method, std::to_string(context), "f32");
     config.prefill_chunk = 24;
     config.evict_interval = 1;

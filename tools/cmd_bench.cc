@@ -109,7 +109,8 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
   BenchSpec accuracy;
   KVS_ASSIGN_OR_RETURN(accuracy.model_path, BuiltinRetrievalModelPath());
   accuracy.model_name = "builtin-retrieval";
-  accuracy.methods = {"full", "streaming_llm", "h2o", "tova", "scissorhands", "snapkv", "pyramidkv", "knorm", "random"};
+  accuracy.methods = {"full",   "streaming_llm", "h2o",   "tova",  "scissorhands",
+                      "snapkv", "pyramidkv",     "quest", "knorm", "random"};
   accuracy.budgets = {"0.1", "0.2"};
   accuracy.lengths = {1024};
   accuracy.tasks = {"niah_single", "niah_multikey", "kv_retrieval", "copy"};
@@ -221,7 +222,8 @@ void RegisterBench(CLI::App& app, int* exit_code) {
                   "the other flags shape the part named (accuracy for all)")
       ->capture_default_str()
       ->check(CLI::IsMember({"all", "accuracy", "speed"}));
-  cmd->add_option("--methods", a->methods, "e.g. full,streaming_llm,h2o,tova,scissorhands,snapkv,pyramidkv,knorm,random")
+  cmd->add_option("--methods", a->methods,
+                  "e.g. full,streaming_llm,h2o,tova,scissorhands,snapkv,pyramidkv,quest,knorm,random")
       ->delimiter(',');
   cmd->add_option("--budgets", a->budgets, "fractions of the context (0.1) or token counts (512)")->delimiter(',');
   cmd->add_option("--lengths", a->lengths, "context lengths in tokens: 1024,2k,32k")->delimiter(',');

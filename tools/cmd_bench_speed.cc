@@ -77,6 +77,8 @@ void RegisterBenchSpeed(CLI::App& app, int* exit_code) {
                   "K/V; decode speed and memory do not depend on the values)")
       ->capture_default_str()
       ->check(CLI::IsMember({"prefill", "synthetic"}));
+  cmd->add_flag("!--no-bandwidth", a->config.measure_bandwidth,
+                "skip the read-bandwidth probe (it touches 1 GiB, which then shows in the peak resident memory)");
   cmd->add_option("--warmup", a->config.warmup, "run an untimed repetition before the timed ones (0 or 1)")
       ->capture_default_str();
   cmd->add_option("--attention-reps", a->config.attention_reps,

@@ -25,14 +25,21 @@ namespace ops {
 // row_max_sum (optional): [n_q, n_heads, 2] each row's softmax statistics, natural-log
 //   domain: max_t (scale * q.k_t) and sum_t exp(scale * q.k_t - max) over the attended tokens
 //   (-inf and 0 when none). ops::AttentionScores (attention_scores.h) consumes them.
+// raw_scores (optional): [n_q, n_heads, n_tokens] (n_tokens = all tokens of the spans, in span
+//   order) each row's scores in the log2 domain, scale * log2(e) * q.k_t, and -inf for tokens
+//   the query does not see. The kernel computes them anyway; storing them lets
+//   ops::GatherScoresFromRaw (attention_scores.h) replace the second QK pass of
+//   ops::AttentionScores. Meant for decode steps, where the array is small.
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum = nullptr);
+               const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum = nullptr,
+               float* raw_scores = nullptr);
 }  // namespace ops
 
 namespace ref {
 // Scalar twin: materializes scores per query head, double accumulation.
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum = nullptr);
+               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum = nullptr,
+               float* raw_scores = nullptr);
 }  // namespace ref
 
 }  // namespace kvsparse

@@ -1,8 +1,9 @@
 // Attention-score gathering for sparsity policies: the softmax probabilities of one layer
 // call, folded over the query heads of each KV head (GQA) and summed over queries, without
 // materializing [n_q, n_heads, n_tokens]. The output fills an AttentionObservation
-// (kv_policy.h). It costs a second pass over K (QK only, no V), so callers run it only when
-// the layer's policy NeedsAttention().
+// (kv_policy.h). AttentionScores costs a second pass over K (QK only, no V), so callers run it
+// only when the layer's policy NeedsAttention(); on decode steps GatherScoresFromRaw reuses the
+// scores ops::Attention already computed instead.
 #pragma once
 
 #include <climits>
@@ -37,6 +38,13 @@ namespace ops {
 void AttentionScores(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos,
                      int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum,
                      const ScoreGathering& gathering, const ScoreOutputs& outputs, int n_threads);
+// The same outputs from the raw scores an ops::Attention call wrote (raw_scores
+// [n_q, n_heads, n_tokens] and row_max_sum [n_q, n_heads, 2], see attention.h): no second
+// pass over K, one exp2 per (query head, token). For decode steps; prompt chunks use
+// AttentionScores, since their raw scores would be [chunk, n_heads, n_tokens].
+void GatherScoresFromRaw(const AttentionShape& shape, const int32_t* q_pos, int32_t n_q, int64_t n_tokens,
+                         const float* raw_scores, const float* row_max_sum, const ScoreGathering& gathering,
+                         const ScoreOutputs& outputs, int n_threads);
 }  // namespace ops
 
 namespace ref {
@@ -44,6 +52,10 @@ namespace ref {
 void AttentionScores(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos,
                      int32_t n_q, const KvSpan* spans, int32_t n_spans, const ScoreGathering& gathering,
                      const ScoreOutputs& outputs);
+// Scalar twin of ops::GatherScoresFromRaw (double).
+void GatherScoresFromRaw(const AttentionShape& shape, const int32_t* q_pos, int32_t n_q, int64_t n_tokens,
+                         const float* raw_scores, const float* row_max_sum, const ScoreGathering& gathering,
+                         const ScoreOutputs& outputs);
 }  // namespace ref
 
 }  // namespace kvsparse

@@ -8,6 +8,8 @@
 //
 // Call order the engine follows for one (sequence, layer), per forward call:
 //   1. cache->Append(n new tokens);            policy->OnAppend(n)
+//      decode steps of SelectsSpans() policies (Quest): policy->SelectSpans(ctx, &spans)
+//      narrows the spans step 2 reads
 //   2. attention over the live tokens;         policy->Observe(obs)   (if NeedsAttention())
 //      obs.n_tokens equals the live count after step 1.
 //   3. target = policy->EvictionTarget(n_live, n_seen, point, evict_interval);

@@ -90,6 +90,8 @@ class Engine {
   // run in chunks of the controller's prefill_chunk (at most 512). A call of n > 1 tokens is
   // a prompt chunk, n == 1 a decode step; fraction budgets count pos0 + n tokens seen, so a
   // sequence's positions must start at 0. Without a controller nothing is ever evicted.
+  // Layers whose policy numbers positions inside the cache (StreamingLLM "cache_positions")
+  // rotate, store and attend the chunk at the layer's live token count + i instead of pos0 + i.
   Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller = nullptr);
   ~Engine();
 

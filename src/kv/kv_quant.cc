@@ -99,13 +99,16 @@ void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, 
 
 void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
   // Column maxima, row by row (rows are contiguous), accumulated in channel_scales.
-  for (int c = 0; c < row_len; c += 16) _mm512_mask_storeu_ps(channel_scales + c, TailMask(row_len - c), _mm512_setzero_ps());
+  for (int c = 0; c < row_len; c += 16) {
+    _mm512_mask_storeu_ps(channel_scales + c, TailMask(row_len - c), _mm512_setzero_ps());
+  }
   for (int64_t r = 0; r < n_rows; ++r) {
     const float* row = x + r * row_len;
     for (int c = 0; c < row_len; c += 16) {
       const __mmask16 m = TailMask(row_len - c);
       const __m512 cur = _mm512_maskz_loadu_ps(m, channel_scales + c);
-      _mm512_mask_storeu_ps(channel_scales + c, m, _mm512_max_ps(cur, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, row + c))));
+      const __m512 x_abs = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, row + c));
+      _mm512_mask_storeu_ps(channel_scales + c, m, _mm512_max_ps(cur, x_abs));
     }
   }
   const __m512 inv = _mm512_set1_ps(127.f);
@@ -134,7 +137,8 @@ void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64
     for (int c = 0; c < row_len; c += 16) {
       const __mmask16 m = TailMask(row_len - c);
       const __m512i qi = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + c));
-      _mm512_mask_storeu_ps(x + c, m, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), _mm512_maskz_loadu_ps(m, channel_scales + c)));
+      const __m512 scale = _mm512_maskz_loadu_ps(m, channel_scales + c);
+      _mm512_mask_storeu_ps(x + c, m, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), scale));
     }
   }
 }

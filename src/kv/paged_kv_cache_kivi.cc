@@ -126,7 +126,8 @@ void PagedKvCache::ReadKiviSlots(const Layer& L, const Table& t, size_t page_ind
   ops::DequantizeKvColumnsInt8(k_codes, channel_scale, count, static_cast<int>(row_values), st->k.data() + first);
   ops::DequantizeKvRowsInt8(v_codes, v_scale, static_cast<int64_t>(count) * rh, D, st->v.data() + first);
   std::memcpy(st->v_codes.data() + first, v_codes, values);
-  std::memcpy(st->v_scale.data() + static_cast<size_t>(at) * rh, v_scale, static_cast<size_t>(count) * rh * sizeof(float));
+  std::memcpy(st->v_scale.data() + static_cast<size_t>(at) * rh, v_scale,
+              static_cast<size_t>(count) * rh * sizeof(float));
   std::fill(st->v_coded.begin() + at, st->v_coded.begin() + at + count, 1);
 }
 
@@ -158,7 +159,8 @@ void PagedKvCache::WriteKiviPage(const Layer& L, uint8_t* page, bool residual, i
       std::memcpy(v_scale + static_cast<size_t>(j) * rh, st.v_scale.data() + static_cast<size_t>(at + j) * rh,
                   rh * sizeof(float));
     } else {
-      ops::QuantizeKvRowsInt8(st.v.data() + src, rh, D, v_codes + j * row_values, v_scale + static_cast<size_t>(j) * rh);
+      ops::QuantizeKvRowsInt8(st.v.data() + src, rh, D, v_codes + j * row_values,
+                              v_scale + static_cast<size_t>(j) * rh);
     }
   }
 }

@@ -108,7 +108,8 @@ std::vector<Token> RandomTokens(int32_t n, int32_t first_pos, int row, std::mt19
   std::uniform_real_distribution<float> m(0.05f, 4.f);
   for (float& x : magnitude) x = m(rng);
   for (int32_t i = 0; i < n; ++i) {
-    Token t{first_pos + 2 * i, testing::RandomNonZeroFloats(row, rng, 1.f), testing::RandomNonZeroFloats(row, rng, 2.f)};
+    Token t{first_pos + 2 * i, testing::RandomNonZeroFloats(row, rng, 1.f),
+            testing::RandomNonZeroFloats(row, rng, 2.f)};
     for (int e = 0; e < row; ++e) t.k[e] *= magnitude[e];
     out.push_back(std::move(t));
   }
@@ -485,7 +486,8 @@ TEST(PagedKvKiviTest, AttentionOverCacheSpansMatchesReference) {
     v_f32.insert(v_f32.end(), t.v.begin(), t.v.end());
     pos.push_back(t.pos);
   }
-  const KvSpan raw{.k = k_f32.data(), .v = v_f32.data(), .positions = pos.data(), .n = static_cast<int32_t>(pos.size())};
+  const KvSpan raw{
+      .k = k_f32.data(), .v = v_f32.data(), .positions = pos.data(), .n = static_cast<int32_t>(pos.size())};
   AttentionShape shape{8, 2, 64, 0.125f};
   const int n_q = 3;
   std::vector<float> q = testing::RandomNonZeroFloats(n_q * 8 * 64, rng, 0.3f);

@@ -62,7 +62,9 @@ struct BenchCache {
       v_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
     }
     const int64_t n_spans = (depth + span_tokens - 1) / span_tokens;
-    if (st == KvStorage::kInt8Kivi) k_channel_scale.assign(static_cast<size_t>(n_spans) * kKvHeads * kHeadDim, 1.f / 127);
+    if (st == KvStorage::kInt8Kivi) {
+      k_channel_scale.assign(static_cast<size_t>(n_spans) * kKvHeads * kHeadDim, 1.f / 127);
+    }
     positions.resize(depth);
     for (int64_t t = 0; t < depth; ++t) positions[t] = static_cast<int32_t>(t);
     const size_t row_bytes = kKvHeads * kHeadDim * elem_bytes;

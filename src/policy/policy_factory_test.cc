@@ -10,7 +10,7 @@ namespace {
 TEST(PolicyFactoryTest, BuildsEveryMethodWithItsName) {
   for (KvMethod method : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova,
                           KvMethod::kScissorhands, KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm,
-                          KvMethod::kRandom}) {
+                          KvMethod::kRandom, KvMethod::kQuest}) {
     auto policy = CreatePolicy(Layer(method, KvBudget::Tokens(64)), 1, 4, 123);
     ASSERT_TRUE(policy.ok()) << policy.status().ToString();
     EXPECT_EQ((*policy)->name(), KvMethodName(method));
@@ -24,6 +24,7 @@ TEST(PolicyFactoryTest, AttentionNeedsPerMethod) {
   EXPECT_EQ(needs(KvMethod::kStreamingLlm), 0u);
   EXPECT_EQ(needs(KvMethod::kKNorm), 0u);
   EXPECT_EQ(needs(KvMethod::kRandom), 0u);
+  EXPECT_EQ(needs(KvMethod::kQuest), 0u);
   EXPECT_EQ(needs(KvMethod::kH2O), kObserveSumAll);
   EXPECT_EQ(needs(KvMethod::kTova), kObserveLast);
   EXPECT_EQ(needs(KvMethod::kScissorhands), kObserveLast);

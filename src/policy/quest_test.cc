@@ -123,7 +123,9 @@ TEST(QuestSelectTest, TokensFitTheBudgetPlusOnePageAndTiesPickEarlierPages) {
       for (int32_t p : pages) tokens += p == 9 ? n_tokens - 9 * 16 : 16;
       EXPECT_LE(tokens, budget + 16);
       EXPECT_LE(tokens, std::max(budget, n_tokens - 9 * 16));
-      if (budget >= n_tokens) EXPECT_EQ(pages.size(), 10u);
+      if (budget >= n_tokens) {
+        EXPECT_EQ(pages.size(), 10u);
+      }
       ASSERT_TRUE(std::is_sorted(pages.begin(), pages.end()));
       EXPECT_EQ(pages.back(), 9);
       for (size_t i = 0; i + 1 < pages.size(); ++i) EXPECT_EQ(pages[i], static_cast<int32_t>(i));  // ties: earliest
@@ -188,7 +190,9 @@ TEST(QuestFilterTest, SpansCoverExactlyTheSelectedPagesOnEveryStorage) {
           }
         }
       }
-      if (page_tokens == 16) EXPECT_EQ(spans.size(), pages.size());  // whole cache pages, untouched
+      if (page_tokens == 16) {
+        EXPECT_EQ(spans.size(), pages.size());  // whole cache pages, untouched
+      }
     }
   }
 }
