@@ -112,7 +112,7 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
   accuracy.methods = {"full",   "streaming_llm", "h2o",   "tova",  "scissorhands",
                       "snapkv", "pyramidkv",     "quest", "knorm", "random"};
   accuracy.budgets = {"0.1", "0.2"};
-  accuracy.lengths = {1024};
+  accuracy.lengths = {1024, 2048};
   accuracy.tasks = {"niah_single", "niah_multikey", "kv_retrieval", "copy"};
   accuracy.samples = 8;
   if (!flags_to_speed) KVS_RETURN_IF_ERROR(apply_flags(accuracy));

@@ -4,7 +4,8 @@
 // KvSparsityConfig. The Engine calls it at fixed points of each layer:
 //   1. after storing the chunk's K/V:   OnAppend       (the policy grows its per-token state)
 //   2. around attention:                WantsScores → ObserveAttention (only for policies
-//      that read attention: a QK-only second pass, ops::AttentionScores)
+//      that read attention: a QK-only second pass, ops::AttentionScores, for prompt chunks;
+//      on decode steps the scores ops::Attention wrote, ops::GatherScoresFromRaw)
 //   3. after attention:                 AfterAttention (eviction: SelectKeep →
 //      PagedKvCache::Evict → OnEvict, when the policy's EvictionTarget says so)
 // Evicting right after each layer's attention bounds every layer to budget + chunk tokens
@@ -45,7 +46,7 @@ struct SparseKvLayerStats {
   int64_t evicted_tokens = 0;  // tokens dropped by them (per-head layers: (token, head) slots)
   int64_t observations = 0;    // gathering passes fed to a policy (one per head in per-head layers)
   int32_t peak_live_tokens = 0;  // most live tokens (of one head, in per-head layers) seen by an attention call
-  double score_s = 0;          // ops::AttentionScores + Observe
+  double score_s = 0;          // ops::AttentionScores (or GatherScoresFromRaw) + Observe
   double select_s = 0;         // SelectKeep
   double compact_s = 0;        // PagedKvCache::Evict + OnEvict
   // Query-aware span selection (Quest): decode attention calls narrowed, the tokens they read
@@ -98,15 +99,18 @@ class SparseKvController {
   // False on decode steps for policies that do not observe them (ObservesDecode).
   bool WantsScores(int seq, int layer, EvictionPoint point) const;
   // Runs the gathering pass over the same inputs as the attention call and feeds the policy
-  // (shared layers).
+  // (shared layers). raw_scores: the raw_scores that attention call wrote ([n_q, n_heads,
+  // n_tokens], see attention.h), given on decode steps; the scores then come from them
+  // (ops::GatherScoresFromRaw) instead of a second pass over K (ops::AttentionScores).
   void ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
-                        int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads);
+                        int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
+                        const float* raw_scores = nullptr);
   // The same for one kv head of a per-head layer: shape has n_kv_heads 1 (n_heads = the
   // group), q is [n_q, group, head_dim], spans are that head's (HeadSpans), row_max_sum
-  // [n_q, group, 2] from the head's attention call.
+  // [n_q, group, 2] from the head's attention call (and raw_scores, when given, [n_q, group, n_tokens]).
   void ObserveHeadAttention(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
                             const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
-                            const float* row_max_sum, int n_threads);
+                            const float* row_max_sum, int n_threads, const float* raw_scores = nullptr);
   // Evicts when the policy's schedule says so (each head on its own in a per-head layer).
   // n_seen: tokens of the sequence processed so far (prompt + generated), which sizes
   // fraction budgets.
@@ -139,7 +143,8 @@ class SparseKvController {
   Status BuildPolicies(int seq);
   // The gathering pass and Observe for one policy; `shape` as the attention call's.
   void Observe(KvPolicy& p, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
-               int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads);
+               int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
+               const float* raw_scores);
   // RenumberPositions of the layer's table(s) (kv_head < 0: all) with rotate_.
   Status RenumberPositions(int seq, int layer, int kv_head);
   // Eviction of one table: the layer's (kv_head < 0) or one head's.

@@ -105,27 +105,29 @@ bool SparseKvController::WantsScores(int seq, int layer, EvictionPoint point) co
 
 void SparseKvController::ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q,
                                           const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
-                                          const float* row_max_sum, int n_threads) {
+                                          const float* row_max_sum, int n_threads, const float* raw_scores) {
   KVS_CHECK_MSG(!per_head(layer), fmt::format("ObserveAttention: layer {} is per-head; observe each head with "
                                               "ObserveHeadAttention",
                                               layer));
-  Observe(policy(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads);
+  Observe(policy(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads, raw_scores);
 }
 
 void SparseKvController::ObserveHeadAttention(int seq, int layer, int kv_head, const AttentionShape& shape,
                                               const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans,
-                                              int32_t n_spans, const float* row_max_sum, int n_threads) {
+                                              int32_t n_spans, const float* row_max_sum, int n_threads,
+                                              const float* raw_scores) {
   KVS_CHECK_MSG(per_head(layer), fmt::format("ObserveHeadAttention: layer {} keeps the same tokens for every kv "
                                              "head; use ObserveAttention",
                                              layer));
   KVS_CHECK_MSG(kv_head >= 0 && kv_head < n_policies(layer) && shape.n_kv_heads == 1,
                 fmt::format("ObserveHeadAttention: kv head {} with a {}-kv-head shape", kv_head, shape.n_kv_heads));
-  Observe(policy(seq, layer, kv_head), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads);
+  Observe(policy(seq, layer, kv_head), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads,
+          raw_scores);
 }
 
 void SparseKvController::Observe(KvPolicy& p, int layer, const AttentionShape& shape, const float* q,
                                  const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
-                                 const float* row_max_sum, int n_threads) {
+                                 const float* row_max_sum, int n_threads, const float* raw_scores) {
   const auto t0 = Clock::now();
   int64_t n_tokens = 0;
   for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
@@ -149,8 +151,13 @@ void SparseKvController::Observe(KvPolicy& p, int layer, const AttentionShape& s
   gathering.aggregation = config_.agg;
   // The window is the call's last `window` queries; positions ascend within a call.
   gathering.window_start = window > 0 ? q_pos[n_q - window] : INT32_MAX;
-  ops::AttentionScores(shape, cache_->layer_storage(layer), q, q_pos, n_q, spans, n_spans, row_max_sum, gathering,
-                       outputs, n_threads);
+  if (raw_scores != nullptr) {
+    // Decode steps: the attention call kept its scores, so K is not read a second time.
+    ops::GatherScoresFromRaw(shape, q_pos, n_q, n_tokens, raw_scores, row_max_sum, gathering, outputs, n_threads);
+  } else {
+    ops::AttentionScores(shape, cache_->layer_storage(layer), q, q_pos, n_q, spans, n_spans, row_max_sum, gathering,
+                         outputs, n_threads);
+  }
   AttentionObservation obs;
   obs.n_queries = n_q;
   obs.n_tokens = static_cast<int32_t>(n_tokens);

@@ -33,6 +33,10 @@ struct Engine::Scratch {
   std::vector<float> up;           // [rows, hidden]
   std::vector<int32_t> positions;  // [rows]
   std::vector<float> row_max_sum;  // [rows, n_heads, 2] softmax statistics (only for observing policies)
+  // Decode steps with an observing policy: the attention call's raw scores, which the policy's
+  // scores are gathered from instead of a second pass over K. [n_heads, n_live] (per-head
+  // layers: [group, n_live] of one head at a time).
+  std::vector<float> raw_scores;
   std::vector<KvSpan> spans;       // live K/V of the current (seq, layer), or of one head
   // Per-head layers, prompt chunks only (a decode step's group rows are contiguous in q / att):
   std::vector<float> q_head;       // [rows, group, head_dim] the query rows of one kv head
@@ -213,8 +217,9 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
 }
 
 // Attention of one layer with the controller's hooks: the policy sees the chunk's K/V
-// appended, observes the attention probabilities when it reads them (a second, QK-only
-// pass), and evicts right after, so the next step attends to the reduced cache.
+// appended, observes the attention probabilities when it reads them (prompt chunks: a second,
+// QK-only pass; decode steps: the scores the attention call kept), and evicts right after, so
+// the next step attends to the reduced cache.
 Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape) {
   Scratch& s = *scratch_;
   const KvStorage storage = cache_->layer_storage(layer);
@@ -229,10 +234,19 @@ Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, cons
   const int32_t n_spans = static_cast<int32_t>(s.spans.size());
   if (controller_->WantsScores(seq, layer, point)) {
     s.row_max_sum.resize(static_cast<size_t>(n) * shape.n_heads * 2);
+    // A decode step keeps its raw scores ([1, n_heads, n_live], small); a prompt chunk's would be
+    // [chunk, n_heads, n_live], so chunks take the separate gathering pass.
+    float* raw_scores = nullptr;
+    if (n == 1) {
+      int64_t n_live = 0;
+      for (const KvSpan& span : s.spans) n_live += span.n;
+      s.raw_scores.resize(static_cast<size_t>(shape.n_heads) * n_live);
+      raw_scores = s.raw_scores.data();
+    }
     ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
-                   n_threads_, s.row_max_sum.data());
+                   n_threads_, s.row_max_sum.data(), raw_scores);
     controller_->ObserveAttention(seq, layer, shape, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans,
-                                  s.row_max_sum.data(), n_threads_);
+                                  s.row_max_sum.data(), n_threads_, raw_scores);
   } else {
     ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
                    n_threads_);
@@ -282,11 +296,18 @@ Status Engine::PerHeadAttention(int seq, int layer, int32_t n, int32_t pos0, con
       out = s.att_head.data();
     }
     float* row_max_sum = scores ? s.row_max_sum.data() : nullptr;  // [n, group, 2]
+    float* raw_scores = nullptr;  // decode steps: [1, group, n_live of this head]
+    if (scores && !gather) {
+      int64_t n_live = 0;
+      for (const KvSpan& span : s.spans) n_live += span.n;
+      s.raw_scores.resize(static_cast<size_t>(group) * n_live);
+      raw_scores = s.raw_scores.data();
+    }
     ops::Attention(head_shape, storage, q, s.positions.data(), n, s.spans.data(), n_spans, out, n_threads_,
-                   row_max_sum);
+                   row_max_sum, raw_scores);
     if (scores) {
       controller_->ObserveHeadAttention(seq, layer, h, head_shape, q, s.positions.data(), n, s.spans.data(), n_spans,
-                                        row_max_sum, n_threads_);
+                                        row_max_sum, n_threads_, raw_scores);
     }
     if (gather) {
       for (int32_t i = 0; i < n; ++i) {

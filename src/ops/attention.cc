@@ -11,6 +11,8 @@
 // Spans of different storage types (an int8_kivi layer's quantized pages and its
 // full-precision residual) form segments, each chunked on its own; a segment's chunks are
 // merged like any other, so mixed storage costs no extra pass.
+// Optionally (decode steps with an observing policy) every row's scores are also stored in
+// token order (raw_scores), so the policy's score gathering needs no second pass over K.
 // The block primitives (K packing, scores, softmax step, PV) are in attention_kernels.h.
 #include <omp.h>
 
@@ -40,12 +42,14 @@ struct Plan {
   int tile_queries = 0;       // queries per unit
   int n_tiles = 0;
   bool v_in_place = false;    // head_dim % 16 == 0: whole V blocks are read in place, no copy
+  int64_t n_tokens = 0;       // all tokens of the spans: the length of a raw_scores row
 };
 
 // The spans of one storage type (KvSegment) with what the units need to walk them.
 struct Segment {
   TokenSequence seq;
   KvStorage storage = KvStorage::kF32;
+  int64_t first_token = 0;       // index of the segment's first token among all tokens (raw_scores column)
   std::vector<int64_t> visible;  // [n_q] tokens of this segment each query attends to (a prefix)
   int64_t max_visible = 0;
   int n_chunks = 0;              // token chunks per tile
@@ -66,6 +70,7 @@ struct UnitOutput {
   float* out = nullptr;                  // [n_q, n_heads, head_dim]
   float* row_max_sum = nullptr;          // [n_q, n_heads, 2] or null
   const PartialState* partial = nullptr;
+  float* raw_scores = nullptr;           // [n_q, n_heads, n_tokens] or null: written by every unit
 };
 
 // Runs one (query tile, token chunk) unit over every kv head. Walking all heads of a token
@@ -211,6 +216,11 @@ void RunUnit(const Plan& plan, const Segment& segment, const float* q, int32_t n
             correction[r + i] = 1.f;
             continue;
           }
+          if (output.raw_scores != nullptr) {
+            const size_t row_index = static_cast<size_t>(row_query(r + i)) * shape.n_heads + row_head(r + i);
+            StoreScoresInTokenOrder(scores[i], static_cast<int>(valid),
+                                    output.raw_scores + row_index * plan.n_tokens + segment.first_token + t0);
+          }
           correction[r + i] = SoftmaxStep(scores[i], static_cast<int>(valid), &m[r + i],
                                           l_lanes + static_cast<size_t>(r + i) * kBlock, p_row);
         }
@@ -260,21 +270,34 @@ void RunUnit(const Plan& plan, const Segment& segment, const float* q, int32_t n
 }  // namespace
 
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum) {
+               const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,
+               float* raw_scores) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   KVS_CHECK(n_q >= 0 && n_spans >= 0);
   if (n_q == 0) return;
   if (n_threads <= 0) n_threads = omp_get_max_threads();
 
+  int64_t n_tokens = 0;
+  for (int32_t i = 0; i < n_spans; ++i) n_tokens += spans[i].n;
   // Segments some query sees; the others cost nothing.
   std::vector<Segment> segments;
   int64_t total_visible = 0;
   for (const KvSegment& kv_segment : KvSegments(storage, spans, n_spans)) {
     Segment segment(spans + kv_segment.first_span, kv_segment.n_spans, kv_segment.storage);
+    segment.first_token = kv_segment.first_token;
     segment.visible.resize(n_q);
     for (int32_t i = 0; i < n_q; ++i) segment.visible[i] = segment.seq.VisibleCount(q_pos[i]);
     segment.max_visible = *std::max_element(segment.visible.begin(), segment.visible.end());
+    if (raw_scores != nullptr) {
+      // The units write the tokens each row sees; the rest of the segment is -inf.
+      for (int32_t i = 0; i < n_q; ++i) {
+        for (int h = 0; h < shape.n_heads; ++h) {
+          float* row = raw_scores + (static_cast<size_t>(i) * shape.n_heads + h) * n_tokens + segment.first_token;
+          std::fill(row + segment.visible[i], row + segment.seq.n_tokens, kNegInf);
+        }
+      }
+    }
     if (segment.max_visible == 0) continue;
     total_visible += segment.max_visible;
     segments.push_back(std::move(segment));
@@ -298,6 +321,7 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
   plan.tile_queries = std::clamp(kTileRows / plan.group, 1, static_cast<int>(n_q));
   plan.n_tiles = (n_q + plan.tile_queries - 1) / plan.tile_queries;
   plan.v_in_place = shape.head_dim % kLanes == 0;
+  plan.n_tokens = n_tokens;
 
   // Split the tokens (flash-decoding split-K) when query tiles alone give fewer than
   // kUnitsPerThread units per thread: decode has a single tile, so it always splits
@@ -340,7 +364,7 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
   for (int u = 0; u < n_units; ++u) {
     const int chunk = u % n_chunks;
     const int tile = plan.n_tiles - 1 - u / n_chunks;
-    UnitOutput output{out, row_max_sum, n_chunks > 1 ? &partials[chunk] : nullptr};
+    UnitOutput output{out, row_max_sum, n_chunks > 1 ? &partials[chunk] : nullptr, raw_scores};
     RunUnit(plan, segments[chunk_of[chunk].first], q, n_q, tile, chunk_of[chunk].second, output);
   }
 

@@ -393,6 +393,13 @@ inline void Probabilities(ScoreVec scores, int valid, float m, float inv_sum, fl
 
 inline float SumLanes(const float* l_lanes) { return _mm512_reduce_add_ps(_mm512_load_ps(l_lanes)); }
 
+// dst[j] = the score of token j of the block, for j < valid (lane order to token order; the
+// lane <-> token map is its own inverse).
+inline void StoreScoresInTokenOrder(ScoreVec scores, int valid, float* dst) {
+  const __m512i lane_of_token = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << valid) - 1), _mm512_permutexvar_ps(lane_of_token, scores));
+}
+
 // p[r][lane] *= scale[lane] for rows [r_begin, r_end) (p rows kBlock apart, 64-byte aligned).
 inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_end) {
   const __m512 s = _mm512_loadu_ps(scale);
@@ -511,6 +518,10 @@ inline float SumLanes(const float* l_lanes) {
   float sum = 0.f;
   for (int j = 0; j < kBlock; ++j) sum += l_lanes[j];
   return sum;
+}
+
+inline void StoreScoresInTokenOrder(const ScoreVec& scores, int valid, float* dst) {
+  std::copy(scores.s, scores.s + valid, dst);
 }
 
 inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_end) {

@@ -12,12 +12,14 @@
 namespace kvsparse::ref {
 
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum) {
+               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum, float* raw_scores) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK(shape.n_heads % shape.n_kv_heads == 0);
   const int group = shape.n_heads / shape.n_kv_heads;
   const int d = shape.head_dim;
   const KvElementReader reader{storage, shape.n_kv_heads, d};
+  int64_t n_tokens = 0;
+  for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
   std::vector<double> scores;  // [attended tokens]
   std::vector<double> acc(d);  // [head_dim]
   for (int32_t i = 0; i < n_q; ++i) {
@@ -27,13 +29,18 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
       const float* q_row = q + row_index * d;
       // Scores for every attended token, in span order.
       scores.clear();
+      float* raw_row = raw_scores != nullptr ? raw_scores + row_index * n_tokens : nullptr;  // [n_tokens]
       for (int32_t s = 0; s < n_spans; ++s) {
         const KvSpan& span = spans[s];
         for (int32_t t = 0; t < span.n; ++t) {
-          if (span.positions[t] > q_pos[i]) continue;
+          if (span.positions[t] > q_pos[i]) {
+            if (raw_row != nullptr) *raw_row++ = -std::numeric_limits<float>::infinity();
+            continue;
+          }
           double dot = 0;
           for (int c = 0; c < d; ++c) dot += static_cast<double>(q_row[c]) * reader.K(span, t, kv_head, c);
           scores.push_back(dot * shape.scale);
+          if (raw_row != nullptr) *raw_row++ = static_cast<float>(scores.back() / std::log(2.0));  // log2 domain
         }
       }
       float* out_row = out + row_index * d;

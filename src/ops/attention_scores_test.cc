@@ -69,6 +69,26 @@ void CheckAgainstReference(const AttentionShape& shape, const SpanSet& set, cons
   ExpectScoresClose(got.sum_all, want.sum_all, what + " sum_all");
   ExpectScoresClose(got.sum_window, want.sum_window, what + " sum_window");
   ExpectScoresClose(got.last, want.last, what + " last");
+
+  // The decode path: the same outputs from the raw scores ops::Attention keeps (every element
+  // of the raw array is written: it starts as garbage), fast and reference gathering.
+  std::vector<float> raw(static_cast<size_t>(n_q) * shape.n_heads * n_tokens, 123.f);
+  std::vector<float> raw_out(q.size()), raw_stats(stats.size());
+  ops::Attention(shape, set.storage, q.data(), q_pos.data(), n_q, set.spans.data(), n_spans, raw_out.data(), n_threads,
+                 raw_stats.data(), raw.data());
+  Gathered from_raw(n_out), from_raw_ref(n_out);
+  ops::GatherScoresFromRaw(shape, q_pos.data(), n_q, n_tokens, raw.data(), raw_stats.data(), gathering,
+                           from_raw.Outputs(), n_threads);
+  ref::GatherScoresFromRaw(shape, q_pos.data(), n_q, n_tokens, raw.data(), raw_stats.data(), gathering,
+                           from_raw_ref.Outputs());
+  for (const auto& [gathered, name] : {std::pair{&from_raw, " raw"}, std::pair{&from_raw_ref, " raw ref"}}) {
+    ExpectScoresClose(gathered->sum_all, want.sum_all, what + name + " sum_all vs ref");
+    ExpectScoresClose(gathered->sum_window, want.sum_window, what + name + " sum_window vs ref");
+    ExpectScoresClose(gathered->last, want.last, what + name + " last vs ref");
+    ExpectScoresClose(gathered->sum_all, got.sum_all, what + name + " sum_all vs ops");
+    ExpectScoresClose(gathered->sum_window, got.sum_window, what + name + " sum_window vs ops");
+    ExpectScoresClose(gathered->last, got.last, what + name + " last vs ops");
+  }
 }
 
 class AttentionScoresVsRefTest : public ::testing::TestWithParam<ScoreCase> {};
@@ -227,6 +247,42 @@ TEST(AttentionScoresTest, EmptyInputs) {
   double total = 0;
   for (float x : sum_all) total += x;
   EXPECT_NEAR(total, 1.0, 1e-5);
+
+  // Gathering from raw scores: no queries zeroes the outputs; no tokens or null outputs are fine.
+  std::vector<float> raw(2 * 5);
+  ops::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), 1, set.spans.data(), 1, out.data(), 1, stats.data(),
+                 raw.data());
+  Gathered none(5);
+  ops::GatherScoresFromRaw(shape, nullptr, 0, 5, nullptr, nullptr, ScoreGathering{}, none.Outputs(), 2);
+  for (float x : none.sum_all) EXPECT_EQ(x, 0.f);
+  for (float x : none.last) EXPECT_EQ(x, 0.f);
+  ops::GatherScoresFromRaw(shape, q_pos.data(), 1, 0, nullptr, stats.data(), ScoreGathering{}, ScoreOutputs{}, 2);
+  std::fill(sum_all.begin(), sum_all.end(), -1.f);
+  ops::GatherScoresFromRaw(shape, q_pos.data(), 1, 5, raw.data(), stats.data(), ScoreGathering{},
+                           ScoreOutputs{sum_all.data(), nullptr, nullptr}, 2);
+  total = 0;
+  for (float x : sum_all) total += x;
+  EXPECT_NEAR(total, 1.0, 1e-5);
+}
+
+// A decode step over a long ragged context, split over threads: raw-score gathering equals
+// the second pass for every storage type, both folds and a window covering the query.
+TEST(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
+  std::mt19937 rng(16);
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+    AttentionShape shape{32, 4, 64, 0.125f};
+    SpanSet set = MakeSpans(storage, {16, 16, 5, 16, 700, 16, 3, 333, 9}, 4, 64, rng);
+    if (storage == KvStorage::kInt8Kivi) set.MakeResidual(4);
+    const int32_t last = LastPosition(set);
+    std::vector<int32_t> q_pos = {last};
+    std::vector<float> q = RandomQueries(32 * 64, rng, 3.f);
+    for (GqaAggregation aggregation : {GqaAggregation::kMean, GqaAggregation::kMax}) {
+      for (int n_threads : {1, 2, 5}) {
+        CheckAgainstReference(shape, set, q, q_pos, ScoreGathering{aggregation, last}, n_threads,
+                              std::string(KvStorageName(storage)) + " threads " + std::to_string(n_threads));
+      }
+    }
+  }
 }
 
 }  // namespace

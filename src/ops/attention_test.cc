@@ -462,5 +462,52 @@ TEST(AttentionTest, RowMaxSumMatchesReference) {
   }
 }
 
+// The optional raw scores (log2 domain, -inf where the query does not see the token) match
+// the reference's, over ragged spans, every storage type (int8_kivi with residual spans inside
+// the list), decode and a chunk, the single-pass and split-K paths; asking for them changes
+// neither the output nor the statistics.
+TEST(AttentionTest, RawScoresMatchReference) {
+  std::mt19937 rng(41);
+  for (KvStorage storage : kAllStorage) {
+    AttentionShape shape{8, 2, 40, 0.15f};
+    SpanSet set = MakeSpans(storage, {3, 16, 0, 16, 250, 7, 16, 400, 5}, 2, 40, rng);
+    if (storage == KvStorage::kInt8Kivi) {
+      set.MakeResidual(1);
+      set.MakeResidual(4);
+    }
+    const int32_t last = LastPosition(set);
+    int64_t n_tokens = 0;
+    for (const KvSpan& s : set.spans) n_tokens += s.n;
+    for (int n_q : {1, 6}) {
+      std::vector<int32_t> q_pos(n_q);
+      for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 70;
+      if (n_q == 6) q_pos[0] = -3;  // sees nothing
+      std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 40, rng, 2.f);
+      const size_t n_raw = static_cast<size_t>(n_q) * 8 * n_tokens;
+      std::vector<float> want_out(q.size()), want_raw(n_raw);
+      ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, want_out.data(), nullptr,
+                     want_raw.data());
+      for (int n_threads : {1, 3}) {
+        std::vector<float> plain_out(q.size()), plain_stats(static_cast<size_t>(n_q) * 8 * 2);
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, plain_out.data(), n_threads,
+                       plain_stats.data());
+        std::vector<float> out(q.size()), stats(plain_stats.size()), raw(n_raw, 99.f);
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, out.data(), n_threads,
+                       stats.data(), raw.data());
+        EXPECT_EQ(out, plain_out);
+        EXPECT_EQ(stats, plain_stats);
+        for (size_t e = 0; e < n_raw; ++e) {
+          if (std::isinf(want_raw[e])) {
+            ASSERT_TRUE(std::isinf(raw[e]) && raw[e] < 0) << KvStorageName(storage) << " element " << e;
+            continue;
+          }
+          ASSERT_NEAR(raw[e], want_raw[e], 1e-4f + 1e-5f * std::fabs(want_raw[e]))
+              << KvStorageName(storage) << " n_q " << n_q << " threads " << n_threads << " element " << e;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvsparse
