@@ -160,10 +160,22 @@ std::string FidelityTable(const std::vector<Json>& rows) {
   return out;
 }
 
-std::string LatencyTable(const std::vector<Json>& rows) {
+std::string LatencyTable(const std::vector<Json>& all_rows) {
+  // Latency rows by model, method, budget, kv type, then length (numerically).
+  std::vector<const Json*> rows;
+  for (const Json& row : all_rows) {
+    if (Str(row, "task") == "latency") rows.push_back(&row);
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const Json* a, const Json* b) {
+    auto key = [](const Json* r) {
+      return std::make_tuple(Str(*r, "model"), Str(*r, "method"), Str(*r, "budget"), Str(*r, "kv_type"),
+                             Num(*r, "length"));
+    };
+    return key(a) < key(b);
+  });
   std::string out;
-  for (const Json& row : rows) {
-    if (Str(row, "task") != "latency") continue;
+  for (const Json* row_ptr : rows) {
+    const Json& row = *row_ptr;
     if (out.empty()) {
       out = "\n### latency and memory\n\n| model | method | budget | kv | length | TTFT ms | decode ms p50 | p90 | tokens/s | KV MiB | % of dense f16 | peak KV MiB | peak RSS MiB | policy share |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     }
