@@ -188,7 +188,8 @@ int Run(const BenchArgs& a) {
                                   .string();
   size_t total = 0;
   for (const BenchSpec& s : *specs) {
-    for (size_t i = 0; i < EnumerateBenchConfigs(s).size(); ++i) total += shard->Owns(i) ? 1 : 0;
+    const size_t n = EnumerateBenchConfigs(s).size();
+    for (size_t i = 0; i < n; ++i) total += shard->Owns(i) ? 1 : 0;
   }
   std::fprintf(stderr, "kvsparse bench: %zu configurations (shard %d/%d) -> %s\n", total, shard->index, shard->count,
                results.c_str());
@@ -234,17 +235,21 @@ void RegisterBench(CLI::App& app, int* exit_code) {
       ->delimiter(',');
   cmd->add_option("--protocols", a->protocols, "question_last,question_after")->delimiter(',');
   cmd->add_option("--depths", a->depths, "needle depths in [0, 1], cycled over samples")->delimiter(',');
-  cmd->add_option("--samples", a->samples, "samples per configuration (default 10; latency 1)");
+  cmd->add_option("--samples", a->samples, "samples per configuration (default 8; latency 1)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--value-tokens", a->value_tokens,
                   "token-level needles: value tokens after each key (default 3: later answer tokens come from the "
-                  "compressed cache)");
+                  "compressed cache)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--kv-config", a->kv_config, "per-layer KV config file: replaces methods x budgets x kv types");
   cmd->add_option("--prefill-eviction", a->prefill_eviction,
                   "prompt_end (compress after the whole prompt; default of the accuracy runs) or chunk (after every "
                   "prompt chunk: bounded memory; default of the latency runs)")
       ->check(CLI::IsMember({"chunk", "prompt_end"}));
-  cmd->add_option("--evict-interval", a->evict_interval, "decode eviction interval")->capture_default_str();
-  cmd->add_option("--page-size", a->page_size, "tokens per KV page")->capture_default_str();
+  cmd->add_option("--evict-interval", a->evict_interval, "decode eviction interval")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--page-size", a->page_size, "tokens per KV page")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("-t,--threads", a->threads, "threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "task seed")->capture_default_str();
   cmd->add_option("-o,--out-dir", a->out_dir, "results.jsonl, report.md and plots go here")->capture_default_str();

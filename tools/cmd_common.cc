@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <unistd.h>
 
 #include "commands.h"
 #include "kvsparse/synth.h"
@@ -35,7 +36,15 @@ StatusOr<std::string> ResolveModelPath(const std::string& path) {
                file.string().c_str());
   SynthOptions options;
   options.weight_type = DType::kQ8_0;
-  KVS_RETURN_IF_ERROR(WriteSynthModel(shape, options, file.string()));
+  // Written under a private name and renamed into place: concurrent runs (shards of a job
+  // array) never load a half-written file.
+  const fs::path tmp = file.string() + fmt::format(".tmp.{}", static_cast<long>(getpid()));
+  Status written = WriteSynthModel(shape, options, tmp.string());
+  if (written.ok()) fs::rename(tmp, file, ec);
+  if (!written.ok() || ec) {
+    fs::remove(tmp, ec);
+    return written.ok() ? InvalidArgumentError(fmt::format("cannot move the model into {}", file.string())) : written;
+  }
   return file.string();
 }
 

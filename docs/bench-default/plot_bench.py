@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # Plots of a kvsparse bench results file (JSON lines). Usage: plot_bench.py results.jsonl OUT_DIR
-import json, os, sys
+import json, os, re, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -38,7 +38,8 @@ for (model, task, protocol), rs in sorted(groups.items()):
     ax.set_title(f"{task} ({protocol}), {model}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = os.path.join(out, f"accuracy_vs_kv_{task}_{protocol}.png")
+    name = re.sub(r"[^\w.-]", "_", f"{task}_{protocol}" + (f"_{model}" if len({r["model"] for r in rows if "accuracy" in r}) > 1 else ""))
+    path = os.path.join(out, f"accuracy_vs_kv_{name}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)

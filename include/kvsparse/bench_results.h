@@ -41,7 +41,7 @@ class BenchResultStore {
 };
 
 // Reads every results file (e.g. one per shard) and writes their union to `out_path`; a key
-// present in several files must hold the same row (else the merge fails, naming the key).
+// present in several files keeps its first row (a warning names it).
 // Rows are written in key order so a merge of shards equals an unsharded run's sorted rows.
 Status MergeBenchResults(const std::vector<std::string>& inputs, const std::string& out_path);
 

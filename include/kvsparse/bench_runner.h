@@ -24,8 +24,8 @@ namespace kvsparse {
 //               configuration, teacher-forced in chunks; KL, top-1 agreement, perplexity change.
 //   "latency":  a random prompt of the configured length, then `latency_gen` greedy tokens;
 //               time to first token, per-token decode latency, KV bytes (no accuracy).
-//   "user:FILE.jsonl": the user's own samples (bench_tasks.h, ParseUserTasks); lengths do not
-//               apply (each record is used as it is, truncated to the longest length).
+//   "user:FILE.jsonl": the user's own samples (bench_tasks.h, ParseUserTasks), one configuration
+//               per length, each context middle-truncated to that many tokens.
 struct BenchSpec {
   std::string model_path;
   std::string model_name;                  // in keys and tables (default: the file name)

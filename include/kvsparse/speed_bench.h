@@ -55,9 +55,10 @@ struct SpeedResult {
   double policy_ms_per_token = 0;
   int64_t evictions = 0;           // eviction events per repetition (all layers)
   // Attention of one decode step over the final cache, all layers (ops::Attention alone,
-  // without the policies' scoring pass, which policy_ms_per_token holds). tgN only.
+  // without the policies' scoring pass, which policy_ms_per_token holds; over every live token,
+  // so Quest's page selection is not applied). tgN only.
   double attention_ms_per_token = 0;
-  size_t kv_peak_allocated_bytes = 0;  // paged cache: most KV bytes allocated at once in the test
+  size_t kv_peak_allocated_bytes = 0;  // paged cache: most KV bytes allocated at once since the run began
   // The dense f16 cache's bytes for the tokens of the sequence at the end of the test (the
   // reference of the "x% of dense f16").
   double dense_f16_kv_bytes = 0;

@@ -168,17 +168,22 @@ std::vector<double> LogSoftmax(std::span<const float> logits) {
   return out;
 }
 
-double KlDivergenceFromLogits(std::span<const float> full_logits, std::span<const float> sparse_logits) {
-  KVS_CHECK_MSG(!full_logits.empty() && full_logits.size() == sparse_logits.size(),
-                "KL needs two logit rows of the same non-zero length");
-  const std::vector<double> lp = LogSoftmax(full_logits);
-  const std::vector<double> lq = LogSoftmax(sparse_logits);
+namespace {
+// KL(p || q) from two log-softmax rows.
+double KlFromLogProbs(const std::vector<double>& lp, const std::vector<double>& lq) {
   double kl = 0;
   for (size_t i = 0; i < lp.size(); ++i) {
     const double p = std::exp(lp[i]);
     if (p > 0) kl += p * (lp[i] - lq[i]);
   }
   return std::max(0.0, kl);  // rounding can leave a tiny negative for identical rows
+}
+}  // namespace
+
+double KlDivergenceFromLogits(std::span<const float> full_logits, std::span<const float> sparse_logits) {
+  KVS_CHECK_MSG(!full_logits.empty() && full_logits.size() == sparse_logits.size(),
+                "KL needs two logit rows of the same non-zero length");
+  return KlFromLogProbs(LogSoftmax(full_logits), LogSoftmax(sparse_logits));
 }
 
 int32_t ArgMax(std::span<const float> logits) {
@@ -208,11 +213,17 @@ double Perplexity(std::span<const double> token_logprobs) {
 
 void FidelityAccumulator::Add(std::span<const float> full_logits, std::span<const float> sparse_logits,
                               int32_t next_token) {
-  kl_.push_back(KlDivergenceFromLogits(full_logits, sparse_logits));
+  KVS_CHECK_MSG(!full_logits.empty() && full_logits.size() == sparse_logits.size(),
+                "KL needs two logit rows of the same non-zero length");
+  // One log-softmax per row serves KL and the teacher-forced log-probabilities.
+  const std::vector<double> lp = LogSoftmax(full_logits);
+  const std::vector<double> lq = LogSoftmax(sparse_logits);
+  kl_.push_back(KlFromLogProbs(lp, lq));
   if (Top1Agrees(full_logits, sparse_logits)) ++top1_agree_;
   if (next_token >= 0) {
-    logp_full_.push_back(TokenLogProb(full_logits, next_token));
-    logp_sparse_.push_back(TokenLogProb(sparse_logits, next_token));
+    KVS_CHECK(static_cast<size_t>(next_token) < lp.size());
+    logp_full_.push_back(lp[next_token]);
+    logp_sparse_.push_back(lq[next_token]);
   }
 }
 

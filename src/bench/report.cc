@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -39,7 +40,18 @@ std::string MethodLabel(const Json& row) {
 // Budgets sort numerically (fractions before token counts), "" (full) first.
 bool BudgetLess(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return a.empty() && !b.empty();
-  return std::stod(a) < std::stod(b);
+  double x = 0, y = 0;
+  const bool x_ok = std::from_chars(a.data(), a.data() + a.size(), x).ec == std::errc();
+  const bool y_ok = std::from_chars(b.data(), b.data() + b.size(), y).ec == std::errc();
+  return x_ok && y_ok ? x < y : a < b;  // a hand-edited row may hold anything
+}
+// "lo–hi" of a row's [low, high] accuracy interval, "?" when the row has none.
+std::string CiText(const Json& row) {
+  auto it = row.find("accuracy_ci");
+  if (it == row.end() || !it->is_array() || it->size() != 2 || !(*it)[0].is_number() || !(*it)[1].is_number()) {
+    return "?";
+  }
+  return fmt::format("{:.0f}–{:.0f}", 100 * (*it)[0].get<double>(), 100 * (*it)[1].get<double>());
 }
 
 // Rows grouped by a key, keeping first-seen order of methods.
@@ -95,9 +107,8 @@ std::string AccuracyTables(const std::vector<Json>& rows) {
         }
         const Json& r = *it->second;
         last = &r;
-        const Json& ci = r["accuracy_ci"];
-        out += fmt::format(" {:.0f} [{:.0f}–{:.0f}] ({}) |", 100 * Num(r, "accuracy"), 100 * ci[0].get<double>(),
-                           100 * ci[1].get<double>(), static_cast<int>(Num(r, "samples")));
+        out += fmt::format(" {:.0f} [{}] ({}) |", 100 * Num(r, "accuracy"), CiText(r),
+                           static_cast<int>(Num(r, "samples")));
       }
       out += last ? fmt::format(" {:.1f} |\n", 100 * Num(*last, "kv_ratio")) : " |\n";
     }
@@ -193,7 +204,7 @@ std::string LatencyTable(const std::vector<Json>& all_rows) {
 // The plotting script, written next to the results so a user can rerun or edit it.
 constexpr const char* kPlotScript = R"PY(#!/usr/bin/env python3
 # Plots of a kvsparse bench results file (JSON lines). Usage: plot_bench.py results.jsonl OUT_DIR
-import json, os, sys
+import json, os, re, sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -231,7 +242,8 @@ for (model, task, protocol), rs in sorted(groups.items()):
     ax.set_title(f"{task} ({protocol}), {model}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = os.path.join(out, f"accuracy_vs_kv_{task}_{protocol}.png")
+    name = re.sub(r"[^\w.-]", "_", f"{task}_{protocol}" + (f"_{model}" if len({r["model"] for r in rows if "accuracy" in r}) > 1 else ""))
+    path = os.path.join(out, f"accuracy_vs_kv_{name}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)

@@ -32,6 +32,7 @@ StatusOr<BenchResultStore> BenchResultStore::Open(const std::string& path) {
   if (!in) return store;  // a new file
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
+  bool dropped = false;
   for (size_t i = 0; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
     nlohmann::json row = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
@@ -39,6 +40,7 @@ StatusOr<BenchResultStore> BenchResultStore::Open(const std::string& path) {
       if (i + 1 == lines.size()) {
         std::fprintf(stderr, "warning: %s:%zu: dropping an incomplete last line (an interrupted run); it will be redone\n",
                      path.c_str(), i + 1);
+        dropped = true;
         continue;
       }
       return InvalidArgumentError(
@@ -47,10 +49,12 @@ StatusOr<BenchResultStore> BenchResultStore::Open(const std::string& path) {
     store.keys_.insert(row["key"].get<std::string>());
     store.rows_.push_back(std::move(row));
   }
-  // Rewrite without the dropped line so appends start on a clean line.
-  std::ofstream out(path, std::ios::trunc);
-  for (const nlohmann::json& row : store.rows_) out << row.dump() << '\n';
-  if (!out) return InvalidArgumentError(fmt::format("cannot rewrite results file {}", path));
+  if (dropped) {
+    // Rewrite without the dropped line so appends start on a clean line.
+    std::ofstream out(path, std::ios::trunc);
+    for (const nlohmann::json& row : store.rows_) out << row.dump() << '\n';
+    if (!out) return InvalidArgumentError(fmt::format("cannot rewrite results file {}", path));
+  }
   return store;
 }
 

@@ -96,16 +96,17 @@ struct ConfiguredEngine {
 StatusOr<KvSparsityConfig> SparsityFor(const BenchSpec& spec, const BenchConfig& config, int n_layers) {
   KvSparsityConfig sparsity;
   if (config.method == "config") {
+    // The file's own schedule (interval, pages, chunks, prefill eviction) is what runs.
     KVS_ASSIGN_OR_RETURN(sparsity, LoadKvSparsityConfig(spec.kv_config_file, n_layers));
-  } else {
-    KVS_ASSIGN_OR_RETURN(sparsity, KvSparsityConfigFromFlags(config.method, config.budget, config.kv_type, n_layers));
-    sparsity.evict_interval = spec.evict_interval;
-    sparsity.page_size = spec.page_size;
-    sparsity.prefill_chunk = spec.prefill_chunk;
-    sparsity.prefill_eviction =
-        spec.prefill_eviction == "chunk" ? PrefillEviction::kEveryChunk : PrefillEviction::kPromptEnd;
-    KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(sparsity));
+    return sparsity;
   }
+  KVS_ASSIGN_OR_RETURN(sparsity, KvSparsityConfigFromFlags(config.method, config.budget, config.kv_type, n_layers));
+  sparsity.evict_interval = spec.evict_interval;
+  sparsity.page_size = spec.page_size;
+  sparsity.prefill_chunk = spec.prefill_chunk;
+  sparsity.prefill_eviction =
+      spec.prefill_eviction == "chunk" ? PrefillEviction::kEveryChunk : PrefillEviction::kPromptEnd;
+  KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(sparsity));
   return sparsity;
 }
 
@@ -119,9 +120,6 @@ StatusOr<ConfiguredEngine> MakeEngine(const Model& model, const KvSparsityConfig
   return e;
 }
 
-int32_t Greedy(const std::vector<float>& logits) {
-  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-}
 
 double PolicySeconds(const SparseKvController& controller) {
   double s = 0;
@@ -187,7 +185,7 @@ Status RunQuestionSample(const BenchSample& sample, BenchProtocol protocol, cons
   RecordLayerLive(*e.kv.cache, acc);
   const int32_t eos = tokenizer != nullptr ? tokenizer->eos() : -1;
   std::vector<int32_t> generated;
-  int32_t token = Greedy(logits);
+  int32_t token = ArgMax(logits);
   for (int32_t i = 0; i < std::max(1, sample.max_new_tokens); ++i) {
     if (token == eos) break;
     generated.push_back(token);
@@ -195,7 +193,7 @@ Status RunQuestionSample(const BenchSample& sample, BenchProtocol protocol, cons
     const auto s0 = Clock::now();
     KVS_RETURN_IF_ERROR(e.engine->Forward(0, &token, 1, pos++, logits.data()));
     acc.decode_ms.push_back(1e3 * Seconds(s0, Clock::now()));
-    token = Greedy(logits);
+    token = ArgMax(logits);
   }
   const double total = Seconds(t0, Clock::now());
   const double score = ScoreGeneration(sample, generated, tokenizer);
@@ -223,14 +221,14 @@ Status RunLatencySample(int32_t length, int n_gen, uint64_t seed, const Model& m
   KVS_RETURN_IF_ERROR(e.engine->Forward(0, prompt.data(), length, 0, logits.data()));
   acc.ttft_ms.push_back(1e3 * Seconds(t0, Clock::now()));
   RecordLayerLive(*e.kv.cache, acc);
-  int32_t token = Greedy(logits);
+  int32_t token = ArgMax(logits);
   std::vector<int32_t> generated;
   for (int i = 0; i < n_gen; ++i) {
     generated.push_back(token);
     const auto s0 = Clock::now();
     KVS_RETURN_IF_ERROR(e.engine->Forward(0, &token, 1, length + i, logits.data()));
     acc.decode_ms.push_back(1e3 * Seconds(s0, Clock::now()));
-    token = Greedy(logits);
+    token = ArgMax(logits);
   }
   const double total = Seconds(t0, Clock::now());
   acc.generated_len.push_back(n_gen);
@@ -286,10 +284,17 @@ nlohmann::json Finite(double x) { return std::isfinite(x) ? nlohmann::json(x) : 
 }  // namespace
 
 std::string BenchConfig::Key(const BenchSpec& spec) const {
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}|n{}|s{}|{}|v{}", spec.model_name, task,
+  // Everything that changes a row's outcome: a rerun with other settings is a new configuration.
+  std::string depths;
+  for (double d : spec.depths) depths += fmt::format("{}{:g}", depths.empty() ? "" : ",", d);
+  std::string schedule = method == "config"
+                             ? fmt::format("file={:016x}", HashString(spec.kv_config_file))
+                             : fmt::format("{}/i{}/p{}/c{}", spec.prefill_eviction, spec.evict_interval,
+                                           spec.page_size, spec.prefill_chunk);
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}|n{}|s{}|{}|v{}|d{}|g{}", spec.model_name, task,
                      IsQuestionTask(task) ? BenchProtocolName(protocol) : "-", method, budget.empty() ? "-" : budget,
-                     kv_type.empty() ? "-" : kv_type, length, spec.samples, spec.seed, spec.prefill_eviction,
-                     spec.value_tokens);
+                     kv_type.empty() ? "-" : kv_type, length, spec.samples, spec.seed, schedule, spec.value_tokens,
+                     depths, spec.latency_gen);
 }
 
 std::vector<BenchConfig> EnumerateBenchConfigs(const BenchSpec& spec) {
@@ -449,7 +454,7 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
   row["length"] = config.length;
   row["samples"] = static_cast<int>(config.task == "latency" ? spec.samples : samples.size());
   row["seed"] = spec.seed;
-  row["prefill_eviction"] = spec.prefill_eviction;
+  row["prefill_eviction"] = sparsity.prefill_eviction == PrefillEviction::kPromptEnd ? "prompt_end" : "chunk";
   row["kv_config"] = KvSparsityConfigSummary(sparsity);
   if (std::optional<MetricSummary> all = acc.scores.Get(kAllSamples, kAllSamples, "score")) {
     row["accuracy"] = all->mean;

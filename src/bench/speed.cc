@@ -58,8 +58,8 @@ Status SyntheticFill(KvCache& cache, SparseKvController* controller, int32_t n_t
       KVS_RETURN_IF_ERROR(cache.Append(0, layer, n, k.data(), v.data(), positions.data()));
       if (controller == nullptr) continue;
       controller->OnAppend(0, layer, n);
-      KVS_RETURN_IF_ERROR(
-          controller->AfterAttention(0, layer, EvictionPoint::kPrefillChunk, done + n, done + n - 1));
+      const EvictionPoint point = done + n == n_tokens ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk;
+      KVS_RETURN_IF_ERROR(controller->AfterAttention(0, layer, point, done + n, done + n - 1));
     }
   }
   return Status::Ok();
@@ -337,7 +337,7 @@ std::string SpeedComparisonMarkdown(const SpeedReport& dense, const SpeedReport&
                          step_ms > 0 ? 100.0 * s.policy_ms_per_token / step_ms : 0.0);
     }
   }
-  out += "\nattn = one decode step's attention over the final cache, all layers (best of 5); policy share = "
+  out += "\nattn = one decode step's attention over the final cache, all layers (best of --attention-reps); policy share = "
          "scoring + selection + compaction per token / the sparse decode step\n";
   return out;
 }

@@ -55,6 +55,8 @@ StatusOr<UserTaskRecord> ParseRecord(std::string_view text, std::string_view sou
     if (size_t at = detail.find("column "); at != std::string::npos)
       if (size_t colon = detail.find(": ", at); colon != std::string::npos) detail = detail.substr(colon + 2);
     return err.Line(fmt::format("malformed JSON at column {}: {}", e.byte, detail));
+  } catch (const json::exception& e) {  // e.g. a number out of range ("1e999")
+    return err.Line(fmt::format("malformed JSON: {}", e.what()));
   }
   if (!j.is_object()) return err.Line(fmt::format("expected a JSON object, found {}", Describe(j)));
   for (const auto& [key, value] : j.items()) {

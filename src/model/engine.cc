@@ -139,7 +139,6 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
   for (int32_t i = 0; i < n; ++i) {
     const auto* row = static_cast<const uint8_t*>(embd.data) + static_cast<size_t>(tokens[i]) * embd_row_bytes;
     ops::DequantizeRow(embd.type, row, &s.x[static_cast<size_t>(i) * dim], dim);
-    s.positions[static_cast<size_t>(i)] = pos0 + i;
   }
 
   auto norm_rows = [&](const float* weight) {

@@ -364,6 +364,8 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
       if (size_t colon = detail.find(": ", at); colon != std::string::npos) detail = detail.substr(colon + 2);
     return InvalidArgumentError(
         fmt::format("{}: malformed JSON at line {}, column {}: {}", source, line, column, detail));
+  } catch (const json::exception& e) {  // e.g. a number out of range ("1e999")
+    return InvalidArgumentError(fmt::format("{}: malformed JSON: {}", source, e.what()));
   }
   const Where top(source, "top level");
   if (!root.is_object()) return top.Error("expected a JSON object, found " + Describe(root));
