@@ -232,6 +232,10 @@ class PagedKvCache final : public KvCache {
   void CheckSeqLayer(const char* op, int seq, int layer) const;  // aborts when out of range
   int32_t PageFill(const Table& t, size_t page_index) const;
   const int32_t* LastPosition(const Layer& L, const Table& t) const;  // null when empty
+  // A page from `pool` (budget already checked), counted in *layer_pages and the cache totals;
+  // ReleaseTo undoes it once no other table shares the page.
+  PageId AllocateFrom(PagePool& pool, int64_t* layer_pages);
+  void ReleaseTo(PagePool& pool, PageId id, int32_t fill, int64_t* layer_pages, int64_t* layer_slots);
   PageId AllocatePage(int layer);  // budget already checked
   void ReleasePage(int layer, PageId id, int32_t fill);
   Status BudgetError(const char* op, int seq, int layer, int head, int64_t pages, size_t bytes) const;

@@ -175,23 +175,28 @@ int32_t PagedKvCache::PageFill(const Table& t, size_t page_index) const {
   return t.n - static_cast<int32_t>(t.pages.size() - 1) * page_size_;
 }
 
-PageId PagedKvCache::AllocatePage(int layer) {
-  Layer& L = layers_[layer];
-  StatusOr<PageId> id = L.pool->Allocate();
+PageId PagedKvCache::AllocateFrom(PagePool& pool, int64_t* layer_pages) {
+  StatusOr<PageId> id = pool.Allocate();
   KVS_CHECK_MSG(id.ok(), "page allocation failed after the budget check: " + id.status().ToString());
-  ++L.pages;
+  ++*layer_pages;
   ++pages_in_use_;
   peak_pages_in_use_ = std::max(peak_pages_in_use_, pages_in_use_);
   return *id;
 }
 
+void PagedKvCache::ReleaseTo(PagePool& pool, PageId id, int32_t fill, int64_t* layer_pages, int64_t* layer_slots) {
+  if (!pool.Release(id)) return;  // still shared: its slots stay live for the other tables
+  --*layer_pages;
+  --pages_in_use_;
+  *layer_slots -= fill;
+  KVS_CHECK(*layer_pages >= 0 && *layer_slots >= 0);
+}
+
+PageId PagedKvCache::AllocatePage(int layer) { return AllocateFrom(*layers_[layer].pool, &layers_[layer].pages); }
+
 void PagedKvCache::ReleasePage(int layer, PageId id, int32_t fill) {
   Layer& L = layers_[layer];
-  if (!L.pool->Release(id)) return;  // still shared: its slots stay live for the other tables
-  --L.pages;
-  --pages_in_use_;
-  L.live_slots -= fill;
-  KVS_CHECK(L.pages >= 0 && L.live_slots >= 0);
+  ReleaseTo(*L.pool, id, fill, &L.pages, &L.live_slots);
 }
 
 Status PagedKvCache::BudgetError(const char* op, int seq, int layer, int head, int64_t pages, size_t bytes) const {

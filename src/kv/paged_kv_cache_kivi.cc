@@ -56,21 +56,12 @@ void PagedKvCache::SetKiviLayout(Layer* layer) const {
 
 PageId PagedKvCache::AllocateResidualPage(int layer) {
   Layer& L = layers_[layer];
-  StatusOr<PageId> id = L.residual_pool->Allocate();
-  KVS_CHECK_MSG(id.ok(), "residual page allocation failed after the budget check: " + id.status().ToString());
-  ++L.residual_pages;
-  ++pages_in_use_;
-  peak_pages_in_use_ = std::max(peak_pages_in_use_, pages_in_use_);
-  return *id;
+  return AllocateFrom(*L.residual_pool, &L.residual_pages);
 }
 
 void PagedKvCache::ReleaseResidualPage(int layer, PageId id, int32_t fill) {
   Layer& L = layers_[layer];
-  if (!L.residual_pool->Release(id)) return;  // still shared
-  --L.residual_pages;
-  --pages_in_use_;
-  L.residual_slots -= fill;
-  KVS_CHECK(L.residual_pages >= 0 && L.residual_slots >= 0);
+  ReleaseTo(*L.residual_pool, id, fill, &L.residual_pages, &L.residual_slots);
 }
 
 size_t PagedKvCache::PlanBytes(const Layer& L, const EvictPlan& plan) const {
