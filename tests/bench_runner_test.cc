@@ -8,6 +8,7 @@
 #include "kvsparse/bench_report.h"
 #include "kvsparse/bench_runner.h"
 #include "kvsparse/retrieval_model.h"
+#include "support/retrieval_model_file.h"
 #include "support/shared_data.h"
 
 namespace kvsparse {
@@ -16,14 +17,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::TempPath;
 
-const std::string& RetrievalModelFile() {
-  static const std::string path = [] {
-    const std::string p = TempPath("bench_runner_retrieval.gguf");
-    KVS_CHECK(WriteRetrievalModel(RetrievalModelOptions{}, p).ok());
-    return p;
-  }();
-  return path;
-}
+const std::string& RetrievalModelFile() { return testing::RetrievalModelFile(RetrievalModelOptions{}.n_layers); }
 
 BenchSpec SmallSpec() {
   BenchSpec spec;

@@ -12,20 +12,14 @@
 #include "kvsparse/model.h"
 #include "kvsparse/retrieval_model.h"
 #include "kvsparse/sparse_kv_controller.h"
-#include "support/shared_data.h"
+#include "support/retrieval_model_file.h"
 
 namespace kvsparse {
 namespace {
 
 constexpr int32_t kLength = 1024;
 
-std::unique_ptr<Model> LoadRetrievalModel() {
-  const std::string path = testing::TempPath("prefill_eviction_retrieval.gguf");
-  KVS_CHECK(WriteRetrievalModel(RetrievalModelOptions{}, path).ok());
-  auto model = Model::Load(path);
-  KVS_CHECK(model.ok());
-  return std::move(*model);
-}
+using testing::LoadRetrievalModel;
 
 // filler..., key, value (at `depth`), filler..., key: the answer is `value`.
 std::vector<int32_t> NeedlePrompt(double depth, int32_t key, int32_t value) {
@@ -63,7 +57,7 @@ Outcome RunPrompt(const Model& model, PrefillEviction when, const std::vector<in
 }
 
 TEST(PrefillEviction, PromptEndLetsTheQuestionSteerSelection) {
-  auto model = LoadRetrievalModel();
+  auto model = LoadRetrievalModel(RetrievalModelOptions{}.n_layers);
   const TokenVocab vocab = RetrievalModelVocab();
   int prompt_end_hits = 0, chunk_hits = 0;
   for (int i = 0; i < 4; ++i) {

@@ -19,6 +19,7 @@
 #include "kvsparse/retrieval_model.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/synth.h"
+#include "support/retrieval_model_file.h"
 #include "support/shared_data.h"
 
 namespace kvsparse {
@@ -153,13 +154,7 @@ TEST_F(QuestSynthTest, SmallBudgetReadsAtMostBudgetPlusOnePageAndKeepsEverything
 class QuestRetrievalTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const std::string path = testing::TempPath("quest-retrieval-2l.gguf");
-    RetrievalModelOptions options;
-    options.n_layers = 2;
-    ASSERT_TRUE(WriteRetrievalModel(options, path).ok());
-    auto model = Model::Load(path);
-    ASSERT_TRUE(model.ok()) << model.status().ToString();
-    model_ = model->release();
+    model_ = testing::LoadRetrievalModel(2).release();
   }
   static void TearDownTestSuite() {
     delete model_;

@@ -246,6 +246,8 @@ class PagedKvCache final : public KvCache {
   void StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_t count, const float* k, const float* v,
                  int head);
   void FillSpans(const Layer& L, const Table& t, std::vector<KvSpan>* out) const;
+  // The first dropped index and the survivors of `keep` (first_drop -1: nothing dropped).
+  static EvictPlan CountKept(const Table& t, const uint8_t* keep);
   EvictPlan PlanEvict(const Table& t, const Layer& L, const uint8_t* keep) const;
   void ApplyEvict(Table& t, int layer, const uint8_t* keep, const EvictPlan& plan);
   Status EvictTable(int seq, int layer, int head, const std::vector<uint8_t>& keep);

@@ -415,8 +415,7 @@ void PagedKvCache::Clear(int seq) {
   for (int layer = 0; layer < geometry_.n_layers; ++layer) ClearLayer(seq, layer);
 }
 
-PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, const uint8_t* keep) const {
-  if (L.kivi) return PlanEvictKivi(t, L, keep);
+PagedKvCache::EvictPlan PagedKvCache::CountKept(const Table& t, const uint8_t* keep) {
   EvictPlan plan;
   int32_t i = 0;
   while (i < t.n && keep[i]) ++i;
@@ -424,6 +423,13 @@ PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, 
   plan.first_drop = i;
   plan.n_keep = i;
   for (; i < t.n; ++i) plan.n_keep += keep[i] ? 1 : 0;
+  return plan;
+}
+
+PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, const uint8_t* keep) const {
+  if (L.kivi) return PlanEvictKivi(t, L, keep);
+  EvictPlan plan = CountKept(t, keep);
+  if (plan.first_drop < 0) return plan;
   // Pages before the first dropped token are untouched (shared prefixes stay shared); each
   // page from there on that survives is rewritten, and must be copied first if shared.
   const int32_t P = page_size_;

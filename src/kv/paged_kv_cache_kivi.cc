@@ -255,13 +255,8 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
 }
 
 PagedKvCache::EvictPlan PagedKvCache::PlanEvictKivi(const Table& t, const Layer& L, const uint8_t* keep) const {
-  EvictPlan plan;
-  int32_t i = 0;
-  while (i < t.n && keep[i]) ++i;
-  if (i == t.n) return plan;  // keeps everything
-  plan.first_drop = i;
-  plan.n_keep = i;
-  for (; i < t.n; ++i) plan.n_keep += keep[i] ? 1 : 0;
+  EvictPlan plan = CountKept(t, keep);
+  if (plan.first_drop < 0) return plan;
   // Pages from the first dropped token's on are released (exclusive ones free their bytes
   // first) and rewritten: full pages quantized, the rest as a residual page.
   const int32_t P = page_size_;

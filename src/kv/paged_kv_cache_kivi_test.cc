@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kv/kv_quant.h"
+#include "kv/paged_kv_cache_test_util.h"
 #include "kvsparse/attention.h"
 #include "kvsparse/dtype.h"
 #include "kvsparse/paged_kv_cache.h"
@@ -21,18 +22,7 @@ namespace {
 
 size_t Align64(size_t n) { return (n + 63) / 64 * 64; }
 
-std::unique_ptr<PagedKvCache> MakeCache(const KvGeometry& geo, std::vector<KvStorage> storage, int n_seqs,
-                                        int32_t page_size, size_t budget, std::vector<uint8_t> per_head = {}) {
-  PagedKvCacheOptions options;
-  options.n_seqs = n_seqs;
-  options.page_size = page_size;
-  options.budget_bytes = budget;
-  options.layer_storage = std::move(storage);
-  options.layer_per_head = std::move(per_head);
-  auto cache = PagedKvCache::Create(geo, options);
-  KVS_CHECK_MSG(cache.ok(), cache.status().ToString());
-  return std::move(cache).value();
-}
+using testing::MakePagedCache;
 
 // One (seq, layer) table read back through its spans, values as f32.
 struct ReadBack {
@@ -160,7 +150,7 @@ TEST_P(PagedKvKiviTest, AppendQuantizesEachFullPageOnce) {
   const int row = 2 * 24;
   std::mt19937 rng(100 + P);
   // Layer 0 int8_kivi, layer 1 f16: the residual pages share the f16 pool.
-  auto cache = MakeCache(geo, {KvStorage::kInt8Kivi, KvStorage::kF16}, 1, P, 1 << 22);
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi, KvStorage::kF16}, 1, P, 1 << 22);
   const std::vector<Token> tokens = RandomTokens(7 * P + 3, 5, row, rng);
   size_t done = 0;
   std::vector<uint8_t> via_residual(tokens.size(), 0);  // waited in the residual before quantization
@@ -222,7 +212,7 @@ TEST_P(PagedKvKiviTest, EvictRequantizesRewrittenPagesWithinHalfANewStep) {
   const int row = 3 * 16;
   for (int trial = 0; trial < 12; ++trial) {
     std::mt19937 rng(1000 * P + trial);
-    auto cache = MakeCache(geo, {KvStorage::kInt8Kivi}, 1, P, 1 << 22);
+    auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, 1 << 22);
     const std::vector<Token> tokens = RandomTokens(5 * P + static_cast<int32_t>(rng() % P), 0, row, rng);
     const int32_t n = static_cast<int32_t>(tokens.size());
     ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, 0, tokens.size()).ok());
@@ -283,7 +273,7 @@ TEST(PagedKvKiviTest, RandomOperationsKeepInvariants) {
   const int row = 2 * 16;
   const int32_t P = 4;
   std::mt19937 rng(7);
-  auto cache = MakeCache(geo, {KvStorage::kInt8Kivi, KvStorage::kInt8Kivi}, 2, P, 1 << 22);
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi, KvStorage::kInt8Kivi}, 2, P, 1 << 22);
   struct Live {
     std::vector<Token> tokens;
     int regroups = 0;  // evictions and range removals so far (each may requantize a token once)
@@ -364,7 +354,7 @@ TEST(PagedKvKiviTest, ForkIsCopyOnWrite) {
   const KvGeometry geo{1, 2, 32};
   const int row = 64;
   std::mt19937 rng(3);
-  auto cache = MakeCache(geo, {KvStorage::kInt8Kivi}, 2, 16, 1 << 22);
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 2, 16, 1 << 22);
   const std::vector<Token> tokens = RandomTokens(16 * 3 + 9, 0, row, rng);
   ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, 0, tokens.size()).ok());
   const ReadBack source = Read(*cache, 0, 0);
@@ -403,7 +393,7 @@ TEST(PagedKvKiviTest, PerHeadTablesQuantizeEachHeadOnItsOwn) {
   const KvGeometry geo{1, 2, 16};
   const int row = 32;
   std::mt19937 rng(5);
-  auto cache = MakeCache(geo, {KvStorage::kInt8Kivi}, 1, 8, 1 << 22, {1});
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, 8, 1 << 22, {1});
   const std::vector<Token> tokens = RandomTokens(8 * 2 + 5, 0, row, rng);
   ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, 0, tokens.size()).ok());
   std::vector<uint8_t> keep0(tokens.size(), 1), keep1(tokens.size(), 1);
@@ -442,12 +432,12 @@ TEST(PagedKvKiviTest, TableReserveBytesIsEnoughAndBudgetFailuresAreClean) {
   std::mt19937 rng(9);
   size_t reserve = 0;
   {
-    auto probe = MakeCache(geo, {KvStorage::kInt8Kivi}, 1, P, 1 << 20);
+    auto probe = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, 1 << 20);
     reserve = probe->TableReserveBytes(0, max_tokens);
   }
   const std::vector<Token> tokens = RandomTokens(max_tokens, 0, row, rng);
   for (int pattern = 0; pattern < 3; ++pattern) {
-    auto cache = MakeCache(geo, {KvStorage::kInt8Kivi}, 1, P, reserve);
+    auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, reserve);
     for (size_t done = 0; done < tokens.size();) {
       const size_t count = std::min(tokens.size() - done, static_cast<size_t>(pattern == 0 ? 1 : pattern == 1 ? 5 : P));
       ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, done, count).ok()) << "pattern " << pattern << " at " << done;
@@ -456,7 +446,7 @@ TEST(PagedKvKiviTest, TableReserveBytesIsEnoughAndBudgetFailuresAreClean) {
     cache->CheckInvariants();
   }
   // Too small a budget: the append that needs a page fails and changes nothing.
-  auto cache = MakeCache(geo, {KvStorage::kInt8Kivi}, 1, P, 2 * 1024);
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, 2 * 1024);
   ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, 0, 3).ok());
   const ReadBack before = Read(*cache, 0, 0);
   const size_t used = cache->budget().used_bytes();
@@ -474,7 +464,7 @@ TEST(PagedKvKiviTest, AttentionOverCacheSpansMatchesReference) {
   const KvGeometry geo{1, 2, 64};
   const int row = 128;
   std::mt19937 rng(12);
-  auto cache = MakeCache(geo, {KvStorage::kInt8Kivi}, 1, 16, 1 << 22);
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, 16, 1 << 22);
   const std::vector<Token> tokens = RandomTokens(16 * 9 + 11, 0, row, rng);
   ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, 0, tokens.size()).ok());
   std::vector<KvSpan> spans;

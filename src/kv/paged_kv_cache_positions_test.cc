@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kv/kv_quant.h"
+#include "kv/paged_kv_cache_test_util.h"
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 #include "support/random_data.h"
@@ -48,15 +49,8 @@ KeyRotateFn Rotation(RopeStyle style) {
 
 std::unique_ptr<PagedKvCache> MakeCache(KvStorage storage, bool per_head, int n_seqs, int32_t page_size,
                                         size_t budget = size_t{64} << 20) {
-  PagedKvCacheOptions options;
-  options.n_seqs = n_seqs;
-  options.page_size = page_size;
-  options.budget_bytes = budget;
-  options.layer_storage = {storage};
-  options.layer_per_head = {static_cast<uint8_t>(per_head ? 1 : 0)};
-  auto cache = PagedKvCache::Create(KvGeometry{1, kHeads, kHeadDim}, options);
-  KVS_CHECK_MSG(cache.ok(), cache.status().ToString());
-  return std::move(cache).value();
+  return testing::MakePagedCache(KvGeometry{1, kHeads, kHeadDim}, {storage}, n_seqs, page_size, budget,
+                                 {static_cast<uint8_t>(per_head ? 1 : 0)});
 }
 
 // One table as f32: keys [n, rows, head_dim], positions, and V's stored bytes (values and scales).

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kv/kv_quant.h"
+#include "kv/paged_kv_cache_test_util.h"
 #include "kvsparse/attention.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/dtype.h"
@@ -20,18 +21,7 @@ namespace {
 
 std::vector<float> RandomVector(size_t n, std::mt19937& rng) { return testing::RandomNonZeroFloats(n, rng); }
 
-std::unique_ptr<PagedKvCache> MakeCache(const KvGeometry& geo, std::vector<KvStorage> storage, int n_seqs,
-                                        int32_t page_size, size_t budget, std::vector<uint8_t> per_head = {}) {
-  PagedKvCacheOptions options;
-  options.n_seqs = n_seqs;
-  options.page_size = page_size;
-  options.budget_bytes = budget;
-  options.layer_storage = std::move(storage);
-  options.layer_per_head = std::move(per_head);
-  auto cache = PagedKvCache::Create(geo, options);
-  KVS_CHECK_MSG(cache.ok(), cache.status().ToString());
-  return std::move(cache).value();
-}
+using testing::MakePagedCache;
 
 // The reference model: the live tokens of one (seq, layer), in order.
 struct ModelToken {
@@ -203,7 +193,7 @@ class PagedKvCacheStorageTest : public ::testing::TestWithParam<KvStorage> {};
 
 TEST_P(PagedKvCacheStorageTest, AppendGivesOneSpanPerPage) {
   const KvGeometry geo{2, 2, 12};
-  auto cache = MakeCache(geo, {GetParam()}, 2, 4, 1 << 20);
+  auto cache = MakePagedCache(geo, {GetParam()}, 2, 4, 1 << 20);
   std::mt19937 rng(1);
   ModelTable model;
   ASSERT_TRUE(AppendRandom(*cache, model, 1, 1, 3, rng).ok());
@@ -229,7 +219,7 @@ TEST_P(PagedKvCacheStorageTest, AppendGivesOneSpanPerPage) {
 
 TEST_P(PagedKvCacheStorageTest, ByteAccountingIsExact) {
   const KvGeometry geo{2, 2, 8};
-  auto cache = MakeCache(geo, {GetParam()}, 1, 4, 1 << 20);
+  auto cache = MakePagedCache(geo, {GetParam()}, 1, 4, 1 << 20);
   const size_t vb = KvStorageValueBytes(GetParam());
   const bool int8 = GetParam() == KvStorage::kInt8;
   const size_t row_bytes = 2 * 8 * vb;
@@ -281,7 +271,7 @@ TEST_P(PagedKvCacheStorageTest, ByteAccountingIsExact) {
 TEST_P(PagedKvCacheStorageTest, ConcatenatedSpansEqualContiguousCache) {
   if (GetParam() == KvStorage::kInt8) GTEST_SKIP() << "ContiguousKvCache stores f32/f16 only";
   const KvGeometry geo{2, 3, 10};
-  auto paged = MakeCache(geo, {GetParam()}, 1, 5, 1 << 20);
+  auto paged = MakePagedCache(geo, {GetParam()}, 1, 5, 1 << 20);
   ContiguousKvCache dense(geo, GetParam(), 1, 64);
   std::mt19937 rng(3);
   const size_t row = 3 * 10;
@@ -318,7 +308,7 @@ TEST_P(PagedKvCacheStorageTest, ConcatenatedSpansEqualContiguousCache) {
 
 TEST_P(PagedKvCacheStorageTest, ForkSharesPagesAndCopiesOnWrite) {
   const KvGeometry geo{1, 2, 4};
-  auto cache = MakeCache(geo, {GetParam()}, 3, 4, 1 << 20);
+  auto cache = MakePagedCache(geo, {GetParam()}, 3, 4, 1 << 20);
   std::mt19937 rng(4);
   ModelTable src;
   ASSERT_TRUE(AppendRandom(*cache, src, 0, 0, 10, rng).ok());  // pages: 4, 4, 2
@@ -370,7 +360,7 @@ TEST_P(PagedKvCacheStorageTest, ForkSharesPagesAndCopiesOnWrite) {
 
 TEST_P(PagedKvCacheStorageTest, RemoveRangeDropsPositionsFromEveryLayer) {
   const KvGeometry geo{3, 1, 8};
-  auto cache = MakeCache(geo, {GetParam()}, 1, 3, 1 << 20);
+  auto cache = MakePagedCache(geo, {GetParam()}, 1, 3, 1 << 20);
   std::mt19937 rng(5);
   const size_t row = 8;
   std::vector<ModelTable> model(3);
@@ -415,7 +405,7 @@ INSTANTIATE_TEST_SUITE_P(Storage, PagedKvCacheStorageTest,
 
 TEST(PagedKvCacheTest, MixedStoragePerLayer) {
   const KvGeometry geo{3, 2, 16};
-  auto cache = MakeCache(geo, {KvStorage::kF16, KvStorage::kF16, KvStorage::kInt8}, 1, 16, 1 << 20);
+  auto cache = MakePagedCache(geo, {KvStorage::kF16, KvStorage::kF16, KvStorage::kInt8}, 1, 16, 1 << 20);
   EXPECT_EQ(cache->storage(), KvStorage::kF16);
   EXPECT_EQ(cache->layer_storage(0), KvStorage::kF16);
   EXPECT_EQ(cache->layer_storage(2), KvStorage::kInt8);
@@ -441,7 +431,7 @@ TEST(PagedKvCacheTest, MixedStoragePerLayer) {
 
 TEST(PagedKvCacheTest, SpansReusesTheOutputVector) {
   const KvGeometry geo{1, 1, 4};
-  auto cache = MakeCache(geo, {KvStorage::kF32}, 1, 2, 1 << 20);
+  auto cache = MakePagedCache(geo, {KvStorage::kF32}, 1, 2, 1 << 20);
   std::mt19937 rng(7);
   ModelTable model;
   ASSERT_TRUE(AppendRandom(*cache, model, 0, 0, 9, rng).ok());
@@ -456,9 +446,9 @@ TEST(PagedKvCacheTest, SpansReusesTheOutputVector) {
 
 TEST(PagedKvCacheTest, BudgetExhaustionIsCleanAndLeavesTheCacheUnchanged) {
   const KvGeometry geo{2, 2, 8};
-  auto probe = MakeCache(geo, {KvStorage::kF32}, 2, 4, 1 << 20);
+  auto probe = MakePagedCache(geo, {KvStorage::kF32}, 2, 4, 1 << 20);
   const size_t page = probe->page_bytes(0);
-  auto cache = MakeCache(geo, {KvStorage::kF32}, 2, 4, 5 * page);
+  auto cache = MakePagedCache(geo, {KvStorage::kF32}, 2, 4, 5 * page);
   std::mt19937 rng(8);
   ModelTable m00, m01;
   ASSERT_TRUE(AppendRandom(*cache, m00, 0, 0, 14, rng).ok());  // 4 pages
@@ -502,7 +492,7 @@ TEST(PagedKvCacheTest, BudgetExhaustionIsCleanAndLeavesTheCacheUnchanged) {
 
 TEST(PagedKvCacheTest, BadArgumentsAreInvalidArgument) {
   const KvGeometry geo{2, 1, 4};
-  auto cache = MakeCache(geo, {KvStorage::kF16}, 2, 4, 1 << 16);
+  auto cache = MakePagedCache(geo, {KvStorage::kF16}, 2, 4, 1 << 16);
   std::vector<float> k(8, 1.f), v(8, 1.f);
   std::vector<int32_t> pos = {0, 1};
   EXPECT_EQ(cache->Append(2, 0, 1, k.data(), v.data(), pos.data()).code(), StatusCode::kInvalidArgument);
@@ -552,7 +542,7 @@ TEST(PagedKvCacheTest, BadArgumentsAreInvalidArgument) {
 
 TEST(PagedKvCacheTest, EvictEverythingAndNothing) {
   const KvGeometry geo{1, 1, 4};
-  auto cache = MakeCache(geo, {KvStorage::kF32}, 1, 3, 1 << 16);
+  auto cache = MakePagedCache(geo, {KvStorage::kF32}, 1, 3, 1 << 16);
   std::mt19937 rng(9);
   ModelTable model;
   ASSERT_TRUE(AppendRandom(*cache, model, 0, 0, 7, rng).ok());
@@ -581,8 +571,8 @@ class PagedKvCachePerHeadTest : public ::testing::TestWithParam<KvStorage> {};
 TEST_P(PagedKvCachePerHeadTest, SameKeepForEveryHeadGivesTheSharedAttention) {
   const int H = 3, group = 2, D = 8;
   const KvGeometry geo{1, H, D};
-  auto shared = MakeCache(geo, {GetParam()}, 1, 16, 1 << 22);
-  auto per_head = MakeCache(geo, {GetParam()}, 1, 16, 1 << 22, {1});
+  auto shared = MakePagedCache(geo, {GetParam()}, 1, 16, 1 << 22);
+  auto per_head = MakePagedCache(geo, {GetParam()}, 1, 16, 1 << 22, {1});
   ASSERT_FALSE(shared->per_head(0));
   ASSERT_TRUE(per_head->per_head(0));
   std::mt19937 rng(21);
@@ -649,7 +639,7 @@ TEST_P(PagedKvCachePerHeadTest, HeadsKeepDifferentTokensWithExactAccounting) {
   const int H = 3, D = 8;
   const int32_t P = 4;
   const KvGeometry geo{2, H, D};
-  auto cache = MakeCache(geo, {GetParam()}, 2, P, 1 << 20, {0, 1});  // layer 1 per-head
+  auto cache = MakePagedCache(geo, {GetParam()}, 2, P, 1 << 20, {0, 1});  // layer 1 per-head
   const size_t vb = KvStorageValueBytes(GetParam());
   const bool int8 = GetParam() == KvStorage::kInt8;
   auto align = [](size_t n) { return (n + 63) / 64 * 64; };
@@ -774,7 +764,7 @@ INSTANTIATE_TEST_SUITE_P(Storage, PagedKvCachePerHeadTest,
 
 TEST(PagedKvCachePerHeadDeathTest, SpansOfTheWrongKindAbortWithAHint) {
   const KvGeometry geo{2, 2, 4};
-  auto cache = MakeCache(geo, {KvStorage::kF32}, 1, 4, 1 << 16, {0, 1});
+  auto cache = MakePagedCache(geo, {KvStorage::kF32}, 1, 4, 1 << 16, {0, 1});
   std::vector<KvSpan> spans;
   EXPECT_DEATH(cache->Spans(0, 1, &spans), "HeadSpans");
   EXPECT_DEATH(cache->HeadSpans(0, 0, 0, &spans), "Spans\\(\\)");
@@ -817,12 +807,12 @@ TEST_P(PagedKvCachePropertyTest, RandomOperationsMatchTheModel) {
   const int n_seqs = 3;
   const KvGeometry geo{3, 2, 5};  // odd head_dim: ragged rows for every kernel
   const int32_t P = cfg.page_size;
-  auto probe = MakeCache(geo, cfg.storage, n_seqs, P, 1 << 24, cfg.per_head);
+  auto probe = MakePagedCache(geo, cfg.storage, n_seqs, P, 1 << 24, cfg.per_head);
   size_t budget = 0;
   for (int l = 0; l < geo.n_layers; ++l) {
     budget += probe->page_bytes(l) * probe->tables_per_seq(l) * n_seqs * ((20 + P - 1) / P);
   }
-  auto cache = MakeCache(geo, cfg.storage, n_seqs, P, budget, cfg.per_head);
+  auto cache = MakePagedCache(geo, cfg.storage, n_seqs, P, budget, cfg.per_head);
 
   std::mt19937 rng(1000 + P * 7 + static_cast<int>(cfg.storage.size()) + (cfg.with_fork ? 1 : 0) +
                    static_cast<int>(cfg.per_head.size()) * 13);

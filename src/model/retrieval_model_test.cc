@@ -20,6 +20,7 @@
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/sparse_kv_controller.h"
+#include "support/retrieval_model_file.h"
 #include "support/shared_data.h"
 
 namespace kvsparse {
@@ -167,13 +168,7 @@ class RetrievalModelTest : public ::testing::Test {
   // Two layers (the minimum, and the cheapest to run); the default's extra no-op layers are
   // checked separately.
   static void SetUpTestSuite() {
-    const std::string path = testing::TempPath("retrieval-2l.gguf");
-    RetrievalModelOptions options;
-    options.n_layers = 2;
-    ASSERT_TRUE(WriteRetrievalModel(options, path).ok());
-    auto model = Model::Load(path);
-    ASSERT_TRUE(model.ok()) << model.status().ToString();
-    model_ = model->release();
+    model_ = testing::LoadRetrievalModel(2).release();
   }
   static void TearDownTestSuite() {
     delete model_;

@@ -1,0 +1,32 @@
+#include "support/retrieval_model_file.h"
+
+#include <map>
+#include <mutex>
+
+#include "kvsparse/retrieval_model.h"
+#include "support/shared_data.h"
+
+namespace kvsparse::testing {
+
+const std::string& RetrievalModelFile(int n_layers) {
+  static std::mutex mutex;
+  static std::map<int, std::string> paths;  // n_layers -> file
+  std::lock_guard<std::mutex> lock(mutex);
+  auto [it, inserted] = paths.emplace(n_layers, "");
+  if (inserted) {
+    it->second = TempPath("retrieval-" + std::to_string(n_layers) + "l.gguf");
+    RetrievalModelOptions options;
+    options.n_layers = n_layers;
+    const Status written = WriteRetrievalModel(options, it->second);
+    KVS_CHECK_MSG(written.ok(), written.ToString());
+  }
+  return it->second;
+}
+
+std::unique_ptr<Model> LoadRetrievalModel(int n_layers) {
+  auto model = Model::Load(RetrievalModelFile(n_layers));
+  KVS_CHECK_MSG(model.ok(), model.status().ToString());
+  return std::move(*model);
+}
+
+}  // namespace kvsparse::testing
