@@ -32,6 +32,36 @@ TEST(CliBadInput, MissingFile) {
   ExpectCleanFailure(RunCli("generate -m /nonexistent/model.gguf -n 1"), "/nonexistent/model.gguf");
 }
 
+// The kernel family is reported, can be chosen, and a bad choice is a clear error before any work.
+TEST(CliKernels, VersionNamesTheKernelFamily) {
+  const Result r = RunCli("--version");
+  EXPECT_EQ(r.exit_code, 0) << r.all;
+  EXPECT_NE(r.out.find("kernels: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("compiled: "), std::string::npos) << r.out;
+  const Result scalar = RunCli("--isa scalar synth --list");
+  EXPECT_EQ(scalar.exit_code, 0) << scalar.all;
+  EXPECT_EQ(RunCli("synth --list --isa scalar").exit_code, 0);
+  const Result env = RunCli("--version", "KVSPARSE_ISA=scalar");
+  EXPECT_NE(env.out.find("kernels: scalar"), std::string::npos) << env.out;
+}
+
+TEST(CliKernels, BadFamilyIsAClearError) {
+  for (const std::string& args : {std::string("--isa avx9 synth --list"), std::string("synth --list --isa sse")}) {
+    const Result r = RunCli(args);
+    EXPECT_FALSE(r.crashed) << r.all;
+    EXPECT_NE(r.exit_code, 0) << r.all;
+    EXPECT_NE(r.all.find("expected scalar, avx2 or avx512"), std::string::npos) << r.all;
+  }
+  const Result env = RunCli("synth --list", "KVSPARSE_ISA=avx9");
+  EXPECT_NE(env.exit_code, 0) << env.all;
+  EXPECT_NE(env.all.find("KVSPARSE_ISA"), std::string::npos) << env.all;
+}
+
+TEST(CliBadInput, BenchSpeedWithNothingToTime) {
+  ExpectCleanFailure(RunCli("bench-speed -p 0 -n 0 -m /nonexistent/model.gguf"), "nothing to time");
+  ExpectCleanFailure(RunCli("bench-speed -p -4 -n 1 -m /nonexistent/model.gguf"), "-p/--n-prompt");
+}
+
 TEST(CliBadInput, WrongMagic) {
   const std::string path = testing::TempPath("wrong_magic.gguf");
   WriteFile(path, std::string("NOPE") + std::string(64, '\x01'));

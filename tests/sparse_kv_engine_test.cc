@@ -25,7 +25,7 @@
 #include "kvsparse/paged_kv_cache.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/synth.h"
-#include "kv/kv_quant.h"
+#include "ops/kv_quant.h"
 #include "support/shared_data.h"
 
 namespace kvsparse {
@@ -681,7 +681,7 @@ TEST_F(SparseKvEngine, Int8KiviFullBudgetStaysCloseToF32) {
   EXPECT_LT(e.rms, 0.2);
   EXPECT_GE(e.same_top1, static_cast<int>(0.95 * want.logits.size()));
   run.kv.cache->CheckInvariants();
-  const PagedKvLayerStats& ls = run.kv.cache->Stats().layers[0];
+  const PagedKvLayerStats ls = run.kv.cache->Stats().layers[0];  // a copy: Stats() returns by value
   const int32_t n = static_cast<int32_t>(prompt.size()) + n_decode;
   EXPECT_EQ(ls.live_tokens, n);
   EXPECT_EQ(ls.residual_tokens, n % run.kv.cache->page_size());

@@ -14,6 +14,7 @@
 
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/model.h"
+#include "support/per_isa_test.h"
 #include "support/shared_data.h"
 
 namespace kvsparse {
@@ -72,7 +73,8 @@ double MaxRelativeError(const float* got, const float* want, int n) {
 
 int ArgMax(const float* x, int n) { return static_cast<int>(std::max_element(x, x + n) - x); }
 
-class Stories260K : public ::testing::Test {
+// Every test runs once per kernel family: the golden ids and logits hold for each.
+class Stories260K : public testing::PerIsaTest {
  protected:
   void LoadModel(const std::string& path) {
     auto loaded = Model::Load(path);
@@ -110,7 +112,7 @@ class Stories260K : public ::testing::Test {
   std::unique_ptr<Model> model_;
 };
 
-TEST_F(Stories260K, LoadsHeader) {
+TEST_P(Stories260K, LoadsHeader) {
   KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
   LoadModel(path);
   const ModelConfig& c = model_->config();
@@ -128,7 +130,7 @@ TEST_F(Stories260K, LoadsHeader) {
   EXPECT_EQ(model_->ParameterCount(), (1056540 - 28) / 4 - 2 * 512 * 4);
 }
 
-TEST_F(Stories260K, GreedyContinuationMatchesLlama2c) {
+TEST_P(Stories260K, GreedyContinuationMatchesLlama2c) {
   KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
   KVS_SKIP_IF_NO_SHARED(greedy_path, "models/stories260K.greedy-from-bos.txt");
   LoadModel(path);
@@ -154,6 +156,8 @@ TEST_F(Stories260K, GreedyContinuationMatchesLlama2c) {
 class Stories260KLogits : public Stories260K {
  protected:
   void SetUp() override {
+    Stories260K::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     auto model_path = testing::SharedPath("models/stories260K.bin");
     auto logits_path = testing::SharedPath("models/stories260K.logits-64.txt");
     if (!model_path || !logits_path) {
@@ -181,14 +185,14 @@ class Stories260KLogits : public Stories260K {
   std::vector<std::vector<double>> reference_;  // [64][512]
 };
 
-TEST_F(Stories260KLogits, DecodeMatchesFloat64Reference) {
+TEST_P(Stories260KLogits, DecodeMatchesFloat64Reference) {
   const std::vector<float> logits = DecodeOneByOne(input_, KvStorage::kF32);
   const double err = WorstErrorVsReference(logits);
   RecordProperty("max_relative_error", std::to_string(err));
   EXPECT_LT(err, 1e-3);
 }
 
-TEST_F(Stories260KLogits, PrefillMatchesFloat64ReferenceAndDecode) {
+TEST_P(Stories260KLogits, PrefillMatchesFloat64ReferenceAndDecode) {
   const std::vector<float> prefill = PrefillAll(input_, KvStorage::kF32);
   EXPECT_LT(WorstErrorVsReference(prefill), 1e-3);
   const std::vector<float> decode = DecodeOneByOne(input_, KvStorage::kF32);
@@ -196,7 +200,7 @@ TEST_F(Stories260KLogits, PrefillMatchesFloat64ReferenceAndDecode) {
   EXPECT_LT(MaxRelativeError(prefill.data(), decode.data(), static_cast<int>(prefill.size())), 1e-4);
 }
 
-TEST_F(Stories260KLogits, LastTokenLogitsOnlyByDefault) {
+TEST_P(Stories260KLogits, LastTokenLogitsOnlyByDefault) {
   auto cache = NewCache(KvStorage::kF32, 64);
   Engine engine(*model_, cache.get(), kThreads);
   std::vector<float> logits(512 + 1, -12345.f);  // one sentinel past the end
@@ -205,7 +209,7 @@ TEST_F(Stories260KLogits, LastTokenLogitsOnlyByDefault) {
   EXPECT_EQ(logits[512], -12345.f);
 }
 
-TEST_F(Stories260KLogits, SplitPrefillMatchesReference) {
+TEST_P(Stories260KLogits, SplitPrefillMatchesReference) {
   // A prompt prefilled in two pieces (e.g. chat turns) continues from the cache.
   auto cache = NewCache(KvStorage::kF32, 64);
   Engine engine(*model_, cache.get(), kThreads);
@@ -215,7 +219,7 @@ TEST_F(Stories260KLogits, SplitPrefillMatchesReference) {
   EXPECT_LT(WorstErrorVsReference(logits), 1e-3);
 }
 
-TEST_F(Stories260KLogits, F16KvStorageStaysClose) {
+TEST_P(Stories260KLogits, F16KvStorageStaysClose) {
   // K/V rounded to f16 (11-bit mantissa, ~5e-4 relative) perturbs every attention output;
   // this tiny model amplifies that to ~2.5e-2 on logits of magnitude ~13 (measured), while
   // f32 storage stays at ~2e-5.
@@ -226,7 +230,7 @@ TEST_F(Stories260KLogits, F16KvStorageStaysClose) {
   EXPECT_LT(prefill_err, 5e-2);
 }
 
-TEST_F(Stories260K, PrefillLongerThanOneChunkMatchesDecode) {
+TEST_P(Stories260K, PrefillLongerThanOneChunkMatchesDecode) {
   // 600 tokens: past the 512-token training context (allowed: the cache has room) and
   // longer than the engine's internal prefill chunk, so chunking must be exact.
   KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
@@ -238,7 +242,7 @@ TEST_F(Stories260K, PrefillLongerThanOneChunkMatchesDecode) {
   EXPECT_LT(MaxRelativeError(prefill.data(), decode.data(), static_cast<int>(prefill.size())), 1e-4);
 }
 
-TEST_F(Stories260K, BadInputErrorsAreReportedBeforeAnythingIsStored) {
+TEST_P(Stories260K, BadInputErrorsAreReportedBeforeAnythingIsStored) {
   KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
   LoadModel(path);
   auto cache = NewCache(KvStorage::kF32, 4);
@@ -261,6 +265,9 @@ TEST_F(Stories260K, BadInputErrorsAreReportedBeforeAnythingIsStored) {
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
   EXPECT_NE(s.message().find("layer 0"), std::string::npos) << s.message();
 }
+
+KVS_INSTANTIATE_PER_ISA(Stories260K);
+KVS_INSTANTIATE_PER_ISA(Stories260KLogits);
 
 }  // namespace
 }  // namespace kvsparse

@@ -13,6 +13,7 @@
 
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/model.h"
+#include "support/per_isa_test.h"
 #include "support/reference_model.h"
 #include "support/shared_data.h"
 #include "support/test_model_gguf.h"
@@ -102,10 +103,12 @@ double WorstRowError(const std::vector<float>& got, const std::vector<double>& w
   return worst;
 }
 
-class SyntheticModelTest : public ::testing::TestWithParam<std::tuple<int, DType>> {
+// (variant, weight type, kernel family): the reference match must hold for every family.
+class SyntheticModelTest : public ::testing::TestWithParam<std::tuple<int, DType, Isa>> {
  protected:
   void SetUp() override {
-    const auto [variant_index, type] = GetParam();
+    const auto [variant_index, type, isa] = GetParam();
+    KVS_SET_ISA_OR_SKIP(isa);
     const Variant variant = Variants()[static_cast<size_t>(variant_index)];
     spec_ = variant.spec;
     spec_.weight_type = type;
@@ -137,6 +140,7 @@ class SyntheticModelTest : public ::testing::TestWithParam<std::tuple<int, DType
   std::unique_ptr<ReferenceModel> reference_;
   std::vector<int32_t> tokens_;
   std::vector<double> expected_;  // [n_tokens, n_vocab]
+  testing::IsaGuard isa_guard_;
 };
 
 TEST_P(SyntheticModelTest, ConfigMatchesSpec) {
@@ -187,15 +191,16 @@ TEST_P(SyntheticModelTest, DecodeMatchesReference) {
   EXPECT_LT(WorstError(logits), Tolerance(spec_.weight_type));
 }
 
-std::string ParamName(const ::testing::TestParamInfo<std::tuple<int, DType>>& info) {
+std::string ParamName(const ::testing::TestParamInfo<std::tuple<int, DType, Isa>>& info) {
   return std::string(Variants()[static_cast<size_t>(std::get<0>(info.param))].name) + "_" +
-         std::string(DTypeName(std::get<1>(info.param)));
+         std::string(DTypeName(std::get<1>(info.param))) + "_" + IsaName(std::get<2>(info.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariantsAndTypes, SyntheticModelTest,
                          ::testing::Combine(::testing::Range(0, static_cast<int>(Variants().size())),
                                             ::testing::Values(DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0,
-                                                              DType::kQ4_0, DType::kQ4_K)),
+                                                              DType::kQ4_0, DType::kQ4_K),
+                                            ::testing::ValuesIn(CompiledIsas())),
                          ParamName);
 
 // The quantized tolerance must still catch a real mistake: the same q4_K weights with RoPE

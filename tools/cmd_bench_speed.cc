@@ -20,6 +20,7 @@ struct BenchArgs {
 };
 
 int Run(BenchArgs& a) {
+  if (Status valid = ValidateSpeedBenchConfig(a.config); !valid.ok()) return Fail(valid);
   auto path = ResolveModelPath(a.model);
   if (!path.ok()) return Fail(path.status());
   if (a.output != "md" && a.output != "json") return Fail(InvalidArgumentError("-o/--output: expected md or json, found '" + a.output + "'"));

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "commands.h"
+#include "kvsparse/isa.h"
 #include "kvsparse/model.h"
 
 namespace kvsparse::cli {
@@ -77,6 +78,7 @@ int Run(const std::string& path, bool show_tensors) {
     std::printf("  at context %d: f16 %.1f MiB, int8 %.1f MiB\n", c.max_context,
                 f16 * c.n_layers * c.max_context / 1048576.0, int8 * c.n_layers * c.max_context / 1048576.0);
   }
+  std::printf("\nkernels: %s\n", IsaSummary().c_str());
   return 0;
 }
 

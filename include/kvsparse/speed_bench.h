@@ -67,6 +67,7 @@ struct SpeedResult {
 };
 
 struct SpeedReport {
+  std::string isa;  // kernel family that ran (isa.h)
   std::string model_path;
   std::string model_desc;  // "llama 1.1B q8_0"
   double weight_bytes = 0;
@@ -76,6 +77,8 @@ struct SpeedReport {
   std::vector<SpeedResult> results;
 };
 
+// InvalidArgument for negative lengths or nothing to time (RunSpeedBench checks it too).
+Status ValidateSpeedBenchConfig(const SpeedBenchConfig& config);
 StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& config);
 std::string SpeedReportMarkdown(const SpeedReport& report);
 std::string SpeedReportJson(const SpeedReport& report);

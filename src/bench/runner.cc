@@ -1,4 +1,5 @@
 #include "kvsparse/bench_runner.h"
+#include "kvsparse/isa.h"
 
 #include <fmt/format.h>
 #include <omp.h>
@@ -456,6 +457,7 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
   row["seed"] = spec.seed;
   row["prefill_eviction"] = sparsity.prefill_eviction == PrefillEviction::kPromptEnd ? "prompt_end" : "chunk";
   row["kv_config"] = KvSparsityConfigSummary(sparsity);
+  row["isa"] = IsaName(ActiveIsa());  // kernel family: latency figures depend on it
   if (std::optional<MetricSummary> all = acc.scores.Get(kAllSamples, kAllSamples, "score")) {
     row["accuracy"] = all->mean;
     row["accuracy_ci"] = {all->ci_low, all->ci_high};

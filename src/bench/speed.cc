@@ -13,6 +13,7 @@
 
 #include "kvsparse/attention.h"
 #include "kvsparse/contiguous_kv_cache.h"
+#include "kvsparse/isa.h"
 #include "kvsparse/ops.h"
 #include "kvsparse/sparse_kv_controller.h"
 
@@ -136,10 +137,35 @@ void MeanStd(const std::vector<double>& v, double* mean, double* sd) {
 
 }  // namespace
 
+// Bad lengths are the user's input: a clear error, never an invariant abort further down.
+Status ValidateSpeedBenchConfig(const SpeedBenchConfig& config) {
+  auto list = [](const std::vector<int>& v) {
+    std::string s;
+    for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+    return s;
+  };
+  for (const auto& [flag, values] : {std::pair{"-p/--n-prompt", &config.n_prompt}, std::pair{"-n/--n-gen", &config.n_gen},
+                                     std::pair{"-d/--depth", &config.depths}}) {
+    for (int v : *values) {
+      if (v < 0) return InvalidArgumentError(fmt::format("{}: lengths must be >= 0, found {}", flag, v));
+    }
+  }
+  const bool any_test = std::any_of(config.n_prompt.begin(), config.n_prompt.end(), [](int n) { return n > 0; }) ||
+                        std::any_of(config.n_gen.begin(), config.n_gen.end(), [](int n) { return n > 0; });
+  if (!any_test || config.depths.empty()) {
+    return InvalidArgumentError(fmt::format("nothing to time: -p/--n-prompt ({}) and -n/--n-gen ({}) need a length > 0 "
+                                            "and -d/--depth ({}) at least one depth",
+                                            list(config.n_prompt), list(config.n_gen), list(config.depths)));
+  }
+  return Status::Ok();
+}
+
 StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& config) {
+  KVS_RETURN_IF_ERROR(ValidateSpeedBenchConfig(config));
   const ModelConfig& c = model.config();
   const int n_threads = config.n_threads > 0 ? config.n_threads : omp_get_num_procs();
   SpeedReport report;
+  report.isa = IsaName(ActiveIsa());
   report.model_path = model.path();
   report.weight_bytes = static_cast<double>(model.WeightBytes());
   // A decode step reads every weight once, except the token-embedding table, of which it reads one
@@ -284,6 +310,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
 std::string SpeedReportMarkdown(const SpeedReport& report) {
   std::string out;
   out += fmt::format("model: {} ({})\n", report.model_path, report.model_desc);
+  out += fmt::format("kernels: {}\n", report.isa);
   out += fmt::format("weights: {:.1f} MiB, {:.3f} B params", report.weight_bytes / (1 << 20), report.n_params / 1e9);
   if (report.read_bandwidth_gbs > 0) out += fmt::format(", measured read bandwidth {:.1f} GB/s", report.read_bandwidth_gbs);
   out += "\n";
@@ -346,6 +373,7 @@ std::string SpeedReportJson(const SpeedReport& report) {
   nlohmann::json j;
   j["model"] = report.model_path;
   j["model_desc"] = report.model_desc;
+  j["isa"] = report.isa;
   j["weight_bytes"] = report.weight_bytes;
   j["n_params"] = report.n_params;
   j["read_bandwidth_gbs"] = report.read_bandwidth_gbs;

@@ -4,28 +4,13 @@
 #include <string>
 
 #include "kvsparse/dtype.h"
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "kvsparse/ops.h"
 
 namespace kvsparse {
 
 namespace {
 
 size_t StorageElementBytes(KvStorage storage) { return storage == KvStorage::kF16 ? sizeof(f16_bits) : sizeof(float); }
-
-// Converts n floats to f16 (round to nearest even, as F32ToF16).
-void ConvertToF16(const float* src, f16_bits* dst, size_t n) {
-  size_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
-  }
-#endif
-  for (; i < n; ++i) dst[i] = F32ToF16(src[i]);
-}
 
 }  // namespace
 
@@ -101,8 +86,8 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
     std::memcpy(k_dst, k, n_elems * sizeof(float));
     std::memcpy(v_dst, v, n_elems * sizeof(float));
   } else {
-    ConvertToF16(k, reinterpret_cast<f16_bits*>(k_dst), n_elems);
-    ConvertToF16(v, reinterpret_cast<f16_bits*>(v_dst), n_elems);
+    ops::QuantizeRow(DType::kF16, k, k_dst, static_cast<int64_t>(n_elems));
+    ops::QuantizeRow(DType::kF16, v, v_dst, static_cast<int64_t>(n_elems));
   }
   std::memcpy(s.positions.data() + s.n, positions, n * sizeof(int32_t));
   s.n += n;

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <string>
 
-#include "kv/kv_quant.h"
+#include "ops/kv_quant.h"
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 

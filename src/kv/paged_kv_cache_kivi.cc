@@ -14,7 +14,7 @@
 #include <cstring>
 #include <string>
 
-#include "kv/kv_quant.h"
+#include "ops/kv_quant.h"
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 #include "kvsparse/paged_kv_cache.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "kv/kv_quant.h"
+#include "ops/kv_quant.h"
 #include "kv/paged_kv_cache_test_util.h"
 #include "kvsparse/attention.h"
 #include "kvsparse/dtype.h"

@@ -13,22 +13,34 @@
 // merged like any other, so mixed storage costs no extra pass.
 // Optionally (decode steps with an observing policy) every row's scores are also stored in
 // token order (raw_scores), so the policy's score gathering needs no second pass over K.
-// The block primitives (K packing, scores, softmax step, PV) are in attention_kernels.h.
+// The block primitives (K packing, scores, softmax step, PV) are in attention_kernels-inl.h;
+// this file is compiled once per kernel family (ops/simd_family.h) and ops::Attention runs the
+// active family's AttentionImpl.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "kvsparse/attention.h"
 #include "kvsparse/dtype.h"
 #include "ops/attention_kernels.h"
 
-namespace kvsparse::ops {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/attention.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/attention_kernels-inl.h"
+namespace kvsparse::ops::HWY_NAMESPACE {
 
 namespace {
 
-using namespace attn_detail;  // NOLINT: the kernel's own primitives
+using namespace attn_detail;  // NOLINT: the kernel's own primitives (this family's and the shared ones)
 
 constexpr int kTileRows = 32;       // target rows per kv head (tile queries x group) in a prefill unit
 constexpr int64_t kMinChunkTokens = 128;  // smallest token chunk worth a separate unit
@@ -43,18 +55,6 @@ struct Plan {
   int n_tiles = 0;
   bool v_in_place = false;    // head_dim % 16 == 0: whole V blocks are read in place, no copy
   int64_t n_tokens = 0;       // all tokens of the spans: the length of a raw_scores row
-};
-
-// The spans of one storage type (KvSegment) with what the units need to walk them.
-struct Segment {
-  TokenSequence seq;
-  KvStorage storage = KvStorage::kF32;
-  int64_t first_token = 0;       // index of the segment's first token among all tokens (raw_scores column)
-  std::vector<int64_t> visible;  // [n_q] tokens of this segment each query attends to (a prefix)
-  int64_t max_visible = 0;
-  int n_chunks = 0;              // token chunks per tile
-  int64_t chunk_tokens = 0;      // multiple of kBlock
-  Segment(const KvSpan* spans, int32_t n_spans, KvStorage type) : seq(spans, n_spans), storage(type) {}
 };
 
 // Unnormalized per-row state of one token chunk, for the split-K merge.
@@ -77,7 +77,7 @@ struct UnitOutput {
 // range together streams whole cache rows from memory ([n, n_kv_heads, head_dim] is
 // token-major); a unit per kv head would stride through memory and waste DRAM bandwidth.
 // With partial == nullptr the chunk is the whole context and normalized rows go to out.
-void RunUnit(const Plan& plan, const Segment& segment, const float* q, int32_t n_q, int tile, int chunk,
+void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32_t n_q, int tile, int chunk,
              const UnitOutput& output) {
   const TokenSequence& seq = segment.seq;
   const int64_t* visible = segment.visible.data();
@@ -269,9 +269,9 @@ void RunUnit(const Plan& plan, const Segment& segment, const float* q, int32_t n
 
 }  // namespace
 
-void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,
-               float* raw_scores) {
+void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
+                   const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,
+                   float* raw_scores) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   KVS_CHECK(n_q >= 0 && n_spans >= 0);
@@ -280,17 +280,10 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
 
   int64_t n_tokens = 0;
   for (int32_t i = 0; i < n_spans; ++i) n_tokens += spans[i].n;
-  // Segments some query sees; the others cost nothing.
-  std::vector<Segment> segments;
-  int64_t total_visible = 0;
-  for (const KvSegment& kv_segment : KvSegments(storage, spans, n_spans)) {
-    Segment segment(spans + kv_segment.first_span, kv_segment.n_spans, kv_segment.storage);
-    segment.first_token = kv_segment.first_token;
-    segment.visible.resize(n_q);
-    for (int32_t i = 0; i < n_q; ++i) segment.visible[i] = segment.seq.VisibleCount(q_pos[i]);
-    segment.max_visible = *std::max_element(segment.visible.begin(), segment.visible.end());
-    if (raw_scores != nullptr) {
-      // The units write the tokens each row sees; the rest of the segment is -inf.
+  std::vector<SegmentPlan> segments = PlanSegments(storage, spans, n_spans, q_pos, n_q);
+  if (raw_scores != nullptr) {
+    // The units write the tokens each row sees; the rest of each segment is -inf.
+    for (const SegmentPlan& segment : segments) {
       for (int32_t i = 0; i < n_q; ++i) {
         for (int h = 0; h < shape.n_heads; ++h) {
           float* row = raw_scores + (static_cast<size_t>(i) * shape.n_heads + h) * n_tokens + segment.first_token;
@@ -298,12 +291,9 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
         }
       }
     }
-    if (segment.max_visible == 0) continue;
-    total_visible += segment.max_visible;
-    segments.push_back(std::move(segment));
   }
   const size_t n_rows_total = static_cast<size_t>(n_q) * shape.n_heads;
-  if (segments.empty()) {  // no query sees any token
+  if (TotalVisible(segments) == 0) {  // no query sees any token
     std::fill(out, out + n_rows_total * shape.head_dim, 0.f);
     if (row_max_sum != nullptr) {
       for (size_t row = 0; row < n_rows_total; ++row) {
@@ -331,15 +321,9 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
   if (n_threads > 1 && plan.n_tiles < kUnitsPerThread * n_threads) {
     wanted = (kUnitsPerThread * n_threads + plan.n_tiles - 1) / plan.n_tiles;
   }
-  int n_chunks = 0;  // over all segments
-  for (Segment& segment : segments) {
-    const int64_t share = std::max<int64_t>(1, (wanted * segment.max_visible + total_visible - 1) / total_visible);
-    const int64_t affordable = std::max<int64_t>(1, segment.max_visible / kMinChunkTokens);
-    const int64_t chunks = std::min(share, affordable);
-    segment.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((segment.max_visible + chunks - 1) / chunks, kBlock));
-    segment.n_chunks = static_cast<int>((segment.max_visible + segment.chunk_tokens - 1) / segment.chunk_tokens);
-    n_chunks += segment.n_chunks;
-  }
+  // Global chunk index -> (segment, chunk within it); segments no query sees are dropped (they cost nothing).
+  const std::vector<std::pair<int, int>> chunk_of = ChunkSegments(&segments, wanted, kMinChunkTokens);
+  const int n_chunks = static_cast<int>(chunk_of.size());
 
   static thread_local AlignedBuffer partial_buffer;
   std::vector<PartialState> partials;
@@ -350,11 +334,6 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
       float* b = base + per_chunk * c;
       partials.push_back({b, b + n_rows_total, b + 2 * n_rows_total});
     }
-  }
-  // Global chunk index -> (segment, chunk within it).
-  std::vector<std::pair<int, int>> chunk_of(n_chunks);
-  for (int g = 0, seg = 0; seg < static_cast<int>(segments.size()); ++seg) {
-    for (int c = 0; c < segments[seg].n_chunks; ++c) chunk_of[g++] = {seg, c};
   }
 
   const int n_units = plan.n_tiles * n_chunks;
@@ -396,4 +375,19 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
   }
 }
 
+}  // namespace kvsparse::ops::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
+
+#if HWY_ONCE
+namespace kvsparse::ops {
+
+HWY_EXPORT(AttentionImpl);
+
+void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
+               const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,
+               float* raw_scores) {
+  KVS_DISPATCH(AttentionImpl)(shape, storage, q, q_pos, n_q, spans, n_spans, out, n_threads, row_max_sum, raw_scores);
+}
+
 }  // namespace kvsparse::ops
+#endif  // HWY_ONCE

@@ -3,6 +3,9 @@
 // machine's read bandwidth (BM_ReadBandwidth). One decode call is one layer: a TinyLlama
 // token pays 22 of them (BM_AttentionDecode22Layers measures exactly that, from DRAM).
 // Multi-threaded runs report wall time (UseRealTime).
+// Every kernel benchmark takes the kernel family as its first argument (isa: 0 = scalar,
+// 1 = avx2, 2 = avx512; families the CPU lacks are skipped), so one run compares them side by
+// side, e.g. --benchmark_filter='BM_AttentionDecode/isa:./depth:32768/storage:1/threads:1/'.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include "kvsparse/attention.h"
 #include "kvsparse/attention_scores.h"
 #include "kvsparse/dtype.h"
+#include "kvsparse/isa.h"
 #include "kvsparse/ops.h"
 
 namespace kvsparse {
@@ -91,6 +95,23 @@ KvStorage StorageArg(int64_t arg) {
   return arg == 0 ? KvStorage::kF32 : arg == 1 ? KvStorage::kF16 : arg == 2 ? KvStorage::kInt8 : KvStorage::kInt8Kivi;
 }
 
+// Makes the benchmark's kernel family (argument `arg`) the active one; false (and the run
+// skipped) when this build or CPU cannot run it.
+bool UseIsa(benchmark::State& state, int64_t arg) {
+  const Isa isa = static_cast<Isa>(arg);
+  const Status status = SetIsa(isa);
+  if (!status.ok()) {
+    state.SkipWithError(status.message().c_str());
+    return false;
+  }
+  state.SetLabel(IsaName(isa));
+  return true;
+}
+
+constexpr int64_t kScalar = static_cast<int64_t>(Isa::kScalar);
+constexpr int64_t kAvx2 = static_cast<int64_t>(Isa::kAvx2);
+constexpr int64_t kAvx512 = static_cast<int64_t>(Isa::kAvx512);
+
 std::vector<float> RandomQ(size_t n) {
   std::mt19937 rng(2);
   std::normal_distribution<float> dist(0.f, 1.f);
@@ -99,12 +120,13 @@ std::vector<float> RandomQ(size_t n) {
   return q;
 }
 
-// Args: depth, storage (0 = f32, 1 = f16, 2 = int8, 3 = int8_kivi), threads, span tokens (0 = one span).
+// Args: isa, depth, storage (0 = f32, 1 = f16, 2 = int8, 3 = int8_kivi), threads, span tokens (0 = one span).
 void BM_AttentionDecode(benchmark::State& state) {
-  const int64_t depth = state.range(0);
-  const KvStorage storage = StorageArg(state.range(1));
-  const int threads = static_cast<int>(state.range(2));
-  const int64_t span_tokens = state.range(3) > 0 ? state.range(3) : depth;
+  if (!UseIsa(state, state.range(0))) return;
+  const int64_t depth = state.range(1);
+  const KvStorage storage = StorageArg(state.range(2));
+  const int threads = static_cast<int>(state.range(3));
+  const int64_t span_tokens = state.range(4) > 0 ? state.range(4) : depth;
   BenchCache cache(storage, depth, span_tokens);
   const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
   std::vector<float> q = RandomQ(kHeads * kHeadDim), out(kHeads * kHeadDim);
@@ -119,11 +141,12 @@ void BM_AttentionDecode(benchmark::State& state) {
 
 // One decode token's attention over all 22 TinyLlama layers, each with its own cache, so the
 // 22 x 4 MiB (f16, depth 4096) cannot stay in the L3 between calls as in BM_AttentionDecode.
-// Args: depth, threads.
+// Args: isa, depth, threads.
 void BM_AttentionDecode22Layers(benchmark::State& state) {
   constexpr int kLayers = 22;
-  const int64_t depth = state.range(0);
-  const int threads = static_cast<int>(state.range(1));
+  if (!UseIsa(state, state.range(0))) return;
+  const int64_t depth = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
   std::vector<BenchCache> layers;
   layers.reserve(kLayers);
   for (int l = 0; l < kLayers; ++l) layers.emplace_back(KvStorage::kF16, depth, depth);
@@ -141,11 +164,12 @@ void BM_AttentionDecode22Layers(benchmark::State& state) {
                           static_cast<int64_t>(layers[0].Bytes()));
 }
 
-// Causal prefill of n queries over n tokens (positions 0..n-1).
+// Causal prefill of n queries over n tokens (positions 0..n-1). Args: isa, n, storage, threads.
 void BM_AttentionPrefill(benchmark::State& state) {
-  const int64_t n = state.range(0);
-  const KvStorage storage = StorageArg(state.range(1));
-  const int threads = static_cast<int>(state.range(2));
+  if (!UseIsa(state, state.range(0))) return;
+  const int64_t n = state.range(1);
+  const KvStorage storage = StorageArg(state.range(2));
+  const int threads = static_cast<int>(state.range(3));
   BenchCache cache(storage, n, n);
   const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
   std::vector<float> q = RandomQ(static_cast<size_t>(n) * kHeads * kHeadDim), out(q.size());
@@ -160,12 +184,13 @@ void BM_AttentionPrefill(benchmark::State& state) {
 }
 
 // Score gathering (the second pass that sparsity policies pay for) after a decode or prefill
-// call. Args: queries, depth, storage, threads.
+// call. Args: isa, queries, depth, storage, threads.
 void BM_AttentionScores(benchmark::State& state) {
-  const int32_t n_q = static_cast<int32_t>(state.range(0));
-  const int64_t depth = state.range(1);
-  const KvStorage storage = StorageArg(state.range(2));
-  const int threads = static_cast<int>(state.range(3));
+  if (!UseIsa(state, state.range(0))) return;
+  const int32_t n_q = static_cast<int32_t>(state.range(1));
+  const int64_t depth = state.range(2);
+  const KvStorage storage = StorageArg(state.range(3));
+  const int threads = static_cast<int>(state.range(4));
   BenchCache cache(storage, depth, depth);
   const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
   std::vector<float> q = RandomQ(static_cast<size_t>(n_q) * kHeads * kHeadDim), out(q.size());
@@ -191,28 +216,27 @@ void BM_ReadBandwidth(benchmark::State& state) {
 }
 
 BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMillisecond);
+// The family varies fastest (ArgsProduct's first list), so each configuration's families run
+// back to back.
 BENCHMARK(BM_AttentionDecode)
-    ->ArgNames({"depth", "storage", "threads", "span"})
-    ->ArgsProduct({{512, 4096, 32768}, {1, 0, 2}, {1, 2}, {0}})
-    ->Args({4096, 1, 2, 16})  // paged layout: one span per 16-token page
-    ->Args({4096, 2, 2, 16})
-    ->Args({4096, 3, 2, 16})  // int8_kivi pages
+    ->ArgNames({"isa", "depth", "storage", "threads", "span"})
+    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512, 4096, 32768}, {1, 0, 2}, {1, 2}, {0}})
+    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {4096}, {1, 2, 3}, {2}, {16}})  // paged: one span per 16-token page
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionDecode22Layers)
-    ->ArgNames({"depth", "threads"})
-    ->Args({4096, 1})
-    ->Args({4096, 2})
+    ->ArgNames({"isa", "depth", "threads"})
+    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {4096}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionScores)
-    ->ArgNames({"n_q", "depth", "storage", "threads"})
-    ->ArgsProduct({{1, 512}, {4096}, {1, 3}, {1, 2}})
+    ->ArgNames({"isa", "n_q", "depth", "storage", "threads"})
+    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {1, 512}, {4096}, {1, 3}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionPrefill)
-    ->ArgNames({"n", "storage", "threads"})
-    ->ArgsProduct({{512}, {1, 0, 2}, {1, 2}})
+    ->ArgNames({"isa", "n", "storage", "threads"})
+    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512}, {1, 0, 2}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

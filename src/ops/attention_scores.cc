@@ -5,24 +5,35 @@
 //
 // Work is split into units of (kv head, token chunk); a unit owns its output columns, so
 // units never write the same element; inside a unit, queries go in cache-sized tiles. Scores
-// come from the same block primitives as the attention kernel (attention_kernels.h), so they
-// match its scores bit for bit. Spans of different storage types (int8_kivi pages and their
-// full-precision residual) are walked as separate segments; a row's softmax statistics are
-// global, so segments need no merge.
+// come from the same block primitives as the attention kernel (attention_kernels-inl.h), so
+// within a kernel family they match its scores bit for bit. Spans of different storage types
+// (int8_kivi pages and their full-precision residual) are walked as separate segments; a row's
+// softmax statistics are global, so segments need no merge. Compiled once per kernel family
+// (ops/simd_family.h); ops::AttentionScores runs the active family's AttentionScoresImpl.
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kvsparse/attention_scores.h"
 #include "ops/attention_kernels.h"
 
-namespace kvsparse::ops {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/attention_scores.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/attention_kernels-inl.h"
+namespace kvsparse::ops::HWY_NAMESPACE {
 
 namespace {
 
-using namespace attn_detail;  // NOLINT: the kernel's own primitives
+using namespace attn_detail;  // NOLINT: the kernel's own primitives (this family's and the shared ones)
 
 constexpr int64_t kMinChunkTokens = 64;  // smallest token chunk worth a separate unit
 constexpr int kUnitsPerThread = 4;
@@ -42,23 +53,10 @@ struct ScorePlan {
   const float* row_max_sum = nullptr;
 };
 
-// The spans of one storage type (KvSegment), their visibility and chunking.
-struct ScoreSegment {
-  TokenSequence seq;
-  KvStorage storage = KvStorage::kF32;
-  int64_t first_token = 0;       // output column of the segment's first token
-  std::vector<int64_t> visible;  // [n_q] tokens of this segment each query attends to (a prefix)
-  int64_t max_visible = 0;
-  int64_t chunk_tokens = 0;      // multiple of kBlock
-  int n_chunks = 0;
-  ScoreSegment(const KvSpan* spans, int32_t n_spans, KvStorage type, int64_t first)
-      : seq(spans, n_spans), storage(type), first_token(first) {}
-};
-
 // One (kv head, token chunk) unit. Queries are processed in tiles of about kTileRows rows so
 // that a tile's pre-scaled q rows stay in L1/L2 while the chunk's K blocks stream past; the
 // unit adds each tile's contribution into its own output columns.
-void RunScoreUnit(const ScorePlan& plan, const ScoreSegment& segment, int kv_head, int64_t t_begin, int64_t t_end) {
+void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head, int64_t t_begin, int64_t t_end) {
   const TokenSequence& seq = segment.seq;
   const int64_t* visible = segment.visible.data();
   const AttentionShape& shape = plan.shape;
@@ -177,16 +175,15 @@ void RunScoreUnit(const ScorePlan& plan, const ScoreSegment& segment, int kv_hea
 
 }  // namespace
 
-void AttentionScores(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos,
-                     int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum,
-                     const ScoreGathering& gathering, const ScoreOutputs& outputs, int n_threads) {
+void AttentionScoresImpl(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos,
+                         int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum,
+                         const ScoreGathering& gathering, const ScoreOutputs& outputs, int n_threads) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   KVS_CHECK(n_q >= 0 && n_spans >= 0);
   KVS_CHECK_MSG(n_q == 0 || row_max_sum != nullptr, "AttentionScores needs the row_max_sum of ops::Attention");
   if (n_threads <= 0) n_threads = omp_get_max_threads();
 
-  const std::vector<KvSegment> kv_segments = KvSegments(storage, spans, n_spans);
   int64_t n_tokens = 0;
   for (int32_t i = 0; i < n_spans; ++i) n_tokens += spans[i].n;
   // Tokens no query sees, and every token when there are no queries, stay 0.
@@ -194,21 +191,9 @@ void AttentionScores(const AttentionShape& shape, KvStorage storage, const float
   for (float* o : {outputs.sum_all, outputs.sum_window, outputs.last}) {
     if (o != nullptr) std::fill(o, o + n_out, 0.f);
   }
-  if (n_q == 0 || n_tokens == 0) return;
-
-  std::vector<ScoreSegment> segments;
-  int64_t total_visible = 0;
-  for (const KvSegment& kv_segment : kv_segments) {
-    ScoreSegment segment(spans + kv_segment.first_span, kv_segment.n_spans, kv_segment.storage,
-                         kv_segment.first_token);
-    segment.visible.resize(n_q);
-    for (int32_t i = 0; i < n_q; ++i) segment.visible[i] = segment.seq.VisibleCount(q_pos[i]);
-    segment.max_visible = *std::max_element(segment.visible.begin(), segment.visible.end());
-    if (segment.max_visible == 0) continue;
-    total_visible += segment.max_visible;
-    segments.push_back(std::move(segment));
-  }
-  if (segments.empty()) return;
+  std::vector<SegmentPlan> segments = PlanSegments(storage, spans, n_spans, q_pos, n_q);  // checks the scales
+  const int64_t total_visible = TotalVisible(segments);
+  if (total_visible == 0) return;
 
   ScorePlan plan;
   plan.shape = shape;
@@ -228,18 +213,9 @@ void AttentionScores(const AttentionShape& shape, KvStorage storage, const float
   if (work < kMinParallelWork) n_threads = 1;
   int wanted = 1;
   if (n_threads > 1) wanted = (kUnitsPerThread * n_threads + shape.n_kv_heads - 1) / shape.n_kv_heads;
-  int n_chunks = 0;  // over all segments
-  std::vector<std::pair<int, int>> chunk_of;  // global chunk -> (segment, chunk within it)
-  for (int seg = 0; seg < static_cast<int>(segments.size()); ++seg) {
-    ScoreSegment& segment = segments[seg];
-    const int64_t share = std::max<int64_t>(1, (wanted * segment.max_visible + total_visible - 1) / total_visible);
-    const int64_t affordable = std::max<int64_t>(1, segment.max_visible / kMinChunkTokens);
-    const int64_t chunks = std::min(share, affordable);
-    segment.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((segment.max_visible + chunks - 1) / chunks, kBlock));
-    segment.n_chunks = static_cast<int>((segment.max_visible + segment.chunk_tokens - 1) / segment.chunk_tokens);
-    for (int c = 0; c < segment.n_chunks; ++c) chunk_of.push_back({seg, c});
-    n_chunks += segment.n_chunks;
-  }
+  // Global chunk -> (segment, chunk within it); segments no query sees are dropped.
+  const std::vector<std::pair<int, int>> chunk_of = ChunkSegments(&segments, wanted, kMinChunkTokens);
+  const int n_chunks = static_cast<int>(chunk_of.size());
 
   const int n_units = shape.n_kv_heads * n_chunks;
   const int threads = std::min(n_threads, n_units);
@@ -247,10 +223,26 @@ void AttentionScores(const AttentionShape& shape, KvStorage storage, const float
   for (int u = 0; u < n_units; ++u) {
     const int kv_head = u % shape.n_kv_heads;
     const auto [seg, chunk] = chunk_of[u / shape.n_kv_heads];
-    const ScoreSegment& segment = segments[seg];
+    const SegmentPlan& segment = segments[seg];
     const int64_t t_begin = static_cast<int64_t>(chunk) * segment.chunk_tokens;
     RunScoreUnit(plan, segment, kv_head, t_begin, std::min(segment.max_visible, t_begin + segment.chunk_tokens));
   }
 }
 
+}  // namespace kvsparse::ops::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
+
+#if HWY_ONCE
+namespace kvsparse::ops {
+
+HWY_EXPORT(AttentionScoresImpl);
+
+void AttentionScores(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos,
+                     int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum,
+                     const ScoreGathering& gathering, const ScoreOutputs& outputs, int n_threads) {
+  KVS_DISPATCH(AttentionScoresImpl)(shape, storage, q, q_pos, n_q, spans, n_spans, row_max_sum, gathering, outputs,
+                                    n_threads);
+}
+
 }  // namespace kvsparse::ops
+#endif  // HWY_ONCE

@@ -1,10 +1,11 @@
 // Score gathering from the raw scores ops::Attention wrote during a decode step: no second
 // pass over K, one exp2 per (query head, token). Probabilities are computed exactly as in
 // ops::AttentionScores (same Exp2, same log2-domain max, same fold order), so the outputs
-// match it to float rounding.
+// match it to float rounding (bit for bit for a single query, within a kernel family).
 //
 // Work is split into units of (kv head, token chunk); a unit owns its output columns and walks
-// its tokens in blocks of 16, folding every query's heads per block.
+// its tokens in blocks of 16, folding every query's heads per block. Compiled once per kernel
+// family (ops/simd_family.h); ops::GatherScoresFromRaw runs the active family's version.
 #include <omp.h>
 
 #include <algorithm>
@@ -14,11 +15,20 @@
 #include "kvsparse/attention_scores.h"
 #include "ops/attention_kernels.h"
 
-namespace kvsparse::ops {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/attention_scores_raw.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/attention_kernels-inl.h"
+namespace kvsparse::ops::HWY_NAMESPACE {
 
 namespace {
 
-using namespace attn_detail;  // NOLINT: the kernel's own primitives
+using namespace attn_detail;  // NOLINT: the kernel's own primitives (this family's and the shared ones)
 
 constexpr int64_t kMinChunkTokens = 256;                 // smallest token chunk worth a separate unit
 constexpr int64_t kMinParallelWork = int64_t{1} << 15;   // exp2s below which threads cost more than they save
@@ -43,7 +53,7 @@ void RunRawUnit(const RawPlan& plan, int kv_head, int64_t t_begin, int64_t t_end
   const size_t out_row = static_cast<size_t>(kv_head) * plan.n_tokens;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kBlock) {
     const int n_block = static_cast<int>(std::min<int64_t>(kBlock, t_end - t0));
-#if KVS_ATTN_AVX512
+#if KVS_ISA_AVX512
     const __mmask16 block_mask = static_cast<__mmask16>((1u << n_block) - 1);
     const __m512 neg_inf = _mm512_set1_ps(kNegInf);
     __m512 sum_all = _mm512_setzero_ps(), sum_window = _mm512_setzero_ps(), last = _mm512_setzero_ps();
@@ -68,6 +78,35 @@ void RunRawUnit(const RawPlan& plan, int kv_head, int64_t t_begin, int64_t t_end
     if (out.sum_all != nullptr) _mm512_mask_storeu_ps(out.sum_all + at, block_mask, sum_all);
     if (out.sum_window != nullptr) _mm512_mask_storeu_ps(out.sum_window + at, block_mask, sum_window);
     if (out.last != nullptr) _mm512_mask_storeu_ps(out.last + at, block_mask, last);
+#elif KVS_ISA_AVX2
+    // Two halves of 8 tokens; the same operations as Probabilities (attention_kernels-inl.h).
+    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+    for (int half = 0; half < 2 && 8 * half < n_block; ++half) {
+      const __m256 in_block = ValidLanes(n_block, 8 * half);
+      const __m256i load_mask = _mm256_castps_si256(in_block);
+      __m256 sum_all = _mm256_setzero_ps(), sum_window = _mm256_setzero_ps(), last = _mm256_setzero_ps();
+      for (int32_t i = 0; i < plan.n_q; ++i) {
+        __m256 folded = _mm256_setzero_ps();
+        for (int g = 0; g < plan.group; ++g) {
+          const size_t row = static_cast<size_t>(i) * plan.n_heads + kv_head * plan.group + g;
+          if (plan.row_inv[row] == 0.f) continue;  // the row sees nothing: p = 0
+          const __m256 x = _mm256_maskload_ps(plan.raw + row * plan.n_tokens + t0 + 8 * half, load_mask);
+          // Tokens the query does not see hold -inf: p must be exactly 0 there.
+          const __m256 seen = _mm256_and_ps(in_block, _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
+          const __m256 e = Exp2(_mm256_sub_ps(x, _mm256_set1_ps(plan.row_max[row])));
+          const __m256 p = _mm256_and_ps(seen, _mm256_mul_ps(e, _mm256_set1_ps(plan.row_inv[row])));
+          folded = max_fold ? _mm256_max_ps(folded, p) : _mm256_add_ps(folded, p);
+        }
+        folded = _mm256_mul_ps(folded, _mm256_set1_ps(fold_scale));
+        sum_all = _mm256_add_ps(sum_all, folded);
+        if (plan.q_pos[i] >= plan.gathering.window_start) sum_window = _mm256_add_ps(sum_window, folded);
+        if (i == plan.n_q - 1) last = folded;
+      }
+      const size_t at = out_row + static_cast<size_t>(t0) + 8 * half;
+      if (out.sum_all != nullptr) _mm256_maskstore_ps(out.sum_all + at, load_mask, sum_all);
+      if (out.sum_window != nullptr) _mm256_maskstore_ps(out.sum_window + at, load_mask, sum_window);
+      if (out.last != nullptr) _mm256_maskstore_ps(out.last + at, load_mask, last);
+    }
 #else
     float sum_all[kBlock] = {}, sum_window[kBlock] = {}, last[kBlock] = {};
     for (int32_t i = 0; i < plan.n_q; ++i) {
@@ -98,9 +137,9 @@ void RunRawUnit(const RawPlan& plan, int kv_head, int64_t t_begin, int64_t t_end
 
 }  // namespace
 
-void GatherScoresFromRaw(const AttentionShape& shape, const int32_t* q_pos, int32_t n_q, int64_t n_tokens,
-                         const float* raw_scores, const float* row_max_sum, const ScoreGathering& gathering,
-                         const ScoreOutputs& outputs, int n_threads) {
+void GatherScoresFromRawImpl(const AttentionShape& shape, const int32_t* q_pos, int32_t n_q, int64_t n_tokens,
+                             const float* raw_scores, const float* row_max_sum, const ScoreGathering& gathering,
+                             const ScoreOutputs& outputs, int n_threads) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0);
   KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   KVS_CHECK(n_q >= 0 && n_tokens >= 0);
@@ -150,4 +189,20 @@ void GatherScoresFromRaw(const AttentionShape& shape, const int32_t* q_pos, int3
   }
 }
 
+}  // namespace kvsparse::ops::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
+
+#if HWY_ONCE
+namespace kvsparse::ops {
+
+HWY_EXPORT(GatherScoresFromRawImpl);
+
+void GatherScoresFromRaw(const AttentionShape& shape, const int32_t* q_pos, int32_t n_q, int64_t n_tokens,
+                         const float* raw_scores, const float* row_max_sum, const ScoreGathering& gathering,
+                         const ScoreOutputs& outputs, int n_threads) {
+  KVS_DISPATCH(GatherScoresFromRawImpl)(shape, q_pos, n_q, n_tokens, raw_scores, row_max_sum, gathering, outputs,
+                                        n_threads);
+}
+
 }  // namespace kvsparse::ops
+#endif  // HWY_ONCE

@@ -10,6 +10,7 @@
 
 #include "kvsparse/attention.h"
 #include "ops/attention_test_util.h"
+#include "support/per_isa_test.h"
 
 namespace kvsparse {
 namespace {
@@ -28,8 +29,7 @@ struct ScoreCase {
   int n_threads;
 };
 
-std::string ScoreCaseName(const ::testing::TestParamInfo<ScoreCase>& info) {
-  const ScoreCase& c = info.param;
+std::string ScoreCaseName(const ScoreCase& c) {
   std::ostringstream name;
   name << "q" << c.n_q << "_d" << c.head_dim << "_g" << c.group << "_" << KvStorageName(c.storage)
        << (c.aggregation == GqaAggregation::kMax ? "_max" : "_mean") << "_t" << c.n_threads;
@@ -91,12 +91,13 @@ void CheckAgainstReference(const AttentionShape& shape, const SpanSet& set, cons
   }
 }
 
-class AttentionScoresVsRefTest : public ::testing::TestWithParam<ScoreCase> {};
+// Every test runs once per kernel family (scalar, avx2, avx512) the CPU can run.
+class AttentionScoresTest : public testing::PerIsaTest {};
+KVS_INSTANTIATE_PER_ISA(AttentionScoresTest);
 
 // Ragged spans with gaps; queries before, inside and after the cached positions; a window
 // covering some of the queries.
-TEST_P(AttentionScoresVsRefTest, MatchesReference) {
-  const ScoreCase c = GetParam();
+void CheckRaggedCase(const ScoreCase& c) {
   std::mt19937 rng(2000 + c.n_q * 131 + c.head_dim * 7 + c.group * 3 + c.n_threads);
   const int n_kv_heads = c.group == 8 ? 1 : 3;
   AttentionShape shape{n_kv_heads * c.group, n_kv_heads, c.head_dim, 1.f / std::sqrt(static_cast<float>(c.head_dim))};
@@ -125,10 +126,16 @@ std::vector<ScoreCase> AllScoreCases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ragged, AttentionScoresVsRefTest, ::testing::ValuesIn(AllScoreCases()), ScoreCaseName);
+TEST_P(AttentionScoresTest, RaggedCasesMatchReference) {
+  for (const ScoreCase& c : AllScoreCases()) {
+    SCOPED_TRACE(ScoreCaseName(c));
+    CheckRaggedCase(c);
+    if (HasFatalFailure()) return;
+  }
+}
 
 // Long context split over many chunks, decode and a prefill chunk.
-TEST(AttentionScoresTest, LongContextMatchesReference) {
+TEST_P(AttentionScoresTest, LongContextMatchesReference) {
   std::mt19937 rng(8);
   AttentionShape shape{8, 2, 64, 0.125f};
   SpanSet set = MakeSpans(KvStorage::kF16, {600, 3, 900}, 2, 64, rng);
@@ -147,7 +154,7 @@ TEST(AttentionScoresTest, LongContextMatchesReference) {
 
 // int8_kivi: quantized pages and full-precision spans interleaved (segments), empty spans at
 // their edges, long enough to split each segment over several chunks.
-TEST(AttentionScoresTest, Int8KiviMixedSegmentsMatchReference) {
+TEST_P(AttentionScoresTest, Int8KiviMixedSegmentsMatchReference) {
   std::mt19937 rng(15);
   AttentionShape shape{8, 2, 64, 0.125f};
   SpanSet set = MakeSpans(KvStorage::kInt8Kivi, {16, 0, 16, 16, 300, 0, 9, 400, 11}, 2, 64, rng);
@@ -168,7 +175,7 @@ TEST(AttentionScoresTest, Int8KiviMixedSegmentsMatchReference) {
 
 // Probabilities of each query head sum to 1 over the tokens it sees, so with mean folding
 // sum_all sums to the number of queries that see anything, and `last` to 1 per kv head.
-TEST(AttentionScoresTest, ProbabilitiesSumToOne) {
+TEST_P(AttentionScoresTest, ProbabilitiesSumToOne) {
   std::mt19937 rng(12);
   AttentionShape shape{6, 2, 32, 0.3f};
   SpanSet set = MakeSpans(KvStorage::kF32, {50, 30}, 2, 32, rng);
@@ -203,7 +210,7 @@ TEST(AttentionScoresTest, ProbabilitiesSumToOne) {
 
 // Max folding keeps the largest head's probability: with one dominant head per token it
 // differs from mean folding by the group factor at most.
-TEST(AttentionScoresTest, MaxFoldBoundsMeanFold) {
+TEST_P(AttentionScoresTest, MaxFoldBoundsMeanFold) {
   std::mt19937 rng(13);
   AttentionShape shape{8, 2, 16, 0.5f};
   SpanSet set = MakeSpans(KvStorage::kF16, {37}, 2, 16, rng);
@@ -225,7 +232,7 @@ TEST(AttentionScoresTest, MaxFoldBoundsMeanFold) {
 }
 
 // No queries, no tokens, null outputs.
-TEST(AttentionScoresTest, EmptyInputs) {
+TEST_P(AttentionScoresTest, EmptyInputs) {
   std::mt19937 rng(14);
   AttentionShape shape{2, 1, 16, 0.25f};
   SpanSet set = MakeSpans(KvStorage::kF32, {5}, 1, 16, rng);
@@ -267,7 +274,7 @@ TEST(AttentionScoresTest, EmptyInputs) {
 
 // A decode step over a long ragged context, split over threads: raw-score gathering equals
 // the second pass for every storage type, both folds and a window covering the query.
-TEST(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
+TEST_P(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
   std::mt19937 rng(16);
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
     AttentionShape shape{32, 4, 64, 0.125f};
@@ -280,6 +287,49 @@ TEST(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
       for (int n_threads : {1, 2, 5}) {
         CheckAgainstReference(shape, set, q, q_pos, ScoreGathering{aggregation, last}, n_threads,
                               std::string(KvStorageName(storage)) + " threads " + std::to_string(n_threads));
+      }
+    }
+  }
+}
+
+// Within a family the attention kernel and the second pass share their block primitives, so
+// the raw scores ops::Attention keeps and the ones ops::AttentionScores recomputes are the same
+// bits, and gathering from either gives identical outputs (one query tile in the second pass,
+// so both sum the queries in the same order). The attention kernel's query tiles (8 queries at
+// group 4) end blocks early where the second pass has whole ones, and the threads split the
+// tokens differently: a token's packed K must not depend on the block it falls in.
+TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactly) {
+  std::mt19937 rng(17);
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+    for (int head_dim : {64, 20, 37}) {
+      AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
+      SpanSet set = MakeSpans(storage, {16, 5, 40, 16, 300, 7, 16, 200, 9}, 2, head_dim, rng);
+      if (storage == KvStorage::kInt8Kivi) set.MakeResidual(4);
+      const int32_t last = LastPosition(set);
+      int64_t n_tokens = 0;
+      for (const KvSpan& s : set.spans) n_tokens += s.n;
+      const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
+      for (int n_q : {1, 16}) {
+        std::vector<int32_t> q_pos(n_q);
+        for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 23;
+        std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * head_dim, rng, 3.f);
+        std::vector<float> out(q.size()), stats(static_cast<size_t>(n_q) * shape.n_heads * 2);
+        std::vector<float> raw(static_cast<size_t>(n_q) * shape.n_heads * n_tokens);
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, out.data(), 2, stats.data(),
+                       raw.data());
+        for (GqaAggregation aggregation : {GqaAggregation::kMean, GqaAggregation::kMax}) {
+          const ScoreGathering gathering{aggregation, q_pos[n_q / 2]};
+          Gathered second(n_out), from_raw(n_out);
+          ops::AttentionScores(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, stats.data(),
+                               gathering, second.Outputs(), 3);
+          ops::GatherScoresFromRaw(shape, q_pos.data(), n_q, n_tokens, raw.data(), stats.data(), gathering,
+                                   from_raw.Outputs(), 2);
+          const std::string what = std::string(KvStorageName(storage)) + " head_dim " + std::to_string(head_dim) +
+                                   " n_q " + std::to_string(n_q);
+          EXPECT_EQ(from_raw.sum_all, second.sum_all) << what;
+          EXPECT_EQ(from_raw.sum_window, second.sum_window) << what;
+          EXPECT_EQ(from_raw.last, second.last) << what;
+        }
       }
     }
   }

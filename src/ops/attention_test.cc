@@ -11,6 +11,7 @@
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/dtype.h"
 #include "ops/attention_test_util.h"
+#include "support/per_isa_test.h"
 
 namespace kvsparse {
 namespace {
@@ -38,19 +39,29 @@ struct Case {
   int n_threads;
 };
 
-std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
+std::string CaseName(const Case& c) {
   std::ostringstream name;  // (operator+ chains trip a GCC 12 -Wrestrict false positive)
   name << "q" << c.n_q << "_d" << c.head_dim << "_g" << c.group << "_" << KvStorageName(c.storage)
        << "_t" << c.n_threads;
   return name.str();
 }
 
-class AttentionVsRefTest : public ::testing::TestWithParam<Case> {};
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (int n_q : {1, 3, 17})
+    for (int head_dim : {64, 128, 32, 20})
+      for (int group : {1, 2, 8})
+        for (KvStorage storage : kAllStorage)
+          for (int n_threads : {1, 2}) cases.push_back({n_q, head_dim, group, storage, n_threads});
+  return cases;
+}
+
+// Every test runs once per kernel family (scalar, avx2, avx512) the CPU can run.
+class AttentionTest : public testing::PerIsaTest {};
+KVS_INSTANTIATE_PER_ISA(AttentionTest);
 
 // Ragged spans with gaps; queries at, before and after the cached positions.
-TEST_P(AttentionVsRefTest, MatchesReference) {
-  const Case c = GetParam();
+void CheckRaggedCase(const Case& c) {
   std::mt19937 rng(1000 + c.n_q * 131 + c.head_dim * 7 + c.group * 3 + c.n_threads);
   const int n_kv_heads = c.group == 8 ? 1 : 2;
   AttentionShape shape{n_kv_heads * c.group, n_kv_heads, c.head_dim, 1.f / std::sqrt(static_cast<float>(c.head_dim))};
@@ -79,22 +90,18 @@ TEST_P(AttentionVsRefTest, MatchesReference) {
   }
 }
 
-std::vector<Case> AllCases() {
-  std::vector<Case> cases;
-  for (int n_q : {1, 3, 17})
-    for (int head_dim : {64, 128, 32})
-      for (int group : {1, 2, 8})
-        for (KvStorage storage : kAllStorage)
-          for (int n_threads : {1, 2}) cases.push_back({n_q, head_dim, group, storage, n_threads});
-  return cases;
+TEST_P(AttentionTest, RaggedCasesMatchReference) {
+  for (const Case& c : AllCases()) {
+    SCOPED_TRACE(CaseName(c));
+    CheckRaggedCase(c);
+    if (HasFatalFailure()) return;
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ragged, AttentionVsRefTest, ::testing::ValuesIn(AllCases()), CaseName);
-
-// Head sizes that are not a multiple of the SIMD width, and odd head counts.
-TEST(AttentionTest, OddHeadDimsMatchReference) {
+// Head sizes that are not a multiple of the SIMD width (nor of 4), and odd head counts.
+TEST_P(AttentionTest, OddHeadDimsMatchReference) {
   std::mt19937 rng(77);
-  for (int head_dim : {1, 8, 20, 48, 80, 100, 256}) {
+  for (int head_dim : {1, 6, 8, 20, 37, 48, 80, 100, 256}) {
     for (KvStorage storage : kAllStorage) {
       AttentionShape shape{6, 3, head_dim, 0.37f};
       SpanSet set = MakeSpans(storage, {3, 19, 7}, shape.n_kv_heads, head_dim, rng);
@@ -110,7 +117,7 @@ TEST(AttentionTest, OddHeadDimsMatchReference) {
 }
 
 // Long context: many blocks per query and the split-over-tokens path with a merge.
-TEST(AttentionTest, LongContextDecodeAndPrefillMatchReference) {
+TEST_P(AttentionTest, LongContextDecodeAndPrefillMatchReference) {
   std::mt19937 rng(5);
   for (KvStorage storage : kAllStorage) {
     AttentionShape shape{8, 1, 64, 0.125f};
@@ -134,7 +141,7 @@ TEST(AttentionTest, LongContextDecodeAndPrefillMatchReference) {
 }
 
 // Causal boundaries: a query exactly at a cached position sees it; one just below does not.
-TEST(AttentionTest, CausalBoundaryIsInclusive) {
+TEST_P(AttentionTest, CausalBoundaryIsInclusive) {
   AttentionShape shape{1, 1, 4, 1.f};
   // Two tokens at positions 10 and 20 with distinct values.
   std::vector<float> k = {0.1f, 0.2f, 0.3f, 0.4f, -0.2f, 0.5f, 0.1f, 0.3f};
@@ -151,7 +158,7 @@ TEST(AttentionTest, CausalBoundaryIsInclusive) {
 }
 
 // Hand-computed: two tokens, softmax weights from explicit scores.
-TEST(AttentionTest, ReferenceMatchesHandComputedSoftmax) {
+TEST_P(AttentionTest, ReferenceMatchesHandComputedSoftmax) {
   AttentionShape shape{2, 1, 2, 0.5f};
   std::vector<float> k = {1.f, 0.f, 0.f, 1.f};  // token 0 = e0, token 1 = e1
   std::vector<float> v = {1.f, 10.f, 3.f, -2.f};
@@ -173,7 +180,7 @@ TEST(AttentionTest, ReferenceMatchesHandComputedSoftmax) {
 }
 
 // No spans at all (empty cache) and empty spans inside the list.
-TEST(AttentionTest, EmptyInputsGiveZeros) {
+TEST_P(AttentionTest, EmptyInputsGiveZeros) {
   std::mt19937 rng(3);
   AttentionShape shape{4, 2, 16, 0.25f};
   std::vector<float> q = RandomQueries(2 * 4 * 16, rng, 1.f);
@@ -193,7 +200,7 @@ TEST(AttentionTest, EmptyInputsGiveZeros) {
 }
 
 // Through the real cache: attention over ContiguousKvCache spans equals attention over the raw rows.
-TEST(AttentionTest, WorksOverContiguousKvCache) {
+TEST_P(AttentionTest, WorksOverContiguousKvCache) {
   std::mt19937 rng(21);
   const KvGeometry geo{1, 2, 32};
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16}) {
@@ -229,7 +236,7 @@ TEST(AttentionTest, WorksOverContiguousKvCache) {
 // so every probability changes by a factor within [e^-2delta, e^2delta] and
 //   |out_int8 - out_f32| <= max_t v_scale_t / 2 + (e^(2 delta) - 1) * max |v|.
 // Both the fast kernel and the reference must stay inside that bound.
-TEST(AttentionTest, Int8StaysWithinQuantizationBoundOfF32) {
+TEST_P(AttentionTest, Int8StaysWithinQuantizationBoundOfF32) {
   std::mt19937 rng(404);
   for (int head_dim : {64, 20, 128}) {
     AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
@@ -272,7 +279,7 @@ TEST(AttentionTest, Int8StaysWithinQuantizationBoundOfF32) {
 
 // An int8 span's scales really are per (token, kv head): scaling one token's K/V codes and
 // dividing its scales by the same factor leaves attention unchanged.
-TEST(AttentionTest, Int8ScalesArePerTokenAndHead) {
+TEST_P(AttentionTest, Int8ScalesArePerTokenAndHead) {
   std::mt19937 rng(9);
   AttentionShape shape{4, 2, 32, 0.2f};
   SpanSet set = MakeSpans(KvStorage::kInt8, {40}, 2, 32, rng);
@@ -300,7 +307,7 @@ TEST(AttentionTest, Int8ScalesArePerTokenAndHead) {
 // f16. With kerr_c the largest K error of channel c, a score moves by at most
 //   delta = scale * sum_c |q_c| kerr_c,
 // and, as for int8, |out_kivi - out_f32| <= max V error + (e^(2 delta) - 1) * max |v|.
-TEST(AttentionTest, Int8KiviStaysWithinQuantizationBoundOfF32) {
+TEST_P(AttentionTest, Int8KiviStaysWithinQuantizationBoundOfF32) {
   std::mt19937 rng(405);
   for (int head_dim : {64, 20, 128}) {
     AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
@@ -364,7 +371,7 @@ TEST(AttentionTest, Int8KiviStaysWithinQuantizationBoundOfF32) {
 // int8_kivi K scales really are per (page, kv head, channel): halving one channel's codes in
 // one page and doubling that page's channel scale leaves attention unchanged; the same change
 // with the scale of another page (or channel) does not.
-TEST(AttentionTest, Int8KiviScalesArePerPageHeadAndChannel) {
+TEST_P(AttentionTest, Int8KiviScalesArePerPageHeadAndChannel) {
   std::mt19937 rng(10);
   AttentionShape shape{4, 2, 32, 0.2f};
   SpanSet set = MakeSpans(KvStorage::kInt8Kivi, {16, 16, 16, 5}, 2, 32, rng);
@@ -391,7 +398,7 @@ TEST(AttentionTest, Int8KiviScalesArePerPageHeadAndChannel) {
 
 // Segments: full-precision spans anywhere in an int8_kivi list (and empty spans at segment
 // edges) give the reference's result, for decode, a prefill chunk, and the split-K path.
-TEST(AttentionTest, Int8KiviMixedSegmentsMatchReference) {
+TEST_P(AttentionTest, Int8KiviMixedSegmentsMatchReference) {
   std::mt19937 rng(11);
   AttentionShape shape{6, 3, 48, 0.15f};
   SpanSet set = MakeSpans(KvStorage::kInt8Kivi, {0, 16, 16, 0, 5, 16, 0, 300, 200, 7, 0}, 3, 48, rng);
@@ -427,7 +434,7 @@ TEST(AttentionTest, Int8KiviMixedSegmentsMatchReference) {
 }
 
 // The optional softmax statistics match the reference's, for the single-pass and split-K paths.
-TEST(AttentionTest, RowMaxSumMatchesReference) {
+TEST_P(AttentionTest, RowMaxSumMatchesReference) {
   std::mt19937 rng(31);
   for (KvStorage storage : kAllStorage) {
     AttentionShape shape{8, 2, 64, 0.125f};
@@ -466,7 +473,7 @@ TEST(AttentionTest, RowMaxSumMatchesReference) {
 // the reference's, over ragged spans, every storage type (int8_kivi with residual spans inside
 // the list), decode and a chunk, the single-pass and split-K paths; asking for them changes
 // neither the output nor the statistics.
-TEST(AttentionTest, RawScoresMatchReference) {
+TEST_P(AttentionTest, RawScoresMatchReference) {
   std::mt19937 rng(41);
   for (KvStorage storage : kAllStorage) {
     AttentionShape shape{8, 2, 40, 0.15f};

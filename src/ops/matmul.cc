@@ -2,6 +2,8 @@
 // threads (each thread streams a disjoint slice of W), and walks register tiles of
 // kMaxTileRows x kMaxTileTokens. Tokens are processed in blocks whose packed activations stay
 // in L2, so each weight row tile is read from memory once per token block and then reused from L1.
+// The driver is baseline code; the kernels are the active family's (include/kvsparse/isa.h),
+// fetched once per call.
 #include <omp.h>
 
 #include <algorithm>
@@ -14,7 +16,40 @@
 #include "kvsparse/status.h"
 #include "ops/matmul_kernels.h"
 
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/matmul.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/matmul_tile-inl.h"
+namespace kvsparse::matmul::HWY_NAMESPACE {
+
+// This family's kernel for weights of `type`; null for activation-only types.
+const Kernel* KernelFor(DType type) {
+  switch (type) {
+    case DType::kQ8_0: return &KernelQ8_0();
+    case DType::kQ4_0: return &KernelQ4_0();
+    case DType::kQ4_K: return &KernelQ4_K();
+    case DType::kF32: return &KernelF32();
+    case DType::kF16: return &KernelF16();
+    case DType::kBF16: return &KernelBF16();
+    case DType::kQ8_K: break;
+  }
+  return nullptr;
+}
+
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
+
+#if HWY_ONCE
 namespace kvsparse {
+namespace matmul {
+HWY_EXPORT(KernelFor);
+}  // namespace matmul
+
 namespace {
 
 // Budget for one token block's packed activations (about half of a Zen4 core's 1 MiB L2).
@@ -22,18 +57,14 @@ constexpr size_t kTokenBlockBytes = 512 * 1024;
 // Below this many multiply-adds a call runs on the calling thread only (fork/join costs more).
 constexpr int64_t kMinParallelMacs = 1 << 18;
 
+// The active family's kernel (one dispatch per MatMul call).
 const matmul::Kernel& KernelFor(DType type) {
-  switch (type) {
-    case DType::kQ8_0: return matmul::KernelQ8_0();
-    case DType::kQ4_0: return matmul::KernelQ4_0();
-    case DType::kQ4_K: return matmul::KernelQ4_K();
-    case DType::kF32: return matmul::KernelF32();
-    case DType::kF16: return matmul::KernelF16();
-    case DType::kBF16: return matmul::KernelBF16();
-    case DType::kQ8_K: break;  // activation-only type
+  const matmul::Kernel* kernel = KVS_DISPATCH(matmul::KernelFor)(type);
+  if (kernel == nullptr) {
+    CheckFailed(__FILE__, __LINE__, "supported weight type",
+                "MatMul has no kernel for weights of type " + std::string(DTypeName(type)));
   }
-  CheckFailed(__FILE__, __LINE__, "supported weight type",
-              "MatMul has no kernel for weights of type " + std::string(DTypeName(type)));
+  return *kernel;
 }
 
 // Grow-only, 64-byte aligned scratch for packed activations, one per calling thread.
@@ -177,3 +208,4 @@ void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int
 
 }  // namespace ops
 }  // namespace kvsparse
+#endif  // HWY_ONCE

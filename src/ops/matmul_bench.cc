@@ -5,6 +5,8 @@
 //  - BM_Gemm*: n_tokens = 512 (prefill); the GOP/s counter counts 2 ops per multiply-add.
 //  - BM_TinyLlamaDecode / BM_TinyLlamaPrefillLayer: all of a layer's matmuls in sequence.
 // Run with --benchmark_min_time=... as needed; threads default to 2 (KVS_BENCH_THREADS overrides).
+// The kernels are the best family this CPU runs (KVSPARSE_ISA=scalar|avx2|avx512 lowers it); the
+// context header names it.
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>
@@ -14,10 +16,16 @@
 #include <vector>
 
 #include "kvsparse/dtype.h"
+#include "kvsparse/isa.h"
 #include "kvsparse/ops.h"
 
 namespace kvsparse {
 namespace {
+
+const bool kFamilyInContext = [] {
+  benchmark::AddCustomContext("kernel_family", IsaName(ActiveIsa()));
+  return true;
+}();
 
 int BenchThreads() {
   const char* env = std::getenv("KVS_BENCH_THREADS");

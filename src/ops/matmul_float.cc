@@ -1,13 +1,22 @@
 // F32 / F16 / BF16 weights x f32 activations. Weights are widened to f32 in registers (F16C for
 // f16, a 16-bit shift for bf16) and multiplied in f32 FMA; activations are used as given.
+// Compiled once per kernel family; tiles are dispatched by the shared driver (matmul_tile-inl.h).
+#include <cstdint>
 
 #include "kvsparse/dtype.h"
+#include "kvsparse/status.h"
 #include "ops/matmul_kernels.h"
-#include "ops/simd_isa.h"
-#include "ops/tile_dispatch.h"
 
-namespace kvsparse::matmul {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/matmul_float.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/matmul_tile-inl.h"
+namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
 template <DType kType>
@@ -28,7 +37,7 @@ struct WeightElem<DType::kBF16> {
   static float ToFloat(bf16_bits v) { return BF16ToF32(v); }
 };
 
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
 // Loads 16 weights starting at element c as f32; `mask` selects the valid ones of a tail.
 template <DType kType>
 inline __m512 LoadWeights16(const void* row, int64_t c, __mmask16 mask) {
@@ -54,14 +63,9 @@ inline __m256 LoadWeights8(const void* row, int64_t c) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 }
-inline float HorizontalSum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
 #endif
 
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
 // One weight row against one f32 token: the decode hot loop. Four accumulators hide the FMA
 // latency (one chain would cap a row at 16 weights per FMA latency); only the tail is masked.
 template <DType kType>
@@ -86,7 +90,7 @@ template <DType kType>
 struct FloatTile {
   using Elem = typename WeightElem<kType>::T;
 
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
   // Decode: rows one after another against one token.
   static void RunStripOneToken(const TileArgs& a) {
     const float* x = reinterpret_cast<const float*>(a.x);
@@ -101,7 +105,7 @@ struct FloatTile {
     const float* x[T];
     for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const Elem*>(a.w + r * a.w_row_bytes);
     for (int t = 0; t < T; ++t) x[t] = reinterpret_cast<const float*>(a.x + t * a.x_token_bytes);
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
     __m512 acc[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -118,12 +122,7 @@ struct FloatTile {
         for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
       }
     }
-    for (int t = 0; t < T; ++t) {
-      for (int r = 0; r < R; ++r) {
-        const float sum = _mm512_reduce_add_ps(acc[r][t]);
-        a.y[t * a.y_stride + r] = a.accumulate ? a.y[t * a.y_stride + r] + sum : sum;
-      }
-    }
+    StoreTile<R, T>(a, acc);
 #elif KVS_ISA_AVX2
     __m256 acc[R][T];
     for (int r = 0; r < R; ++r)
@@ -143,7 +142,7 @@ struct FloatTile {
     }
     for (int t = 0; t < T; ++t) {
       for (int r = 0; r < R; ++r) {
-        float sum = HorizontalSum(acc[r][t]);
+        float sum = ReduceAdd(acc[r][t]);
         for (int64_t i = c; i < n; ++i) sum += WeightElem<kType>::ToFloat(w[r][i]) * x[t][i];
         a.y[t * a.y_stride + r] = a.accumulate ? a.y[t * a.y_stride + r] + sum : sum;
       }
@@ -160,22 +159,18 @@ struct FloatTile {
   }
 };
 
-}  // namespace
-
 // 512 columns: a 4-row chunk is 4-8 KiB and 4 tokens' activations 8 KiB, all L1-resident.
 constexpr int64_t kFloatKChunk = 512;
 
-const Kernel& KernelF32() {
-  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF32>>, kFloatKChunk};
-  return kernel;
-}
-const Kernel& KernelF16() {
-  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF16>>, kFloatKChunk};
-  return kernel;
-}
-const Kernel& KernelBF16() {
-  static const Kernel kernel{nullptr, nullptr, &DispatchTile<FloatTile<DType::kBF16>>, kFloatKChunk};
-  return kernel;
-}
+constexpr Kernel kKernelF32{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF32>>, kFloatKChunk};
+constexpr Kernel kKernelF16{nullptr, nullptr, &DispatchTile<FloatTile<DType::kF16>>, kFloatKChunk};
+constexpr Kernel kKernelBF16{nullptr, nullptr, &DispatchTile<FloatTile<DType::kBF16>>, kFloatKChunk};
 
-}  // namespace kvsparse::matmul
+}  // namespace
+
+const Kernel& KernelF32() { return kKernelF32; }
+const Kernel& KernelF16() { return kKernelF16; }
+const Kernel& KernelBF16() { return kKernelBF16; }
+
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+#include "ops/family_end-inl.h"

@@ -1,7 +1,9 @@
 // Internal interface between the MatMul driver (matmul.cc) and the per-weight-type kernels
 // (matmul_<type>.cc). The driver quantizes/packs activations once per call, splits weight rows
 // across threads and walks tiles; a kernel computes one tile of at most kMaxTileRows weight rows
-// by kMaxTileTokens tokens over the full inner dimension.
+// by kMaxTileTokens tokens over the full inner dimension. Every kernel family
+// (include/kvsparse/isa.h) has its own Kernel per weight type (declared in matmul_tile-inl.h);
+// the driver fetches the active family's once per MatMul call.
 #pragma once
 
 #include <cstddef>
@@ -43,16 +45,5 @@ struct Kernel {
   size_t (*decode_token_bytes)(int64_t cols) = nullptr;
   void (*pack_decode_token)(const float* x, int64_t cols, uint8_t* dst) = nullptr;
 };
-
-// Fast kernels for this build's ISA (AVX512-VNNI, AVX2 or scalar, chosen at compile time).
-const Kernel& KernelQ8_0();
-const Kernel& KernelQ4_0();
-const Kernel& KernelQ4_K();
-const Kernel& KernelF32();
-const Kernel& KernelF16();
-const Kernel& KernelBF16();
-
-// Human-readable name of the compiled integer-dot path, for benchmarks/logs.
-const char* IsaName();
 
 }  // namespace kvsparse::matmul

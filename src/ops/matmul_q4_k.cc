@@ -1,16 +1,26 @@
 // Q4_K weights x Q8_K activations -- ggml's vec_dot_q4_K_q8_K arithmetic. Per 256-element
 // super-block: sum = d_x * (d * sum_j sc_j * dot(q_j, x_j) - dmin * sum_j m_j * sum(x_j)),
-// where the integer part is exact and sum(x_j) comes from the activations' bsums.
+// where the integer part is exact and sum(x_j) comes from the activations' bsums. Compiled once
+// per kernel family; the tile loop is shared (BlockTile in matmul_tile-inl.h), this file holds
+// one super-block step.
+#include <cstdint>
 #include <cstring>
 
 #include "kvsparse/dtype.h"
+#include "kvsparse/status.h"
 #include "ops/matmul_kernels.h"
-#include "ops/quant_internal.h"
-#include "ops/simd_isa.h"
-#include "ops/tile_dispatch.h"
 
-namespace kvsparse::matmul {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/matmul_q4_k.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/matmul_tile-inl.h"
+#include "ops/quantize-inl.h"
+namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
 constexpr int kSubBlocks = kQK_K / 32;
@@ -46,7 +56,7 @@ inline ScalesMins Unpack(const BlockQ4_K& block) {
   return out;
 }
 
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
 // One weight row against one token's Q8_K blocks: the decode hot loop, kept lean and out of line
 // (fewer instructions per weight byte let the core stream weights closer to DRAM bandwidth).
 __attribute__((noinline)) float DotRowOneToken(const BlockQ4_K* blocks, int64_t n_blocks, const BlockQ8_K* x) {
@@ -81,8 +91,12 @@ __attribute__((noinline)) float DotRowOneToken(const BlockQ4_K* blocks, int64_t 
 }
 #endif
 
-struct Q4_KTile {
-#if KVS_ISA_AVX512VNNI
+// One super-block per step.
+struct Q4_KSteps {
+  static constexpr int kBlockElems = kQK_K;
+  static constexpr bool kPairBlocks = false;
+
+#if KVS_ISA_AVX512
   // Decode: rows one after another against one token.
   static void RunStripOneToken(const TileArgs& a) {
     const int64_t n_blocks = a.cols / kQK_K;
@@ -93,181 +107,154 @@ struct Q4_KTile {
   // Per 64 elements (sub-blocks 2g, 2g+1 share 32 bytes of nibbles): maddubs gives int16 pair sums,
   // vpdpwssd multiplies them by the sub-block scale and accumulates int32 over the super-block.
   template <int R, int T>
-  static void Run(const TileArgs& a) {
-    const int64_t n_blocks = a.cols / kQK_K;
+  static inline void Step(const TileArgs& a, int64_t b, AccF (&acc)[R][T]) {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    __m512 acc[R][T];
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      __m128i scales16[R];  // [8] int16 sub-block scales
-      __m256i mins16[R];    // [16] int16: m_j at lanes 2j, 2j+1 (matches bsums pairs)
-      float d[R], dmin[R];
+    __m128i scales16[R];  // [8] int16 sub-block scales
+    __m256i mins16[R];    // [16] int16: m_j at lanes 2j, 2j+1 (matches bsums pairs)
+    float d[R], dmin[R];
+    for (int r = 0; r < R; ++r) {
+      const BlockQ4_K& block = RowBlocks(a, r)[b];
+      if (a.w_prefetch) {
+        const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
+        _mm_prefetch(pf, _MM_HINT_T1);
+        _mm_prefetch(pf + 64, _MM_HINT_T1);
+        _mm_prefetch(pf + 128, _MM_HINT_T1);
+      }
+      const ScalesMins sm = Unpack(block);
+      uint64_t sc8, m8;
+      std::memcpy(&sc8, sm.scale, 8);
+      std::memcpy(&m8, sm.min, 8);
+      scales16[r] = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8)));
+      const __m128i m = _mm_cvtsi64_si128(static_cast<long long>(m8));
+      mins16[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+      d[r] = _cvtsh_ss(block.d);
+      dmin[r] = _cvtsh_ss(block.dmin);
+    }
+    // Unpacked nibbles and per-lane scales of the tile's rows for this super-block; they are
+    // reused by every token, and holding them (rather than the int32 sums) in L1 keeps the
+    // accumulators in registers.
+    __m512i w[R][kSubBlocks / 2];
+    __m512i sc[R][kSubBlocks / 2];
+    for (int g = 0; g < kSubBlocks / 2; ++g) {
+      // int16 lanes 0-15 get scale[2g], lanes 16-31 scale[2g+1].
+      const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(2 * g)),
+                                              _mm256_set1_epi16(static_cast<short>(2 * g + 1)), 1);
       for (int r = 0; r < R; ++r) {
-        const BlockQ4_K& block = RowBlocks(a, r)[b];
-        if (a.w_prefetch) {
-          const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
-          _mm_prefetch(pf, _MM_HINT_T1);
-          _mm_prefetch(pf + 64, _MM_HINT_T1);
-          _mm_prefetch(pf + 128, _MM_HINT_T1);
-        }
-        const ScalesMins sm = Unpack(block);
-        uint64_t sc8, m8;
-        std::memcpy(&sc8, sm.scale, 8);
-        std::memcpy(&m8, sm.min, 8);
-        scales16[r] = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8)));
-        const __m128i m = _mm_cvtsi64_si128(static_cast<long long>(m8));
-        mins16[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
-        d[r] = _cvtsh_ss(block.d);
-        dmin[r] = _cvtsh_ss(block.dmin);
-      }
-      // Unpacked nibbles and per-lane scales of the tile's rows for this super-block; they are
-      // reused by every token, and holding them (rather than the int32 sums) in L1 keeps the
-      // accumulators in registers.
-      __m512i w[R][kSubBlocks / 2];
-      __m512i sc[R][kSubBlocks / 2];
-      for (int g = 0; g < kSubBlocks / 2; ++g) {
-        // int16 lanes 0-15 get scale[2g], lanes 16-31 scale[2g+1].
-        const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(2 * g)),
-                                                _mm256_set1_epi16(static_cast<short>(2 * g + 1)), 1);
-        for (int r = 0; r < R; ++r) {
-          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * g));
-          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
-          w[r][g] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low_nibbles);
-          sc[r][g] = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(scales16[r]));
-        }
-      }
-      for (int t = 0; t < T; ++t) {
-        const BlockQ8_K& xb = TokenBlocks(a, t)[b];
-        __m512i isum[R];
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        for (int g = 0; g < kSubBlocks / 2; ++g) {
-          const __m512i xq = _mm512_loadu_si512(xb.qs + 64 * g);
-          for (int r = 0; r < R; ++r)
-            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(w[r][g], xq), sc[r][g]);
-        }
-        const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
-        for (int r = 0; r < R; ++r) {
-          const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
-          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d[r] * xb.d), acc[r][t]);
-          acc[r][t] = _mm512_fmadd_ps(_mm512_zextps256_ps512(min_sum), _mm512_set1_ps(-dmin[r] * xb.d), acc[r][t]);
-        }
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * g));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
+        w[r][g] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low_nibbles);
+        sc[r][g] = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(scales16[r]));
       }
     }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; ++t) {
+      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      __m512i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+      for (int g = 0; g < kSubBlocks / 2; ++g) {
+        const __m512i xq = _mm512_loadu_si512(xb.qs + 64 * g);
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(w[r][g], xq), sc[r][g]);
+      }
+      const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
+      for (int r = 0; r < R; ++r) {
+        const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d[r] * xb.d), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_zextps256_ps512(min_sum), _mm512_set1_ps(-dmin[r] * xb.d), acc[r][t]);
+      }
+    }
   }
 #elif KVS_ISA_AVX2
   template <int R, int T>
-  static void Run(const TileArgs& a) {
-    const int64_t n_blocks = a.cols / kQK_K;
+  static inline void Step(const TileArgs& a, int64_t b, AccF (&acc)[R][T]) {
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-    __m256 acc[R][T];
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      ScalesMins sm[R];
-      __m256i mins16[R];
-      for (int r = 0; r < R; ++r) {
-        const BlockQ4_K& block = RowBlocks(a, r)[b];
-        if (a.w_prefetch) {
-          const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
-          _mm_prefetch(pf, _MM_HINT_T1);
-          _mm_prefetch(pf + 64, _MM_HINT_T1);
-          _mm_prefetch(pf + 128, _MM_HINT_T1);
-        }
-        sm[r] = Unpack(block);
-        uint64_t m8;
-        std::memcpy(&m8, sm[r].min, 8);
-        const __m128i m = _mm_cvtsi64_si128(static_cast<long long>(m8));
-        mins16[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+    ScalesMins sm[R];
+    __m256i mins16[R];
+    for (int r = 0; r < R; ++r) {
+      const BlockQ4_K& block = RowBlocks(a, r)[b];
+      if (a.w_prefetch) {
+        const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
+        _mm_prefetch(pf, _MM_HINT_T1);
+        _mm_prefetch(pf + 64, _MM_HINT_T1);
+        _mm_prefetch(pf + 128, _MM_HINT_T1);
       }
-      __m256i isum[R][T];
-      for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) isum[r][t] = _mm256_setzero_si256();
-      for (int g = 0; g < kSubBlocks / 2; ++g) {
-        __m256i w_lo[R], w_hi[R];
-        for (int r = 0; r < R; ++r) {
-          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * g));
-          w_lo[r] = _mm256_and_si256(packed, low_nibbles);
-          w_hi[r] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-        }
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xq = TokenBlocks(a, t)[b].qs + 64 * g;
-          const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-          const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-          for (int r = 0; r < R; ++r) {
-            const __m256i lo =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo[r], x_lo), _mm256_set1_epi16(sm[r].scale[2 * g]));
-            const __m256i hi =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(w_hi[r], x_hi), _mm256_set1_epi16(sm[r].scale[2 * g + 1]));
-            isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(lo, hi));
-          }
-        }
+      sm[r] = Unpack(block);
+      uint64_t m8;
+      std::memcpy(&m8, sm[r].min, 8);
+      const __m128i m = _mm_cvtsi64_si128(static_cast<long long>(m8));
+      mins16[r] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+    }
+    __m256i isum[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) isum[r][t] = _mm256_setzero_si256();
+    for (int g = 0; g < kSubBlocks / 2; ++g) {
+      __m256i w_lo[R], w_hi[R];
+      for (int r = 0; r < R; ++r) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * g));
+        w_lo[r] = _mm256_and_si256(packed, low_nibbles);
+        w_hi[r] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
       }
       for (int t = 0; t < T; ++t) {
-        const BlockQ8_K& xb = TokenBlocks(a, t)[b];
-        const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
+        const int8_t* xq = TokenBlocks(a, t)[b].qs + 64 * g;
+        const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
         for (int r = 0; r < R; ++r) {
-          const BlockQ4_K& block = RowBlocks(a, r)[b];
-          const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
-          acc[r][t] =
-              _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), _mm256_set1_ps(_cvtsh_ss(block.d) * xb.d), acc[r][t]);
-          acc[r][t] = _mm256_fmadd_ps(min_sum, _mm256_set1_ps(-_cvtsh_ss(block.dmin) * xb.d), acc[r][t]);
+          const __m256i lo =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo[r], x_lo), _mm256_set1_epi16(sm[r].scale[2 * g]));
+          const __m256i hi =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(w_hi[r], x_hi), _mm256_set1_epi16(sm[r].scale[2 * g + 1]));
+          isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(lo, hi));
         }
       }
     }
     for (int t = 0; t < T; ++t) {
+      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
       for (int r = 0; r < R; ++r) {
-        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][t]), _mm256_extractf128_ps(acc[r][t], 1));
-        const __m128 v2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        a.y[t * a.y_stride + r] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
+        const BlockQ4_K& block = RowBlocks(a, r)[b];
+        const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
+        acc[r][t] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), _mm256_set1_ps(_cvtsh_ss(block.d) * xb.d), acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(min_sum, _mm256_set1_ps(-_cvtsh_ss(block.dmin) * xb.d), acc[r][t]);
       }
     }
   }
 #else
   template <int R, int T>
-  static void Run(const TileArgs& a) {
-    const int64_t n_blocks = a.cols / kQK_K;
-    float acc[R][T] = {};
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      for (int r = 0; r < R; ++r) {
-        const BlockQ4_K& block = RowBlocks(a, r)[b];
-        const ScalesMins sm = Unpack(block);
-        for (int t = 0; t < T; ++t) {
-          const BlockQ8_K& xb = TokenBlocks(a, t)[b];
-          int32_t scaled = 0;
-          int32_t mins = 0;
-          for (int j = 0; j < kSubBlocks; ++j) {
-            const uint8_t* q = block.qs + 32 * (j / 2);
-            const int shift = 4 * (j % 2);
-            int32_t dot = 0;
-            for (int e = 0; e < 32; ++e) dot += ((q[e] >> shift) & 0x0F) * xb.qs[32 * j + e];
-            scaled += sm.scale[j] * dot;
-            mins += sm.min[j] * (xb.bsums[2 * j] + xb.bsums[2 * j + 1]);
-          }
-          acc[r][t] +=
-              xb.d * (F16ToF32(block.d) * static_cast<float>(scaled) - F16ToF32(block.dmin) * static_cast<float>(mins));
+  static inline void Step(const TileArgs& a, int64_t b, AccF (&acc)[R][T]) {
+    for (int r = 0; r < R; ++r) {
+      const BlockQ4_K& block = RowBlocks(a, r)[b];
+      const ScalesMins sm = Unpack(block);
+      for (int t = 0; t < T; ++t) {
+        const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+        int32_t scaled = 0;
+        int32_t mins = 0;
+        for (int j = 0; j < kSubBlocks; ++j) {
+          const uint8_t* q = block.qs + 32 * (j / 2);
+          const int shift = 4 * (j % 2);
+          int32_t dot = 0;
+          for (int e = 0; e < 32; ++e) dot += ((q[e] >> shift) & 0x0F) * xb.qs[32 * j + e];
+          scaled += sm.scale[j] * dot;
+          mins += sm.min[j] * (xb.bsums[2 * j] + xb.bsums[2 * j + 1]);
         }
+        acc[r][t] +=
+            xb.d * (F16ToF32(block.d) * static_cast<float>(scaled) - F16ToF32(block.dmin) * static_cast<float>(mins));
       }
     }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = acc[r][t];
   }
 #endif
 };
 
+// Q8_K blocks of one token, padded to 64 bytes.
 size_t PackedBytes(int64_t cols) { return (static_cast<size_t>(cols / kQK_K) * sizeof(BlockQ8_K) + 63) / 64 * 64; }
 
 void PackToken(const float* x, int64_t cols, uint8_t* dst) {
-  quant::QuantizeRowQ8_K(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
+  quant::HWY_NAMESPACE::QuantizeRowQ8_K(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
 }
+
+constexpr Kernel kKernel{&PackedBytes, &PackToken, &DispatchTile<BlockTile<Q4_KSteps>>};
 
 }  // namespace
 
-const Kernel& KernelQ4_K() {
-  static const Kernel kernel{&PackedBytes, &PackToken, &DispatchTile<Q4_KTile>};
-  return kernel;
-}
+const Kernel& KernelQ4_K() { return kKernel; }
 
-}  // namespace kvsparse::matmul
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+#include "ops/family_end-inl.h"

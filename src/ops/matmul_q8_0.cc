@@ -1,240 +1,75 @@
 // Q8_0 weights x Q8_0 activations (packed_q8.h), integer dot products per 32-element block,
-// scaled by d_w * d_x and accumulated in f32 -- ggml's vec_dot_q8_0_q8_0 scheme.
+// scaled by d_w * d_x and accumulated in f32 -- ggml's vec_dot_q8_0_q8_0 scheme. Compiled once
+// per kernel family; the tile loops are shared (matmul_packed_q8-inl.h), this file holds the
+// block arithmetic.
+#include <cstdint>
 
 #include "kvsparse/dtype.h"
+#include "kvsparse/status.h"
 #include "ops/matmul_kernels.h"
 #include "ops/packed_q8.h"
-#include "ops/simd_isa.h"
-#include "ops/tile_dispatch.h"
 
-namespace kvsparse::matmul {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/matmul_q8_0.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/matmul_tile-inl.h"
+#include "ops/packed_q8-inl.h"
+#include "ops/matmul_packed_q8-inl.h"
+namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
-// VNNI multiplies unsigned by signed bytes: weights enter as (w + 128) and the packed
-// activations' `init` subtracts 128 * sum(x) per lane. Without VNNI the sign trick is used.
-constexpr int kWeightOffset = simd::kHasVnni ? 128 : 0;
+struct Q8_0Blocks {
+  using Block = BlockQ8_0;
+  static constexpr Q8Order kOrder = Q8Order::kNatural;
 
-inline const BlockQ8_0* RowBlocks(const TileArgs& a, int r) {
-  return reinterpret_cast<const BlockQ8_0*>(a.w + r * a.w_row_bytes);
-}
-
-#if KVS_ISA_AVX512VNNI
-// One weight row against one token (the decode hot loop). Kept minimal and out of line
-// (pointer-bumped, no branches in the loop): the fewer instructions per weight byte, the further
-// ahead the core's loads run, which decides how close decode gets to DRAM bandwidth.
-//  - full layout (kCompact = false): (w + 128) as unsigned bytes, the packed `init` cancels the
-//    bias, the packed per-lane scales are used directly;
-//  - compact layout: the sign trick (|w| times x carrying w's sign), scales expanded per step.
-template <bool kCompact>
-__attribute__((noinline)) float DotRowOneToken(const BlockQ8_0* blocks, int64_t n_blocks, const uint8_t* x) {
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t n_steps = PackedSteps(n_blocks * kQK8_0);
-  const float* compact_scales = CompactQ8Scales(x, n_blocks * kQK8_0);
-  // Two accumulators: one FMA chain would cap a row at one step per FMA latency.
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  auto accumulate = [&](const BlockQ8_0& b0, const BlockQ8_0& b1, int64_t step, __m512& sum) {
+#if KVS_ISA_AVX512
+  // VNNI multiplies unsigned by signed bytes: weights enter as (w + 128) and the packed
+  // activations' `init` subtracts 128 * sum(x) per lane.
+  static constexpr int kOffset = 128;
+  static __m512i Signed(const Block& b0, const Block& b1) {
     const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0.qs));
     const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1.qs));
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    // [d0 x 8 | d1 x 8] as f16 from two broadcasts and a blend, then one widening convert.
-    const __m512 w_scale = _mm512_cvtph_ps(_mm256_blend_epi32(_mm256_set1_epi16(static_cast<short>(b0.d)),
-                                                              _mm256_set1_epi16(static_cast<short>(b1.d)), 0xF0));
-    __m512i dot;
-    __m512 x_scale;
-    if constexpr (kCompact) {
-      const __m512i xq = _mm512_load_si512(x + step * kStepElems);
-      const __m512i x_signed = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(w), zero, xq);
-      dot = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), x_signed);
-      const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(compact_scales + 2 * step)));
-      x_scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair));
-    } else {
-      const uint8_t* packed = x + step * kStepBytes;
-      dot = _mm512_dpbusd_epi32(_mm512_load_si512(packed + 64), _mm512_xor_si512(w, flip), _mm512_load_si512(packed));
-      x_scale = _mm512_load_ps(reinterpret_cast<const float*>(packed + 128));
-    }
-    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scale), sum);
-  };
-  const int64_t n_pairs = n_blocks / 2;
-  int64_t p = 0;
-  for (; p + 2 <= n_pairs; p += 2) {
-    accumulate(blocks[2 * p], blocks[2 * p + 1], p, acc[0]);
-    accumulate(blocks[2 * p + 2], blocks[2 * p + 3], p + 1, acc[1]);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
-  if (p < n_pairs) accumulate(blocks[2 * p], blocks[2 * p + 1], p, acc[0]);
-  if (n_pairs < n_steps) {  // odd tail: the block doubles as its own partner; its padded scale is 0
-    accumulate(blocks[n_blocks - 1], blocks[n_blocks - 1], n_pairs, acc[1]);
+  static __m512i Load(const Block& b0, const Block& b1) {
+    return _mm512_xor_si512(Signed(b0, b1), _mm512_set1_epi8(static_cast<char>(0x80)));
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-}
-#endif
-
-struct Q8_0Tile {
-#if KVS_ISA_AVX512VNNI
-  // One step = 2 blocks = 64 bytes per row; 16 int32 lanes, lanes 0-7 block b0, 8-15 block b1.
-  template <int R, int T>
-  static inline void Step(const TileArgs& a, int64_t s, int64_t b0, int64_t b1, __m512 (&acc)[R][T]) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i w[R];
-    __m512 w_scale[R];
-    for (int r = 0; r < R; ++r) {
-      const BlockQ8_0* blocks = RowBlocks(a, r);
-      if (a.w_prefetch) {
-        _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b0 * sizeof(BlockQ8_0)),
-                     _MM_HINT_T1);
-      }
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b0].qs));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b1].qs));
-      w[r] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
-      w_scale[r] = _mm512_cvtph_ps(_mm256_blend_epi32(_mm256_set1_epi16(static_cast<short>(blocks[b0].d)),
-                                                      _mm256_set1_epi16(static_cast<short>(blocks[b1].d)), 0xF0));
-    }
-    for (int t = 0; t < T; ++t) {
-      const uint8_t* step = a.x + t * a.x_token_bytes + s * kStepBytes;
-      const __m512i xq = _mm512_load_si512(step);
-      const __m512i init = _mm512_load_si512(step + 64);
-      const __m512 x_scale = _mm512_load_ps(reinterpret_cast<const float*>(step + 128));
-      for (int r = 0; r < R; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(init, w[r], xq);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale[r], x_scale), acc[r][t]);
-      }
-    }
-  }
-
-  // Decode: rows one after another against one token (layout chosen by DecodeUsesCompactLayout).
-  static void RunStripOneToken(const TileArgs& a) {
-    const int64_t n_blocks = a.cols / kQK8_0;
-    if (DecodeUsesCompactLayout(a.cols)) {
-      for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken<true>(RowBlocks(a, r), n_blocks, a.x);
-    } else {
-      for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken<false>(RowBlocks(a, r), n_blocks, a.x);
-    }
-  }
-
-  template <int R, int T>
-  static void Run(const TileArgs& a) {
-    const int64_t n_blocks = a.cols / kQK8_0;
-    __m512 acc[R][T];
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-    // Block indices computed straight from s keep the load addresses off any dependency chain,
-    // which matters for how far ahead the core can stream weights in decode.
-    for (int64_t s = 0; s < n_blocks / 2; ++s) Step<R, T>(a, s, 2 * s, 2 * s + 1, acc);
-    if (n_blocks % 2 != 0) {
-      // Odd tail: block b0 doubles as its own partner; the padded activations (scale 0) cancel it.
-      Step<R, T>(a, n_blocks / 2, n_blocks - 1, n_blocks - 1, acc);
-    }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+  // The sign trick: |w| times x carrying w's sign.
+  static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
+    const __m512i w = Signed(b0, b1);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i x_signed = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(w), zero, xq);
+    return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), x_signed);
   }
 #elif KVS_ISA_AVX2
-  // One step = 1 block = 32 bytes per row; 8 int32 lanes.
-  template <int R, int T>
-  static void Run(const TileArgs& a) {
-    const int64_t n_steps = PackedSteps(a.cols);
-    __m256 acc[R][T];
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < n_steps; ++s) {
-      __m256i w[R];
-      __m256 w_scale[R];
-      for (int r = 0; r < R; ++r) {
-        const BlockQ8_0& block = RowBlocks(a, r)[s];
-        if (a.w_prefetch)
-          _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + s * sizeof(BlockQ8_0)),
-                       _MM_HINT_T1);
-        w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.qs));
-        w_scale[r] = _mm256_set1_ps(_cvtsh_ss(block.d));
-      }
-      for (int t = 0; t < T; ++t) {
-        const uint8_t* step = a.x + t * a.x_token_bytes + s * kStepBytes;
-        const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(step));
-        const __m256 x_scale = _mm256_load_ps(reinterpret_cast<const float*>(step + 64));
-#if defined(KVS_DPBUSD256)
-        const __m256i init = _mm256_load_si256(reinterpret_cast<const __m256i*>(step + 32));
-#endif
-        for (int r = 0; r < R; ++r) {
-#if defined(KVS_DPBUSD256)
-          const __m256i dot =
-              KVS_DPBUSD256(init, _mm256_xor_si256(w[r], _mm256_set1_epi8(static_cast<char>(0x80))), xq);
-#else
-          // |w| * (x * sign(w)) keeps maddubs' u8 x s8 pairs within int16.
-          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[r], w[r]), _mm256_sign_epi8(xq, w[r]));
-          const __m256i dot = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-#endif
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(w_scale[r], x_scale), acc[r][t]);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t) {
-      for (int r = 0; r < R; ++r) {
-        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][t]), _mm256_extractf128_ps(acc[r][t], 1));
-        const __m128 v2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        a.y[t * a.y_stride + r] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
-      }
-    }
+  // No VNNI: the sign trick needs no bias.
+  static constexpr int kOffset = 0;
+  static __m256i Load(const Block& b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)); }
+  static __m256i Dot(__m256i w, __m256i xq, __m256i /*init*/) {
+    // |w| * (x * sign(w)) keeps maddubs' u8 x s8 pairs within int16.
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   }
 #else
-  // Portable fallback: one block per step, exact integer block dots.
-  template <int R, int T>
-  static void Run(const TileArgs& a) {
-    const int64_t n_blocks = a.cols / kQK8_0;
-    float acc[R][T] = {};
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      for (int t = 0; t < T; ++t) {
-        const uint8_t* step = a.x + t * a.x_token_bytes + b * kStepBytes;
-        const int8_t* xq = reinterpret_cast<const int8_t*>(step);
-        const float x_scale = reinterpret_cast<const float*>(step + kStepElems + 4 * simd::kLanes)[0];
-        for (int r = 0; r < R; ++r) {
-          const BlockQ8_0& block = RowBlocks(a, r)[b];
-          int32_t dot = 0;
-          for (int e = 0; e < kQK8_0; ++e) dot += block.qs[e] * xq[e];
-          acc[r][t] += static_cast<float>(dot) * (F16ToF32(block.d) * x_scale);
-        }
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) a.y[t * a.y_stride + r] = acc[r][t];
+  static constexpr int kOffset = 0;
+  static int32_t Dot(const Block& b, const int8_t* xq) {
+    int32_t dot = 0;
+    for (int e = 0; e < kQK8_0; ++e) dot += b.qs[e] * xq[e];
+    return dot;
   }
 #endif
 };
 
-size_t PackedBytes(int64_t cols) { return PackedQ8TokenBytes(cols); }
-
-void PackToken(const float* x, int64_t cols, uint8_t* dst) {
-  PackQ8Token(x, cols, dst, kWeightOffset, Q8Order::kNatural);
-}
-
-#if KVS_ISA_AVX512VNNI
-void PackDecodeToken(const float* x, int64_t cols, uint8_t* dst) {
-  PackQ8DecodeToken(x, cols, dst, kWeightOffset, Q8Order::kNatural);
-}
-#endif
+constexpr Kernel kKernel = PackedQ8Kernel<Q8_0Blocks>::Make();
 
 }  // namespace
 
-const Kernel& KernelQ8_0() {
-#if KVS_ISA_AVX512VNNI
-  static const Kernel kernel{&PackedBytes,        &PackToken,      &DispatchTile<Q8_0Tile>, 0,
-                             &DecodeQ8TokenBytes, &PackDecodeToken};
-#else
-  static const Kernel kernel{&PackedBytes, &PackToken, &DispatchTile<Q8_0Tile>};
-#endif
-  return kernel;
-}
+const Kernel& KernelQ8_0() { return kKernel; }
 
-const char* IsaName() {
-#if KVS_ISA_AVX512VNNI
-  return "avx512-vnni";
-#elif KVS_ISA_AVX2 && defined(KVS_DPBUSD256)
-  return "avx2+vnni256";
-#elif KVS_ISA_AVX2
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-
-}  // namespace kvsparse::matmul
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+#include "ops/family_end-inl.h"

@@ -1,13 +1,16 @@
-// ops::MatMul (SIMD, threaded, quantized activations) against ref::MatMul on ragged shapes.
+// ops::MatMul (SIMD, threaded, quantized activations) against ref::MatMul, its scalar twin, on
+// random non-zero inputs and ragged shapes, once per kernel family (include/kvsparse/isa.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 #include "ops/ops_test_util.h"
+#include "support/per_isa_test.h"
 
 namespace kvsparse {
 namespace {
@@ -97,12 +100,13 @@ void CheckCase(const Case& c, uint32_t seed) {
   }
 }
 
-void RunShapes(DType type, const std::vector<int64_t>& col_sizes) {
-  uint32_t seed = 1000;
+// Every rows x cols x n_tokens combination; threads cycle through 1..3.
+void RunShapes(DType type, const std::vector<int64_t>& rows_list, const std::vector<int64_t>& col_sizes,
+               const std::vector<int64_t>& token_counts, uint32_t seed) {
   int threads = 1;
-  for (int64_t rows : {1, 3, 17, 33}) {
+  for (int64_t rows : rows_list) {
     for (int64_t cols : col_sizes) {
-      for (int64_t n_tokens : {1, 2, 5, 17, 64}) {
+      for (int64_t n_tokens : token_counts) {
         CheckCase({type, rows, cols, n_tokens, threads}, seed++);
         threads = threads % 3 + 1;
       }
@@ -110,22 +114,44 @@ void RunShapes(DType type, const std::vector<int64_t>& col_sizes) {
   }
 }
 
-TEST(MatMulTest, Q8_0MatchesReference) { RunShapes(DType::kQ8_0, {32, 96, 288, 2816}); }
-TEST(MatMulTest, Q4_0MatchesReference) { RunShapes(DType::kQ4_0, {32, 96, 288, 2816}); }
-TEST(MatMulTest, Q4_KMatchesReference) { RunShapes(DType::kQ4_K, {256, 768, 2816}); }
-TEST(MatMulTest, F32MatchesReference) { RunShapes(DType::kF32, {1, 7, 16, 33, 96, 288, 1000}); }
-TEST(MatMulTest, F16MatchesReference) { RunShapes(DType::kF16, {1, 7, 16, 33, 96, 288, 1000}); }
-TEST(MatMulTest, BF16MatchesReference) { RunShapes(DType::kBF16, {1, 7, 16, 33, 96, 288, 1000}); }
+// Rows: one, a partial tile, several tiles plus a ragged one. Tokens: decode (1), the few-token
+// strips (2..4), a ragged token tile (5) and many tiles (17, 64).
+const std::vector<int64_t> kRows = {1, 3, 17, 33};
+const std::vector<int64_t> kTokens = {1, 2, 3, 4, 5, 17, 64};
+
+// Q8_0 / Q4_0 (32-element blocks): odd and even block counts. The avx512 kernels pair blocks
+// (odd counts end on a padded half step), and their decode (n_tokens = 1) reads the full packed
+// layout up to 8 KiB per token (2730 columns) and the compact one beyond: 2048 and 2080 (65
+// blocks) take the full layout, 2816, 4096, 4128 (129 blocks) and 5632 the compact one.
+void RunQ8ActivationShapes(DType type) {
+  RunShapes(type, kRows, {32, 96, 288}, kTokens, 1000);
+  RunShapes(type, {1, 3, 17}, {2048, 2080, 2816, 4096, 4128, 5632}, {1, 2, 5}, 2000);
+}
+
+class MatMulTest : public testing::PerIsaTest {};
+
+TEST_P(MatMulTest, Q8_0MatchesReference) { RunQ8ActivationShapes(DType::kQ8_0); }
+TEST_P(MatMulTest, Q4_0MatchesReference) { RunQ8ActivationShapes(DType::kQ4_0); }
+TEST_P(MatMulTest, Q4_KMatchesReference) {
+  // 256-element super-blocks: 1, 3 and 11 (odd), 16 and 22 of them.
+  RunShapes(DType::kQ4_K, kRows, {256, 768}, kTokens, 3000);
+  RunShapes(DType::kQ4_K, {1, 3, 17}, {2816, 4096, 5632}, {1, 2, 5}, 4000);
+}
+// Float weights: vector tails (1, 7, 33, 1000) and K chunks of 512 columns (1000, 1040).
+const std::vector<int64_t> kFloatCols = {1, 7, 16, 33, 96, 288, 1000, 1040};
+TEST_P(MatMulTest, F32MatchesReference) { RunShapes(DType::kF32, kRows, kFloatCols, kTokens, 5000); }
+TEST_P(MatMulTest, F16MatchesReference) { RunShapes(DType::kF16, kRows, kFloatCols, kTokens, 6000); }
+TEST_P(MatMulTest, BF16MatchesReference) { RunShapes(DType::kBF16, kRows, kFloatCols, kTokens, 7000); }
 
 // Many row tiles per thread, a ragged row tail and more tokens than one L2 token block.
-TEST(MatMulTest, LargeShapesCrossTokenBlocks) {
+TEST_P(MatMulTest, LargeShapesCrossTokenBlocks) {
   uint32_t seed = 77;
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16}) {
     CheckCase({type, 130, 2048, 200, 2}, seed++);
   }
 }
 
-TEST(MatMulTest, EmptyShapesDoNothing) {
+TEST_P(MatMulTest, EmptyShapesDoNothing) {
   const std::vector<float> x(64, 1.f);
   std::vector<float> y(4, 7.f);
   ops::MatMul(WeightView{DType::kF32, x.data(), 0, 16}, x.data(), 1, y.data(), 2);
@@ -133,7 +159,7 @@ TEST(MatMulTest, EmptyShapesDoNothing) {
   EXPECT_EQ(y[0], 7.f);
 }
 
-TEST(MatMulTest, ResultDoesNotDependOnThreadCount) {
+TEST_P(MatMulTest, ResultDoesNotDependOnThreadCount) {
   const int64_t rows = 67, cols = 512;
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16}) {
     for (int64_t n_tokens : {1, 3, 9}) {
@@ -150,6 +176,8 @@ TEST(MatMulTest, ResultDoesNotDependOnThreadCount) {
     }
   }
 }
+
+KVS_INSTANTIATE_PER_ISA(MatMulTest);
 
 }  // namespace
 }  // namespace kvsparse

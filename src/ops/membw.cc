@@ -10,25 +10,27 @@
 
 #include "kvsparse/ops.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/membw.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
-namespace kvsparse::ops {
+#include "ops/simd_family.h"
 
-namespace {
+#include "ops/family_begin-inl.h"
+namespace kvsparse::ops::HWY_NAMESPACE {
 
 // Sums 64-bit words of [begin, end); the result is returned so the loads are not elided.
 // The range is walked as kStreams interleaved sub-ranges with software prefetch, because one
 // sequential stream per core leaves DRAM bandwidth unused (too few misses in flight) — the
 // matmul kernels stream several weight rows at once, and the limit must be measured the same way.
-uint64_t SumRange(const uint64_t* begin, const uint64_t* end) {
+uint64_t SumRangeImpl(const uint64_t* begin, const uint64_t* end) {
   constexpr int kStreams = 4;
   constexpr int64_t kStep = 16;  // words per stream per iteration (two cache lines)
   const int64_t n = end - begin;
   const int64_t per_stream = n / kStreams / kStep * kStep;
   uint64_t sum = 0;
-#if defined(__AVX2__)
+#if !KVS_ISA_SCALAR  // 256-bit loads: as many misses in flight as the matmul kernels
   __m256i acc[kStreams][2];
   for (auto& a : acc) a[0] = a[1] = _mm256_setzero_si256();
   for (int64_t i = 0; i < per_stream; i += kStep) {
@@ -55,7 +57,13 @@ uint64_t SumRange(const uint64_t* begin, const uint64_t* end) {
   return sum;
 }
 
-}  // namespace
+}  // namespace kvsparse::ops::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
+
+#if HWY_ONCE
+namespace kvsparse::ops {
+
+HWY_EXPORT(SumRangeImpl);
 
 double MeasureReadBandwidthGBs(int n_threads, size_t bytes) {
   if (n_threads <= 0) n_threads = omp_get_max_threads();
@@ -84,7 +92,7 @@ double MeasureReadBandwidthGBs(int n_threads, size_t bytes) {
       const int64_t chunk = (static_cast<int64_t>(words) / n + 7) / 8 * 8;
       const int64_t begin = std::min<int64_t>(id * chunk, words);
       const int64_t end = std::min<int64_t>(begin + chunk, words);
-      total += SumRange(data + begin, data + end);
+      total += KVS_DISPATCH(SumRangeImpl)(data + begin, data + end);
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     sink = sink + total;
@@ -95,3 +103,4 @@ double MeasureReadBandwidthGBs(int n_threads, size_t bytes) {
 }
 
 }  // namespace kvsparse::ops
+#endif  // HWY_ONCE

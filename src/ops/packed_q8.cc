@@ -1,60 +1,75 @@
-#include "ops/packed_q8.h"
-
+// Packers of the Q8 activation layout (packed_q8.h), compiled once per kernel family: the layout
+// and the block quantizer are the family's.
 #include <cstring>
 
 #include "kvsparse/dtype.h"
-#include "ops/quant_internal.h"
+#include "ops/packed_q8.h"
 
-namespace kvsparse::matmul {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/packed_q8.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
-namespace {
+#include "ops/simd_family.h"
 
-// Position in the step's q array of element e of the step's block j.
-int PositionInStep(Q8Order order, int j, int e) {
-  if (order == Q8Order::kQ4NibbleHalves && kStepBlocks == 2) {
-    return (e < 16 ? 0 : 32) + j * 16 + (e & 15);
+#include "ops/family_begin-inl.h"
+#include "ops/packed_q8-inl.h"
+#include "ops/quantize-inl.h"
+namespace kvsparse::matmul::HWY_NAMESPACE {
+
+// Both element orders keep each 16-element half of a block contiguous.
+inline void PlaceBlock(const int8_t* block_q, Q8Order order, int j, int8_t* step_q) {
+  for (int half = 0; half < kQK8_0; half += 16) {
+    std::memcpy(step_q + PositionInStep(order, j, half), block_q + half, 16);
   }
-  return j * 32 + e;
 }
-
-}  // namespace
 
 void PackQ8Token(const float* x, int64_t cols, uint8_t* dst, int offset, Q8Order order) {
   const int64_t n_blocks = cols / kQK8_0;
   const int64_t n_steps = PackedSteps(cols);
+#if KVS_ISA_AVX512
+  // The lanes whose scale is the step's second block's.
+  __mmask16 second_block_lanes = 0;
+  for (int lane = 0; lane < kLanes; ++lane) {
+    second_block_lanes |= static_cast<__mmask16>(BlockOfLane(order, lane) << lane);
+  }
+#endif
   for (int64_t s = 0; s < n_steps; ++s) {
     uint8_t* step = dst + s * kStepBytes;
     int8_t* q = reinterpret_cast<int8_t*>(step);
-    int32_t* init = reinterpret_cast<int32_t*>(step + kStepElems);
-    float* scale = reinterpret_cast<float*>(step + kStepElems + sizeof(int32_t) * simd::kLanes);
+    int32_t* init = reinterpret_cast<int32_t*>(step + kStepInitOffset);
+    float* scale = reinterpret_cast<float*>(step + kStepScaleOffset);
     float block_scale[kStepBlocks];
     for (int j = 0; j < kStepBlocks; ++j) {
       const int64_t b = s * kStepBlocks + j;
       int8_t block_q[kQK8_0];
       if (b < n_blocks) {
         // The kernels multiply by the f16-rounded scale, exactly what a stored Q8_0 block holds.
-        block_scale[j] = F16ToF32(quant::QuantizeBlockQ8_0(x + b * kQK8_0, block_q));
+        block_scale[j] = F16ToF32(quant::HWY_NAMESPACE::QuantizeBlockQ8_0(x + b * kQK8_0, block_q));
       } else {
         std::memset(block_q, 0, sizeof(block_q));
         block_scale[j] = 0.f;
       }
-      if (order == Q8Order::kNatural) {
-        std::memcpy(q + j * kQK8_0, block_q, kQK8_0);
-      } else {
-        for (int e = 0; e < kQK8_0; ++e) q[PositionInStep(order, j, e)] = block_q[e];
-      }
+      PlaceBlock(block_q, order, j, q);
     }
-    for (int lane = 0; lane < simd::kLanes; ++lane) {
+    // init[lane] = -offset * (sum of the lane's 4 q's); scale[lane] = its block's scale.
+#if KVS_ISA_AVX512
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q));
+    _mm512_storeu_si512(init, _mm512_mullo_epi32(sums, _mm512_set1_epi32(-offset)));
+    _mm512_storeu_ps(scale, _mm512_mask_blend_ps(second_block_lanes, _mm512_set1_ps(block_scale[0]),
+                                                 _mm512_set1_ps(block_scale[1])));
+#elif KVS_ISA_AVX2
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<__m256i*>(q)));
+    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(init), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-offset)));
+    _mm256_storeu_ps(scale, _mm256_set1_ps(block_scale[0]));
+#else
+    for (int lane = 0; lane < kLanes; ++lane) {
       const int8_t* group = q + 4 * lane;
       init[lane] = -offset * (group[0] + group[1] + group[2] + group[3]);
-      // Lane `lane` covers positions 4*lane..4*lane+3, which all belong to one block.
-      int owner = 0;
-      for (int j = 0; j < kStepBlocks; ++j) {
-        if (PositionInStep(order, j, 0) <= 4 * lane && 4 * lane < PositionInStep(order, j, 0) + 16) owner = j;
-        if (PositionInStep(order, j, 16) <= 4 * lane && 4 * lane < PositionInStep(order, j, 16) + 16) owner = j;
-      }
-      scale[lane] = block_scale[owner];
+      scale[lane] = block_scale[BlockOfLane(order, lane)];
     }
+#endif
   }
 }
 
@@ -65,10 +80,10 @@ void PackQ8TokenCompact(const float* x, int64_t cols, uint8_t* dst, Q8Order orde
   float* scales = reinterpret_cast<float*>(dst + n_steps * kStepElems);
   for (int64_t b = 0; b < n_steps * kStepBlocks; ++b) {
     int8_t block_q[kQK8_0] = {};
-    scales[b] = b < n_blocks ? F16ToF32(quant::QuantizeBlockQ8_0(x + b * kQK8_0, block_q)) : 0.f;
-    int8_t* step_q = q + (b / kStepBlocks) * kStepElems;
-    for (int e = 0; e < kQK8_0; ++e) step_q[PositionInStep(order, static_cast<int>(b % kStepBlocks), e)] = block_q[e];
+    scales[b] = b < n_blocks ? F16ToF32(quant::HWY_NAMESPACE::QuantizeBlockQ8_0(x + b * kQK8_0, block_q)) : 0.f;
+    PlaceBlock(block_q, order, static_cast<int>(b % kStepBlocks), q + (b / kStepBlocks) * kStepElems);
   }
 }
 
-}  // namespace kvsparse::matmul
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+#include "ops/family_end-inl.h"

@@ -36,12 +36,4 @@ void DequantizeRowQ8_KRef(const BlockQ8_K* x, float* y, int64_t n);
 
 }  // namespace kvsparse::quant
 
-namespace kvsparse::quant {
-
-// Quantizes one block of 32 floats exactly like QuantizeRowQ8_0Ref (SIMD where available);
-// writes q[32] and returns the f16 block scale.
-f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q);
-// Quantizes n floats to Q8_K exactly like QuantizeRowQ8_KRef (SIMD where available).
-void QuantizeRowQ8_K(const float* x, BlockQ8_K* y, int64_t n);
-
-}  // namespace kvsparse::quant
+// The fast quantizers of each kernel family are declared in quantize-inl.h.

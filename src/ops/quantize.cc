@@ -1,18 +1,29 @@
-// Row (de)quantization entry points. Q8_0 quantization (the activation path of every Q8_0/Q4_0
-// matmul) and the float conversions are vectorized; the rest defer to the ggml-exact reference.
+// Row (de)quantization entry points, compiled once per kernel family (see simd_family.h). Q8_0 and
+// Q8_K quantization (the activation paths of the quantized matmuls) and the f16 conversions are
+// vectorized; the rest defer to the ggml-exact reference. Every fast path is bit-identical to its
+// scalar twin.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
+#include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 #include "kvsparse/status.h"
 #include "ops/quant_internal.h"
-#include "ops/simd_isa.h"
 
-namespace kvsparse {
-namespace quant {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/quantize.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/quantize-inl.h"
+namespace kvsparse::quant::HWY_NAMESPACE {
 
 f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q) {
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
   const __m512 v0 = _mm512_loadu_ps(x);
   const __m512 v1 = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -38,7 +49,7 @@ f16_bits QuantizeBlockQ8_0(const float* x, int8_t* q) {
 }
 
 void QuantizeRowQ8_K(const float* x, BlockQ8_K* y, int64_t n) {
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
   constexpr int kVectors = kQK_K / 16;
   for (int64_t b = 0; b < n / kQK_K; ++b, x += kQK_K) {
     __m512 v[kVectors];
@@ -76,39 +87,89 @@ void QuantizeRowQ8_K(const float* x, BlockQ8_K* y, int64_t n) {
 #endif
 }
 
+void QuantizeRowQ8_0Impl(const float* x, BlockQ8_0* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQK8_0; ++b) y[b].d = QuantizeBlockQ8_0(x + b * kQK8_0, y[b].qs);
+}
+
+// F16C converts with round-to-nearest-even (immediate 0, whatever MXCSR says), as F32ToF16 does;
+// for NaNs it also keeps the sign and the top 10 payload bits and sets the quiet bit, as
+// F32ToF16 does, so the two agree on every input (under the default MXCSR: no DAZ).
+void QuantizeRowF16Impl(const float* x, f16_bits* h, int64_t n) {
+  int64_t i = 0;
+#if KVS_ISA_AVX512
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), 0));
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(h + i, tail, _mm512_cvtps_ph(_mm512_maskz_loadu_ps(tail, x + i), 0));
+  }
+#elif KVS_ISA_AVX2
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), 0));
+  }
+  for (; i < n; ++i) h[i] = F32ToF16(x[i]);
+#else
+  for (; i < n; ++i) h[i] = F32ToF16(x[i]);
+#endif
+}
+
+void DequantizeRowF16Impl(const f16_bits* h, float* x, int64_t n) {
+  int64_t i = 0;
+#if KVS_ISA_AVX512
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(x + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, h + i)));
+  }
+#elif KVS_ISA_AVX2
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+  for (; i < n; ++i) x[i] = F16ToF32(h[i]);
+#else
+  for (; i < n; ++i) x[i] = F16ToF32(h[i]);
+#endif
+}
+
+}  // namespace kvsparse::quant::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
+
+#if HWY_ONCE
+namespace kvsparse {
+namespace quant {
+
+HWY_EXPORT(QuantizeRowQ8_0Impl);
+HWY_EXPORT(QuantizeRowQ8_K);
+HWY_EXPORT(QuantizeRowF16Impl);
+HWY_EXPORT(DequantizeRowF16Impl);
+
 }  // namespace quant
 
 namespace ops {
 
 void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
   KVS_CHECK(n >= 0 && n % DTypeBlockSize(type) == 0);
-#if !KVS_ISA_SCALAR
   if (type == DType::kF16) {
-    const f16_bits* h = static_cast<const f16_bits*>(src);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-    }
-    for (; i < n; ++i) dst[i] = F16ToF32(h[i]);
+    KVS_DISPATCH(quant::DequantizeRowF16Impl)(static_cast<const f16_bits*>(src), dst, n);
     return;
   }
-#endif
   ref::DequantizeRow(type, src, dst, n);
 }
 
 void QuantizeRow(DType type, const float* src, void* dst, int64_t n) {
   KVS_CHECK(n >= 0 && n % DTypeBlockSize(type) == 0);
-  if (type == DType::kQ8_0) {
-    BlockQ8_0* blocks = static_cast<BlockQ8_0*>(dst);
-    for (int64_t b = 0; b < n / kQK8_0; ++b) blocks[b].d = quant::QuantizeBlockQ8_0(src + b * kQK8_0, blocks[b].qs);
-    return;
-  }
-  if (type == DType::kQ8_K) {
-    quant::QuantizeRowQ8_K(src, static_cast<BlockQ8_K*>(dst), n);
-    return;
+  switch (type) {
+    case DType::kQ8_0: return KVS_DISPATCH(quant::QuantizeRowQ8_0Impl)(src, static_cast<BlockQ8_0*>(dst), n);
+    case DType::kQ8_K: return KVS_DISPATCH(quant::QuantizeRowQ8_K)(src, static_cast<BlockQ8_K*>(dst), n);
+    case DType::kF16: return KVS_DISPATCH(quant::QuantizeRowF16Impl)(src, static_cast<f16_bits*>(dst), n);
+    default: break;
   }
   ref::QuantizeRow(type, src, dst, n);
 }
 
 }  // namespace ops
 }  // namespace kvsparse
+#endif  // HWY_ONCE

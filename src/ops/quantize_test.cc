@@ -1,16 +1,22 @@
 // Quantizer / dequantizer tests: ggml block layouts and rounding, round-trip error bounds,
-// and the fast (ops::) entry points against the scalar references, byte for byte.
+// and the fast (ops::) entry points against the scalar references, byte for byte, once per
+// kernel family (include/kvsparse/isa.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 #include "ops/ops_test_util.h"
 #include "ops/quant_internal.h"
+#include "support/per_isa_test.h"
 
 namespace kvsparse {
 namespace {
@@ -179,10 +185,13 @@ TEST(QuantizeTest, ZeroBlocksStayZero) {
   }
 }
 
+class FastQuantizeTest : public testing::PerIsaTest {};
+
 // ops:: entry points (SIMD where implemented) must produce the reference's exact bytes/values.
-TEST(QuantizeTest, FastPathsMatchReferenceExactly) {
+TEST_P(FastQuantizeTest, FastPathsMatchReferenceExactly) {
   for (DType t : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ8_K, DType::kF16, DType::kBF16, DType::kF32}) {
-    for (int64_t n : {256, 512, 2816}) {
+    // One block and odd block counts, besides the usual row lengths.
+    for (int64_t n : {256, 512, 768, 2816, 4096, 5632}) {
       SCOPED_TRACE(std::string(DTypeName(t)) + " n=" + std::to_string(n));
       std::vector<float> x = RandomFloats(n, static_cast<uint32_t>(n) + 9, 4.f);
       // Exact .5 ties for Q8_0: a block whose amax is 127 has d = 1.
@@ -200,9 +209,9 @@ TEST(QuantizeTest, FastPathsMatchReferenceExactly) {
 }
 
 // Many random rows: rounding ties and sign-of-extreme choices must agree with the reference.
-TEST(QuantizeTest, FastActivationQuantizersMatchReferenceOnManyRows) {
+TEST_P(FastQuantizeTest, FastActivationQuantizersMatchReferenceOnManyRows) {
   for (uint32_t seed = 0; seed < 300; ++seed) {
-    const int64_t n = 2816;
+    const int64_t n = seed % 3 == 0 ? 2816 : 256 * (1 + seed % 7);  // 1..7 super-blocks, odd Q8_0 counts
     const std::vector<float> x = RandomFloats(n, seed, seed % 2 ? 2.f : 0.01f);
     for (DType t : {DType::kQ8_0, DType::kQ8_K}) {
       std::vector<uint8_t> want(DTypeRowBytes(t, n)), got(DTypeRowBytes(t, n));
@@ -213,8 +222,8 @@ TEST(QuantizeTest, FastActivationQuantizersMatchReferenceOnManyRows) {
   }
 }
 
-TEST(QuantizeTest, F16DequantizeOddLengthsMatchReference) {
-  for (int64_t n : {1, 7, 9, 33}) {
+TEST_P(FastQuantizeTest, F16DequantizeOddLengthsMatchReference) {
+  for (int64_t n : {1, 7, 9, 15, 16, 17, 33}) {
     std::vector<f16_bits> h(n);
     for (int64_t i = 0; i < n; ++i) h[i] = static_cast<f16_bits>(0x3C00 + i * 37);
     std::vector<float> a(n), b(n);
@@ -223,6 +232,78 @@ TEST(QuantizeTest, F16DequantizeOddLengthsMatchReference) {
     EXPECT_EQ(a, b);
   }
 }
+
+std::vector<uint32_t> FloatBits(const std::vector<float>& v) {
+  std::vector<uint32_t> bits(v.size());
+  std::memcpy(bits.data(), v.data(), v.size() * sizeof(float));
+  return bits;
+}
+
+// All 65536 f16 patterns: ops::DequantizeRow matches F16ToF32 bit for bit (NaNs included), and
+// ops::QuantizeRow brings every value back to F32ToF16's pattern -- the original one except that
+// signaling NaNs come back quiet.
+TEST_P(FastQuantizeTest, F16ConversionRoundTripsAllPatterns) {
+  const int64_t n = 1 << 16;
+  std::vector<f16_bits> h(n);
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<f16_bits>(i);
+  std::vector<float> wide(n), wide_want(n);
+  ops::DequantizeRow(DType::kF16, h.data(), wide.data(), n);
+  for (int64_t i = 0; i < n; ++i) wide_want[i] = F16ToF32(h[i]);
+  ASSERT_EQ(FloatBits(wide_want), FloatBits(wide));
+  std::vector<f16_bits> back(n, 0xABCD);
+  ops::QuantizeRow(DType::kF16, wide.data(), back.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const bool nan = (h[i] & 0x7C00) == 0x7C00 && (h[i] & 0x03FF) != 0;
+    const f16_bits want = nan ? static_cast<f16_bits>(h[i] | 0x0200) : h[i];
+    ASSERT_EQ(want, back[i]) << "pattern " << i;
+    ASSERT_EQ(F32ToF16(wide[i]), back[i]) << "pattern " << i;
+  }
+}
+
+// F32 -> F16 (F16C in the avx2 / avx512 families) is bit-identical to F32ToF16: random floats of
+// every magnitude (f16 normals, subnormals, underflow, overflow), rounding ties, infinities and
+// NaNs (F16C, like F32ToF16, keeps the sign and top payload bits and sets the quiet bit), at
+// lengths that exercise the vector tails.
+TEST_P(FastQuantizeTest, F16QuantizeMatchesScalarConversion) {
+  std::mt19937 rng(11);
+  std::vector<float> x;
+  for (int i = 0; i < 200000; ++i) {
+    // Exponents 2^-30 .. 2^20 around the f16 range, random mantissa and sign.
+    const uint32_t exponent = static_cast<uint32_t>(127 - 30 + rng() % 51);
+    const uint32_t sign = static_cast<uint32_t>(rng()) & 0x80000000u;
+    x.push_back(std::bit_cast<float>(sign | (exponent << 23) | (static_cast<uint32_t>(rng()) & 0x7FFFFFu)));
+  }
+  for (int i = 0; i < 20000; ++i) x.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));  // any pattern
+  // A sweep across all 2^32 patterns (every exponent, NaN payloads of both signs).
+  for (uint64_t bits = 0; bits < (uint64_t{1} << 32); bits += 4099) {
+    x.push_back(std::bit_cast<float>(static_cast<uint32_t>(bits)));
+  }
+  // Halfway points between neighbouring f16 values (ties to even), and the overflow threshold.
+  for (uint32_t h = 0; h < 0x7C00; h += 7) {
+    const float lo = F16ToF32(static_cast<f16_bits>(h)), hi = F16ToF32(static_cast<f16_bits>(h + 1));
+    x.push_back(lo + (hi - lo) / 2);
+    x.push_back(-(lo + (hi - lo) / 2));
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float v : {65504.f, 65519.99f, 65520.f, 1e10f, inf, -inf, std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::signaling_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                  std::bit_cast<float>(0x7F800001u), std::bit_cast<float>(0xFFFFFFFFu), std::ldexp(1.f, -25),
+                  std::ldexp(3.f, -25), std::numeric_limits<float>::denorm_min(), 0.f, -0.f}) {
+    x.push_back(v);
+  }
+  for (int64_t n : {static_cast<int64_t>(x.size()), int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{15},
+                    int64_t{17}, int64_t{31}, int64_t{33}}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<f16_bits> got(n, 0xABCD);
+    ops::QuantizeRow(DType::kF16, x.data() + x.size() - n, got.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[x.size() - n + i];
+      ASSERT_EQ(F32ToF16(v), got[i]) << "x = " << v << " (bits 0x" << std::hex << std::bit_cast<uint32_t>(v) << ")";
+    }
+  }
+}
+
+KVS_INSTANTIATE_PER_ISA(FastQuantizeTest);
 
 }  // namespace
 }  // namespace kvsparse

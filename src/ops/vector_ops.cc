@@ -1,8 +1,5 @@
-// Vector kernels used between matmuls, written with Highway (static dispatch: the build's
-// -march target). Transcendentals use hwy/contrib/math; RoPE angles use libm (shared by heads).
-#include <hwy/contrib/math/math-inl.h>
-#include <hwy/highway.h>
-
+// Vector kernels used between matmuls, written with Highway and compiled once per kernel family
+// (see simd_family.h). Transcendentals use hwy/contrib/math; RoPE angles use libm (shared by heads).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -11,7 +8,16 @@
 #include "kvsparse/ops.h"
 #include "kvsparse/status.h"
 
-namespace kvsparse::ops {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/vector_ops.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+namespace kvsparse::ops::HWY_NAMESPACE {
 
 namespace hn = hwy::HWY_NAMESPACE;
 
@@ -31,7 +37,7 @@ HWY_INLINE void ForEachVector(int64_t n, const Body& body) {
 
 }  // namespace
 
-float Dot(const float* a, const float* b, int64_t n) {
+float DotImpl(const float* a, const float* b, int64_t n) {
   const DF d;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
   auto acc0 = hn::Zero(d), acc1 = hn::Zero(d), acc2 = hn::Zero(d), acc3 = hn::Zero(d);
@@ -49,9 +55,9 @@ float Dot(const float* a, const float* b, int64_t n) {
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(acc0, acc1), hn::Add(acc2, acc3))));
 }
 
-void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps) {
+void RmsNormImpl(const float* x, const float* weight, float* out, int64_t n, float eps) {
   KVS_CHECK(n > 0);
-  const float mean_sq = Dot(x, x, n) / static_cast<float>(n);
+  const float mean_sq = DotImpl(x, x, n) / static_cast<float>(n);
   const DF d;
   const auto scale = hn::Set(d, 1.f / std::sqrt(mean_sq + eps));
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
@@ -64,7 +70,7 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float e
   });
 }
 
-void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style) {
+void RopeImpl(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style) {
   KVS_CHECK(head_dim % 2 == 0);
   const int half = head_dim / 2;
   // cos/sin per frequency, computed once and shared by all heads (same rounding as ref::Rope).
@@ -106,7 +112,7 @@ void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_fre
   }
 }
 
-void SiluMul(float* gate, const float* up, int64_t n) {
+void SiluMulImpl(float* gate, const float* up, int64_t n) {
   const DF d;
   const auto one = hn::Set(d, 1.f);
   // exp(-g) overflows past 88: clamp so silu(g) -> g / huge -> 0 for very negative g.
@@ -123,7 +129,7 @@ void SiluMul(float* gate, const float* up, int64_t n) {
   });
 }
 
-void Softmax(float* x, int64_t n) {
+void SoftmaxImpl(float* x, int64_t n) {
   if (n <= 0) return;
   const DF d;
   auto vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
@@ -155,7 +161,7 @@ void Softmax(float* x, int64_t n) {
   });
 }
 
-void Add(float* y, const float* x, int64_t n) {
+void AddImpl(float* y, const float* x, int64_t n) {
   const DF d;
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
     const auto v = hn::Add(hn::MaskedLoad(m, d, y + i), hn::MaskedLoad(m, d, x + i));
@@ -167,4 +173,29 @@ void Add(float* y, const float* x, int64_t n) {
   });
 }
 
+}  // namespace kvsparse::ops::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
+
+#if HWY_ONCE
+namespace kvsparse::ops {
+
+HWY_EXPORT(DotImpl);
+HWY_EXPORT(RmsNormImpl);
+HWY_EXPORT(RopeImpl);
+HWY_EXPORT(SiluMulImpl);
+HWY_EXPORT(SoftmaxImpl);
+HWY_EXPORT(AddImpl);
+
+float Dot(const float* a, const float* b, int64_t n) { return KVS_DISPATCH(DotImpl)(a, b, n); }
+void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps) {
+  KVS_DISPATCH(RmsNormImpl)(x, weight, out, n, eps);
+}
+void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style) {
+  KVS_DISPATCH(RopeImpl)(x, n_heads, head_dim, pos, inv_freq, style);
+}
+void SiluMul(float* gate, const float* up, int64_t n) { KVS_DISPATCH(SiluMulImpl)(gate, up, n); }
+void Softmax(float* x, int64_t n) { KVS_DISPATCH(SoftmaxImpl)(x, n); }
+void Add(float* y, const float* x, int64_t n) { KVS_DISPATCH(AddImpl)(y, x, n); }
+
 }  // namespace kvsparse::ops
+#endif  // HWY_ONCE

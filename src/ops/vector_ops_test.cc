@@ -7,15 +7,19 @@
 
 #include "kvsparse/ops.h"
 #include "ops/ops_test_util.h"
+#include "support/per_isa_test.h"
 
 namespace kvsparse {
 namespace {
+
+// Every test runs once per kernel family.
+class VectorOpsTest : public testing::PerIsaTest {};
 
 using testing::RandomFloats;
 
 const int64_t kSizes[] = {1, 3, 15, 16, 17, 33, 100, 2048, 5632};
 
-TEST(VectorOpsTest, DotMatchesReference) {
+TEST_P(VectorOpsTest, DotMatchesReference) {
   for (int64_t n : kSizes) {
     const auto a = RandomFloats(n, 1), b = RandomFloats(n, 2);
     double magnitude = 0;
@@ -25,7 +29,7 @@ TEST(VectorOpsTest, DotMatchesReference) {
   EXPECT_EQ(ops::Dot(nullptr, nullptr, 0), 0.f);
 }
 
-TEST(VectorOpsTest, RmsNormMatchesReferenceAndFormula) {
+TEST_P(VectorOpsTest, RmsNormMatchesReferenceAndFormula) {
   for (int64_t n : kSizes) {
     const auto x = RandomFloats(n, 3), w = RandomFloats(n, 4);
     std::vector<float> got(n), want(n);
@@ -41,7 +45,7 @@ TEST(VectorOpsTest, RmsNormMatchesReferenceAndFormula) {
   }
 }
 
-TEST(VectorOpsTest, RmsNormInPlace) {
+TEST_P(VectorOpsTest, RmsNormInPlace) {
   auto x = RandomFloats(33, 5);
   const auto w = RandomFloats(33, 6);
   std::vector<float> want(33);
@@ -63,7 +67,7 @@ void RopeFormula(std::vector<double>& head, int32_t pos, const std::vector<float
   }
 }
 
-TEST(VectorOpsTest, RopeBothStylesMatchFormula) {
+TEST_P(VectorOpsTest, RopeBothStylesMatchFormula) {
   for (RopeStyle style : {RopeStyle::kAdjacentPairs, RopeStyle::kNeox}) {
     for (int head_dim : {2, 8, 64, 128}) {
       for (int n_heads : {1, 3, 32}) {
@@ -90,7 +94,7 @@ TEST(VectorOpsTest, RopeBothStylesMatchFormula) {
   }
 }
 
-TEST(VectorOpsTest, RopeStylesPairDifferentElements) {
+TEST_P(VectorOpsTest, RopeStylesPairDifferentElements) {
   // head_dim 4, pos 1, one frequency of pi/2 (pair 0) and 0 (pair 1).
   const float inv_freq[2] = {static_cast<float>(M_PI / 2), 0.f};
   float adjacent[4] = {1, 2, 3, 4};
@@ -107,7 +111,7 @@ TEST(VectorOpsTest, RopeStylesPairDifferentElements) {
   EXPECT_NEAR(neox[3], 4, 1e-6);
 }
 
-TEST(VectorOpsTest, SiluMulMatchesReference) {
+TEST_P(VectorOpsTest, SiluMulMatchesReference) {
   for (int64_t n : kSizes) {
     auto g = RandomFloats(n, 7, 6.f);
     const auto up = RandomFloats(n, 8);
@@ -123,7 +127,7 @@ TEST(VectorOpsTest, SiluMulMatchesReference) {
   }
 }
 
-TEST(VectorOpsTest, SoftmaxMatchesReference) {
+TEST_P(VectorOpsTest, SoftmaxMatchesReference) {
   for (int64_t n : kSizes) {
     auto x = RandomFloats(n, 9, 10.f);
     if (n > 3) x[1] = -std::numeric_limits<float>::infinity();  // masked entry
@@ -142,14 +146,14 @@ TEST(VectorOpsTest, SoftmaxMatchesReference) {
   }
 }
 
-TEST(VectorOpsTest, SoftmaxHandlesLargeValues) {
+TEST_P(VectorOpsTest, SoftmaxHandlesLargeValues) {
   std::vector<float> x = {1000.f, 1000.f, 999.f};
   ops::Softmax(x.data(), 3);
   EXPECT_NEAR(x[0], 0.4223188, 1e-6);
   EXPECT_NEAR(x[2], 0.1553624, 1e-6);
 }
 
-TEST(VectorOpsTest, AddMatchesReference) {
+TEST_P(VectorOpsTest, AddMatchesReference) {
   for (int64_t n : kSizes) {
     auto y = RandomFloats(n, 10);
     const auto x = RandomFloats(n, 11);
@@ -159,6 +163,8 @@ TEST(VectorOpsTest, AddMatchesReference) {
     ASSERT_EQ(y, y_ref);
   }
 }
+
+KVS_INSTANTIATE_PER_ISA(VectorOpsTest);
 
 }  // namespace
 }  // namespace kvsparse

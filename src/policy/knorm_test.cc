@@ -3,7 +3,7 @@
 #include <array>
 #include <cmath>
 
-#include "kv/kv_quant.h"
+#include "ops/kv_quant.h"
 #include "kvsparse/dtype.h"
 #include "policy/policy_test_util.h"
 

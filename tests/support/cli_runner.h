@@ -28,10 +28,11 @@ inline std::string CliPath() {
   return env ? env : std::string(KVS_BINARY_DIR) + "/kvsparse";
 }
 
-inline CliResult RunCli(const std::string& args) {
+// `env`: assignments put before the command, e.g. "KVSPARSE_ISA=avx2".
+inline CliResult RunCli(const std::string& args, const std::string& env = "") {
   CliResult r;
   const std::string err_path = TempPath("cli_stderr.txt");
-  const std::string cmd = CliPath() + " " + args + " 2>" + err_path;
+  const std::string cmd = (env.empty() ? "" : env + " ") + CliPath() + " " + args + " 2>" + err_path;
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) return r;
   std::array<char, 4096> buf;

@@ -1,4 +1,4 @@
-#include "kv/kv_quant.h"
+#include "ops/kv_quant.h"
 
 #include <gtest/gtest.h>
 

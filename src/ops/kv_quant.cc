@@ -1,66 +1,27 @@
-#include "kv/kv_quant.h"
-
+// Fast KV quantizers (ops/kv_quant.h), compiled once per kernel family (see simd_family.h).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
-#include "ops/simd_isa.h"
+#include "ops/kv_quant.h"
 
-namespace kvsparse {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/kv_quant.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
-namespace ref {
+#include "ops/simd_family.h"
 
-void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
-  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
-    float amax = 0.f;
-    for (int i = 0; i < row_len; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float scale = amax / 127.f;
-    scales[r] = scale;
-    for (int i = 0; i < row_len; ++i) {
-      // Division (not multiplication by 1/scale) keeps q exactly round(x / scale).
-      const float t = scale != 0.f ? std::nearbyint(x[i] / scale) : 0.f;
-      q[i] = static_cast<int8_t>(std::clamp(t, -127.f, 127.f));
-    }
-  }
-}
+#include "ops/family_begin-inl.h"
+namespace kvsparse::ops::HWY_NAMESPACE {
 
-void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
-  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
-    for (int i = 0; i < row_len; ++i) x[i] = static_cast<float>(q[i]) * scales[r];
-  }
-}
-
-void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
-  for (int c = 0; c < row_len; ++c) {
-    float amax = 0.f;
-    for (int64_t r = 0; r < n_rows; ++r) amax = std::max(amax, std::fabs(x[r * row_len + c]));
-    channel_scales[c] = amax / 127.f;
-  }
-  for (int64_t r = 0; r < n_rows; ++r) {
-    for (int c = 0; c < row_len; ++c) {
-      const float scale = channel_scales[c];
-      const float t = scale != 0.f ? std::nearbyint(x[r * row_len + c] / scale) : 0.f;
-      q[r * row_len + c] = static_cast<int8_t>(std::clamp(t, -127.f, 127.f));
-    }
-  }
-}
-
-void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
-  for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
-    for (int c = 0; c < row_len; ++c) x[c] = static_cast<float>(q[c]) * channel_scales[c];
-  }
-}
-
-}  // namespace ref
-
-namespace ops {
-
-#if KVS_ISA_AVX512VNNI
+#if KVS_ISA_AVX512
 
 namespace {
 inline __mmask16 TailMask(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
 }  // namespace
 
-void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+void QuantizeKvRowsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
   const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
     __m512 vmax = _mm512_setzero_ps();
@@ -86,7 +47,7 @@ void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, 
   }
 }
 
-void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+void DequantizeKvRowsInt8Impl(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
   for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
     const __m512 vscale = _mm512_set1_ps(scales[r]);
     for (int i = 0; i < row_len; i += 16) {
@@ -97,7 +58,7 @@ void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, 
   }
 }
 
-void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+void QuantizeKvColumnsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
   // Column maxima, row by row (rows are contiguous), accumulated in channel_scales.
   for (int c = 0; c < row_len; c += 16) {
     _mm512_mask_storeu_ps(channel_scales + c, TailMask(row_len - c), _mm512_setzero_ps());
@@ -132,7 +93,7 @@ void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* 
   }
 }
 
-void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+void DequantizeKvColumnsInt8Impl(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
   for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
     for (int c = 0; c < row_len; c += 16) {
       const __mmask16 m = TailMask(row_len - c);
@@ -145,7 +106,7 @@ void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64
 
 #elif KVS_ISA_AVX2
 
-void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+void QuantizeKvRowsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   for (int64_t r = 0; r < n_rows; ++r, x += row_len, q += row_len) {
@@ -176,39 +137,63 @@ void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, 
   }
 }
 
-void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
-  ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);  // auto-vectorizes well
+void DequantizeKvRowsInt8Impl(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+  ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);
 }
 
-// Column-wise loops over contiguous rows auto-vectorize; no hand-written AVX2 version.
-void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+// Only row quantization runs on every appended token; the rest run on evictions and page fills,
+// where the scalar twins serve the AVX2 family.
+void QuantizeKvColumnsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
   ref::QuantizeKvColumnsInt8(x, n_rows, row_len, q, channel_scales);
 }
 
-void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+void DequantizeKvColumnsInt8Impl(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
   ref::DequantizeKvColumnsInt8(q, channel_scales, n_rows, row_len, x);
 }
 
 #else
 
-void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+void QuantizeKvRowsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
   ref::QuantizeKvRowsInt8(x, n_rows, row_len, q, scales);
 }
 
-void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+void DequantizeKvRowsInt8Impl(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
   ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);
 }
 
-void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+void QuantizeKvColumnsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
   ref::QuantizeKvColumnsInt8(x, n_rows, row_len, q, channel_scales);
 }
 
-void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+void DequantizeKvColumnsInt8Impl(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
   ref::DequantizeKvColumnsInt8(q, channel_scales, n_rows, row_len, x);
 }
 
 #endif
 
-}  // namespace ops
+}  // namespace kvsparse::ops::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
 
-}  // namespace kvsparse
+#if HWY_ONCE
+namespace kvsparse::ops {
+
+HWY_EXPORT(QuantizeKvRowsInt8Impl);
+HWY_EXPORT(DequantizeKvRowsInt8Impl);
+HWY_EXPORT(QuantizeKvColumnsInt8Impl);
+HWY_EXPORT(DequantizeKvColumnsInt8Impl);
+
+void QuantizeKvRowsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
+  KVS_DISPATCH(QuantizeKvRowsInt8Impl)(x, n_rows, row_len, q, scales);
+}
+void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
+  KVS_DISPATCH(DequantizeKvRowsInt8Impl)(q, scales, n_rows, row_len, x);
+}
+void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
+  KVS_DISPATCH(QuantizeKvColumnsInt8Impl)(x, n_rows, row_len, q, channel_scales);
+}
+void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
+  KVS_DISPATCH(DequantizeKvColumnsInt8Impl)(q, channel_scales, n_rows, row_len, x);
+}
+
+}  // namespace kvsparse::ops
+#endif  // HWY_ONCE

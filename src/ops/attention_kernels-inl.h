@@ -1,0 +1,741 @@
+// Block primitives of the attention kernels, compiled once per kernel family (see
+// ops/simd_family.h): included inside the family region of attention.cc, attention_scores.cc
+// and attention_scores_raw.cc, so the attention kernel and the score-gathering passes compute
+// bit-identical scores within a family. The family-independent parts are in
+// attention_kernels.h, which must come first (with every std header this file uses).
+//
+// Scratch rows are padded to dp = RoundUp(head_dim, 16) with zeros.
+//
+// Scores: a K block is packed so that QK needs no cross-lane reduction per dimension (each
+// family's layout is described where its section starts). Scores, probabilities and the PV
+// loop use "lane order": lane k of a block holds token LaneToken(k).
+//
+// Storage types: f32 and f16 rows are converted on load; int8 rows (value = scale * q,
+// one scale per token and kv head) are dequantized on load for K. V is either dequantized
+// into scratch or read in place, with its per-token scale folded into the probabilities.
+// int8_kivi K rows carry one scale per channel for the whole span (page): packing multiplies
+// by that scale vector instead of a broadcast token scale, at the same cost (the pack is
+// amortized over every query row of the kv head, so folding the scales into q would not pay);
+// its V is int8 per token, exactly as int8. A kernel call handles one storage type; callers
+// split a kivi layer's spans into uniform segments (see KvSegments).
+//
+// Highway's per-target include guard: the content is compiled once per foreach_target pass.
+#ifndef KVS_OPS_ATTENTION_KERNELS_H_
+#error "include ops/attention_kernels.h (and the std headers) before the first family region"
+#endif
+
+#if defined(KVS_OPS_ATTENTION_KERNELS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KVS_OPS_ATTENTION_KERNELS_INL_H_
+#undef KVS_OPS_ATTENTION_KERNELS_INL_H_
+#else
+#define KVS_OPS_ATTENTION_KERNELS_INL_H_
+#endif
+
+namespace kvsparse::ops::HWY_NAMESPACE::attn_detail {
+
+using namespace ::kvsparse::ops::attn_detail;  // NOLINT: the family-independent parts
+
+#if KVS_ISA_AVX512
+
+// K layout [dp / 4 chunks][4 token groups][16 floats]: 128-bit lane L of (chunk c, group g)
+// holds dims 4c..4c+3 of token 4g+L. A row's q chunk broadcast to all four lanes times that
+// vector accumulates four dot products at once (one per lane); summing each lane's four
+// floats (in-lane shuffles only) leaves token 4g+L's score in register lane 4L+g, so lane k
+// holds token LaneToken(k).
+
+constexpr int LaneToken(int lane) { return 4 * (lane % 4) + lane / 4; }
+
+// 16 int8 values (or the first `mask` ones) widened to f32.
+inline __m512 Int8ToF32(const int8_t* src) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+inline __m512 Int8ToF32(__mmask16 mask, const int8_t* src) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src)));
+}
+
+// Converts one row of head_dim storage elements to f32 (int8: times `scale`) with zero
+// padding to dp.
+inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head_dim, float* dst) {
+  int c = 0;
+  switch (storage) {
+    case KvStorage::kF16: {
+      const uint16_t* h = static_cast<const uint16_t*>(src);
+      for (; c + 16 <= head_dim; c += 16) {
+        _mm512_store_ps(dst + c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c))));
+      }
+      if (c < head_dim) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (head_dim - c)) - 1);
+        _mm512_store_ps(dst + c, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + c)));
+      }
+      break;
+    }
+    case KvStorage::kInt8:
+    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
+      const int8_t* b = static_cast<const int8_t*>(src);
+      const __m512 s = _mm512_set1_ps(scale);
+      for (; c + 16 <= head_dim; c += 16) _mm512_store_ps(dst + c, _mm512_mul_ps(Int8ToF32(b + c), s));
+      if (c < head_dim) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (head_dim - c)) - 1);
+        _mm512_store_ps(dst + c, _mm512_mul_ps(Int8ToF32(m, b + c), s));
+      }
+      break;
+    }
+    case KvStorage::kF32: {
+      const float* f = static_cast<const float*>(src);
+      for (; c + 16 <= head_dim; c += 16) _mm512_store_ps(dst + c, _mm512_loadu_ps(f + c));
+      if (c < head_dim) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (head_dim - c)) - 1);
+        _mm512_store_ps(dst + c, _mm512_maskz_loadu_ps(m, f + c));
+      }
+      break;
+    }
+  }
+}
+
+// Packs the K rows of up to kBlock tokens (rows[j] = token j's head row in storage type,
+// scales[j] its int8 scale, channel_scales[j] its int8_kivi scales [head_dim]; tokens
+// n_rows..kBlock-1 become zeros) into the layout described above: k_packed [dp/4][4][16].
+inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* scales,
+                  const float* const* channel_scales, int n_rows, int head_dim, int dp, float* k_packed) {
+  for (int g = 0; g < 4; ++g) {
+    const uint8_t* src[4];
+    for (int lane = 0; lane < 4; ++lane) src[lane] = 4 * g + lane < n_rows ? rows[4 * g + lane] : nullptr;
+    for (int d0 = 0; d0 < dp; d0 += 16) {
+      const int dims = std::min(16, head_dim - d0);
+      const __mmask16 mask = static_cast<__mmask16>(dims >= 16 ? 0xFFFF : (1u << dims) - 1);
+      float* dst = k_packed + (static_cast<size_t>(d0 / 4) * 4 + g) * 16;  // chunk d0/4, group g
+      __m512 out[4];  // out[c]: dims d0+4c..d0+4c+3 of the group's four tokens
+      if (storage == KvStorage::kF16) {
+        // 4x4 transpose of 64-bit pieces (4 f16 dims each), then widen to f32.
+        __m256i x[4];
+        for (int lane = 0; lane < 4; ++lane) {
+          x[lane] = src[lane] == nullptr ? _mm256_setzero_si256()
+                                         : _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(src[lane]) + d0);
+        }
+        const __m256i t0 = _mm256_unpacklo_epi64(x[0], x[1]), t1 = _mm256_unpackhi_epi64(x[0], x[1]);
+        const __m256i t2 = _mm256_unpacklo_epi64(x[2], x[3]), t3 = _mm256_unpackhi_epi64(x[2], x[3]);
+        out[0] = _mm512_cvtph_ps(_mm256_permute2x128_si256(t0, t2, 0x20));
+        out[1] = _mm512_cvtph_ps(_mm256_permute2x128_si256(t1, t3, 0x20));
+        out[2] = _mm512_cvtph_ps(_mm256_permute2x128_si256(t0, t2, 0x31));
+        out[3] = _mm512_cvtph_ps(_mm256_permute2x128_si256(t1, t3, 0x31));
+      } else {
+        // f32 (int8: dequantized to f32 first), then a 4x4 transpose of 128-bit pieces (4 dims each).
+        __m512 x[4];
+        for (int lane = 0; lane < 4; ++lane) {
+          if (src[lane] == nullptr) {
+            x[lane] = _mm512_setzero_ps();
+          } else if (storage == KvStorage::kInt8) {
+            x[lane] = _mm512_mul_ps(Int8ToF32(mask, reinterpret_cast<const int8_t*>(src[lane]) + d0),
+                                    _mm512_set1_ps(scales[4 * g + lane]));
+          } else if (storage == KvStorage::kInt8Kivi) {
+            x[lane] = _mm512_mul_ps(Int8ToF32(mask, reinterpret_cast<const int8_t*>(src[lane]) + d0),
+                                    _mm512_maskz_loadu_ps(mask, channel_scales[4 * g + lane] + d0));
+          } else {
+            x[lane] = _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(src[lane]) + d0);
+          }
+        }
+        const __m512 t0 = _mm512_shuffle_f32x4(x[0], x[1], 0x44), t1 = _mm512_shuffle_f32x4(x[0], x[1], 0xEE);
+        const __m512 t2 = _mm512_shuffle_f32x4(x[2], x[3], 0x44), t3 = _mm512_shuffle_f32x4(x[2], x[3], 0xEE);
+        out[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+        out[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+        out[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+        out[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+      }
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(dst + c * 64, out[c]);
+    }
+  }
+}
+
+using ScoreVec = __m512;  // one row's kBlock scores in lane order
+
+// Scores of kRows rows (q rows at stride dp, pre-scaled) against a packed K block, in lane order.
+template <int kRows>
+inline void ScoreRows(const float* q, int dp, const float* k_packed, ScoreVec* scores) {
+  __m512 acc[kRows][4];
+  for (int r = 0; r < kRows; ++r)
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int c = 0; c < dp / 4; ++c) {
+    __m512 qc[kRows];
+    for (int r = 0; r < kRows; ++r) qc[r] = _mm512_broadcast_f32x4(_mm_load_ps(q + r * dp + 4 * c));
+    for (int g = 0; g < 4; ++g) {
+      const __m512 k = _mm512_load_ps(k_packed + (c * 4 + g) * 16);
+      for (int r = 0; r < kRows; ++r) acc[r][g] = _mm512_fmadd_ps(qc[r], k, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    // Sum each 128-bit lane's four floats of acc[g] into element 4L+g.
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_ps(acc[r][0], acc[r][1], 0x44),
+                                     _mm512_shuffle_ps(acc[r][0], acc[r][1], 0xEE));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_ps(acc[r][2], acc[r][3], 0x44),
+                                     _mm512_shuffle_ps(acc[r][2], acc[r][3], 0xEE));
+    scores[r] = _mm512_add_ps(_mm512_shuffle_ps(u01, u23, 0x88), _mm512_shuffle_ps(u01, u23, 0xDD));
+  }
+}
+
+// Lanes (in lane order) holding one of the first `valid` tokens of the block.
+inline __mmask16 ValidLanes(int valid) {
+  static constexpr auto kMasks = [] {
+    std::array<uint16_t, kBlock + 1> masks{};
+    for (int v = 0; v <= kBlock; ++v)
+      for (int lane = 0; lane < kBlock; ++lane)
+        if (LaneToken(lane) < v) masks[v] |= static_cast<uint16_t>(1u << lane);
+    return masks;
+  }();
+  return kMasks[valid];
+}
+
+// 2^x for x <= 0 (or -inf); results below 2^-127 are not needed exactly.
+inline __m512 Exp2(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  // Taylor series of 2^f = e^(f ln2) to degree 7: truncation error < 1e-8 on [-0.5, 0.5], so
+  // float rounding (about 1 ulp) dominates.
+  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Online-softmax step for one row and block: updates m and the lane-wise running sum
+// l_lanes[16]; writes p[kBlock] (lane order, zeros on masked lanes) and returns the factor
+// the row's accumulator must be scaled by (1 unless the running max grew).
+inline float SoftmaxStep(ScoreVec scores, int valid, float* m, float* l_lanes, float* p) {
+  const __mmask16 mask = ValidLanes(valid);
+  __m512 m_vec = _mm512_set1_ps(*m);
+  float correction = 1.f;
+  // Once the running max has settled most blocks stay below it: one compare then
+  // replaces the horizontal max reduction.
+  if (_mm512_mask_cmp_ps_mask(mask, scores, m_vec, _CMP_GT_OQ) != 0) {
+    const float block_max = _mm512_mask_reduce_max_ps(mask, scores);
+    correction = *m == kNegInf ? 0.f : std::exp2(*m - block_max);
+    *m = block_max;
+    m_vec = _mm512_set1_ps(block_max);
+  }
+  const __m512 e = _mm512_maskz_mov_ps(mask, Exp2(_mm512_sub_ps(scores, m_vec)));
+  _mm512_store_ps(p, e);
+  _mm512_store_ps(l_lanes, _mm512_fmadd_ps(_mm512_load_ps(l_lanes), _mm512_set1_ps(correction), e));
+  return correction;
+}
+
+// Final probabilities of one row and block given its softmax max m (log2 domain) and
+// 1/sum: p[lane] = 2^(score - m) * inv_sum on valid lanes, 0 elsewhere (lane order).
+inline void Probabilities(ScoreVec scores, int valid, float m, float inv_sum, float* p) {
+  const __m512 e = Exp2(_mm512_sub_ps(scores, _mm512_set1_ps(m)));
+  _mm512_store_ps(p, _mm512_maskz_mul_ps(ValidLanes(valid), e, _mm512_set1_ps(inv_sum)));
+}
+
+inline float SumLanes(const float* l_lanes) { return _mm512_reduce_add_ps(_mm512_load_ps(l_lanes)); }
+
+// dst[j] = the score of token j of the block, for j < valid (lane order to token order; the
+// lane <-> token map is its own inverse).
+inline void StoreScoresInTokenOrder(ScoreVec scores, int valid, float* dst) {
+  const __m512i lane_of_token = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << valid) - 1), _mm512_permutexvar_ps(lane_of_token, scores));
+}
+
+// p[r][lane] *= scale[lane] for rows [r_begin, r_end) (p rows kBlock apart, 64-byte aligned).
+inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_end) {
+  const __m512 s = _mm512_loadu_ps(scale);
+  for (int r = r_begin; r < r_end; ++r) {
+    float* row = p + static_cast<size_t>(r) * kBlock;
+    _mm512_store_ps(row, _mm512_mul_ps(_mm512_load_ps(row), s));
+  }
+}
+
+// Into L2 only: an L1 prefetch this far ahead gets evicted by the block's own scratch traffic.
+inline void Prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T2); }
+
+// Loads dims c..c+15 of a V row in storage type T (float, f16 bits or unscaled int8) as f32.
+inline __m512 LoadV(const float* row, int c) { return _mm512_loadu_ps(row + c); }
+inline __m512 LoadV(const f16_bits* row, int c) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+}
+inline __m512 LoadV(const int8_t* row, int c) { return Int8ToF32(row + c); }
+
+// acc[r] = acc[r] * correction[r] + sum_lanes p[r][lane] * v_(LaneToken(lane)), for kRows rows
+// at once so each V load (and conversion) serves kRows rows. V row t is at v + t * v_stride
+// (elements of T, dp of them readable) and must be finite for all kBlock tokens (p is 0 past
+// the valid ones); acc rows have stride dp, p rows kBlock.
+template <int kRows, typename T>
+inline void AccumulateRows(const float* p, const float* correction, const T* v, size_t v_stride, float* acc, int dp) {
+  for (int c = 0; c < dp; c += 16) {
+    __m512 a[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      a[r] = _mm512_mul_ps(_mm512_load_ps(acc + r * dp + c), _mm512_set1_ps(correction[r]));
+    }
+#pragma GCC unroll 16
+    for (int lane = 0; lane < kBlock; ++lane) {
+      const __m512 v_row = LoadV(v + LaneToken(lane) * v_stride, c);
+      for (int r = 0; r < kRows; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kBlock + lane]), v_row, a[r]);
+    }
+    for (int r = 0; r < kRows; ++r) _mm512_store_ps(acc + r * dp + c, a[r]);
+  }
+}
+
+#elif KVS_ISA_AVX2
+
+// K layout [dp / 4 chunks][8 pairs][8 floats]: pair g = 4h + i (h = 0, 1; i = 0..3) holds dims
+// 4c..4c+3 of token 8h + i in its low 128-bit lane and of token 8h + i + 4 in its high lane.
+// A row's q chunk broadcast to both lanes times that vector accumulates two tokens' dot
+// products at once (no transpose when packing, 8 independent FMA chains per row); two hadd
+// levels per four pairs then leave the scores in token order, so lane order is token order.
+
+constexpr int LaneToken(int lane) { return lane; }
+
+// Token in the low lane of pair g (the high lane holds token + 4).
+constexpr int PairToken(int g) { return 8 * (g / 4) + g % 4; }
+
+// The low 8 int8 values of `codes` widened to f32.
+inline __m256 Int8ToF32(__m128i codes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)); }
+
+inline __m128i Load4Bytes(const void* src) {
+  int32_t x;
+  std::memcpy(&x, src, sizeof(x));
+  return _mm_cvtsi32_si128(x);
+}
+
+// All-ones on lanes first..first+7 whose token is below `valid`.
+inline __m256 ValidLanes(int valid, int first) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - first), lane));
+}
+
+// Converts one row of head_dim storage elements to f32 (int8: times `scale`) with zero
+// padding to dp.
+inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head_dim, float* dst) {
+  int c = 0;
+  switch (storage) {
+    case KvStorage::kF16: {
+      const f16_bits* h = static_cast<const f16_bits*>(src);
+      for (; c + 8 <= head_dim; c += 8) {
+        _mm256_store_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
+      }
+      for (; c < head_dim; ++c) dst[c] = F16ToF32(h[c]);
+      break;
+    }
+    case KvStorage::kInt8:
+    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
+      const int8_t* b = static_cast<const int8_t*>(src);
+      const __m256 s = _mm256_set1_ps(scale);
+      for (; c + 8 <= head_dim; c += 8) {
+        _mm256_store_ps(dst + c, _mm256_mul_ps(Int8ToF32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + c))), s));
+      }
+      for (; c < head_dim; ++c) dst[c] = static_cast<float>(b[c]) * scale;
+      break;
+    }
+    case KvStorage::kF32: {
+      const float* f = static_cast<const float*>(src);
+      for (; c + 8 <= head_dim; c += 8) _mm256_store_ps(dst + c, _mm256_loadu_ps(f + c));
+      for (; c < head_dim; ++c) dst[c] = f[c];
+      break;
+    }
+  }
+  for (c = head_dim; c < RoundUp(head_dim, kLanes); ++c) dst[c] = 0.f;
+}
+
+// Packs the K rows of up to kBlock tokens (rows[j] = token j's head row in storage type,
+// scales[j] its int8 scale, channel_scales[j] its int8_kivi scales [head_dim]; tokens
+// n_rows..kBlock-1 become zeros) into the layout described above: k_packed [dp/4][8][8].
+// Every element is the same single rounding (x, or code * scale) on the fast and the slow
+// path, so a token's packed values do not depend on the block it falls in.
+inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* scales,
+                  const float* const* channel_scales, int n_rows, int head_dim, int dp, float* k_packed) {
+  const int full = head_dim / 4;  // chunks of four real dims
+  for (int g = 0; g < 8; ++g) {
+    const int ta = PairToken(g), tb = ta + 4;
+    float* dst = k_packed + static_cast<size_t>(g) * 8;  // chunk c at dst + c * 64
+    int c = 0;
+    if (tb < n_rows) {
+      const uint8_t* a = rows[ta];
+      const uint8_t* b = rows[tb];
+      switch (storage) {
+        case KvStorage::kF32:
+          for (; c < full; ++c) {
+            const __m128 lo = _mm_loadu_ps(reinterpret_cast<const float*>(a) + 4 * c);
+            const __m128 hi = _mm_loadu_ps(reinterpret_cast<const float*>(b) + 4 * c);
+            _mm256_store_ps(dst + c * 64, _mm256_set_m128(hi, lo));
+          }
+          break;
+        case KvStorage::kF16:
+          for (; c + 2 <= full; c += 2) {  // 8 dims of each token: chunks c and c + 1
+            const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 8 * c));
+            const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 * c));
+            _mm256_store_ps(dst + c * 64, _mm256_cvtph_ps(_mm_unpacklo_epi64(x, y)));
+            _mm256_store_ps(dst + (c + 1) * 64, _mm256_cvtph_ps(_mm_unpackhi_epi64(x, y)));
+          }
+          for (; c < full; ++c) {
+            const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + 8 * c));
+            const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c));
+            _mm256_store_ps(dst + c * 64, _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi)));
+          }
+          break;
+        case KvStorage::kInt8: {
+          const __m256 s = _mm256_set_m128(_mm_set1_ps(scales[tb]), _mm_set1_ps(scales[ta]));
+          for (; c + 4 <= full; c += 4) {  // 16 dims of each token: chunks c..c + 3
+            const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4 * c));
+            const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4 * c));
+            const __m128i lo = _mm_unpacklo_epi32(x, y), hi = _mm_unpackhi_epi32(x, y);
+            _mm256_store_ps(dst + c * 64, _mm256_mul_ps(Int8ToF32(lo), s));
+            _mm256_store_ps(dst + (c + 1) * 64, _mm256_mul_ps(Int8ToF32(_mm_unpackhi_epi64(lo, lo)), s));
+            _mm256_store_ps(dst + (c + 2) * 64, _mm256_mul_ps(Int8ToF32(hi), s));
+            _mm256_store_ps(dst + (c + 3) * 64, _mm256_mul_ps(Int8ToF32(_mm_unpackhi_epi64(hi, hi)), s));
+          }
+          for (; c < full; ++c) {
+            const __m128i codes = _mm_unpacklo_epi32(Load4Bytes(a + 4 * c), Load4Bytes(b + 4 * c));
+            _mm256_store_ps(dst + c * 64, _mm256_mul_ps(Int8ToF32(codes), s));
+          }
+          break;
+        }
+        case KvStorage::kInt8Kivi:
+          for (; c < full; ++c) {
+            const __m128i codes = _mm_unpacklo_epi32(Load4Bytes(a + 4 * c), Load4Bytes(b + 4 * c));
+            const __m256 s = _mm256_set_m128(_mm_loadu_ps(channel_scales[tb] + 4 * c),
+                                             _mm_loadu_ps(channel_scales[ta] + 4 * c));
+            _mm256_store_ps(dst + c * 64, _mm256_mul_ps(Int8ToF32(codes), s));
+          }
+          break;
+      }
+    }
+    // The rest (a pair past the block end, a partial last chunk, padding): element by element.
+    for (; c < dp / 4; ++c) {
+      alignas(32) float x[8];
+      for (int lane = 0; lane < 8; ++lane) {
+        const int j = lane < 4 ? ta : tb, dim = 4 * c + lane % 4;
+        float value = 0.f;
+        if (j < n_rows && dim < head_dim) {
+          switch (storage) {
+            case KvStorage::kF32: value = reinterpret_cast<const float*>(rows[j])[dim]; break;
+            case KvStorage::kF16: value = F16ToF32(reinterpret_cast<const f16_bits*>(rows[j])[dim]); break;
+            case KvStorage::kInt8:
+              value = static_cast<float>(reinterpret_cast<const int8_t*>(rows[j])[dim]) * scales[j];
+              break;
+            case KvStorage::kInt8Kivi:
+              value = static_cast<float>(reinterpret_cast<const int8_t*>(rows[j])[dim]) * channel_scales[j][dim];
+              break;
+          }
+        }
+        x[lane] = value;
+      }
+      _mm256_store_ps(dst + c * 64, _mm256_load_ps(x));
+    }
+  }
+}
+
+struct ScoreVec {
+  __m256 lo, hi;  // tokens 0..7, 8..15
+};
+
+// Scores of kRows rows (q rows at stride dp) against 4 kQuads consecutive pairs of a packed
+// block, k pointing at the first one (pair g0 of chunk 0): out[r][quad] holds tokens
+// PairToken(g0 + 4 quad)..+7 in order. The accumulators live in registers only because every
+// loop here is unrolled.
+template <int kRows, int kQuads>
+inline void ScorePairs(const float* q, int dp, const float* k, __m256 (*out)[kQuads]) {
+  constexpr int kPairs = 4 * kQuads;
+  __m256 acc[kRows][kPairs];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
+    for (int i = 0; i < kPairs; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int c = 0; c < dp / 4; ++c, k += 64) {
+    __m256 qc[kRows];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) qc[r] = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(q + r * dp + 4 * c));
+#pragma GCC unroll 8
+    for (int i = 0; i < kPairs; ++i) {
+      const __m256 kv = _mm256_load_ps(k + 8 * i);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) acc[r][i] = _mm256_fmadd_ps(qc[r], kv, acc[r][i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+    for (int quad = 0; quad < kQuads; ++quad) {
+      // Each lane's four floats summed: the low lanes' tokens then the high lanes', i.e. in order.
+      const __m256* a = acc[r] + 4 * quad;
+      out[r][quad] = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    }
+  }
+}
+
+// Scores of kRows rows (q rows at stride dp, pre-scaled) against a packed K block, in token
+// order: per row and token the same operations in the same order whatever kRows is. Two rows
+// take a pass per half block, one row a single pass: 8 accumulators either way.
+template <int kRows>
+inline void ScoreRows(const float* q, int dp, const float* k_packed, ScoreVec* scores) {
+  if constexpr (kRows == 1) {
+    __m256 s[1][2];
+    ScorePairs<1, 2>(q, dp, k_packed, s);
+    scores[0] = {s[0][0], s[0][1]};
+  } else {
+    __m256 lo[kRows][1], hi[kRows][1];
+    ScorePairs<kRows, 1>(q, dp, k_packed, lo);
+    ScorePairs<kRows, 1>(q, dp, k_packed + 32, hi);
+    for (int r = 0; r < kRows; ++r) scores[r] = {lo[r][0], hi[r][0]};
+  }
+}
+
+inline float ReduceMax(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float ReduceAdd(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 2^x for x <= 0 (or -inf); results below 2^-126 may flush to 0.
+inline __m256 Exp2(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);  // [-0.5, 0.5]
+  // The AVX-512 family's degree-7 Taylor series of 2^f.
+  __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  // 2^n from its exponent field: n = -127 gives +0.
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Online-softmax step for one row and block: updates m and the lane-wise running sum
+// l_lanes[16]; writes p[kBlock] (zeros on masked lanes) and returns the factor the row's
+// accumulator must be scaled by (1 unless the running max grew).
+inline float SoftmaxStep(const ScoreVec& scores, int valid, float* m, float* l_lanes, float* p) {
+  const __m256 mask_lo = ValidLanes(valid, 0), mask_hi = ValidLanes(valid, 8);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 m_vec = _mm256_set1_ps(*m);
+  float correction = 1.f;
+  const __m256 s_lo = _mm256_blendv_ps(neg_inf, scores.lo, mask_lo);
+  const __m256 s_hi = _mm256_blendv_ps(neg_inf, scores.hi, mask_hi);
+  // Once the running max has settled most blocks stay below it: one compare then
+  // replaces the horizontal max reduction.
+  const __m256 above = _mm256_or_ps(_mm256_cmp_ps(s_lo, m_vec, _CMP_GT_OQ), _mm256_cmp_ps(s_hi, m_vec, _CMP_GT_OQ));
+  if (_mm256_movemask_ps(above) != 0) {
+    const float block_max = ReduceMax(_mm256_max_ps(s_lo, s_hi));
+    correction = *m == kNegInf ? 0.f : std::exp2(*m - block_max);
+    *m = block_max;
+    m_vec = _mm256_set1_ps(block_max);
+  }
+  const __m256 e_lo = _mm256_and_ps(mask_lo, Exp2(_mm256_sub_ps(scores.lo, m_vec)));
+  const __m256 e_hi = _mm256_and_ps(mask_hi, Exp2(_mm256_sub_ps(scores.hi, m_vec)));
+  _mm256_store_ps(p, e_lo);
+  _mm256_store_ps(p + 8, e_hi);
+  const __m256 c = _mm256_set1_ps(correction);
+  _mm256_store_ps(l_lanes, _mm256_fmadd_ps(_mm256_load_ps(l_lanes), c, e_lo));
+  _mm256_store_ps(l_lanes + 8, _mm256_fmadd_ps(_mm256_load_ps(l_lanes + 8), c, e_hi));
+  return correction;
+}
+
+// Final probabilities of one row and block given its softmax max m (log2 domain) and
+// 1/sum: p[lane] = 2^(score - m) * inv_sum on valid lanes, 0 elsewhere.
+inline void Probabilities(const ScoreVec& scores, int valid, float m, float inv_sum, float* p) {
+  const __m256 m_vec = _mm256_set1_ps(m), inv = _mm256_set1_ps(inv_sum);
+  _mm256_store_ps(p, _mm256_and_ps(ValidLanes(valid, 0), _mm256_mul_ps(Exp2(_mm256_sub_ps(scores.lo, m_vec)), inv)));
+  _mm256_store_ps(p + 8,
+                  _mm256_and_ps(ValidLanes(valid, 8), _mm256_mul_ps(Exp2(_mm256_sub_ps(scores.hi, m_vec)), inv)));
+}
+
+inline float SumLanes(const float* l_lanes) {
+  return ReduceAdd(_mm256_add_ps(_mm256_load_ps(l_lanes), _mm256_load_ps(l_lanes + 8)));
+}
+
+// dst[j] = the score of token j of the block, for j < valid.
+inline void StoreScoresInTokenOrder(const ScoreVec& scores, int valid, float* dst) {
+  _mm256_maskstore_ps(dst, _mm256_castps_si256(ValidLanes(valid, 0)), scores.lo);
+  _mm256_maskstore_ps(dst + 8, _mm256_castps_si256(ValidLanes(valid, 8)), scores.hi);
+}
+
+// p[r][lane] *= scale[lane] for rows [r_begin, r_end) (p rows kBlock apart, 32-byte aligned).
+inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_end) {
+  const __m256 lo = _mm256_loadu_ps(scale), hi = _mm256_loadu_ps(scale + 8);
+  for (int r = r_begin; r < r_end; ++r) {
+    float* row = p + static_cast<size_t>(r) * kBlock;
+    _mm256_store_ps(row, _mm256_mul_ps(_mm256_load_ps(row), lo));
+    _mm256_store_ps(row + 8, _mm256_mul_ps(_mm256_load_ps(row + 8), hi));
+  }
+}
+
+// Into L2 only, as in the AVX-512 family.
+inline void Prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T2); }
+
+// Loads dims c..c+7 of a V row in storage type T (float, f16 bits or unscaled int8) as f32.
+inline __m256 LoadV(const float* row, int c) { return _mm256_loadu_ps(row + c); }
+inline __m256 LoadV(const f16_bits* row, int c) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+}
+inline __m256 LoadV(const int8_t* row, int c) {
+  return Int8ToF32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+}
+
+// acc[r] = acc[r] * correction[r] + sum_lanes p[r][lane] * v_lane, for kRows rows at once so
+// each V load (and conversion) serves kRows rows. V row t is at v + t * v_stride (elements of
+// T, dp of them readable) and must be finite for all kBlock tokens (p is 0 past the valid
+// ones); acc rows have stride dp (a multiple of 16), p rows kBlock.
+template <int kRows, typename T>
+inline void AccumulateRows(const float* p, const float* correction, const T* v, size_t v_stride, float* acc, int dp) {
+  constexpr int kVecs = kRows >= 8 ? 1 : 2;  // 8-dim vectors per row and pass: keep 8 FMA chains in flight
+  for (int c = 0; c < dp; c += 8 * kVecs) {
+    __m256 a[kRows][kVecs];
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 scale = _mm256_set1_ps(correction[r]);
+      for (int x = 0; x < kVecs; ++x) a[r][x] = _mm256_mul_ps(_mm256_load_ps(acc + r * dp + c + 8 * x), scale);
+    }
+#pragma GCC unroll 16
+    for (int lane = 0; lane < kBlock; ++lane) {
+      __m256 v_row[kVecs];
+      for (int x = 0; x < kVecs; ++x) v_row[x] = LoadV(v + lane * v_stride, c + 8 * x);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 pr = _mm256_set1_ps(p[r * kBlock + lane]);
+        for (int x = 0; x < kVecs; ++x) a[r][x] = _mm256_fmadd_ps(pr, v_row[x], a[r][x]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int x = 0; x < kVecs; ++x) _mm256_store_ps(acc + r * dp + c + 8 * x, a[r][x]);
+  }
+}
+
+#else  // portable scalar path with the same structure; K stays in plain rows, lane = token
+
+constexpr int LaneToken(int lane) { return lane; }
+
+inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head_dim, float* dst) {
+  switch (storage) {
+    case KvStorage::kF16: {
+      const f16_bits* h = static_cast<const f16_bits*>(src);
+      for (int c = 0; c < head_dim; ++c) dst[c] = F16ToF32(h[c]);
+      break;
+    }
+    case KvStorage::kInt8:
+    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
+      const int8_t* b = static_cast<const int8_t*>(src);
+      for (int c = 0; c < head_dim; ++c) dst[c] = scale * static_cast<float>(b[c]);
+      break;
+    }
+    case KvStorage::kF32:
+      std::memcpy(dst, src, head_dim * sizeof(float));
+      break;
+  }
+  for (int c = head_dim; c < RoundUp(head_dim, kLanes); ++c) dst[c] = 0.f;
+}
+
+// k_packed here is simply [kBlock, dp] rows.
+inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* scales,
+                  const float* const* channel_scales, int n_rows, int head_dim, int dp, float* k_packed) {
+  for (int j = 0; j < kBlock; ++j) {
+    float* dst = k_packed + static_cast<size_t>(j) * dp;
+    if (j < n_rows && storage == KvStorage::kInt8Kivi) {
+      const int8_t* b = reinterpret_cast<const int8_t*>(rows[j]);
+      for (int c = 0; c < head_dim; ++c) dst[c] = static_cast<float>(b[c]) * channel_scales[j][c];
+      std::fill(dst + head_dim, dst + dp, 0.f);
+    } else if (j < n_rows) {
+      LoadRowF32(storage, rows[j], storage == KvStorage::kInt8 ? scales[j] : 1.f, head_dim, dst);
+    } else {
+      std::fill(k_packed + static_cast<size_t>(j) * dp, k_packed + static_cast<size_t>(j + 1) * dp, 0.f);
+    }
+  }
+}
+
+struct ScoreVec {
+  float s[kBlock];
+};
+
+template <int kRows>
+inline void ScoreRows(const float* q, int dp, const float* k_packed, ScoreVec* scores) {
+  for (int r = 0; r < kRows; ++r) {
+    for (int j = 0; j < kBlock; ++j) {
+      float s = 0.f;
+      for (int c = 0; c < dp; ++c) s += q[r * dp + c] * k_packed[j * dp + c];
+      scores[r].s[j] = s;
+    }
+  }
+}
+
+inline float SoftmaxStep(const ScoreVec& scores, int valid, float* m, float* l_lanes, float* p) {
+  float block_max = kNegInf;
+  for (int j = 0; j < valid; ++j) block_max = std::max(block_max, scores.s[j]);
+  float correction = 1.f;
+  if (block_max > *m) {
+    correction = *m == kNegInf ? 0.f : std::exp2(*m - block_max);
+    *m = block_max;
+  }
+  for (int j = 0; j < kBlock; ++j) {
+    p[j] = j < valid ? std::exp2(scores.s[j] - *m) : 0.f;
+    l_lanes[j] = l_lanes[j] * correction + p[j];
+  }
+  return correction;
+}
+
+inline void Probabilities(const ScoreVec& scores, int valid, float m, float inv_sum, float* p) {
+  for (int j = 0; j < kBlock; ++j) p[j] = j < valid ? std::exp2(scores.s[j] - m) * inv_sum : 0.f;
+}
+
+inline float SumLanes(const float* l_lanes) {
+  float sum = 0.f;
+  for (int j = 0; j < kBlock; ++j) sum += l_lanes[j];
+  return sum;
+}
+
+inline void StoreScoresInTokenOrder(const ScoreVec& scores, int valid, float* dst) {
+  std::copy(scores.s, scores.s + valid, dst);
+}
+
+inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_end) {
+  for (int r = r_begin; r < r_end; ++r)
+    for (int j = 0; j < kBlock; ++j) p[static_cast<size_t>(r) * kBlock + j] *= scale[j];
+}
+
+inline void Prefetch(const void* address) { __builtin_prefetch(address, 0, 1); }
+
+inline float LoadV(const float* row, int c) { return row[c]; }
+inline float LoadV(const f16_bits* row, int c) { return F16ToF32(row[c]); }
+inline float LoadV(const int8_t* row, int c) { return static_cast<float>(row[c]); }
+
+template <int kRows, typename T>
+inline void AccumulateRows(const float* p, const float* correction, const T* v, size_t v_stride, float* acc, int dp) {
+  for (int r = 0; r < kRows; ++r) {
+    float* a = acc + r * dp;
+    for (int c = 0; c < dp; ++c) a[c] *= correction[r];
+    for (int j = 0; j < kBlock; ++j) {
+      const float pj = p[r * kBlock + j];
+      for (int c = 0; c < dp; ++c) a[c] += pj * LoadV(v + j * v_stride, c);
+    }
+  }
+}
+
+#endif
+
+// AccumulateRows over rows [r_begin, r_end), in groups that share each V load.
+template <typename T>
+void AccumulateHead(const float* p, const float* correction, const T* v, size_t v_stride, float* acc, int dp,
+                    int r_begin, int r_end) {
+  int r = r_begin;
+  for (; r + 8 <= r_end; r += 8) {
+    AccumulateRows<8>(p + r * kBlock, correction + r, v, v_stride, acc + static_cast<size_t>(r) * dp, dp);
+  }
+  for (; r + 4 <= r_end; r += 4) {
+    AccumulateRows<4>(p + r * kBlock, correction + r, v, v_stride, acc + static_cast<size_t>(r) * dp, dp);
+  }
+  for (; r < r_end; ++r) {
+    AccumulateRows<1>(p + r * kBlock, correction + r, v, v_stride, acc + static_cast<size_t>(r) * dp, dp);
+  }
+}
+
+}  // namespace kvsparse::ops::HWY_NAMESPACE::attn_detail
+
+#endif  // KVS_OPS_ATTENTION_KERNELS_INL_H_
