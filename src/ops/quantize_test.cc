@@ -222,6 +222,99 @@ TEST_P(FastQuantizeTest, FastActivationQuantizersMatchReferenceOnManyRows) {
   }
 }
 
+// Hand-built rows for the activation quantizers' rounding and sign rules, one 256-element
+// super-block per case (each also 8 Q8_0 blocks):
+//  - every Q8_0 block holds a +-127 (d = 1) or +-254 (d = 2) extreme, so x * id lands exactly on
+//    .5 ties for every other element (Q8_0 rounds them away from zero), and Q8_K's iscale is +-1
+//    or +-0.5, so its products tie too (Q8_K rounds them to even);
+//  - the first element reaching amax is positive in some super-blocks and negative in others,
+//    with an equal-magnitude element of the opposite sign later on (Q8_K takes the first one's
+//    sign);
+//  - all-zero and all-negative-zero blocks, and zero Q8_0 blocks inside a non-zero super-block.
+std::vector<float> ActivationEdgeCaseRow() {
+  std::vector<float> x;
+  auto add_ties = [&](float extreme, float step, bool negative_first) {
+    for (int j = 0; j < 256; ++j) x.push_back(step * (static_cast<float>(j % 50) - 24.5f));  // +-k.5 * step
+    float* sb = x.data() + x.size() - 256;
+    for (int k = 0; k < 8; ++k) {
+      const bool negative = (k % 2 == 1) != negative_first;
+      sb[32 * k + (k * 5) % 32] = negative ? -extreme : extreme;  // one extreme per Q8_0 block, varying lanes
+    }
+  };
+  add_ties(127.f, 1.f, false);  // d = 1: ties at k.5; the super-block's first extreme is +127
+  add_ties(127.f, 1.f, true);   // same, first extreme -127
+  add_ties(254.f, 2.f, true);   // d = 2 (id = 0.5): odd integers tie; first extreme -254
+  add_ties(254.f, 2.f, false);
+  x.insert(x.end(), 256, 0.f);
+  x.insert(x.end(), 256, -0.f);
+  {  // Random, with zero Q8_0 blocks, -0.f entries and an extreme at the very last element.
+    std::vector<float> r = RandomFloats(256, 5, 1.f);
+    std::fill(r.begin() + 64, r.begin() + 96, 0.f);
+    std::fill(r.begin() + 160, r.begin() + 192, -0.f);
+    r[3] = -0.f;
+    r[255] = -9.f;
+    x.insert(x.end(), r.begin(), r.end());
+    r[100] = 9.f;  // an equal positive extreme earlier: it wins
+    x.insert(x.end(), r.begin(), r.end());
+    r[100] = -9.f;  // two negative extremes
+    r[255] = 9.f;
+    x.insert(x.end(), r.begin(), r.end());
+    r[100] = r[255] = 1.f;  // opposite-sign extremes within one 8- and 16-lane vector
+    r[201] = -9.f;
+    r[206] = 9.f;
+    x.insert(x.end(), r.begin(), r.end());
+    std::swap(r[201], r[206]);
+    x.insert(x.end(), r.begin(), r.end());
+  }
+  {  // Tiny magnitudes (scales far from 1) and a lone extreme in lane 7 of the last vector.
+    std::vector<float> r = RandomFloats(256, 6, 1e-6f);
+    r[247] = -3e-5f;
+    x.insert(x.end(), r.begin(), r.end());
+  }
+  return x;
+}
+
+TEST_P(FastQuantizeTest, FastActivationQuantizersMatchReferenceOnEdgeCases) {
+  const std::vector<float> x = ActivationEdgeCaseRow();
+  // Each super-block alone, then the whole row (blocks quantized independently must not interfere).
+  for (int64_t start = 0; start <= static_cast<int64_t>(x.size()); start += 256) {
+    const bool whole = start == static_cast<int64_t>(x.size());
+    const float* src = x.data() + (whole ? 0 : start);
+    const int64_t n = whole ? start : 256;
+    for (DType t : {DType::kQ8_0, DType::kQ8_K}) {
+      std::vector<uint8_t> want(DTypeRowBytes(t, n)), got(DTypeRowBytes(t, n), 0xAB);
+      ref::QuantizeRow(t, src, want.data(), n);
+      ops::QuantizeRow(t, src, got.data(), n);
+      ASSERT_EQ(want, got) << DTypeName(t) << " start " << start << " n " << n;
+    }
+  }
+  // Spot checks that the row does exercise both tie rules and both signs.
+  BlockQ8_0 q8_0[8];
+  ops::QuantizeRow(DType::kQ8_0, x.data(), q8_0, 256);
+  EXPECT_EQ(F16ToF32(q8_0[0].d), 1.f);
+  EXPECT_EQ(q8_0[0].qs[1], -24);  // -23.5 -> -24 (away from zero)
+  EXPECT_EQ(q8_0[0].qs[2], -23);  // -22.5 -> -23
+  BlockQ8_K q8_k[2];
+  ops::QuantizeRow(DType::kQ8_K, x.data(), q8_k, 512);
+  EXPECT_EQ(q8_k[0].d, -1.f);     // first extreme +127: iscale = -1
+  EXPECT_EQ(q8_k[0].qs[1], 24);   // 23.5 -> 24 (even)
+  EXPECT_EQ(q8_k[0].qs[2], 22);   // 22.5 -> 22 (even)
+  EXPECT_EQ(q8_k[1].d, 1.f);      // first extreme -127: iscale = 1
+  EXPECT_EQ(q8_k[1].qs[1], -24);  // -23.5 -> -24
+  EXPECT_EQ(q8_k[1].qs[2], -22);  // -22.5 -> -22
+}
+
+// Q8_0 rows that are not whole super-blocks (the packers quantize one 32-element block at a time).
+TEST_P(FastQuantizeTest, FastQ8_0MatchesReferenceOnShortRows) {
+  for (int64_t n : {32, 64, 96, 160, 224, 288}) {
+    const std::vector<float> x = RandomFloats(n, static_cast<uint32_t>(n), 3.f);
+    std::vector<uint8_t> want(DTypeRowBytes(DType::kQ8_0, n)), got(DTypeRowBytes(DType::kQ8_0, n), 0xAB);
+    ref::QuantizeRow(DType::kQ8_0, x.data(), want.data(), n);
+    ops::QuantizeRow(DType::kQ8_0, x.data(), got.data(), n);
+    ASSERT_EQ(want, got) << "n " << n;
+  }
+}
+
 TEST_P(FastQuantizeTest, F16DequantizeOddLengthsMatchReference) {
   for (int64_t n : {1, 7, 9, 15, 16, 17, 33}) {
     std::vector<f16_bits> h(n);

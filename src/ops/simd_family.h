@@ -43,4 +43,10 @@ inline void EnsureInitialized() {
 }  // namespace kvsparse::isa_internal
 
 // The active family's version of FUNC (exported with HWY_EXPORT), e.g. KVS_DISPATCH(DotImpl)(a, b, n).
+// FUNC may be qualified (quant::FooImpl). With a single family (KVS_NATIVE=ON) Highway's
+// HWY_DYNAMIC_DISPATCH would prefix it with the target namespace; its one-entry table is used instead.
+#if (HWY_TARGETS & (HWY_TARGETS - 1)) == 0
+#define KVS_DISPATCH(FUNC) (::kvsparse::isa_internal::EnsureInitialized(), *(HWY_DISPATCH_TABLE(FUNC)[0]))
+#else
 #define KVS_DISPATCH(FUNC) (::kvsparse::isa_internal::EnsureInitialized(), HWY_DYNAMIC_DISPATCH(FUNC))
+#endif
