@@ -137,26 +137,17 @@ void QuantizeKvRowsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t*
   }
 }
 
-void DequantizeKvRowsInt8Impl(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
-  ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);
-}
-
-// Only row quantization runs on every appended token; the rest run on evictions and page fills,
-// where the scalar twins serve the AVX2 family.
-void QuantizeKvColumnsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales) {
-  ref::QuantizeKvColumnsInt8(x, n_rows, row_len, q, channel_scales);
-}
-
-void DequantizeKvColumnsInt8Impl(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
-  ref::DequantizeKvColumnsInt8(q, channel_scales, n_rows, row_len, x);
-}
-
 #else
 
 void QuantizeKvRowsInt8Impl(const float* x, int64_t n_rows, int row_len, int8_t* q, float* scales) {
   ref::QuantizeKvRowsInt8(x, n_rows, row_len, q, scales);
 }
 
+#endif
+
+#if !KVS_ISA_AVX512
+// Only row quantization runs on every appended token; the rest run on evictions and page fills,
+// where the scalar twins serve the AVX2 family.
 void DequantizeKvRowsInt8Impl(const int8_t* q, const float* scales, int64_t n_rows, int row_len, float* x) {
   ref::DequantizeKvRowsInt8(q, scales, n_rows, row_len, x);
 }
@@ -168,7 +159,6 @@ void QuantizeKvColumnsInt8Impl(const float* x, int64_t n_rows, int row_len, int8
 void DequantizeKvColumnsInt8Impl(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x) {
   ref::DequantizeKvColumnsInt8(q, channel_scales, n_rows, row_len, x);
 }
-
 #endif
 
 }  // namespace kvsparse::ops::HWY_NAMESPACE
