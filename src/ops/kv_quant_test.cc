@@ -7,8 +7,13 @@
 #include <random>
 #include <vector>
 
+#include "support/per_isa_test.h"
+
 namespace kvsparse {
 namespace {
+
+// Every test runs once per kernel family.
+class KvQuantTest : public testing::PerIsaTest {};
 
 // Random nonzero values with a per-row magnitude, so scales differ from row to row.
 std::vector<float> RandomRows(int64_t n_rows, int row_len, std::mt19937& rng) {
@@ -29,7 +34,7 @@ std::vector<float> RandomRows(int64_t n_rows, int row_len, std::mt19937& rng) {
 const int kRowLens[] = {1, 2, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 100, 128, 129};
 const int64_t kRowCounts[] = {1, 2, 3, 7};
 
-TEST(KvQuantTest, FastMatchesScalarTwinBitForBit) {
+TEST_P(KvQuantTest, FastMatchesScalarTwinBitForBit) {
   std::mt19937 rng(1234);
   for (int row_len : kRowLens) {
     for (int64_t n_rows : kRowCounts) {
@@ -49,7 +54,7 @@ TEST(KvQuantTest, FastMatchesScalarTwinBitForBit) {
   }
 }
 
-TEST(KvQuantTest, RoundTripErrorIsAtMostHalfAStep) {
+TEST_P(KvQuantTest, RoundTripErrorIsAtMostHalfAStep) {
   std::mt19937 rng(99);
   for (int row_len : kRowLens) {
     const int64_t n_rows = 5;
@@ -76,7 +81,7 @@ TEST(KvQuantTest, RoundTripErrorIsAtMostHalfAStep) {
   }
 }
 
-TEST(KvQuantTest, ZeroRowHasZeroScaleAndZeroCodes) {
+TEST_P(KvQuantTest, ZeroRowHasZeroScaleAndZeroCodes) {
   for (int row_len : kRowLens) {
     std::vector<float> x(2 * row_len, 0.f);
     x[row_len] = -3.5f;  // second row is not all zero
@@ -114,7 +119,7 @@ std::vector<float> RandomColumns(int64_t n_rows, int row_len, std::mt19937& rng)
   return x;
 }
 
-TEST(KvQuantTest, ColumnsFastMatchesScalarTwinBitForBit) {
+TEST_P(KvQuantTest, ColumnsFastMatchesScalarTwinBitForBit) {
   std::mt19937 rng(4321);
   for (int row_len : kRowLens) {
     for (int64_t n_rows : {1, 2, 5, 16, 17}) {
@@ -134,7 +139,7 @@ TEST(KvQuantTest, ColumnsFastMatchesScalarTwinBitForBit) {
   }
 }
 
-TEST(KvQuantTest, ColumnsRoundTripErrorIsAtMostHalfAChannelStep) {
+TEST_P(KvQuantTest, ColumnsRoundTripErrorIsAtMostHalfAChannelStep) {
   std::mt19937 rng(98);
   for (int row_len : kRowLens) {
     const int64_t n_rows = 16;
@@ -161,7 +166,7 @@ TEST(KvQuantTest, ColumnsRoundTripErrorIsAtMostHalfAChannelStep) {
 }
 
 // A column of zeros gets scale 0 and codes 0 (no 0/0), its neighbours are unaffected.
-TEST(KvQuantTest, ColumnsZeroColumnIsExact) {
+TEST_P(KvQuantTest, ColumnsZeroColumnIsExact) {
   for (int row_len : kRowLens) {
     std::mt19937 rng(row_len);
     std::vector<float> x = RandomColumns(3, row_len, rng);
@@ -180,7 +185,7 @@ TEST(KvQuantTest, ColumnsZeroColumnIsExact) {
 // scales. Each regrouping adds at most half a step of the new scale, so after one the error
 // is at most (old scale + new scale) / 2 per element; the new scale is at most the largest
 // old scale of the tokens gathered (dequantized values never exceed max|x|).
-TEST(KvQuantTest, ColumnsRequantizationAddsAtMostHalfANewStep) {
+TEST_P(KvQuantTest, ColumnsRequantizationAddsAtMostHalfANewStep) {
   std::mt19937 rng(77);
   const int row_len = 96;
   const int64_t group = 16;
@@ -219,6 +224,8 @@ TEST(KvQuantTest, ColumnsRequantizationAddsAtMostHalfANewStep) {
   }
   EXPECT_LE(worst_extra, 0.5f + 1e-5f);
 }
+
+KVS_INSTANTIATE_PER_ISA(KvQuantTest);
 
 }  // namespace
 }  // namespace kvsparse
