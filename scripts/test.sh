@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds kvsparse and runs every test: the Release suite (kernel tests and end-to-end golden tests
-# once per kernel family the CPU runs), a check that only the kernel families use AVX, then the
-# whole suite again under AddressSanitizer + UBSan. Usage: bash scripts/test.sh
+# once per kernel family the CPU runs), a check that only the kernel families use AVX, kernel and
+# golden tests on emulated older CPUs (AVX2-only, no AVX), then the whole suite again under
+# AddressSanitizer + UBSan. Usage: bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
@@ -11,6 +12,8 @@ cmake --build build -j "$JOBS"
 ./build/kvsparse --version
 bash scripts/check-baseline-isa.sh build/libkvsparse_core.a
 ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 600
+# The same binaries on an emulated AVX2-only CPU and a CPU without AVX.
+bash scripts/test-older-cpus.sh build
 
 # Every test again under ASan + UBSan (-O1: the sanitizers' own advice, and a faster build).
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Asan -DKVS_ASAN=ON -DKVS_BUILD_BENCH=OFF >/dev/null
