@@ -7,7 +7,7 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   ca-certificates cmake ninja-build g++ make pkg-config \
-  libhwy-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev \
+  libhwy-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev libcpp-httplib-dev \
   libgtest-dev libgmock-dev libbenchmark-dev \
   python3 python3-matplotlib qemu-user >/dev/null
 echo "install-deps: done"

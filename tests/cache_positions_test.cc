@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "kvsparse/engine.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"

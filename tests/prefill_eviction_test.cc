@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kvsparse/engine.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/retrieval_model.h"

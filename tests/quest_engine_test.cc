@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kvsparse/engine.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/paged_kv_cache.h"

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kvsparse/engine.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
@@ -65,6 +66,9 @@ class QuantizingKvCache final : public KvCache {
     ref::QuantizeKvRowsInt8(v, rows, head_dim, codes.data(), scales.data());
     ref::DequantizeKvRowsInt8(codes.data(), scales.data(), rows, head_dim, v_round.data());
     return inner_.Append(seq, layer, n, k_round.data(), v_round.data(), positions);
+  }
+  Status CheckAppend(std::span<const KvAppendPlan> plans, const uint8_t* relative_positions) const override {
+    return inner_.CheckAppend(plans, relative_positions);
   }
   void Spans(int seq, int layer, std::vector<KvSpan>* out) const override { inner_.Spans(seq, layer, out); }
   int32_t NumTokens(int seq, int layer) const override { return inner_.NumTokens(seq, layer); }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kvsparse/engine.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/model.h"
 #include "support/per_isa_test.h"

@@ -7,8 +7,8 @@
 
 #include "commands.h"
 #include "kv_flags.h"
-#include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/model.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/sampler.h"
 #include "kvsparse/tokenizer.h"
@@ -91,23 +91,16 @@ int Run(const GenerateArgs& a) {
   KvStorage dense_storage = KvStorage::kF16;
   auto sparsity = ResolveKvFlags(a.kv, kDefaultKvType, c.n_layers, &dense_storage);
   if (!sparsity.ok()) return Fail(sparsity.status());
-  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
   // Dense: one contiguous buffer per layer. Sparse: paged cache + policies (room for n_ctx
   // tokens per layer is reserved as address space; memory follows the live tokens).
-  std::unique_ptr<KvCache> dense_cache;
-  SparseKvSetup sparse;
-  std::string kv_desc;
-  if (*sparsity) {
-    auto setup = CreateSparseKv(geometry, **sparsity, 1, n_ctx, a.sampling.seed);
-    if (!setup.ok()) return Fail(setup.status());
-    sparse = std::move(*setup);
-    kv_desc = KvSparsityConfigSummary(**sparsity);
-  } else {
-    dense_cache = std::make_unique<ContiguousKvCache>(geometry, dense_storage, 1, n_ctx);
-    kv_desc = std::string("dense ") + KvStorageName(dense_storage);
-  }
-  KvCache& cache = dense_cache ? *dense_cache : *sparse.cache;
-  Engine engine(model, &cache, a.n_threads, sparse.controller.get());
+  auto runtime = CreateRuntime(model, *sparsity ? &**sparsity : nullptr, dense_storage, 1, n_ctx, a.n_threads,
+                               a.sampling.seed);
+  if (!runtime.ok()) return Fail(runtime.status());
+  const std::string kv_desc = *sparsity ? KvSparsityConfigSummary(**sparsity)
+                                        : std::string("dense ") + KvStorageName(dense_storage);
+  KvCache& cache = (*runtime)->cache();
+  Engine& engine = *(*runtime)->engine;
+  SparseKvController* controller = (*runtime)->controller();
   Sampler sampler(a.sampling);
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
 
@@ -156,8 +149,8 @@ int Run(const GenerateArgs& a) {
   std::fprintf(stderr, "KV cache: %.2f MiB allocated, %.2f MiB live (%s)\n", cache.AllocatedBytes() / 1048576.0,
                cache.LiveBytes() / 1048576.0, kv_desc.c_str());
   if (a.kv.stats) {
-    if (sparse.controller) {
-      std::fprintf(stderr, "%s", sparse.controller->FormatStats().c_str());
+    if (controller != nullptr) {
+      std::fprintf(stderr, "%s", controller->FormatStats().c_str());
     } else {
       std::fprintf(stderr, "(dense cache: no evictions; per-layer stats need --kv-method or --kv-config)\n");
     }

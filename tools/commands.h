@@ -15,7 +15,9 @@ void RegisterInspect(CLI::App& app, int* exit_code);
 void RegisterConvert(CLI::App& app, int* exit_code);
 void RegisterSynth(CLI::App& app, int* exit_code);
 void RegisterBenchSpeed(CLI::App& app, int* exit_code);
+void RegisterBenchServe(CLI::App& app, int* exit_code);  // serving benchmark (src/bench/serve.cc)
 void RegisterBench(CLI::App& app, int* exit_code);  // bench, bench-merge, bench-report
+void RegisterServe(CLI::App& app, int* exit_code);  // OpenAI-compatible HTTP server
 
 // Prints "error: <status>" to stderr and returns 1.
 int Fail(const Status& status);

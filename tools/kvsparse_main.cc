@@ -1,4 +1,5 @@
-// kvsparse: one binary with subcommands — generate, inspect, convert, synth, bench-speed, bench.
+// kvsparse: one binary with subcommands — generate, inspect, convert, synth, bench-speed, bench-serve, bench,
+// serve.
 #include <CLI/CLI.hpp>
 
 #include <string>
@@ -28,7 +29,9 @@ int main(int argc, char** argv) {
   kvsparse::cli::RegisterConvert(app, &exit_code);
   kvsparse::cli::RegisterSynth(app, &exit_code);
   kvsparse::cli::RegisterBenchSpeed(app, &exit_code);
+  kvsparse::cli::RegisterBenchServe(app, &exit_code);
   kvsparse::cli::RegisterBench(app, &exit_code);
+  kvsparse::cli::RegisterServe(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "kvsparse/kv_cache.h"
+#include "kvsparse/kv_types.h"
 
 namespace kvsparse {
 

@@ -10,8 +10,7 @@
 #include <cstdint>
 
 #include "kvsparse/attention.h"
-#include "kvsparse/kv_cache.h"
-#include "kvsparse/kv_policy.h"
+#include "kvsparse/kv_types.h"
 
 namespace kvsparse {
 

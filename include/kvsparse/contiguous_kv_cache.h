@@ -16,6 +16,7 @@ class ContiguousKvCache final : public KvCache {
   KvStorage storage() const override { return storage_; }
   const KvGeometry& geometry() const override { return geometry_; }
   Status Append(int seq, int layer, int32_t n, const float* k, const float* v, const int32_t* positions) override;
+  Status CheckAppend(std::span<const KvAppendPlan> plans, const uint8_t* relative_positions) const override;
   void Spans(int seq, int layer, std::vector<KvSpan>* out) const override;
   int32_t NumTokens(int seq, int layer) const override;
   void Clear(int seq) override;

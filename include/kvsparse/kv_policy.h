@@ -24,13 +24,10 @@
 #include <string_view>
 #include <vector>
 
-#include "kvsparse/kv_cache.h"
+#include "kvsparse/kv_types.h"
 #include "kvsparse/status.h"
 
 namespace kvsparse {
-
-// How per-query-head attention is folded into one score per KV head (GQA).
-enum class GqaAggregation { kMean, kMax };
 
 // Which AttentionObservation fields a policy reads (a bit set), so the kernel gathers
 // only what is used.
@@ -93,6 +90,10 @@ class KvPolicy {
  public:
   virtual ~KvPolicy() = default;
   virtual std::string_view name() const = 0;
+  // A deep copy of the policy and all its per-token state (and, for Random, its PRNG state),
+  // used when a sequence is forked (copy-on-write prefix sharing): the copy then continues
+  // exactly as the original would, and the two evolve independently afterwards.
+  virtual std::unique_ptr<KvPolicy> Clone() const = 0;
   // Bit set of ObservationField the policy reads in Observe; 0 = it never looks at attention.
   virtual uint32_t NeededObservations() const { return 0; }
   // True when the policy needs AttentionObservation (costs a second pass over K).

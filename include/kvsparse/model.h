@@ -8,8 +8,6 @@
 #include <vector>
 
 #include "kvsparse/gguf.h"
-#include "kvsparse/kv_cache.h"
-#include "kvsparse/kv_policy.h"
 #include "kvsparse/ops.h"
 #include "kvsparse/status.h"
 
@@ -76,51 +74,6 @@ class Model {
   std::unique_ptr<GgufFile> gguf_;
   std::vector<std::vector<uint8_t>> owned_;  // llama2.c weights (f32)
   friend class ModelLoader;
-};
-
-class SparseKvController;
-struct AttentionShape;
-
-// Per-engine scratch and the forward pass. One Engine serves any number of sequences
-// stored in its KvCache; it is not thread-safe (it uses its own threads inside).
-class Engine {
- public:
-  // With a controller (sparse_kv_controller.h; it must manage this same cache) the forward
-  // pass feeds the sparsity policies and evicts after each layer's attention, and prompts
-  // run in chunks of the controller's prefill_chunk (at most 512). A call of n > 1 tokens is
-  // a prompt chunk, n == 1 a decode step; fraction budgets count pos0 + n tokens seen, so a
-  // sequence's positions must start at 0. Without a controller nothing is ever evicted.
-  // Layers whose policy numbers positions inside the cache (StreamingLLM "cache_positions")
-  // rotate, store and attend the chunk at the layer's live token count + i instead of pos0 + i.
-  Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller = nullptr);
-  ~Engine();
-
-  // Runs n tokens of sequence `seq` at positions pos0 .. pos0+n-1 (prefill when n > 1,
-  // decode when n == 1), appending their K/V to the cache.
-  // logits: [n, n_vocab] when all_logits, else [n_vocab] for the last token.
-  // Errors: token id out of range (OutOfRange, before anything is stored), cache full or
-  // positions not after the stored ones (from KvCache::Append, naming the layer).
-  // Positions past the training context are allowed: the caller bounds the context.
-  Status Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits, bool all_logits = false);
-
-  const Model& model() const { return model_; }
-  int n_threads() const { return n_threads_; }
-  SparseKvController* controller() const { return controller_; }
-
- private:
-  struct Scratch;
-  // One chunk of at most kMaxChunkTokens tokens; logits null when this chunk's are not wanted.
-  Status ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits, bool all_logits);
-  // The attention of one layer when a SparseKvController is attached (scratch spans already gathered).
-  Status SparseAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape);
-  // The attention of a per-head layer (KvCache::per_head): one call per kv head, with or without a controller.
-  Status PerHeadAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape);
-  EvictionPoint chunk_point_ = EvictionPoint::kDecodeStep;  // of the chunk ForwardChunk is running
-  const Model& model_;
-  KvCache* cache_;
-  int n_threads_;
-  SparseKvController* controller_;
-  std::unique_ptr<Scratch> scratch_;
 };
 
 }  // namespace kvsparse

@@ -53,7 +53,7 @@ namespace kvsparse {
 using KeyRotateFn = std::function<void(float* k, int64_t n_rows, int32_t delta)>;
 
 struct PagedKvCacheOptions {
-  int n_seqs = 1;
+  int n_seqs = 1;  // sequences at creation (0 allowed: AddSequence adds more)
   int32_t page_size = 16;  // tokens per page
   size_t budget_bytes = 0;  // every page of every layer together (K, V, positions, scales)
   // One storage type per layer, or a single entry for all layers.
@@ -114,6 +114,10 @@ class PagedKvCache final : public KvCache {
   // ResourceExhausted (cache unchanged) when the pages it needs exceed the budget. A per-head
   // layer stores head h of every token in table h; positions must follow each head's last.
   Status Append(int seq, int layer, int32_t n, const float* k, const float* v, const int32_t* positions) override;
+  // Sums the pages every plan needs (as Append counts them, int8_kivi at its peak) against the budget.
+  Status CheckAppend(std::span<const KvAppendPlan> plans, const uint8_t* relative_positions) const override;
+  // Bytes appending n tokens to every table of seq would allocate now (int8_kivi: the peak).
+  size_t AppendBytes(int seq, int32_t n) const;
   // One span per page, n = the page's filled slots; no allocation beyond *out's capacity.
   // Aborts on a per-head layer (use HeadSpans).
   void Spans(int seq, int layer, std::vector<KvSpan>* out) const override;
@@ -144,6 +148,8 @@ class PagedKvCache final : public KvCache {
   Status Fork(int src, int dst);
   // Drops every sequence but seq.
   Status KeepOnly(int seq);
+  // A new, empty sequence (id n_seqs() before the call). Empty tables cost no pages.
+  int AddSequence();
   // Renumbers the tokens of a table to positions 0..n-1 in order (StreamingLLM's positions
   // within the cache) and rotates each renumbered token's K by (new - old) position with
   // `rotate`; V is untouched. kv_head < 0: every table of the layer; kv_head >= 0: that head's
@@ -232,6 +238,11 @@ class PagedKvCache final : public KvCache {
   void CheckSeqLayer(const char* op, int seq, int layer) const;  // aborts when out of range
   int32_t PageFill(const Table& t, size_t page_index) const;
   const int32_t* LastPosition(const Layer& L, const Table& t) const;  // null when empty
+  // Positions [pos0, pos0 + n) follow the table's last (InvalidArgument naming the table otherwise).
+  Status CheckPositions(int seq, int layer, int head, const int32_t* positions, int32_t n) const;
+  // Pages (and their bytes) an append of n tokens to table t allocates; int8_kivi: the peak of
+  // bytes allocated minus freed (a residual is freed right after its page is quantized).
+  size_t TableAppendBytes(const Layer& L, const Table& t, int32_t n, int64_t* pages) const;
   // A page from `pool` (budget already checked), counted in *layer_pages and the cache totals;
   // ReleaseTo undoes it once no other table shares the page.
   PageId AllocateFrom(PagePool& pool, int64_t* layer_pages);

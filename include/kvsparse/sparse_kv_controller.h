@@ -57,6 +57,10 @@ struct SparseKvLayerStats {
   // Bytes the layer's policies hold as page metadata (Quest's key bounds and selection
   // buffers), all sequences and heads, allocated now; a gauge that ResetStats keeps.
   size_t metadata_bytes = 0;
+  // Evictions put off because compacting needed pages the budget did not have (copies of
+  // shared pages, int8_kivi rewrites); the tokens stay until the next eviction point, so a
+  // forward step never fails half-way for want of pages.
+  int64_t deferred_evictions = 0;
   double policy_s() const { return score_s + select_s + compact_s; }
 };
 
@@ -92,8 +96,9 @@ class SparseKvController {
   StatusOr<int32_t> NextCachePosition(int seq, int layer);
 
   // ---- Engine hooks (same seq / layer order as the forward pass) ----
-  // Every policy of the layer (each head's, in a per-head layer) grows by n_new tokens.
-  void OnAppend(int seq, int layer, int32_t n_new);
+  // Every policy of the layer (each head's, in a per-head layer) grows by n_new tokens, the
+  // newest at position `last_position` (layer 0's call counts them in SeenTokens).
+  void OnAppend(int seq, int layer, int32_t n_new, int32_t last_position = -1);
   // True when this layer's policy reads attention at this point (the caller then asks
   // ops::Attention for row_max_sum and calls ObserveAttention / ObserveHeadAttention).
   // False on decode steps for policies that do not observe them (ObservesDecode).
@@ -125,6 +130,36 @@ class SparseKvController {
 
   // Drops every token of seq from the cache and restarts its policies.
   Status ResetSequence(int seq);
+
+  // ---- Sequences that come and go (a serving runtime) ----
+  // An empty sequence with fresh policies: a released id when there is one, else a new id (the
+  // cache grows by one sequence; empty tables cost no pages). `layers` (optional, checked by
+  // CheckSequenceLayers) gives this sequence its own methods and budgets.
+  StatusOr<int> AcquireSequence(std::shared_ptr<const std::vector<LayerKvConfig>> layers = nullptr);
+  // A per-sequence override must keep every layer's kv_type and per_head (the pages are laid out
+  // at start-up) and cannot turn on StreamingLLM cache positions; its values are validated as
+  // the config file's. Messages name the layer and the field.
+  Status CheckSequenceLayers(const std::vector<LayerKvConfig>& layers) const;
+  // Drops every token of seq, frees its pages at once and makes its id available again.
+  Status ReleaseSequence(int seq);
+  // Sequences acquired (or created with the cache) and not released.
+  int n_active_sequences() const;
+  // Tokens of seq appended since its last reset, less those RemoveRange took out of its context:
+  // what fraction budgets are a fraction of (positions need not start at 0).
+  int32_t SeenTokens(int seq) const { return seen_[static_cast<size_t>(seq)]; }
+  // dst (an acquired sequence) becomes a copy of src: every page shared copy-on-write and every
+  // policy cloned, so both continue exactly as src would.
+  Status Fork(int src, int dst);
+  // Drops the tokens with positions in [p0, p1) (p1 < 0: to the end) from every table of seq;
+  // each policy compacts its per-token state with its table's mask, as after an eviction.
+  Status RemoveRange(int seq, int32_t p0, int32_t p1);
+  // The most bytes of KV pages one sequence can hold while it runs a prompt of prompt_tokens
+  // (chunked, evicting as configured) and then generates max_new_tokens: per layer the most
+  // live tokens its budget allows (budget + prefill chunk during the prompt, + evict_interval
+  // while decoding; everything for full and query-aware layers), in pages, plus a page in
+  // flight. What a scheduler reserves to admit a request.
+  size_t SequenceReserveBytes(int32_t prompt_tokens, int32_t max_new_tokens,
+                              const std::vector<LayerKvConfig>* layers = nullptr) const;
 
   const std::vector<SparseKvLayerStats>& layer_stats() const { return stats_; }
   void ResetStats();
@@ -159,6 +194,12 @@ class SparseKvController {
   size_t policies_per_seq_ = 0;                      // Σ layers' policies (n_kv_heads for per-head layers)
   std::vector<std::unique_ptr<KvPolicy>> policies_;  // [n_seqs, policies_per_seq_]
   std::vector<uint64_t> generation_;                  // [n_seqs] restarts, varies the Random seed
+  std::vector<int32_t> seen_;                         // [n_seqs] SeenTokens
+  std::vector<int32_t> last_position_;                // [n_seqs] newest position appended (-1: none)
+  std::vector<uint8_t> released_;                     // [n_seqs] 1: free for AcquireSequence
+  // [n_seqs] a sequence's own layer configs (null: config_.layers)
+  std::vector<std::shared_ptr<const std::vector<LayerKvConfig>>> seq_layers_;
+  std::vector<std::unique_ptr<KvPolicy>> layer_templates_;  // [n_layers] fresh policies (budgets, properties)
   std::vector<SparseKvLayerStats> stats_;             // [n_layers], all sequences together
   KeyRotateFn rotate_;                                // RoPE by a position delta (cache-position layers)
 
@@ -177,5 +218,9 @@ struct SparseKvSetup {
 };
 StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSparsityConfig& config, int n_seqs,
                                        int32_t max_tokens, uint64_t seed = 0);
+// A serving cache: no sequences yet (SparseKvController::AcquireSequence adds them) and a
+// fixed budget of budget_bytes for every page of every sequence together.
+StatusOr<SparseKvSetup> CreateServingKv(const KvGeometry& geometry, const KvSparsityConfig& config,
+                                        size_t budget_bytes, uint64_t seed = 0);
 
 }  // namespace kvsparse

@@ -1,4 +1,6 @@
 #include "kvsparse/bench_runner.h"
+#include "kvsparse/engine.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/isa.h"
 
 #include <fmt/format.h>
@@ -89,10 +91,6 @@ StatusOr<TokenVocab> ModelTokenVocab(const Model& model) {
 }
 
 // One configuration's cache, policies and engine, reused for all its samples.
-struct ConfiguredEngine {
-  SparseKvSetup kv;
-  std::unique_ptr<Engine> engine;
-};
 
 StatusOr<KvSparsityConfig> SparsityFor(const BenchSpec& spec, const BenchConfig& config, int n_layers) {
   KvSparsityConfig sparsity;
@@ -111,14 +109,9 @@ StatusOr<KvSparsityConfig> SparsityFor(const BenchSpec& spec, const BenchConfig&
   return sparsity;
 }
 
-StatusOr<ConfiguredEngine> MakeEngine(const Model& model, const KvSparsityConfig& sparsity, int32_t max_tokens,
-                                      int n_threads, uint64_t seed) {
-  const ModelConfig& c = model.config();
-  ConfiguredEngine e;
-  KVS_ASSIGN_OR_RETURN(e.kv, CreateSparseKv(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, sparsity,
-                                            /*n_seqs=*/1, max_tokens, seed));
-  e.engine = std::make_unique<Engine>(model, e.kv.cache.get(), n_threads, e.kv.controller.get());
-  return e;
+StatusOr<std::unique_ptr<Runtime>> MakeEngine(const Model& model, const KvSparsityConfig& sparsity,
+                                              int32_t max_tokens, int n_threads, uint64_t seed) {
+  return CreateRuntime(model, &sparsity, KvStorage::kF16, /*n_seqs=*/1, max_tokens, n_threads, seed);
 }
 
 
@@ -167,11 +160,11 @@ double DenseF16Bytes(const ModelConfig& c, int64_t tokens) {
 
 // Feeds the prompt (and, question_after, the question as a second turn), then decodes greedily.
 Status RunQuestionSample(const BenchSample& sample, BenchProtocol protocol, const Model& model,
-                         const Tokenizer* tokenizer, ConfiguredEngine& e, RowAccumulator& acc) {
+                         const Tokenizer* tokenizer, Runtime& e, RowAccumulator& acc) {
   const ModelConfig& c = model.config();
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
-  KVS_RETURN_IF_ERROR(e.kv.controller->ResetSequence(0));
-  e.kv.controller->ResetStats();
+  KVS_RETURN_IF_ERROR(e.controller()->ResetSequence(0));
+  e.controller()->ResetStats();
   const std::vector<int32_t> prompt = PromptTokens(sample, protocol);
   const auto t0 = Clock::now();
   KVS_RETURN_IF_ERROR(e.engine->Forward(0, prompt.data(), static_cast<int32_t>(prompt.size()), 0, logits.data()));
@@ -183,7 +176,7 @@ Status RunQuestionSample(const BenchSample& sample, BenchProtocol protocol, cons
     pos += static_cast<int32_t>(sample.question.size());
   }
   const double ttft = Seconds(t0, Clock::now());
-  RecordLayerLive(*e.kv.cache, acc);
+  RecordLayerLive(*e.paged_cache(), acc);
   const int32_t eos = tokenizer != nullptr ? tokenizer->eos() : -1;
   std::vector<int32_t> generated;
   int32_t token = ArgMax(logits);
@@ -203,25 +196,25 @@ Status RunQuestionSample(const BenchSample& sample, BenchProtocol protocol, cons
   acc.ttft_ms.push_back(1e3 * ttft);
   acc.generated_len.push_back(static_cast<double>(generated.size()));
   acc.distinct2.push_back(DistinctN(generated, 2));
-  acc.policy_share.push_back(total > 0 ? PolicySeconds(*e.kv.controller) / total : 0.0);
-  RecordKv(*e.kv.cache, DenseF16Bytes(c, pos), acc);
+  acc.policy_share.push_back(total > 0 ? PolicySeconds(*e.controller()) / total : 0.0);
+  RecordKv(*e.paged_cache(), DenseF16Bytes(c, pos), acc);
   return Status::Ok();
 }
 
 // A random prompt of `length` tokens, then `n_gen` greedy decode steps: latency and memory only.
-Status RunLatencySample(int32_t length, int n_gen, uint64_t seed, const Model& model, ConfiguredEngine& e,
+Status RunLatencySample(int32_t length, int n_gen, uint64_t seed, const Model& model, Runtime& e,
                         RowAccumulator& acc) {
   const ModelConfig& c = model.config();
   std::mt19937_64 rng(seed);
   std::vector<int32_t> prompt(length);
   for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(c.n_vocab));
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
-  KVS_RETURN_IF_ERROR(e.kv.controller->ResetSequence(0));
-  e.kv.controller->ResetStats();
+  KVS_RETURN_IF_ERROR(e.controller()->ResetSequence(0));
+  e.controller()->ResetStats();
   const auto t0 = Clock::now();
   KVS_RETURN_IF_ERROR(e.engine->Forward(0, prompt.data(), length, 0, logits.data()));
   acc.ttft_ms.push_back(1e3 * Seconds(t0, Clock::now()));
-  RecordLayerLive(*e.kv.cache, acc);
+  RecordLayerLive(*e.paged_cache(), acc);
   int32_t token = ArgMax(logits);
   std::vector<int32_t> generated;
   for (int i = 0; i < n_gen; ++i) {
@@ -234,21 +227,21 @@ Status RunLatencySample(int32_t length, int n_gen, uint64_t seed, const Model& m
   const double total = Seconds(t0, Clock::now());
   acc.generated_len.push_back(n_gen);
   acc.distinct2.push_back(DistinctN(generated, 2));
-  acc.policy_share.push_back(total > 0 ? PolicySeconds(*e.kv.controller) / total : 0.0);
-  RecordKv(*e.kv.cache, DenseF16Bytes(c, length + n_gen), acc);
+  acc.policy_share.push_back(total > 0 ? PolicySeconds(*e.controller()) / total : 0.0);
+  RecordKv(*e.paged_cache(), DenseF16Bytes(c, length + n_gen), acc);
   return Status::Ok();
 }
 
 // The same stream teacher-forced through a dense full cache and through the configuration,
 // kFidelityChunk tokens per call (the configuration evicts between calls).
-Status RunFidelitySample(const std::vector<int32_t>& stream, const Model& model, ConfiguredEngine& e, int n_threads,
+Status RunFidelitySample(const std::vector<int32_t>& stream, const Model& model, Runtime& e, int n_threads,
                          RowAccumulator& acc) {
   const ModelConfig& c = model.config();
   const int32_t n = static_cast<int32_t>(stream.size());
   ContiguousKvCache full_cache(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, KvStorage::kF32, 1, n);
   Engine full(model, &full_cache, n_threads);
-  KVS_RETURN_IF_ERROR(e.kv.controller->ResetSequence(0));
-  e.kv.controller->ResetStats();
+  KVS_RETURN_IF_ERROR(e.controller()->ResetSequence(0));
+  e.controller()->ResetStats();
   std::vector<float> full_logits(static_cast<size_t>(kFidelityChunk) * c.n_vocab);    // [chunk, n_vocab]
   std::vector<float> sparse_logits(static_cast<size_t>(kFidelityChunk) * c.n_vocab);  // [chunk, n_vocab]
   for (int32_t done = 0; done < n; done += kFidelityChunk) {
@@ -262,8 +255,8 @@ Status RunFidelitySample(const std::vector<int32_t>& stream, const Model& model,
                        std::span<const float>(sparse_logits.data() + row, c.n_vocab), next);
     }
   }
-  RecordLayerLive(*e.kv.cache, acc);
-  RecordKv(*e.kv.cache, DenseF16Bytes(c, n), acc);
+  RecordLayerLive(*e.paged_cache(), acc);
+  RecordKv(*e.paged_cache(), DenseF16Bytes(c, n), acc);
   return Status::Ok();
 }
 
@@ -428,7 +421,8 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
         max_tokens, static_cast<int32_t>(s.context.size() + s.question.size()) + s.max_new_tokens + 8);
   }
   if (config.task == "latency") max_tokens = config.length + spec.latency_gen + 8;
-  KVS_ASSIGN_OR_RETURN(ConfiguredEngine e, MakeEngine(model, sparsity, max_tokens, n_threads, spec.seed));
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> runtime, MakeEngine(model, sparsity, max_tokens, n_threads, spec.seed));
+  Runtime& e = *runtime;
 
   ResetPeakRss();
   if (config.task == "latency") {

@@ -1,3 +1,4 @@
+#include "kvsparse/engine.h"
 #include "kvsparse/speed_bench.h"
 
 #include <fmt/format.h>
@@ -11,6 +12,7 @@
 #include <numeric>
 #include <random>
 
+#include "bench/synthetic_fill.h"
 #include "kvsparse/attention.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/isa.h"
@@ -37,31 +39,6 @@ Status Prefill(Engine& engine, const std::vector<int32_t>& tokens, int32_t pos0,
   for (size_t i = 0; i < tokens.size(); i += chunk) {
     const int32_t n = static_cast<int32_t>(std::min<size_t>(chunk, tokens.size() - i));
     KVS_RETURN_IF_ERROR(engine.Forward(0, tokens.data() + i, n, pos0 + static_cast<int32_t>(i), logits.data()));
-  }
-  return Status::Ok();
-}
-
-// Appends `n_tokens` tokens of random K/V to every layer of sequence 0 in chunks, as a
-// prefill would store them (the controller trims each layer after every chunk).
-Status SyntheticFill(KvCache& cache, SparseKvController* controller, int32_t n_tokens, int chunk) {
-  const KvGeometry& g = cache.geometry();
-  const size_t row = static_cast<size_t>(g.n_kv_heads) * g.head_dim;
-  std::mt19937 rng(13);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> k(static_cast<size_t>(chunk) * row), v(k.size());  // [chunk, n_kv_heads, head_dim]
-  for (float& x : k) x = normal(rng);
-  for (float& x : v) x = normal(rng);
-  std::vector<int32_t> positions(chunk);  // [chunk]
-  for (int32_t done = 0; done < n_tokens; done += chunk) {
-    const int32_t n = std::min<int32_t>(chunk, n_tokens - done);
-    for (int32_t i = 0; i < n; ++i) positions[i] = done + i;
-    for (int layer = 0; layer < g.n_layers; ++layer) {
-      KVS_RETURN_IF_ERROR(cache.Append(0, layer, n, k.data(), v.data(), positions.data()));
-      if (controller == nullptr) continue;
-      controller->OnAppend(0, layer, n);
-      const EvictionPoint point = done + n == n_tokens ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk;
-      KVS_RETURN_IF_ERROR(controller->AfterAttention(0, layer, point, done + n, done + n - 1));
-    }
   }
   return Status::Ok();
 }
@@ -228,7 +205,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       } else {
         cache.Clear(0);
       }
-      if (config.synthetic_fill) return SyntheticFill(cache, controller, depth, config.prefill_chunk);
+      if (config.synthetic_fill) return SyntheticFill(cache, controller, /*seq=*/0, depth, config.prefill_chunk);
       return Prefill(engine, fill, 0, config.prefill_chunk, logits);
     };
     // Starts the timed part: policy counters from zero.

@@ -94,6 +94,32 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
   return Status::Ok();
 }
 
+Status ContiguousKvCache::CheckAppend(std::span<const KvAppendPlan> plans, const uint8_t* relative_positions) const {
+  for (const KvAppendPlan& plan : plans) {
+    if (plan.seq < 0 || plan.seq >= n_seqs_) {
+      return InvalidArgumentError("KV cache append: seq " + std::to_string(plan.seq) + " out of range [0, " +
+                                  std::to_string(n_seqs_) + ")");
+    }
+    for (int layer = 0; layer < geometry_.n_layers; ++layer) {
+      const Slot& s = slot(plan.seq, layer);
+      if (plan.n > max_tokens_ - s.n) {
+        return ResourceExhaustedError("KV cache full: seq " + std::to_string(plan.seq) + " layer " +
+                                      std::to_string(layer) + " holds " + std::to_string(s.n) + " of " +
+                                      std::to_string(max_tokens_) + " tokens; cannot append " +
+                                      std::to_string(plan.n) + " more (raise the context size / max_tokens)");
+      }
+      const bool check = relative_positions == nullptr || relative_positions[layer] == 0;
+      if (check && plan.n > 0 && (plan.pos0 < 0 || (s.n > 0 && plan.pos0 <= s.positions[s.n - 1]))) {
+        return InvalidArgumentError("KV cache append: seq " + std::to_string(plan.seq) + " layer " +
+                                    std::to_string(layer) + ": position " + std::to_string(plan.pos0) +
+                                    " must be >= 0 and greater than the previous position " +
+                                    (s.n > 0 ? std::to_string(s.positions[s.n - 1]) : std::string("(none)")));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 void ContiguousKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) const {
   const Slot& s = slot(seq, layer);
   out->clear();

@@ -30,8 +30,8 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
                                 std::to_string(geometry.n_layers) + ", " + std::to_string(geometry.n_kv_heads) +
                                 ", " + std::to_string(geometry.head_dim) + ")");
   }
-  if (options.n_seqs <= 0) {
-    return InvalidArgumentError("paged KV cache: n_seqs must be positive (got " + std::to_string(options.n_seqs) +
+  if (options.n_seqs < 0) {
+    return InvalidArgumentError("paged KV cache: n_seqs must be >= 0 (got " + std::to_string(options.n_seqs) +
                                 ")");
   }
   if (options.page_size <= 0 || options.page_size > kMaxPageSize) {
@@ -271,6 +271,100 @@ void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_
   }
 }
 
+Status PagedKvCache::CheckPositions(int seq, int layer, int head, const int32_t* positions, int32_t n) const {
+  const Layer& L = layers_[layer];
+  const Table& t = table(seq, layer, head);
+  const std::string where = "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+                            (L.per_head ? " kv head " + std::to_string(head) : std::string());
+  if (n > INT32_MAX - t.n) return ResourceExhaustedError("KV cache append: " + where + " would exceed 2^31 tokens");
+  const int32_t* last_pos = LastPosition(L, t);
+  for (int32_t i = 0; i < n; ++i) {
+    const bool has_prev = i > 0 || last_pos != nullptr;
+    const int32_t prev = i > 0 ? positions[i - 1] : (last_pos ? *last_pos : 0);
+    if (positions[i] < 0 || (has_prev && positions[i] <= prev)) {
+      return InvalidArgumentError("KV cache append: " + where + ": position " + std::to_string(positions[i]) +
+                                  " (token " + std::to_string(i) +
+                                  " of the batch) must be >= 0 and greater than the previous position " +
+                                  (has_prev ? std::to_string(prev) : std::string("(none)")));
+    }
+  }
+  return Status::Ok();
+}
+
+size_t PagedKvCache::TableAppendBytes(const Layer& L, const Table& t, int32_t n, int64_t* pages) const {
+  const int32_t P = page_size_;
+  if (!L.kivi) {
+    const int32_t room = static_cast<int32_t>(t.pages.size()) * P - t.n;
+    const bool copy_last = room > 0 && L.pool->refcount(t.pages.back()) > 1;
+    const int64_t fresh = (static_cast<int64_t>(std::max(0, n - room)) + P - 1) / P + (copy_last ? 1 : 0);
+    *pages += fresh;
+    return static_cast<size_t>(fresh) * L.layout.page_bytes;
+  }
+  // int8_kivi: walk the steps AppendKivi takes.
+  const int64_t page_bytes = static_cast<int64_t>(L.layout.page_bytes);
+  const int64_t residual_bytes = static_cast<int64_t>(L.residual_layout.page_bytes);
+  int64_t extra = 0, peak = 0;
+  auto allocate = [&](int64_t bytes) {
+    extra += bytes;
+    peak = std::max(peak, extra);
+    ++*pages;
+  };
+  int32_t r = t.n % P;
+  bool shared = r > 0 && L.residual_pool->refcount(t.pages.back()) > 1;
+  for (int32_t left = n; left > 0;) {
+    const int32_t c = std::min(left, P - r);
+    if (r + c == P) {  // a page fills: quantize it, free the residual
+      allocate(page_bytes);
+      if (r > 0 && !shared) extra -= residual_bytes;
+      r = 0;
+      shared = false;
+    } else {  // into the residual page: a new one, or a copy of a shared one
+      if (r == 0 || shared) allocate(residual_bytes);
+      r += c;
+      shared = false;
+    }
+    left -= c;
+  }
+  return static_cast<size_t>(peak);
+}
+
+size_t PagedKvCache::AppendBytes(int seq, int32_t n) const {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_ && n >= 0, "AppendBytes: seq " + std::to_string(seq) + " n " + std::to_string(n));
+  size_t bytes = 0;
+  int64_t pages = 0;
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    for (int h = 0; h < layers_[l].n_tables; ++h) bytes += TableAppendBytes(layers_[l], table(seq, l, h), n, &pages);
+  }
+  return bytes;
+}
+
+Status PagedKvCache::CheckAppend(std::span<const KvAppendPlan> plans, const uint8_t* relative_positions) const {
+  size_t bytes = 0;
+  int64_t pages = 0;
+  std::vector<int32_t> positions;
+  for (const KvAppendPlan& plan : plans) {
+    KVS_RETURN_IF_ERROR(CheckSeq("append", plan.seq));
+    if (plan.n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(plan.n));
+    positions.resize(static_cast<size_t>(plan.n));
+    for (int32_t i = 0; i < plan.n; ++i) positions[i] = plan.pos0 + i;
+    for (int l = 0; l < geometry_.n_layers; ++l) {
+      for (int h = 0; h < layers_[l].n_tables; ++h) {
+        if (relative_positions == nullptr || relative_positions[l] == 0) {
+          KVS_RETURN_IF_ERROR(CheckPositions(plan.seq, l, h, positions.data(), plan.n));
+        }
+        bytes += TableAppendBytes(layers_[l], table(plan.seq, l, h), plan.n, &pages);
+      }
+    }
+  }
+  if (!budget_.CanAfford(bytes)) {
+    return ResourceExhaustedError("KV cache: the step needs " + std::to_string(pages) + " more pages (" +
+                                  std::to_string(bytes) + " bytes) for " + std::to_string(plans.size()) +
+                                  " sequences but the KV budget has " + std::to_string(budget_.available_bytes()) +
+                                  " of " + std::to_string(budget_.limit_bytes()) + " bytes left");
+  }
+  return Status::Ok();
+}
+
 Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const float* v,
                             const int32_t* positions) {
   KVS_RETURN_IF_ERROR(CheckSeq("append", seq));
@@ -282,36 +376,16 @@ Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const
   }
   Layer& L = layers_[layer];
   const int32_t P = page_size_;
-  auto where = [&](int h) {
-    return "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
-           (L.per_head ? " kv head " + std::to_string(h) : std::string());
-  };
   // Validate every table (one per head in a per-head layer) and count the pages before
   // writing anything, so a failed append leaves the cache unchanged.
   int64_t new_pages = 0;
+  size_t new_bytes = 0;
   for (int h = 0; h < L.n_tables; ++h) {
-    const Table& t = table(seq, layer, h);
-    if (n > INT32_MAX - t.n) {
-      return ResourceExhaustedError("KV cache append: " + where(h) + " would exceed 2^31 tokens");
-    }
-    const int32_t* last_pos = LastPosition(L, t);
-    for (int32_t i = 0; i < n; ++i) {
-      const bool has_prev = i > 0 || last_pos != nullptr;
-      const int32_t prev = i > 0 ? positions[i - 1] : (last_pos ? *last_pos : 0);
-      if (positions[i] < 0 || (has_prev && positions[i] <= prev)) {
-        return InvalidArgumentError("KV cache append: " + where(h) + ": position " + std::to_string(positions[i]) +
-                                    " (token " + std::to_string(i) +
-                                    " of the batch) must be >= 0 and greater than the previous position " +
-                                    (has_prev ? std::to_string(prev) : std::string("(none)")));
-      }
-    }
-    const int32_t room = static_cast<int32_t>(t.pages.size()) * P - t.n;
-    const bool copy_last = room > 0 && PoolOf(L, t, t.pages.size() - 1)->refcount(t.pages.back()) > 1;
-    new_pages += (static_cast<int64_t>(std::max(0, n - room)) + P - 1) / P + (copy_last ? 1 : 0);
+    KVS_RETURN_IF_ERROR(CheckPositions(seq, layer, h, positions, n));
+    new_bytes += TableAppendBytes(L, table(seq, layer, h), n, &new_pages);
   }
-  if (L.kivi) return AppendKivi(seq, layer, n, k, v, positions);  // its own page plan and budget
-  const size_t new_bytes = static_cast<size_t>(new_pages) * L.layout.page_bytes;
   if (!budget_.CanAfford(new_bytes)) return BudgetError("append", seq, layer, -1, new_pages, new_bytes);
+  if (L.kivi) return AppendKivi(seq, layer, n, k, v, positions);
 
   const size_t row_values = static_cast<size_t>(geometry_.n_kv_heads) * geometry_.head_dim;
   for (int h = 0; h < L.n_tables; ++h) {
@@ -607,6 +681,13 @@ Status PagedKvCache::Fork(int src, int dst) {
     }
   }
   return Status::Ok();
+}
+
+int PagedKvCache::AddSequence() {
+  KVS_CHECK_MSG(n_seqs_ < INT32_MAX / 2, "AddSequence: too many sequences");
+  ++n_seqs_;
+  tables_.resize(static_cast<size_t>(n_seqs_) * tables_per_seq_);
+  return n_seqs_ - 1;
 }
 
 Status PagedKvCache::KeepOnly(int seq) {

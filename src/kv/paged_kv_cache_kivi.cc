@@ -160,40 +160,7 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
                                 const int32_t* positions) {
   Layer& L = layers_[layer];
   const int32_t P = page_size_;
-  const int64_t page_bytes = static_cast<int64_t>(L.layout.page_bytes);
-  const int64_t residual_bytes = static_cast<int64_t>(L.residual_layout.page_bytes);
-
-  // Budget first, by walking the same steps as below: the peak of bytes allocated minus bytes
-  // freed (a residual page is freed right after its quantized page is allocated).
-  int64_t extra = 0, peak = 0, new_pages = 0;
-  auto allocate = [&](int64_t bytes) {
-    extra += bytes;
-    peak = std::max(peak, extra);
-    ++new_pages;
-  };
-  for (int h = 0; h < L.n_tables; ++h) {
-    const Table& t = table(seq, layer, h);
-    int32_t r = t.n % P;
-    bool shared = r > 0 && L.residual_pool->refcount(t.pages.back()) > 1;
-    for (int32_t left = n; left > 0;) {
-      const int32_t c = std::min(left, P - r);
-      if (r + c == P) {  // a page fills: quantize it, free the residual
-        allocate(page_bytes);
-        if (r > 0 && !shared) extra -= residual_bytes;
-        r = 0;
-        shared = false;
-      } else {  // into the residual page: a new one, or a copy of a shared one
-        if (r == 0 || shared) allocate(residual_bytes);
-        r += c;
-        shared = false;
-      }
-      left -= c;
-    }
-  }
-  if (!budget_.CanAfford(static_cast<size_t>(peak))) {
-    return BudgetError("append", seq, layer, -1, new_pages, static_cast<size_t>(peak));
-  }
-
+  // Append checked the budget (TableAppendBytes walks the same steps as below).
   const int rh = L.layout.row_heads, D = geometry_.head_dim;
   const size_t row_values = static_cast<size_t>(rh) * D;
   const size_t in_stride = static_cast<size_t>(geometry_.n_kv_heads) * D;  // floats between input tokens

@@ -529,7 +529,7 @@ TEST(PagedKvCacheTest, BadArgumentsAreInvalidArgument) {
   options.layer_storage = {KvStorage::kF16, KvStorage::kF16, KvStorage::kF16};
   EXPECT_EQ(PagedKvCache::Create(geo, options).status().code(), StatusCode::kInvalidArgument);
   options.layer_storage = {KvStorage::kF16};
-  options.n_seqs = 0;
+  options.n_seqs = -1;
   EXPECT_EQ(PagedKvCache::Create(geo, options).status().code(), StatusCode::kInvalidArgument);
   options.n_seqs = 1;
   options.budget_bytes = 0;

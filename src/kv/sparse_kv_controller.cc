@@ -45,6 +45,11 @@ StatusOr<std::unique_ptr<SparseKvController>> SparseKvController::Create(const K
   }
   std::unique_ptr<SparseKvController> controller(new SparseKvController(config, cache, seed));
   for (int seq = 0; seq < cache->n_seqs(); ++seq) KVS_RETURN_IF_ERROR(controller->BuildPolicies(seq));
+  for (int layer = 0; layer < n_layers; ++layer) {
+    auto policy = CreatePolicy(config.layers[layer], layer, n_layers, seed);
+    if (!policy.ok()) return policy.status();
+    controller->layer_templates_.push_back(std::move(*policy));
+  }
   return controller;
 }
 
@@ -55,6 +60,10 @@ SparseKvController::SparseKvController(const KvSparsityConfig& config, PagedKvCa
       n_layers_(cache->geometry().n_layers),
       policy_offset_(n_layers_),
       generation_(cache->n_seqs(), 0),
+      seen_(cache->n_seqs(), 0),
+      last_position_(cache->n_seqs(), -1),
+      released_(cache->n_seqs(), 0),
+      seq_layers_(cache->n_seqs()),
       stats_(n_layers_) {
   for (int layer = 0; layer < n_layers_; ++layer) {
     policy_offset_[layer] = policies_per_seq_;
@@ -71,7 +80,8 @@ Status SparseKvController::BuildPolicies(int seq) {
       const uint64_t seed = seed_ * 0x9E3779B97F4A7C15ull +
                             (generation_[seq] * cache_->n_seqs() + seq) * 1000003ull + static_cast<uint64_t>(layer) +
                             static_cast<uint64_t>(head) * 0xD1B54A32D192ED03ull;
-      auto policy = CreatePolicy(config_.layers[layer], layer, n_layers_, seed);
+      const LayerKvConfig& layer_config = seq_layers_[seq] ? (*seq_layers_[seq])[layer] : config_.layers[layer];
+      auto policy = CreatePolicy(layer_config, layer, n_layers_, seed);
       if (!policy.ok()) {
         return Status(policy.status().code(),
                       fmt::format("sparse KV controller: layer {}: {}", layer, policy.status().message()));
@@ -90,10 +100,177 @@ Status SparseKvController::ResetSequence(int seq) {
   }
   cache_->Clear(seq);
   ++generation_[seq];
+  seen_[seq] = 0;
+  last_position_[seq] = -1;
   return BuildPolicies(seq);
 }
 
-void SparseKvController::OnAppend(int seq, int layer, int32_t n_new) {
+Status SparseKvController::CheckSequenceLayers(const std::vector<LayerKvConfig>& layers) const {
+  if (static_cast<int>(layers.size()) != n_layers_) {
+    return InvalidArgumentError(
+        fmt::format("KV override: {} layer configs for a model of {} layers", layers.size(), n_layers_));
+  }
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    const LayerKvConfig& l = layers[layer];
+    if (l.kv_type != config_.layers[layer].kv_type) {
+      return InvalidArgumentError(fmt::format(
+          "kv_type: layer {} stores {} pages in this server; a request cannot change it to {} (start the server with "
+          "that --kv-type)",
+          layer, KvStorageName(config_.layers[layer].kv_type), KvStorageName(l.kv_type)));
+    }
+    if (l.per_head != config_.layers[layer].per_head) {
+      return InvalidArgumentError(fmt::format("per_head: layer {} is {} in this server; a request cannot change it",
+                                              layer, config_.layers[layer].per_head ? "per-head" : "shared"));
+    }
+    const bool cache_positions = l.method == KvMethod::kStreamingLlm && l.params.cache_positions;
+    if (cache_positions != UsesCachePositions(layer)) {
+      return InvalidArgumentError(fmt::format("cache_positions: layer {}: a request cannot change how positions are "
+                                              "numbered (streaming_llm cache_positions)",
+                                              layer));
+    }
+  }
+  KvSparsityConfig config = config_;
+  config.layers = layers;
+  return ValidateKvSparsityConfig(config);
+}
+
+StatusOr<int> SparseKvController::AcquireSequence(std::shared_ptr<const std::vector<LayerKvConfig>> layers) {
+  if (layers) KVS_RETURN_IF_ERROR(CheckSequenceLayers(*layers));
+  for (size_t seq = 0; seq < released_.size(); ++seq) {
+    if (!released_[seq]) continue;
+    released_[seq] = 0;
+    seq_layers_[seq] = std::move(layers);
+    KVS_RETURN_IF_ERROR(ResetSequence(static_cast<int>(seq)));
+    return static_cast<int>(seq);
+  }
+  const int seq = cache_->AddSequence();
+  KVS_CHECK(static_cast<size_t>(seq) == released_.size());
+  generation_.push_back(0);
+  seen_.push_back(0);
+  last_position_.push_back(-1);
+  released_.push_back(0);
+  seq_layers_.push_back(std::move(layers));
+  policies_.resize(static_cast<size_t>(cache_->n_seqs()) * policies_per_seq_);
+  KVS_RETURN_IF_ERROR(BuildPolicies(seq));
+  return seq;
+}
+
+Status SparseKvController::ReleaseSequence(int seq) {
+  if (seq < 0 || seq >= cache_->n_seqs() || released_[seq]) {
+    return InvalidArgumentError(fmt::format("sparse KV controller: release of sequence {}, which is not in use", seq));
+  }
+  cache_->Clear(seq);
+  released_[seq] = 1;
+  seq_layers_[seq].reset();
+  seen_[seq] = 0;
+  last_position_[seq] = -1;
+  return Status::Ok();
+}
+
+int SparseKvController::n_active_sequences() const {
+  int n = 0;
+  for (uint8_t r : released_) n += r == 0;
+  return n;
+}
+
+Status SparseKvController::Fork(int src, int dst) {
+  const int n_seqs = cache_->n_seqs();
+  if (src < 0 || src >= n_seqs || dst < 0 || dst >= n_seqs || released_[src] || released_[dst]) {
+    return InvalidArgumentError(
+        fmt::format("sparse KV controller: fork from sequence {} to {}: both must be in use", src, dst));
+  }
+  if (src == dst) return Status::Ok();
+  KVS_RETURN_IF_ERROR(cache_->Fork(src, dst));
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    for (int head = 0; head < n_policies(layer); ++head) {
+      auto& slot = policies_[Index(dst, layer, head)];
+      stats_[layer].metadata_bytes -= slot->MetadataBytes();
+      slot = policy(src, layer, head).Clone();
+      stats_[layer].metadata_bytes += slot->MetadataBytes();
+    }
+  }
+  seen_[dst] = seen_[src];
+  last_position_[dst] = last_position_[src];
+  seq_layers_[dst] = seq_layers_[src];
+  return Status::Ok();
+}
+
+Status SparseKvController::RemoveRange(int seq, int32_t p0, int32_t p1) {
+  if (seq < 0 || seq >= cache_->n_seqs() || released_[seq]) {
+    return InvalidArgumentError(fmt::format("sparse KV controller: remove-range on sequence {}, which is not in use", seq));
+  }
+  const int32_t begin = std::max(p0, 0);
+  const int32_t end = p1 < 0 ? INT32_MAX : p1;
+  if (begin >= end) return Status::Ok();
+  // The masks the cache will apply, table by table, taken before it changes.
+  std::vector<std::vector<uint8_t>> masks;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    for (int head = 0; head < n_policies(layer); ++head) {
+      if (per_head(layer)) {
+        cache_->HeadSpans(seq, layer, head, &spans_);
+      } else {
+        cache_->Spans(seq, layer, &spans_);
+      }
+      std::vector<uint8_t>& keep = masks.emplace_back();
+      for (const KvSpan& span : spans_) {
+        for (int32_t i = 0; i < span.n; ++i) keep.push_back(span.positions[i] < begin || span.positions[i] >= end);
+      }
+    }
+  }
+  KVS_RETURN_IF_ERROR(cache_->RemoveRange(seq, p0, p1));
+  size_t table = 0;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    for (int head = 0; head < n_policies(layer); ++head) {
+      const std::vector<uint8_t>& keep = masks[table++];
+      if (std::find(keep.begin(), keep.end(), 0) != keep.end()) policy(seq, layer, head).OnEvict(keep);
+    }
+  }
+  // The context shrinks by the positions removed from the run 0 .. newest.
+  const int64_t removed = std::max<int64_t>(
+      0, static_cast<int64_t>(std::min<int64_t>(end, static_cast<int64_t>(last_position_[seq]) + 1)) - begin);
+  seen_[seq] = static_cast<int32_t>(std::max<int64_t>(0, seen_[seq] - removed));
+  return Status::Ok();
+}
+
+size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t max_new_tokens,
+                                                const std::vector<LayerKvConfig>* layers) const {
+  const int64_t prompt = std::max(prompt_tokens, 0);
+  const int64_t total = prompt + std::max(max_new_tokens, 0);
+  const int64_t chunk = std::max(config_.prefill_chunk, 1);
+  const bool prompt_end_eviction = config_.prefill_eviction == PrefillEviction::kPromptEnd;
+  size_t bytes = 0;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    std::unique_ptr<KvPolicy> own;  // a per-sequence override's policy
+    if (layers != nullptr) {
+      auto made = CreatePolicy((*layers)[layer], layer, n_layers_, seed_);
+      KVS_CHECK_MSG(made.ok(), made.status().ToString());  // CheckSequenceLayers validated it
+      own = std::move(*made);
+    }
+    const KvPolicy& p = own ? *own : *layer_templates_[layer];
+    auto budget = [&](int64_t n_seen) -> int64_t {
+      return p.BudgetTokens(static_cast<int32_t>(std::min<int64_t>(n_seen, INT32_MAX)));
+    };
+    int64_t live = total;
+    if (!p.SelectsSpans() && budget(total) < total) {
+      // Prompt: each chunk is attended on top of what the budget kept (all of it when the
+      // prompt is only trimmed at its end).
+      const int64_t prompt_peak = prompt_end_eviction ? prompt : std::min(prompt, budget(prompt) + chunk);
+      const int64_t decode_peak = p.EvictsDuringDecode()
+                                      ? std::min(total, budget(total) + config_.evict_interval)
+                                      : std::min(prompt, budget(prompt)) + (total - prompt);
+      live = std::max(prompt_peak, decode_peak);
+    }
+    const int32_t live_tokens = static_cast<int32_t>(std::min<int64_t>(live, INT32_MAX - cache_->page_size()));
+    bytes += cache_->TableReserveBytes(layer, live_tokens) * static_cast<size_t>(n_policies(layer));
+  }
+  return bytes;
+}
+
+void SparseKvController::OnAppend(int seq, int layer, int32_t n_new, int32_t last_position) {
+  if (layer == 0) {
+    seen_[seq] += n_new;
+    last_position_[seq] = std::max(last_position_[seq], last_position);
+  }
   for (int head = 0; head < n_policies(layer); ++head) policy(seq, layer, head).OnAppend(n_new);
 }
 
@@ -231,6 +408,11 @@ Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionP
   KVS_CHECK_MSG(kept == target, fmt::format("policy '{}' kept {} of {} tokens, asked for {}", p.name(), kept, n_live,
                                             target));
   Status evicted = one_head ? cache_->Evict(seq, layer, kv_head, keep_) : cache_->Evict(seq, layer, keep_);
+  if (evicted.code() == StatusCode::kResourceExhausted) {
+    // The cache is unchanged and the policy was not told: evict at the next point instead.
+    ++st.deferred_evictions;
+    return Status::Ok();
+  }
   if (!evicted.ok()) {
     return Status(evicted.code(), fmt::format("evicting {} tokens of sequence {} layer {}{}: {}", n_live - target, seq,
                                               layer, one_head ? fmt::format(" kv head {}", kv_head) : "",
@@ -380,13 +562,9 @@ std::string SparseKvController::FormatStats() const {
   return out;
 }
 
-StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSparsityConfig& config, int n_seqs,
-                                       int32_t max_tokens, uint64_t seed) {
-  if (static_cast<int>(config.layers.size()) != geometry.n_layers) {
-    return InvalidArgumentError(fmt::format("sparse KV: the KV config describes {} layers, the model has {}",
-                                            config.layers.size(), geometry.n_layers));
-  }
-  if (max_tokens <= 0) return InvalidArgumentError(fmt::format("sparse KV: max_tokens must be positive, got {}", max_tokens));
+namespace {
+
+PagedKvCacheOptions CacheOptionsFor(const KvSparsityConfig& config, int n_seqs) {
   PagedKvCacheOptions options;
   options.n_seqs = n_seqs;
   options.page_size = config.page_size;
@@ -396,6 +574,35 @@ StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSpars
     options.layer_storage.push_back(l.kv_type);
     options.layer_per_head.push_back(l.per_head ? 1 : 0);
   }
+  return options;
+}
+
+Status CheckLayerCount(const KvGeometry& geometry, const KvSparsityConfig& config) {
+  if (static_cast<int>(config.layers.size()) != geometry.n_layers) {
+    return InvalidArgumentError(fmt::format("sparse KV: the KV config describes {} layers, the model has {}",
+                                            config.layers.size(), geometry.n_layers));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<SparseKvSetup> CreateServingKv(const KvGeometry& geometry, const KvSparsityConfig& config,
+                                        size_t budget_bytes, uint64_t seed) {
+  KVS_RETURN_IF_ERROR(CheckLayerCount(geometry, config));
+  PagedKvCacheOptions options = CacheOptionsFor(config, 0);
+  options.budget_bytes = budget_bytes;
+  SparseKvSetup setup;
+  KVS_ASSIGN_OR_RETURN(setup.cache, PagedKvCache::Create(geometry, options));
+  KVS_ASSIGN_OR_RETURN(setup.controller, SparseKvController::Create(config, setup.cache.get(), seed));
+  return setup;
+}
+
+StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSparsityConfig& config, int n_seqs,
+                                       int32_t max_tokens, uint64_t seed) {
+  KVS_RETURN_IF_ERROR(CheckLayerCount(geometry, config));
+  if (max_tokens <= 0) return InvalidArgumentError(fmt::format("sparse KV: max_tokens must be positive, got {}", max_tokens));
+  PagedKvCacheOptions options = CacheOptionsFor(config, n_seqs);
   // Page sizes come from the cache's own layout: ask a probe cache, then reserve room for
   // max_tokens (+ one partly filled page) per (sequence, layer). The reservation is address
   // space only; memory is used as pages fill.

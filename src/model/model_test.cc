@@ -1,6 +1,7 @@
 // Model loading (GGUF and llama2.c): configs, size accounting, and every loader error
 // naming what is wrong. Forward-pass accuracy lives in tests/synthetic_model_test.cc and
 // tests/stories260k_test.cc.
+#include "kvsparse/engine.h"
 #include "kvsparse/model.h"
 
 #include <gtest/gtest.h>

@@ -2,6 +2,7 @@
 // full cache (dense, and paged with int8 KV), and fails a deep needle exactly when the sparse
 // cache drops it (StreamingLLM with a small budget). The tasks are built here from
 // RetrievalModelVocab(); the benchmark's own generators live in src/bench.
+#include "kvsparse/engine.h"
 #include "kvsparse/retrieval_model.h"
 
 #include <gtest/gtest.h>

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kvsparse/engine.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/model.h"
 #include "kvsparse/synth.h"

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kvsparse/attention_scores.h"
+#include "kvsparse/status.h"
 
 namespace kvsparse::ref {
 

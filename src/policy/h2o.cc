@@ -19,6 +19,7 @@ class H2OPolicy final : public BudgetedPolicy {
  public:
   using BudgetedPolicy::BudgetedPolicy;
   std::string_view name() const override { return "h2o"; }
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<H2OPolicy>(*this); }
   uint32_t NeededObservations() const override { return kObserveSumAll; }
   void OnAppend(int32_t n_new) override { accumulated_.Append(n_new); }
 

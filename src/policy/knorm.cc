@@ -61,6 +61,9 @@ class KNormPolicy final : public BudgetedPolicy {
  public:
   using BudgetedPolicy::BudgetedPolicy;
   std::string_view name() const override { return "knorm"; }
+  // Norms were computed from the keys at selection time and are stored by value, so the copy
+  // holds no reference into the original's cache.
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<KNormPolicy>(*this); }
   void OnAppend(int32_t n_new) override { neg_norms_.Append(n_new); }
 
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {

@@ -458,6 +458,42 @@ StatusOr<KvSparsityConfig> LoadKvSparsityConfig(const std::string& path, int n_l
   return ParseKvSparsityConfig(text.str(), n_layers, fmt::format("kv config '{}'", path));
 }
 
+StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig& base, std::string_view method,
+                                                          std::string_view budget) {
+  std::optional<KvMethod> m;
+  if (!method.empty()) {
+    m = KvMethodFromName(method);
+    if (!m) {
+      return InvalidArgumentError(fmt::format("kv_method: unknown method '{}'{}; valid methods: {}", method,
+                                              Suggestion(method, MethodNameList()), ValidKvMethodNames()));
+    }
+  }
+  std::optional<KvBudget> b;
+  if (!budget.empty()) {
+    StatusOr<KvBudget> parsed = ParseKvBudget(budget);
+    if (!parsed.ok()) return InvalidArgumentError("kv_budget: " + parsed.status().message());
+    b = *parsed;
+  }
+  std::vector<LayerKvConfig> layers = base.layers;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    LayerKvConfig& layer = layers[i];
+    if (m && *m != layer.method) {
+      const bool had_budget = layer.method != KvMethod::kFull;
+      layer.method = *m;
+      layer.params = DefaultMethodParams(*m);
+      if (!b && !had_budget && *m != KvMethod::kFull) {
+        return InvalidArgumentError(fmt::format("kv_budget: method '{}' needs a budget (512 tokens, or a fraction such "
+                                                "as 0.2); layer {} has none",
+                                                method, i));
+      }
+    }
+    if (b) layer.budget = *b;
+    const Status status = ValidateLayerKvConfig(layer, static_cast<int>(i));
+    if (!status.ok()) return InvalidArgumentError("kv_method/kv_budget: " + status.message());
+  }
+  return layers;
+}
+
 StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, std::string_view budget,
                                                      std::string_view kv_type, int n_layers) {
   if (n_layers < 1) return InvalidArgumentError(fmt::format("the model must have layers; found {}", n_layers));

@@ -50,6 +50,7 @@ class PyramidKvPolicy final : public SnapKvPolicy {
   PyramidKvPolicy(const KvBudget& average_budget, const KvMethodParams& params, int layer, int n_layers)
       : SnapKvPolicy(average_budget, params), layer_(layer), n_layers_(n_layers) {}
   std::string_view name() const override { return "pyramidkv"; }
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<PyramidKvPolicy>(*this); }
   int32_t BudgetTokens(int32_t n_seen) const override {
     return PyramidLayerBudget(layer_, n_layers_, ResolveBudget(budget_, n_seen), params_.obs_window, params_.beta);
   }

@@ -25,6 +25,13 @@ class QuestPolicy final : public BudgetedPolicy {
  public:
   using BudgetedPolicy::BudgetedPolicy;
   std::string_view name() const override { return "quest"; }
+  // The page index (bounds by value) is copied; scratch_ is dropped because after a selection
+  // it holds the caller's input spans, pointers into the original sequence's cache pages.
+  std::unique_ptr<KvPolicy> Clone() const override {
+    auto copy = std::make_unique<QuestPolicy>(*this);
+    copy->scratch_.clear();
+    return copy;
+  }
   // Never evicts: the budget bounds the tokens a decode step reads, not the tokens kept.
   int32_t BudgetTokens(int32_t) const override { return std::numeric_limits<int32_t>::max(); }
   void OnAppend(int32_t n_new) override { n_live_ += n_new; }

@@ -27,6 +27,8 @@ class RandomPolicy final : public BudgetedPolicy {
   RandomPolicy(const KvBudget& budget, const KvMethodParams& params, uint64_t seed)
       : BudgetedPolicy(budget, params), rng_(seed) {}
   std::string_view name() const override { return "random"; }
+  // Copies the generator's state too: the clone draws the same sequence the original will.
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<RandomPolicy>(*this); }
   void OnAppend(int32_t n_new) override { n_live_ += n_new; }
 
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {

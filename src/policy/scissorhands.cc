@@ -30,6 +30,7 @@ class ScissorhandsPolicy final : public BudgetedPolicy {
       : BudgetedPolicy(budget, params),
         history_mask_(params.history_window >= 64 ? ~uint64_t{0} : (uint64_t{1} << params.history_window) - 1) {}
   std::string_view name() const override { return "scissorhands"; }
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<ScissorhandsPolicy>(*this); }
   uint32_t NeededObservations() const override { return kObserveLast; }
   void OnAppend(int32_t n_new) override { unimportant_.Append(n_new); }
 

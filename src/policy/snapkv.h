@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "policy/per_token_heads.h"
@@ -17,6 +18,8 @@ class SnapKvPolicy : public BudgetedPolicy {
  public:
   using BudgetedPolicy::BudgetedPolicy;
   std::string_view name() const override { return "snapkv"; }
+  // Subclasses (PyramidKV) override Clone so the copy is not sliced to a SnapKvPolicy.
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<SnapKvPolicy>(*this); }
   uint32_t NeededObservations() const override { return kObserveSumWindow; }
   int32_t ObservationWindow() const override { return params_.obs_window; }
   bool EvictsDuringDecode() const override { return params_.decode_evict; }

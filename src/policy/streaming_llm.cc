@@ -19,6 +19,7 @@ class StreamingLlmPolicy final : public BudgetedPolicy {
  public:
   using BudgetedPolicy::BudgetedPolicy;
   std::string_view name() const override { return "streaming_llm"; }
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<StreamingLlmPolicy>(*this); }
   void OnAppend(int32_t n_new) override { n_live_ += n_new; }
 
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {

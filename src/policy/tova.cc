@@ -19,6 +19,7 @@ class TovaPolicy final : public BudgetedPolicy {
  public:
   using BudgetedPolicy::BudgetedPolicy;
   std::string_view name() const override { return "tova"; }
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<TovaPolicy>(*this); }
   uint32_t NeededObservations() const override { return kObserveLast; }
   void OnAppend(int32_t n_new) override { last_.Append(n_new); }
 

@@ -1,11 +1,12 @@
 // The batched forward pass of a llama-family decoder (llama, qwen2) over a KvCache.
+#include "kvsparse/engine.h"
+
 #include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 #include <omp.h>
 
 #include "kvsparse/attention.h"
-#include "kvsparse/model.h"
 #include "kvsparse/sparse_kv_controller.h"
 
 namespace kvsparse {
@@ -18,8 +19,16 @@ constexpr int32_t kMaxChunkTokens = 512;
 constexpr int32_t kParallelRowThreshold = 16;
 }  // namespace
 
-// Activations for one chunk; sized once for kMaxChunkTokens rows (or fewer, growing on
-// demand), so decode steps never allocate.
+struct Engine::Entry {
+  int seq = 0;
+  int32_t n = 0;
+  int32_t pos0 = 0;
+  EvictionPoint phase = EvictionPoint::kDecodeStep;
+  int32_t row0 = 0;  // first row in the scratch
+};
+
+// Activations for one step, rows = every row of the batch; grown on demand and kept, so
+// steady-state decode never allocates.
 struct Engine::Scratch {
   int32_t rows = 0;
   std::vector<float> x;            // [rows, dim] residual stream
@@ -41,6 +50,12 @@ struct Engine::Scratch {
   // Per-head layers, prompt chunks only (a decode step's group rows are contiguous in q / att):
   std::vector<float> q_head;       // [rows, group, head_dim] the query rows of one kv head
   std::vector<float> att_head;     // [rows, group, head_dim] their attention output
+  // Logits of several sequences: the wanted rows' normed states and their logits.
+  std::vector<float> logit_in;     // [wanted rows, dim]
+  std::vector<float> logit_out;    // [wanted rows, n_vocab]
+  std::vector<int32_t> wanted;     // [wanted rows] batch row of each
+  std::vector<KvAppendPlan> plans; // [batch] what the step appends, checked before it runs
+  std::vector<uint8_t> relative_positions;  // [n_layers] 1: StreamingLLM cache-position layer
 
   void Reserve(const ModelConfig& c, int32_t n) {
     if (n <= rows) return;
@@ -73,10 +88,14 @@ Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvContro
                 fmt::format("KV cache geometry (layers {}, kv heads {}, head_dim {}) does not match the model "
                             "(layers {}, kv heads {}, head_dim {})",
                             g.n_layers, g.n_kv_heads, g.head_dim, c.n_layers, c.n_kv_heads, c.head_dim));
-  // Decode needs one row; prefill grows the scratch up to kMaxChunkTokens on first use.
+  // Decode needs one row; prefill grows the scratch on first use.
   scratch_->Reserve(c, 1);
   scratch_->spans.reserve(16);
+  scratch_->relative_positions.assign(static_cast<size_t>(c.n_layers), 0);
   if (controller != nullptr) {
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      scratch_->relative_positions[layer] = controller->UsesCachePositions(layer) ? 1 : 0;
+    }
     // Cache-position layers re-rotate surviving keys after an eviction: RoPE by the delta, with
     // this model's frequencies (copied, so the rotation does not depend on this Engine).
     controller->SetKeyRotation([inv_freq = model.rope_inv_freq, head_dim = c.head_dim, style = c.rope_style](
@@ -96,6 +115,7 @@ Status Engine::Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, 
   if (static_cast<int64_t>(pos0) + n - 1 > INT32_MAX) {
     return OutOfRangeError(fmt::format("Forward: positions {}..{} overflow int32", pos0, static_cast<int64_t>(pos0) + n - 1));
   }
+  // Token ids are checked for the whole call before its first chunk stores anything.
   for (int32_t i = 0; i < n; ++i) {
     if (tokens[i] < 0 || tokens[i] >= c.n_vocab) {
       return OutOfRangeError(fmt::format("Forward: token id {} at index {} is out of range [0, {}) for model '{}'",
@@ -108,24 +128,79 @@ Status Engine::Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, 
   for (int32_t done = 0; done < n; done += max_chunk) {
     const int32_t chunk = std::min(max_chunk, n - done);
     const bool last_chunk = done + chunk == n;
-    float* chunk_logits = nullptr;  // null: this chunk's logits are not wanted
+    BatchSequence b;
+    b.seq = seq;
+    b.tokens = tokens + done;
+    b.n = chunk;
+    b.pos0 = pos0 + done;
+    // A one-token call is a decode step.
+    b.phase = n == 1 ? EvictionPoint::kDecodeStep
+                     : (last_chunk ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
+    b.all_logits = all_logits;
     if (all_logits) {
-      chunk_logits = logits + static_cast<size_t>(done) * c.n_vocab;
+      b.logits = logits + static_cast<size_t>(done) * c.n_vocab;
     } else if (last_chunk) {
-      chunk_logits = logits;
+      b.logits = logits;
     }
-    // What the policies may do after this chunk: a one-token call is a decode step.
-    chunk_point_ = n == 1 ? EvictionPoint::kDecodeStep
-                          : (last_chunk ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
-    KVS_RETURN_IF_ERROR(ForwardChunk(seq, tokens + done, chunk, pos0 + done, chunk_logits, all_logits));
+    KVS_RETURN_IF_ERROR(ForwardBatch(std::span<const BatchSequence>(&b, 1)));
   }
   return Status::Ok();
 }
 
-Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits,
-                            bool all_logits) {
+Status Engine::Validate(std::span<const BatchSequence> batch) {
+  const ModelConfig& c = model_.config();
+  if (batch.empty()) return InvalidArgumentError("ForwardBatch: the batch is empty");
+  int64_t rows = 0;
+  Scratch& s = *scratch_;
+  s.plans.clear();
+  for (size_t e = 0; e < batch.size(); ++e) {
+    const BatchSequence& b = batch[e];
+    if (b.tokens == nullptr) return InvalidArgumentError(fmt::format("ForwardBatch: entry {} has no tokens", e));
+    if (b.n <= 0) {
+      return InvalidArgumentError(fmt::format("ForwardBatch: entry {} (sequence {}) has {} tokens; need >= 1", e,
+                                              b.seq, b.n));
+    }
+    if (b.pos0 < 0) {
+      return InvalidArgumentError(fmt::format("ForwardBatch: sequence {}: start position must be >= 0, got {}", b.seq,
+                                              b.pos0));
+    }
+    if (static_cast<int64_t>(b.pos0) + b.n - 1 > INT32_MAX) {
+      return OutOfRangeError(fmt::format("ForwardBatch: sequence {}: positions {}..{} overflow int32", b.seq, b.pos0,
+                                         static_cast<int64_t>(b.pos0) + b.n - 1));
+    }
+    for (int32_t i = 0; i < b.n; ++i) {
+      if (b.tokens[i] < 0 || b.tokens[i] >= c.n_vocab) {
+        return OutOfRangeError(fmt::format(
+            "ForwardBatch: sequence {}: token id {} at index {} is out of range [0, {}) for model '{}'", b.seq,
+            b.tokens[i], i, c.n_vocab, model_.path()));
+      }
+    }
+    for (size_t o = 0; o < e; ++o) {
+      if (batch[o].seq == b.seq) {
+        return InvalidArgumentError(fmt::format("ForwardBatch: sequence {} appears twice in one step", b.seq));
+      }
+    }
+    rows += b.n;
+    s.plans.push_back(KvAppendPlan{b.seq, b.n, b.pos0});
+  }
+  if (rows > kMaxBatchRows) {
+    return InvalidArgumentError(
+        fmt::format("ForwardBatch: {} rows in one step; at most {} (split prompts into chunks)", rows, kMaxBatchRows));
+  }
+  // Pages and positions for every layer of every sequence, before any layer writes.
+  return cache_->CheckAppend(s.plans, s.relative_positions.data());
+}
+
+Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
+  KVS_RETURN_IF_ERROR(Validate(batch));
   const ModelConfig& c = model_.config();
   Scratch& s = *scratch_;
+  std::vector<Entry> entries(batch.size());
+  int32_t n = 0;  // rows of the step
+  for (size_t e = 0; e < batch.size(); ++e) {
+    entries[e] = Entry{batch[e].seq, batch[e].n, batch[e].pos0, batch[e].phase, n};
+    n += batch[e].n;
+  }
   s.Reserve(c, n);
   const int64_t dim = c.dim, hidden = c.hidden_dim;
   const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
@@ -136,9 +211,12 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
   // Embedding lookup: dequantize one row of token_embd per token.
   const WeightView& embd = model_.token_embedding;
   const size_t embd_row_bytes = DTypeRowBytes(embd.type, embd.cols);
-  for (int32_t i = 0; i < n; ++i) {
-    const auto* row = static_cast<const uint8_t*>(embd.data) + static_cast<size_t>(tokens[i]) * embd_row_bytes;
-    ops::DequantizeRow(embd.type, row, &s.x[static_cast<size_t>(i) * dim], dim);
+  for (size_t e = 0; e < batch.size(); ++e) {
+    for (int32_t i = 0; i < batch[e].n; ++i) {
+      const auto* row =
+          static_cast<const uint8_t*>(embd.data) + static_cast<size_t>(batch[e].tokens[i]) * embd_row_bytes;
+      ops::DequantizeRow(embd.type, row, &s.x[static_cast<size_t>(entries[e].row0 + i) * dim], dim);
+    }
   }
 
   auto norm_rows = [&](const float* weight) {
@@ -151,13 +229,16 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
 
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
-    // RoPE positions of the chunk in this layer, which are also its stored and query positions:
-    // absolute, or (StreamingLLM cache positions) the places right after the layer's live tokens.
-    int32_t layer_pos0 = pos0;
-    if (controller_ != nullptr && controller_->UsesCachePositions(layer)) {
-      KVS_ASSIGN_OR_RETURN(layer_pos0, controller_->NextCachePosition(seq, layer));
+    // RoPE positions of each sequence's rows in this layer, which are also their stored and
+    // query positions: absolute, or (StreamingLLM cache positions) the places right after the
+    // layer's live tokens.
+    for (const Entry& e : entries) {
+      int32_t layer_pos0 = e.pos0;
+      if (s.relative_positions[layer]) {
+        KVS_ASSIGN_OR_RETURN(layer_pos0, controller_->NextCachePosition(e.seq, layer));
+      }
+      for (int32_t i = 0; i < e.n; ++i) s.positions[static_cast<size_t>(e.row0 + i)] = layer_pos0 + i;
     }
-    for (int32_t i = 0; i < n; ++i) s.positions[static_cast<size_t>(i)] = layer_pos0 + i;
 
     // ---- attention ----
     norm_rows(w.attn_norm);
@@ -176,21 +257,15 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
       ops::Rope(q_row, c.n_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);
       ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);
     }
-    Status appended = cache_->Append(seq, layer, n, s.k.data(), s.v.data(), s.positions.data());
-    if (!appended.ok()) {
-      return Status(appended.code(), fmt::format("Forward: storing K/V of sequence {} layer {} (positions {}..{}): {}",
-                                                 seq, layer, layer_pos0, layer_pos0 + n - 1, appended.message()));
-    }
-    const KvStorage storage = cache_->layer_storage(layer);
-    if (cache_->per_head(layer)) {
-      KVS_RETURN_IF_ERROR(PerHeadAttention(seq, layer, n, pos0, shape));
-    } else if (controller_ == nullptr) {
-      cache_->Spans(seq, layer, &s.spans);
-      ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(),
-                     static_cast<int32_t>(s.spans.size()), s.att.data(), n_threads_);
-    } else {
-      cache_->Spans(seq, layer, &s.spans);
-      KVS_RETURN_IF_ERROR(SparseAttention(seq, layer, n, pos0, shape));
+    for (const Entry& e : entries) {
+      const size_t r = static_cast<size_t>(e.row0);
+      Status appended = cache_->Append(e.seq, layer, e.n, &s.k[r * kv_dim], &s.v[r * kv_dim], &s.positions[r]);
+      if (!appended.ok()) {
+        return Status(appended.code(),
+                      fmt::format("Forward: storing K/V of sequence {} layer {} (positions {}..{}): {}", e.seq, layer,
+                                  s.positions[r], s.positions[r + e.n - 1], appended.message()));
+      }
+      KVS_RETURN_IF_ERROR(Attend(e, layer, shape));
     }
     ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
     ops::Add(s.x.data(), s.proj.data(), n * dim);
@@ -204,14 +279,52 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
     ops::Add(s.x.data(), s.proj.data(), n * dim);
   }
 
-  if (logits == nullptr) return Status::Ok();
-  // Only the rows whose logits are wanted go through the [vocab, dim] output projection.
-  const int32_t first = all_logits ? 0 : n - 1;
-  for (int32_t i = first; i < n; ++i) {
-    ops::RmsNorm(&s.x[static_cast<size_t>(i) * dim], model_.output_norm, &s.normed[static_cast<size_t>(i) * dim],
-                 dim, c.rms_eps);
+  // Only the rows whose logits are wanted go through the [vocab, dim] output projection, all
+  // sequences' in one matmul.
+  s.wanted.clear();
+  size_t wanting = 0;
+  for (size_t e = 0; e < batch.size(); ++e) {
+    if (batch[e].logits == nullptr) continue;
+    ++wanting;
+    const int32_t first = batch[e].all_logits ? 0 : batch[e].n - 1;
+    for (int32_t i = first; i < batch[e].n; ++i) s.wanted.push_back(entries[e].row0 + i);
   }
-  ops::MatMul(model_.output, &s.normed[static_cast<size_t>(first) * dim], n - first, logits, n_threads_);
+  if (s.wanted.empty()) return Status::Ok();
+  const int32_t n_wanted = static_cast<int32_t>(s.wanted.size());
+  s.logit_in.resize(static_cast<size_t>(n_wanted) * dim);
+  for (int32_t j = 0; j < n_wanted; ++j) {
+    ops::RmsNorm(&s.x[static_cast<size_t>(s.wanted[j]) * dim], model_.output_norm,
+                 &s.logit_in[static_cast<size_t>(j) * dim], dim, c.rms_eps);
+  }
+  if (wanting == 1) {  // one sequence: straight into its buffer
+    for (const BatchSequence& b : batch) {
+      if (b.logits != nullptr) ops::MatMul(model_.output, s.logit_in.data(), n_wanted, b.logits, n_threads_);
+    }
+    return Status::Ok();
+  }
+  s.logit_out.resize(static_cast<size_t>(n_wanted) * c.n_vocab);
+  ops::MatMul(model_.output, s.logit_in.data(), n_wanted, s.logit_out.data(), n_threads_);
+  size_t j = 0;
+  for (const BatchSequence& b : batch) {
+    if (b.logits == nullptr) continue;
+    const size_t rows = b.all_logits ? static_cast<size_t>(b.n) : 1;
+    std::copy_n(s.logit_out.data() + j * c.n_vocab, rows * c.n_vocab, b.logits);
+    j += rows;
+  }
+  return Status::Ok();
+}
+
+Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {
+  Scratch& s = *scratch_;
+  if (cache_->per_head(layer)) return PerHeadAttention(e, layer, shape);
+  if (controller_ != nullptr) {
+    cache_->Spans(e.seq, layer, &s.spans);
+    return SparseAttention(e, layer, shape);
+  }
+  const size_t q_off = static_cast<size_t>(e.row0) * shape.n_heads * shape.head_dim;
+  cache_->Spans(e.seq, layer, &s.spans);
+  ops::Attention(shape, cache_->layer_storage(layer), s.q.data() + q_off, s.positions.data() + e.row0, e.n,
+                 s.spans.data(), static_cast<int32_t>(s.spans.size()), s.att.data() + q_off, n_threads_);
   return Status::Ok();
 }
 
@@ -219,19 +332,23 @@ Status Engine::ForwardChunk(int seq, const int32_t* tokens, int32_t n, int32_t p
 // appended, observes the attention probabilities when it reads them (prompt chunks: a second,
 // QK-only pass; decode steps: the scores the attention call kept), and evicts right after, so
 // the next step attends to the reduced cache.
-Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape) {
+Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& shape) {
   Scratch& s = *scratch_;
   const KvStorage storage = cache_->layer_storage(layer);
-  // A multi-token call is a prompt chunk (trimmed straight to the budget); one token is a decode step.
-  const EvictionPoint point = chunk_point_;
-  controller_->OnAppend(seq, layer, n);
+  const int32_t n = e.n;
+  const size_t q_off = static_cast<size_t>(e.row0) * shape.n_heads * shape.head_dim;
+  const float* q = s.q.data() + q_off;                  // [n, n_heads, head_dim]
+  float* att = s.att.data() + q_off;                    // [n, n_heads, head_dim]
+  const int32_t* q_pos = s.positions.data() + e.row0;  // [n]
+  const EvictionPoint point = e.phase;
+  controller_->OnAppend(e.seq, layer, n, e.pos0 + n - 1);
   // Query-aware methods (Quest) narrow a decode step's spans to the pages its query needs;
   // prompt chunks stay dense.
-  if (point == EvictionPoint::kDecodeStep) {
-    controller_->SelectSpans(seq, layer, /*kv_head=*/-1, shape, s.q.data(), &s.spans);
+  if (point == EvictionPoint::kDecodeStep && n == 1) {
+    controller_->SelectSpans(e.seq, layer, /*kv_head=*/-1, shape, q, &s.spans);
   }
   const int32_t n_spans = static_cast<int32_t>(s.spans.size());
-  if (controller_->WantsScores(seq, layer, point)) {
+  if (controller_->WantsScores(e.seq, layer, point)) {
     s.row_max_sum.resize(static_cast<size_t>(n) * shape.n_heads * 2);
     // A decode step keeps its raw scores ([1, n_heads, n_live], small); a prompt chunk's would be
     // [chunk, n_heads, n_live], so chunks take the separate gathering pass.
@@ -242,15 +359,15 @@ Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, cons
       s.raw_scores.resize(static_cast<size_t>(shape.n_heads) * n_live);
       raw_scores = s.raw_scores.data();
     }
-    ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
-                   n_threads_, s.row_max_sum.data(), raw_scores);
-    controller_->ObserveAttention(seq, layer, shape, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans,
-                                  s.row_max_sum.data(), n_threads_, raw_scores);
+    ops::Attention(shape, storage, q, q_pos, n, s.spans.data(), n_spans, att, n_threads_, s.row_max_sum.data(),
+                   raw_scores);
+    controller_->ObserveAttention(e.seq, layer, shape, q, q_pos, n, s.spans.data(), n_spans, s.row_max_sum.data(),
+                                  n_threads_, raw_scores);
   } else {
-    ops::Attention(shape, storage, s.q.data(), s.positions.data(), n, s.spans.data(), n_spans, s.att.data(),
-                   n_threads_);
+    ops::Attention(shape, storage, q, q_pos, n, s.spans.data(), n_spans, att, n_threads_);
   }
-  return controller_->AfterAttention(seq, layer, point, /*n_seen=*/pos0 + n, /*current_position=*/pos0 + n - 1);
+  return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),
+                                     /*current_position=*/e.pos0 + n - 1);
 }
 
 // Attention of a per-head layer, whose kv heads keep different tokens: one call per kv head
@@ -258,19 +375,23 @@ Status Engine::SparseAttention(int seq, int layer, int32_t n, int32_t pos0, cons
 // {group, 1, head_dim}. Every (query, head) row is computed exactly as in the shared call,
 // so with the same tokens per head the output is bit-identical. With a controller, each
 // head's policy observes its own head and evicts its own head table.
-Status Engine::PerHeadAttention(int seq, int layer, int32_t n, int32_t pos0, const AttentionShape& shape) {
+Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape& shape) {
   Scratch& s = *scratch_;
   const KvStorage storage = cache_->layer_storage(layer);
+  const int32_t n = e.n;
   const int group = shape.n_heads / shape.n_kv_heads;
   const int d = shape.head_dim;
   const AttentionShape head_shape{group, 1, d, shape.scale};
   const size_t row = static_cast<size_t>(shape.n_heads) * d;   // one token's q / att: [n_heads, head_dim]
   const size_t group_values = static_cast<size_t>(group) * d;  // one kv head's rows of it
-  const EvictionPoint point = chunk_point_;
+  const float* q_rows = s.q.data() + static_cast<size_t>(e.row0) * row;  // [n, n_heads, head_dim]
+  float* att_rows = s.att.data() + static_cast<size_t>(e.row0) * row;
+  const int32_t* q_pos = s.positions.data() + e.row0;
+  const EvictionPoint point = e.phase;
   bool scores = false;
   if (controller_ != nullptr) {
-    controller_->OnAppend(seq, layer, n);
-    scores = controller_->WantsScores(seq, layer, point);
+    controller_->OnAppend(e.seq, layer, n, e.pos0 + n - 1);
+    scores = controller_->WantsScores(e.seq, layer, point);
   }
   // A decode step's group rows are contiguous in q and att; a chunk's are gathered.
   const bool gather = n > 1;
@@ -280,16 +401,16 @@ Status Engine::PerHeadAttention(int seq, int layer, int32_t n, int32_t pos0, con
   }
   if (scores) s.row_max_sum.resize(static_cast<size_t>(n) * group * 2);
   for (int h = 0; h < shape.n_kv_heads; ++h) {
-    cache_->HeadSpans(seq, layer, h, &s.spans);
-    const float* q = s.q.data() + h * group_values;  // [1, group, head_dim] when not gathered
-    if (controller_ != nullptr && point == EvictionPoint::kDecodeStep) {
-      controller_->SelectSpans(seq, layer, h, head_shape, q, &s.spans);  // q: [1, group, head_dim]
+    cache_->HeadSpans(e.seq, layer, h, &s.spans);
+    const float* q = q_rows + h * group_values;  // [1, group, head_dim] when not gathered
+    if (controller_ != nullptr && point == EvictionPoint::kDecodeStep && n == 1) {
+      controller_->SelectSpans(e.seq, layer, h, head_shape, q, &s.spans);  // q: [1, group, head_dim]
     }
     const int32_t n_spans = static_cast<int32_t>(s.spans.size());
-    float* out = s.att.data() + h * group_values;
+    float* out = att_rows + h * group_values;
     if (gather) {
       for (int32_t i = 0; i < n; ++i) {
-        std::copy_n(s.q.data() + i * row + h * group_values, group_values, s.q_head.data() + i * group_values);
+        std::copy_n(q_rows + i * row + h * group_values, group_values, s.q_head.data() + i * group_values);
       }
       q = s.q_head.data();  // [n, group, head_dim]
       out = s.att_head.data();
@@ -302,20 +423,21 @@ Status Engine::PerHeadAttention(int seq, int layer, int32_t n, int32_t pos0, con
       s.raw_scores.resize(static_cast<size_t>(group) * n_live);
       raw_scores = s.raw_scores.data();
     }
-    ops::Attention(head_shape, storage, q, s.positions.data(), n, s.spans.data(), n_spans, out, n_threads_,
-                   row_max_sum, raw_scores);
+    ops::Attention(head_shape, storage, q, q_pos, n, s.spans.data(), n_spans, out, n_threads_, row_max_sum,
+                   raw_scores);
     if (scores) {
-      controller_->ObserveHeadAttention(seq, layer, h, head_shape, q, s.positions.data(), n, s.spans.data(), n_spans,
+      controller_->ObserveHeadAttention(e.seq, layer, h, head_shape, q, q_pos, n, s.spans.data(), n_spans,
                                         row_max_sum, n_threads_, raw_scores);
     }
     if (gather) {
       for (int32_t i = 0; i < n; ++i) {
-        std::copy_n(s.att_head.data() + i * group_values, group_values, s.att.data() + i * row + h * group_values);
+        std::copy_n(s.att_head.data() + i * group_values, group_values, att_rows + i * row + h * group_values);
       }
     }
   }
   if (controller_ == nullptr) return Status::Ok();
-  return controller_->AfterAttention(seq, layer, point, /*n_seen=*/pos0 + n, /*current_position=*/pos0 + n - 1);
+  return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),
+                                     /*current_position=*/e.pos0 + n - 1);
 }
 
 }  // namespace kvsparse

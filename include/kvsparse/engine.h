@@ -1,0 +1,87 @@
+// The forward pass over a batch of sequences. One step runs every row of the batch through
+// each layer's matmuls together (weights are read once per step, whatever the number of
+// sequences), while attention and the sparsity controller run per sequence over that
+// sequence's own pages and policy state.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "kvsparse/kv_cache.h"
+#include "kvsparse/kv_policy.h"
+#include "kvsparse/model.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+class SparseKvController;
+struct AttentionShape;
+
+// One sequence's rows in a batch. The phase says what the sparsity policies may do after it
+// (kv_policy.h): kPrefillChunk, a prompt chunk more chunks follow (trim to budget unless the
+// config evicts at the prompt's end); kPromptEnd, the prompt's last chunk (trim to budget);
+// kDecodeStep, generated tokens (grow to budget + evict_interval first).
+struct BatchSequence {
+  int seq = 0;
+  const int32_t* tokens = nullptr;  // [n]
+  int32_t n = 0;
+  int32_t pos0 = 0;  // positions pos0 .. pos0 + n - 1
+  EvictionPoint phase = EvictionPoint::kDecodeStep;
+  // Null: no logits wanted. Else [n_vocab] of the last row, or [n, n_vocab] with all_logits.
+  float* logits = nullptr;
+  bool all_logits = false;
+};
+
+// Per-engine scratch and the forward pass. One Engine serves any number of sequences stored
+// in its KvCache; it is not thread-safe (it uses its own threads inside).
+class Engine {
+ public:
+  // Rows one ForwardBatch may hold (the scratch is [rows, hidden]); Forward splits prompts.
+  static constexpr int32_t kMaxBatchRows = 2048;
+
+  // With a controller (sparse_kv_controller.h; it must manage this same cache) the forward
+  // pass feeds the sparsity policies and evicts after each layer's attention. Without one
+  // nothing is ever evicted. Layers whose policy numbers positions inside the cache
+  // (StreamingLLM "cache_positions") rotate, store and attend a sequence's rows at the layer's
+  // live token count + i instead of pos0 + i.
+  Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller = nullptr);
+  ~Engine();
+
+  // One step over several sequences (each at most once). All-or-nothing: every check (token
+  // ids, positions, the pages every layer of every sequence needs, KvCache::CheckAppend) runs
+  // before anything is stored, so a failed step leaves the cache and the policies unchanged.
+  // An eviction that would need pages the budget lacks is put off, not failed.
+  // Errors: InvalidArgument (empty entry, duplicate sequence, more than kMaxBatchRows rows,
+  // positions not after the stored ones), OutOfRange (token id), ResourceExhausted (pages).
+  Status ForwardBatch(std::span<const BatchSequence> batch);
+
+  // One sequence: n tokens at positions pos0 .. pos0+n-1. n > 1 is a prompt, run in chunks of
+  // the controller's prefill_chunk (at most 512); n == 1 is a decode step.
+  // logits: [n, n_vocab] when all_logits, else [n_vocab] for the last token.
+  // Positions past the training context are allowed: the caller bounds the context.
+  Status Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits, bool all_logits = false);
+
+  const Model& model() const { return model_; }
+  KvCache* cache() const { return cache_; }
+  int n_threads() const { return n_threads_; }
+  SparseKvController* controller() const { return controller_; }
+
+ private:
+  struct Scratch;
+  struct Entry;  // a validated BatchSequence and where its rows sit in the scratch
+  Status Validate(std::span<const BatchSequence> batch);
+  // The attention of one sequence's rows in one layer, after its K/V were stored.
+  Status Attend(const Entry& e, int layer, const AttentionShape& shape);
+  // With a SparseKvController attached, on a layer shared by all kv heads.
+  Status SparseAttention(const Entry& e, int layer, const AttentionShape& shape);
+  // A per-head layer (KvCache::per_head): one call per kv head, with or without a controller.
+  Status PerHeadAttention(const Entry& e, int layer, const AttentionShape& shape);
+  const Model& model_;
+  KvCache* cache_;
+  int n_threads_;
+  SparseKvController* controller_;
+  std::unique_ptr<Scratch> scratch_;
+};
+
+}  // namespace kvsparse

@@ -1,0 +1,50 @@
+// Vocabulary types shared by the KV cache, the attention kernels and the sparsity policies:
+// how K/V are stored, a run of stored tokens (KvSpan), the cache's geometry, and how a KV head's
+// query heads are folded. Kept apart so that ops/ and policy/ need not include the cache.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvsparse {
+
+// kInt8: symmetric per-(token, kv head) quantization, value = scale * q, q in [-127, 127].
+// kInt8Kivi (KIVI, Liu et al. 2024): K int8 with one scale per (page, kv head, channel), V int8
+//   per (token, kv head) like kInt8; the tokens of a (seq, layer)'s last, not yet full page stay
+//   in full precision (kKiviResidualStorage) and are quantized when their page fills.
+enum class KvStorage { kF32, kF16, kInt8, kInt8Kivi };
+inline constexpr int kNumKvStorage = 4;
+inline constexpr KvStorage kKiviResidualStorage = KvStorage::kF16;
+const char* KvStorageName(KvStorage s);  // "f32", "f16", "int8", "int8_kivi"
+size_t KvStorageValueBytes(KvStorage s);  // bytes per stored value (4, 2, 1, 1)
+
+struct KvSpan {
+  // Shared layers: [n, n_kv_heads, head_dim]; HeadSpans of a per-head layer: [n, 1, head_dim].
+  const void* k = nullptr;             // [n, n_kv_heads, head_dim] in the cache's storage type
+  const void* v = nullptr;             // [n, n_kv_heads, head_dim]
+  const int32_t* positions = nullptr;  // [n] absolute positions, ascending across spans
+  const float* k_scale = nullptr;      // [n, n_kv_heads] (kInt8 only)
+  const float* v_scale = nullptr;      // [n, n_kv_heads] (kInt8 only)
+  // kInt8Kivi quantized pages: K's per-channel scales, shared by the span's n tokens (value =
+  // k_channel_scale[h, c] * q); v_scale as kInt8. Null on a kInt8Kivi layer's residual span,
+  // whose K/V are kKiviResidualStorage (see SpanStorage).
+  const float* k_channel_scale = nullptr;  // [n_kv_heads, head_dim] ([1, head_dim] in HeadSpans)
+  int32_t n = 0;
+};
+
+// The storage type of one span of a layer stored as `layer`: a kInt8Kivi layer's residual span
+// (no channel scales) is full precision; every other span has the layer's type.
+inline KvStorage SpanStorage(KvStorage layer, const KvSpan& span) {
+  return layer == KvStorage::kInt8Kivi && span.k_channel_scale == nullptr ? kKiviResidualStorage : layer;
+}
+
+struct KvGeometry {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+};
+
+// How per-query-head attention is folded into one score per KV head (GQA).
+enum class GqaAggregation { kMean, kMax };
+
+}  // namespace kvsparse

@@ -1,0 +1,39 @@
+// The setup every front end shares: a model's KV cache (dense, or paged with its sparsity
+// controller) and the Engine over them. `generate`, `bench`, `bench-speed`, `bench-serve` and
+// `serve` build their runtime here instead of wiring caches, controllers and engines each.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "kvsparse/engine.h"
+#include "kvsparse/kv_config.h"
+#include "kvsparse/model.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+struct Runtime {
+  std::unique_ptr<KvCache> dense_cache;  // set when there is no sparsity config
+  SparseKvSetup sparse;                  // paged cache + controller otherwise
+  std::unique_ptr<Engine> engine;
+
+  KvCache& cache() const { return dense_cache ? *dense_cache : *sparse.cache; }
+  PagedKvCache* paged_cache() const { return sparse.cache.get(); }  // null when dense
+  SparseKvController* controller() const { return sparse.controller.get(); }
+};
+
+// config null: a ContiguousKvCache of dense_storage (f32 or f16) holding n_seqs sequences of
+// max_tokens. Otherwise the paged cache sized for n_seqs × max_tokens (CreateSparseKv) and its
+// controller, seeded with `seed` (the Random method).
+StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSparsityConfig* config,
+                                                 KvStorage dense_storage, int n_seqs, int32_t max_tokens,
+                                                 int n_threads, uint64_t seed = 0);
+
+// A serving runtime: a paged cache with no sequence yet and a budget of budget_bytes for every
+// page of every sequence together (CreateServingKv), its controller and the Engine.
+StatusOr<std::unique_ptr<Runtime>> CreateServingRuntime(const Model& model, const KvSparsityConfig& config,
+                                                        size_t budget_bytes, int n_threads, uint64_t seed = 0);
+
+}  // namespace kvsparse

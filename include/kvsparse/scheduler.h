@@ -1,0 +1,212 @@
+// Continuous batching over one Engine: requests join and leave at any step.
+//
+// Every step (Scheduler::Step) builds one batch for Engine::ForwardBatch:
+//   1. one decode row for every running sequence that has a prompt behind it;
+//   2. then prompt chunks (at most the controller's prefill_chunk each, oldest request first)
+//      until the step holds step_tokens rows, so a long prompt is spread over several steps
+//      and never stalls the running streams.
+// Admission: a waiting request starts when a sequence slot is free (max_running) and the KV
+// pages it can ever hold under its sparsity budget (SparseKvController::SequenceReserveBytes)
+// fit beside what the running requests reserve: a request at a 20% budget with int8 pages
+// reserves about a tenth of what a dense f16 one does. Should a step still lack pages (an
+// eviction put off, an estimate short), the newest running request is preempted: its pages
+// are freed and it goes back to the head of the queue, to be recomputed from its prompt and
+// the tokens it already produced (its client sees no gap). A full queue refuses new requests.
+// Cancellation (Cancel, a deadline) frees the request's pages at the next step.
+//
+// Thread-safety: Submit, Cancel, the handles and Stats may be called from any thread; Step runs
+// on one thread at a time (Start runs it on a worker thread).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvsparse/engine.h"
+#include "kvsparse/sampler.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+struct SchedulerOptions {
+  int max_running = 4;          // sequences in flight at once (--parallel)
+  int32_t step_tokens = 512;    // rows per step: decode rows first, then prompt chunks
+  int max_queue = 64;           // waiting requests; Submit refuses beyond (HTTP 503)
+  int32_t max_context = 4096;   // prompt + max_tokens of one request
+  // Admission compares reservations with budget * overcommit. 1: no request is ever preempted
+  // for pages its reservation covers; above 1, more requests start (most end before their
+  // worst case) and preemption absorbs the excess, as vLLM's optimistic admission does.
+  double overcommit = 1.0;
+  // A dense request whose prompt starts like a running dense request's computed tokens (at least
+  // a page) forks that sequence (pages shared by reference count) and computes only the rest.
+  bool share_prefixes = true;
+};
+
+enum class FinishReason {
+  kNone,       // still running
+  kStop,       // an end-of-generation token (or the caller's stop: Finish)
+  kLength,     // max_tokens or the context
+  kCancelled,  // Cancel (a client gone)
+  kTimeout,    // past its deadline
+  kError,      // the engine failed; error() says why
+  kShutdown,   // the scheduler stopped before it finished
+};
+const char* FinishReasonName(FinishReason r);  // "stop", "length", "cancelled", ...
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;          // token ids, non-empty
+  int32_t max_tokens = 128;             // tokens to generate at most
+  SamplerParams sampling;
+  std::vector<int32_t> stop_tokens;     // generation ends (reason kStop) after one of these
+  std::optional<std::chrono::steady_clock::time_point> deadline;  // kTimeout past it
+  // This request's own methods and budgets (KvLayersWithOverride); null: the server's config.
+  std::shared_ptr<const std::vector<LayerKvConfig>> kv_layers;
+};
+
+// What one request did, filled as it runs.
+struct RequestStats {
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;
+  int32_t preemptions = 0;
+  size_t kv_reserved_bytes = 0;   // what admission reserved for it
+  size_t kv_peak_bytes = 0;       // most KV bytes its pages held (live bytes, after a step)
+  double queue_s = 0;             // submit to admission (last admission after a preemption)
+  double ttft_s = -1;             // submit to first token; -1 before it
+  std::vector<double> token_times_s;  // since submit, one per generated token
+};
+
+class Scheduler;
+namespace detail {
+// Wakes the scheduler's worker; shared with the handles so that a handle outliving its
+// scheduler stays safe to cancel.
+struct SchedulerWaker {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool signalled = false;
+  void Notify();
+};
+}  // namespace detail
+
+// The caller's end of one request: tokens as they come, the end, cancellation.
+class RequestHandle {
+ public:
+  // Waits until new tokens are there, the request ended, or `timeout` passed; appends the
+  // tokens produced since the last call to *tokens. Returns false once the request has ended
+  // and every token has been taken.
+  bool WaitNext(std::vector<int32_t>* tokens, std::chrono::milliseconds timeout);
+  // Ends the request (kCancelled unless it already ended); its pages are freed at the next step.
+  void Cancel();
+  // Ends it as kStop (e.g. the caller matched a stop string), freeing its pages the same way.
+  void Finish();
+  bool finished() const;
+  FinishReason finish_reason() const;
+  Status error() const;
+  RequestStats stats() const;
+  uint64_t id() const { return id_; }
+
+ private:
+  friend class Scheduler;
+  RequestHandle(uint64_t id, std::shared_ptr<detail::SchedulerWaker> waker) : id_(id), waker_(std::move(waker)) {}
+  void RequestStop(FinishReason reason);
+  const uint64_t id_;
+  std::shared_ptr<detail::SchedulerWaker> waker_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int32_t> pending_;  // produced, not yet taken
+  bool ended_ = false;            // FinishReason set
+  FinishReason reason_ = FinishReason::kNone;
+  bool stop_requested_ = false;   // Cancel / Finish asked; the scheduler ends it at its next step
+  FinishReason requested_reason_ = FinishReason::kCancelled;
+  Status error_;
+  RequestStats stats_;
+};
+
+struct SchedulerStats {
+  int running = 0;
+  int waiting = 0;
+  int64_t steps = 0;
+  int64_t prompt_tokens = 0;     // prompt rows computed (recomputation after preemption included)
+  int64_t generated_tokens = 0;
+  int64_t preemptions = 0;
+  int64_t rejected = 0;          // refused by a full queue
+  int64_t prefix_reused_tokens = 0;  // prompt tokens taken from a running request's pages
+  int64_t finished[7] = {};      // by FinishReason
+  size_t kv_budget_bytes = 0;
+  size_t kv_reserved_bytes = 0;  // admission reservations of the running requests
+  size_t kv_used_bytes = 0;      // pages in use
+  int64_t kv_pages_used = 0;
+  int64_t evicted_tokens = 0;    // all layers, all sequences
+  double busy_s = 0;             // time inside Engine::ForwardBatch
+};
+
+class Scheduler {
+ public:
+  // engine's cache must be controller's paged cache; both outlive the scheduler.
+  Scheduler(Engine* engine, SparseKvController* controller, const SchedulerOptions& options);
+  ~Scheduler();  // Stop()
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Queues a request. InvalidArgument when it can never run (empty prompt, token ids out of
+  // range, prompt + max_tokens above max_context, or a reservation above the whole KV budget),
+  // ResourceExhausted when the queue is full or the scheduler is stopping.
+  StatusOr<std::shared_ptr<RequestHandle>> Submit(GenerationRequest request);
+
+  // One step: ends cancelled and timed-out requests, admits, runs a batch, samples, delivers.
+  // Returns false when there was nothing to do. For tests and single-threaded use; do not call
+  // it while Start's worker runs.
+  bool Step();
+  // Runs Step on a worker thread until Stop.
+  void Start();
+  // Refuses new requests; with drain, lets running and queued requests finish (until
+  // grace passes), then ends the rest as kShutdown and joins the worker.
+  void Stop(bool drain = false, std::chrono::milliseconds grace = std::chrono::milliseconds(0));
+
+  SchedulerStats Stats() const;
+  const SchedulerOptions& options() const { return options_; }
+  // KV bytes a request would reserve (what admission compares with the budget).
+  size_t ReserveBytes(int32_t prompt_tokens, int32_t max_tokens,
+                      const std::vector<LayerKvConfig>* kv_layers = nullptr) const;
+
+ private:
+  struct Active;  // a request inside the scheduler
+  // Ends a request: frees its sequence, delivers its reason (pages freed at once).
+  void End(Active& a, FinishReason reason, Status error = Status::Ok());
+  void Preempt(Active& a);
+  bool Admit();
+  bool IsDense(const Active& a) const;  // every layer of its config keeps every token
+  void SharePrefix(Active& a);          // after acquiring a's sequence
+  void WorkerLoop();
+  void PublishStats();  // the step state's gauges into stats_
+
+  Engine* engine_;
+  SparseKvController* controller_;
+  SchedulerOptions options_;
+  int n_vocab_;
+
+  std::shared_ptr<detail::SchedulerWaker> waker_;
+  mutable std::mutex mu_;  // guards incoming_, stopping_, stats_
+  std::deque<std::unique_ptr<Active>> incoming_;  // submitted, not yet seen by Step
+  bool stopping_ = false;
+  uint64_t next_id_ = 1;
+  SchedulerStats stats_;
+
+  // Step's own state (one thread).
+  std::deque<std::unique_ptr<Active>> waiting_;
+  std::vector<std::unique_ptr<Active>> running_;
+  size_t reserved_bytes_ = 0;
+  uint64_t admit_counter_ = 0;
+
+  std::thread worker_;
+  bool worker_exit_ = false;  // under waker_->mu
+};
+
+}  // namespace kvsparse

@@ -1,0 +1,518 @@
+#include "kvsparse/scheduler.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "kvsparse/paged_kv_cache.h"
+
+namespace kvsparse {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Prompt chunks never exceed what one Engine::Forward chunk may hold.
+constexpr int32_t kMaxPromptChunk = 512;
+
+}  // namespace
+
+const char* FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kTimeout: return "timeout";
+    case FinishReason::kError: return "error";
+    case FinishReason::kShutdown: return "shutdown";
+  }
+  return "?";
+}
+
+void detail::SchedulerWaker::Notify() {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    signalled = true;
+  }
+  cv.notify_all();
+}
+
+// ---- RequestHandle ----
+
+bool RequestHandle::WaitNext(std::vector<int32_t>* tokens, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [&] { return !pending_.empty() || ended_; });
+  tokens->insert(tokens->end(), pending_.begin(), pending_.end());
+  const bool had = !pending_.empty();
+  pending_.clear();
+  return had || !ended_;
+}
+
+void RequestHandle::RequestStop(FinishReason reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ended_ || stop_requested_) return;
+    stop_requested_ = true;
+    requested_reason_ = reason;
+  }
+  waker_->Notify();
+}
+
+void RequestHandle::Cancel() { RequestStop(FinishReason::kCancelled); }
+void RequestHandle::Finish() { RequestStop(FinishReason::kStop); }
+
+bool RequestHandle::finished() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ended_;
+}
+
+FinishReason RequestHandle::finish_reason() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reason_;
+}
+
+Status RequestHandle::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+RequestStats RequestHandle::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+// ---- Scheduler ----
+
+struct Scheduler::Active {
+  std::shared_ptr<RequestHandle> handle;
+  GenerationRequest request;
+  std::vector<int32_t> tokens;  // prompt, then every generated token (what a recompute feeds)
+  int32_t n_generated = 0;
+  int32_t n_computed = 0;       // leading tokens already in the cache
+  int seq = -1;                 // -1: not admitted
+  size_t reserved = 0;          // admission reservation while admitted
+  uint64_t admit_order = 0;     // later admissions are preempted first
+  Sampler sampler;
+  std::vector<float> logits;    // [n_vocab]
+  Clock::time_point submitted;
+
+  Active(GenerationRequest r, const SamplerParams& p) : request(std::move(r)), sampler(p) {}
+  int32_t remaining() const { return static_cast<int32_t>(tokens.size()) - n_computed; }
+};
+
+Scheduler::Scheduler(Engine* engine, SparseKvController* controller, const SchedulerOptions& options)
+    : engine_(engine),
+      controller_(controller),
+      options_(options),
+      n_vocab_(engine->model().config().n_vocab),
+      waker_(std::make_shared<detail::SchedulerWaker>()) {
+  KVS_CHECK(engine != nullptr && controller != nullptr);
+  KVS_CHECK_MSG(engine->controller() == controller, "the scheduler's engine must run with its controller");
+  KVS_CHECK_MSG(options.max_running >= 1 && options.step_tokens >= 1 && options.max_queue >= 0 &&
+                    options.max_context >= 1 && options.overcommit >= 1.0,
+                "scheduler options: max_running, step_tokens, max_context and overcommit must be >= 1, max_queue >= 0");
+  stats_.kv_budget_bytes = controller->cache()->budget().limit_bytes();
+}
+
+Scheduler::~Scheduler() { Stop(); }
+
+size_t Scheduler::ReserveBytes(int32_t prompt_tokens, int32_t max_tokens,
+                               const std::vector<LayerKvConfig>* kv_layers) const {
+  return controller_->SequenceReserveBytes(prompt_tokens, max_tokens, kv_layers);
+}
+
+StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest request) {
+  const int64_t prompt = static_cast<int64_t>(request.prompt.size());
+  if (prompt == 0) return InvalidArgumentError("the prompt is empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    const int32_t t = request.prompt[i];
+    if (t < 0 || t >= n_vocab_) {
+      return InvalidArgumentError(fmt::format("prompt token {} at index {} is outside the vocabulary [0, {})", t, i,
+                                              n_vocab_));
+    }
+  }
+  if (request.max_tokens < 1) {
+    return InvalidArgumentError(fmt::format("max_tokens must be >= 1, got {}", request.max_tokens));
+  }
+  if (prompt + request.max_tokens > options_.max_context) {
+    return InvalidArgumentError(fmt::format("the prompt has {} tokens and max_tokens is {}: together above the context "
+                                            "of {} tokens; shorten the prompt or lower max_tokens",
+                                            prompt, request.max_tokens, options_.max_context));
+  }
+  if (request.kv_layers) KVS_RETURN_IF_ERROR(controller_->CheckSequenceLayers(*request.kv_layers));
+  const size_t need = ReserveBytes(static_cast<int32_t>(prompt), request.max_tokens, request.kv_layers.get());
+  const size_t budget = controller_->cache()->budget().limit_bytes();
+  if (need > budget) {
+    return InvalidArgumentError(fmt::format(
+        "the request needs up to {:.1f} MiB of KV pages ({} prompt + {} new tokens under the KV config) but the whole "
+        "KV budget is {:.1f} MiB; lower max_tokens, shorten the prompt or raise the server's KV memory",
+        need / 1048576.0, prompt, request.max_tokens, budget / 1048576.0));
+  }
+  const SamplerParams sampling = request.sampling;
+  auto active = std::make_unique<Active>(std::move(request), sampling);
+  active->tokens = active->request.prompt;
+  for (int32_t t : active->tokens) active->sampler.Accept(t);
+  active->logits.resize(static_cast<size_t>(n_vocab_));
+  active->submitted = Clock::now();
+  std::shared_ptr<RequestHandle> handle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return ResourceExhaustedError("the server is shutting down and accepts no new requests");
+    if (static_cast<int>(incoming_.size()) + stats_.waiting >= options_.max_queue) {
+      ++stats_.rejected;
+      return ResourceExhaustedError(fmt::format(
+          "the request queue is full ({} waiting); retry later", static_cast<int>(incoming_.size()) + stats_.waiting));
+    }
+    handle = std::shared_ptr<RequestHandle>(new RequestHandle(next_id_++, waker_));
+    handle->stats_.prompt_tokens = static_cast<int32_t>(prompt);
+    active->handle = handle;
+    incoming_.push_back(std::move(active));
+  }
+  waker_->Notify();
+  return handle;
+}
+
+void Scheduler::End(Active& a, FinishReason reason, Status error) {
+  if (a.seq >= 0) {
+    const Status released = controller_->ReleaseSequence(a.seq);
+    KVS_CHECK_MSG(released.ok(), released.ToString());
+    reserved_bytes_ -= a.reserved;
+    a.seq = -1;
+    a.reserved = 0;
+  }
+  {
+    std::lock_guard<std::mutex> lock(a.handle->mu_);
+    if (!a.handle->ended_) {
+      a.handle->ended_ = true;
+      a.handle->reason_ = reason;
+      a.handle->error_ = std::move(error);
+    }
+  }
+  a.handle->cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.finished[static_cast<int>(reason)];
+}
+
+void Scheduler::Preempt(Active& a) {
+  KVS_CHECK(a.seq >= 0);
+  const Status released = controller_->ReleaseSequence(a.seq);
+  KVS_CHECK_MSG(released.ok(), released.ToString());
+  reserved_bytes_ -= a.reserved;
+  a.seq = -1;
+  a.reserved = 0;
+  a.n_computed = 0;  // recomputed from its prompt and generated tokens
+  {
+    std::lock_guard<std::mutex> lock(a.handle->mu_);
+    ++a.handle->stats_.preemptions;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.preemptions;
+}
+
+bool Scheduler::IsDense(const Active& a) const {
+  const std::vector<LayerKvConfig>& layers = a.request.kv_layers ? *a.request.kv_layers : controller_->config().layers;
+  return std::all_of(layers.begin(), layers.end(), [](const LayerKvConfig& l) { return l.method == KvMethod::kFull; });
+}
+
+void Scheduler::SharePrefix(Active& a) {
+  // Only dense sequences: a full-policy table holds every position, so a fork trimmed to the
+  // common prefix is exactly the cache a recomputation would build. (A sparse table has chosen
+  // its tokens with the rest of its prompt in view.)
+  if (!IsDense(a)) return;
+  const int32_t page = controller_->cache()->page_size();
+  Active* donor = nullptr;
+  int32_t best = 0;
+  for (const auto& r : running_) {
+    if (r.get() == &a || r->seq < 0 || !IsDense(*r)) continue;
+    const int32_t limit = std::min<int32_t>(r->n_computed, static_cast<int32_t>(a.tokens.size()) - 1);
+    int32_t common = 0;
+    while (common < limit && r->tokens[common] == a.tokens[common]) ++common;
+    if (common > best) {
+      best = common;
+      donor = r.get();
+    }
+  }
+  if (donor == nullptr || best < page) return;  // less than a page is not worth a fork
+  Status shared = controller_->Fork(donor->seq, a.seq);
+  if (shared.ok()) shared = controller_->RemoveRange(a.seq, best, -1);
+  if (!shared.ok()) {  // e.g. no page for the copy of a shared, partly kept page: compute it all
+    const Status reset = controller_->ResetSequence(a.seq);
+    KVS_CHECK_MSG(reset.ok(), reset.ToString());
+    return;
+  }
+  a.n_computed = best;
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.prefix_reused_tokens += best;
+}
+
+bool Scheduler::Admit() {
+  bool admitted = false;
+  const double budget = static_cast<double>(controller_->cache()->budget().limit_bytes()) * options_.overcommit;
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_running) {
+    Active& a = *waiting_.front();
+    const int32_t left = a.request.max_tokens - a.n_generated;
+    const size_t need = ReserveBytes(static_cast<int32_t>(a.tokens.size()), left, a.request.kv_layers.get());
+    // First come, first served: the head waits for room rather than being overtaken.
+    if (static_cast<double>(reserved_bytes_ + need) > budget) break;
+    auto seq = controller_->AcquireSequence(a.request.kv_layers);
+    if (!seq.ok()) {
+      std::unique_ptr<Active> failed = std::move(waiting_.front());
+      waiting_.pop_front();
+      End(*failed, FinishReason::kError, seq.status());
+      continue;
+    }
+    a.seq = *seq;
+    a.reserved = need;
+    a.admit_order = ++admit_counter_;
+    reserved_bytes_ += need;
+    {
+      std::lock_guard<std::mutex> lock(a.handle->mu_);
+      a.handle->stats_.kv_reserved_bytes = need;
+      a.handle->stats_.queue_s = Seconds(a.submitted, Clock::now());
+    }
+    if (options_.share_prefixes) SharePrefix(a);
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    admitted = true;
+  }
+  return admitted;
+}
+
+bool Scheduler::Step() {
+  const auto now = Clock::now();
+  bool progressed = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!incoming_.empty()) {
+      waiting_.push_back(std::move(incoming_.front()));
+      incoming_.pop_front();
+      progressed = true;
+    }
+  }
+  // Requests asked to stop, or past their deadline, end now and free their pages.
+  auto stop_reason = [&](const Active& a) {
+    {
+      std::lock_guard<std::mutex> lock(a.handle->mu_);
+      if (a.handle->stop_requested_) return a.handle->requested_reason_;
+    }
+    if (a.request.deadline && now >= *a.request.deadline) return FinishReason::kTimeout;
+    return FinishReason::kNone;
+  };
+  auto end_stopped = [&](auto& list) {
+    for (size_t i = 0; i < list.size();) {
+      const FinishReason r = stop_reason(*list[i]);
+      if (r == FinishReason::kNone) {
+        ++i;
+        continue;
+      }
+      End(*list[i], r);
+      list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+      progressed = true;
+    }
+  };
+  end_stopped(running_);
+  end_stopped(waiting_);
+  progressed = Admit() || progressed;
+
+  const int32_t chunk_limit = std::clamp(controller_->prefill_chunk(), 1, kMaxPromptChunk);
+  std::vector<BatchSequence> batch;
+  std::vector<Active*> members;
+  int64_t prompt_rows = 0;
+  Status status = Status::Ok();
+  while (!running_.empty()) {
+    // Decode rows first (one per stream), then prompt chunks, oldest admission first.
+    std::sort(running_.begin(), running_.end(),
+              [](const auto& x, const auto& y) { return x->admit_order < y->admit_order; });
+    batch.clear();
+    members.clear();
+    prompt_rows = 0;
+    int32_t rows = 0;
+    auto add = [&](Active& a, int32_t n, EvictionPoint phase) {
+      BatchSequence b;
+      b.seq = a.seq;
+      b.tokens = a.tokens.data() + a.n_computed;
+      b.n = n;
+      b.pos0 = a.n_computed;
+      b.phase = phase;
+      b.logits = n == a.remaining() ? a.logits.data() : nullptr;
+      batch.push_back(b);
+      members.push_back(&a);
+      rows += n;
+    };
+    for (auto& a : running_) {
+      if (a->remaining() == 1 && a->n_computed > 0 && rows < options_.step_tokens) {
+        add(*a, 1, EvictionPoint::kDecodeStep);
+      }
+    }
+    for (auto& a : running_) {
+      if (a->remaining() > 1 || a->n_computed == 0) {
+        const int32_t n = std::min({a->remaining(), chunk_limit, options_.step_tokens - rows});
+        if (n <= 0) break;
+        prompt_rows += n;
+        add(*a, n, n == a->remaining() ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
+      }
+    }
+    if (batch.empty()) break;
+    const auto t0 = Clock::now();
+    status = engine_->ForwardBatch(batch);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.busy_s += Seconds(t0, Clock::now());
+    }
+    if (status.code() != StatusCode::kResourceExhausted || running_.size() <= 1) break;
+    // Out of pages: the newest request gives its pages back and waits to be recomputed.
+    std::unique_ptr<Active> victim = std::move(running_.back());
+    running_.pop_back();
+    Preempt(*victim);
+    waiting_.push_front(std::move(victim));
+  }
+  if (batch.empty()) {
+    PublishStats();
+    return progressed;
+  }
+  if (!status.ok()) {
+    // Nothing was stored (ForwardBatch is all-or-nothing); the requests of this batch fail.
+    for (Active* a : members) End(*a, FinishReason::kError, status);
+    std::erase_if(running_, [&](const auto& a) { return a->seq < 0; });
+  } else {
+    const auto after = Clock::now();
+    const PagedKvCache& cache = *controller_->cache();
+    const int n_layers = cache.geometry().n_layers;
+    int64_t generated = 0;
+    for (size_t i = 0; i < members.size(); ++i) {
+      Active& a = *members[i];
+      a.n_computed += batch[i].n;
+      // KV bytes this sequence's pages hold now (live slots of every table).
+      size_t kv_bytes = 0;
+      for (int layer = 0; layer < n_layers; ++layer) {
+        for (int h = 0; h < cache.tables_per_seq(layer); ++h) {
+          kv_bytes += static_cast<size_t>(cache.NumHeadTokens(a.seq, layer, h)) * cache.token_bytes(layer);
+        }
+      }
+      FinishReason finish = FinishReason::kNone;
+      if (batch[i].logits != nullptr) {
+        const int32_t token = a.sampler.Sample(a.logits.data(), n_vocab_);
+        a.sampler.Accept(token);
+        a.tokens.push_back(token);
+        ++a.n_generated;
+        ++generated;
+        const bool stop = std::find(a.request.stop_tokens.begin(), a.request.stop_tokens.end(), token) !=
+                          a.request.stop_tokens.end();
+        {
+          std::lock_guard<std::mutex> lock(a.handle->mu_);
+          RequestStats& st = a.handle->stats_;
+          st.completion_tokens = a.n_generated;
+          const double t = Seconds(a.submitted, after);
+          if (st.ttft_s < 0) st.ttft_s = t;
+          st.token_times_s.push_back(t);
+          st.kv_peak_bytes = std::max(st.kv_peak_bytes, kv_bytes);
+          if (!stop) a.handle->pending_.push_back(token);  // end-of-generation tokens are not text
+        }
+        a.handle->cv_.notify_all();
+        if (stop) {
+          finish = FinishReason::kStop;
+        } else if (a.n_generated >= a.request.max_tokens ||
+                   static_cast<int32_t>(a.tokens.size()) >= options_.max_context) {
+          finish = FinishReason::kLength;
+        }
+      } else {
+        std::lock_guard<std::mutex> lock(a.handle->mu_);
+        a.handle->stats_.kv_peak_bytes = std::max(a.handle->stats_.kv_peak_bytes, kv_bytes);
+      }
+      if (finish != FinishReason::kNone) End(a, finish);
+    }
+    std::erase_if(running_, [&](const auto& a) { return a->seq < 0; });
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.prompt_tokens += prompt_rows;
+    stats_.generated_tokens += generated;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.steps;
+  }
+  PublishStats();
+  return true;
+}
+
+void Scheduler::PublishStats() {
+  int64_t evicted = 0;
+  for (const SparseKvLayerStats& l : controller_->layer_stats()) evicted += l.evicted_tokens;
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.running = static_cast<int>(running_.size());
+  stats_.waiting = static_cast<int>(waiting_.size());
+  stats_.kv_reserved_bytes = reserved_bytes_;
+  stats_.kv_used_bytes = controller_->cache()->budget().used_bytes();
+  stats_.kv_pages_used = controller_->cache()->pages_in_use();
+  stats_.evicted_tokens = evicted;
+}
+
+void Scheduler::WorkerLoop() {
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(waker_->mu);
+      if (worker_exit_) return;
+    }
+    if (Step()) continue;
+    // Idle: sleep until a request arrives or asks to stop (or a deadline may have passed).
+    std::unique_lock<std::mutex> lock(waker_->mu);
+    waker_->cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return waker_->signalled || worker_exit_; });
+    waker_->signalled = false;
+  }
+}
+
+void Scheduler::Start() {
+  KVS_CHECK_MSG(!worker_.joinable(), "Scheduler::Start called twice");
+  worker_ = std::thread([this] { WorkerLoop(); });
+}
+
+void Scheduler::Stop(bool drain, std::chrono::milliseconds grace) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  if (drain) {
+    const auto until = Clock::now() + grace;
+    while (Clock::now() < until) {
+      if (!worker_.joinable() && !Step()) break;
+      SchedulerStats s = Stats();
+      std::size_t incoming;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        incoming = incoming_.size();
+      }
+      if (s.running == 0 && s.waiting == 0 && incoming == 0) break;
+      if (worker_.joinable()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  if (worker_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(waker_->mu);
+      worker_exit_ = true;
+    }
+    waker_->cv.notify_all();
+    worker_.join();
+  }
+  // Whatever is left ends now (the worker is gone: this thread owns the step state).
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!incoming_.empty()) {
+      waiting_.push_back(std::move(incoming_.front()));
+      incoming_.pop_front();
+    }
+  }
+  for (auto& a : running_) End(*a, FinishReason::kShutdown);
+  running_.clear();
+  for (auto& a : waiting_) End(*a, FinishReason::kShutdown);
+  waiting_.clear();
+  PublishStats();
+}
+
+SchedulerStats Scheduler::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+}  // namespace kvsparse

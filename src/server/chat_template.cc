@@ -1,0 +1,146 @@
+#include "server/chat_template.h"
+
+#include <array>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace kvsparse::server {
+namespace {
+
+constexpr std::array<std::pair<ChatTemplate, std::string_view>, 4> kTemplateNames = {{
+    {ChatTemplate::kLlama2, "llama2"},
+    {ChatTemplate::kLlama3, "llama3"},
+    {ChatTemplate::kChatml, "chatml"},
+    {ChatTemplate::kMistral, "mistral"},
+}};
+
+bool Contains(std::string_view haystack, std::string_view needle) {
+  return haystack.find(needle) != std::string_view::npos;
+}
+
+// The C-locale isspace set, as llama.cpp's trim uses.
+bool IsAsciiSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r'; }
+
+std::string_view Trim(std::string_view text) {
+  while (!text.empty() && IsAsciiSpace(text.front())) text.remove_prefix(1);
+  while (!text.empty() && IsAsciiSpace(text.back())) text.remove_suffix(1);
+  return text;
+}
+
+void AppendChatml(const std::vector<ChatMessage>& messages, bool add_generation_prompt, std::string& out) {
+  for (const ChatMessage& m : messages) {
+    out += "<|im_start|>";
+    out += m.role;
+    out += '\n';
+    out += m.content;
+    out += "<|im_end|>\n";
+  }
+  if (add_generation_prompt) out += "<|im_start|>assistant\n";
+}
+
+void AppendLlama3(const std::vector<ChatMessage>& messages, bool add_generation_prompt, std::string& out) {
+  for (const ChatMessage& m : messages) {
+    out += "<|start_header_id|>";
+    out += m.role;
+    out += "<|end_header_id|>\n\n";
+    out += Trim(m.content);  // llama.cpp trims each message for this format
+    out += "<|eot_id|>";
+  }
+  if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+}
+
+// Both [INST] formats: a turn opens with "[INST] ", a user message closes it for the model with
+// " [/INST]", and an assistant reply ends with "</s>", after which the next message opens a new
+// turn. They differ only in how a system message is written.
+void AppendInst(const std::vector<ChatMessage>& messages, bool system_block, std::string& out) {
+  bool inside_turn = true;
+  out += "[INST] ";
+  for (const ChatMessage& m : messages) {
+    if (!inside_turn) {
+      out += "[INST] ";
+      inside_turn = true;
+    }
+    if (m.role == "system") {
+      if (system_block) {
+        out += "<<SYS>>\n";
+        out += m.content;
+        out += "\n<</SYS>>\n\n";
+      } else {
+        out += m.content;
+        out += '\n';
+      }
+    } else if (m.role == "user") {
+      out += m.content;
+      out += " [/INST]";
+    } else {
+      out += m.content;
+      out += "</s>";
+      inside_turn = false;
+    }
+  }
+}
+
+}  // namespace
+
+std::string_view ChatTemplateName(ChatTemplate chat_template) {
+  for (const auto& [value, name] : kTemplateNames) {
+    if (value == chat_template) return name;
+  }
+  KVS_CHECK_MSG(false, "unknown ChatTemplate value");
+  return {};
+}
+
+StatusOr<ChatTemplate> ParseChatTemplateName(std::string_view name) {
+  for (const auto& [value, known] : kTemplateNames) {
+    if (known == name) return value;
+  }
+  return InvalidArgumentError(
+      fmt::format("unknown chat template '{}' (valid: llama2, llama3, chatml, mistral)", name));
+}
+
+ChatTemplate DetectChatTemplate(std::string_view jinja_template, bool* recognized) {
+  auto found = [&](ChatTemplate t) {
+    if (recognized != nullptr) *recognized = true;
+    return t;
+  };
+  // A bare name, as llama.cpp accepts for its built-in templates.
+  for (const auto& [value, name] : kTemplateNames) {
+    if (jinja_template == name) return found(value);
+  }
+  // Same order as llama.cpp: chatml first, since some chatml templates mention other markers.
+  if (Contains(jinja_template, "<|im_start|>")) return found(ChatTemplate::kChatml);
+  if (Contains(jinja_template, "[INST]")) {
+    return found(Contains(jinja_template, "<<SYS>>") ? ChatTemplate::kLlama2 : ChatTemplate::kMistral);
+  }
+  if (Contains(jinja_template, "<|start_header_id|>") && Contains(jinja_template, "<|end_header_id|>")) {
+    return found(ChatTemplate::kLlama3);
+  }
+  if (recognized != nullptr) *recognized = false;
+  return ChatTemplate::kChatml;
+}
+
+StatusOr<std::string> ApplyChatTemplate(ChatTemplate chat_template, const std::vector<ChatMessage>& messages,
+                                        bool add_generation_prompt) {
+  if (messages.empty()) return InvalidArgumentError("chat template: no messages");
+  size_t content_bytes = 0;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string& role = messages[i].role;
+    if (role != "system" && role != "user" && role != "assistant") {
+      return InvalidArgumentError(fmt::format(
+          "chat template: message {} has role '{}' (valid roles: system, user, assistant)", i, role));
+    }
+    content_bytes += messages[i].content.size();
+  }
+  std::string out;
+  out.reserve(content_bytes + 48 * messages.size() + 64);  // content plus the markers around each turn
+  switch (chat_template) {
+    case ChatTemplate::kChatml: AppendChatml(messages, add_generation_prompt, out); break;
+    case ChatTemplate::kLlama3: AppendLlama3(messages, add_generation_prompt, out); break;
+    case ChatTemplate::kLlama2: AppendInst(messages, /*system_block=*/true, out); break;
+    case ChatTemplate::kMistral: AppendInst(messages, /*system_block=*/false, out); break;
+  }
+  return out;
+}
+
+}  // namespace kvsparse::server

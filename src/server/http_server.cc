@@ -1,0 +1,881 @@
+// The HTTP server: routes, the request flow into the Scheduler, SSE streaming, auth, limits and
+// metrics. See http_server.h for the endpoints and the status codes.
+#include "server/http_server.h"
+
+#include <fmt/format.h>
+#include <httplib.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "kvsparse/kv_config.h"
+#include "server/text_stream.h"
+
+namespace kvsparse::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using KvLayers = std::shared_ptr<const std::vector<LayerKvConfig>>;
+constexpr auto kPollInterval = std::chrono::milliseconds(50);
+// Exactly these strings: httplib compresses "application/json" only when the client asks, and
+// never "text/event-stream" (any parameter after it would make httplib gzip the stream).
+constexpr const char* kJsonType = "application/json";
+constexpr const char* kSseType = "text/event-stream";
+
+// The routes and their one method each (for 405 and the endpoint label of the metrics).
+struct Route {
+  const char* path;
+  const char* method;
+};
+constexpr Route kRoutes[] = {
+    {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"}, {"/health", "GET"},
+    {"/tokenize", "POST"},       {"/detokenize", "POST"},           {"/metrics", "GET"},
+};
+
+const Route* FindRoute(std::string_view path) {
+  for (const Route& r : kRoutes) {
+    if (path == r.path) return &r;
+  }
+  return nullptr;
+}
+
+ApiError MakeError(int http_status, std::string type, std::string message, std::string param = {},
+                   std::string code = {}) {
+  ApiError e;
+  e.http_status = http_status;
+  e.type = std::move(type);
+  e.message = std::move(message);
+  e.param = std::move(param);
+  e.code = std::move(code);
+  return e;
+}
+
+ApiError BadRequest(std::string message, std::string param = {}, std::string code = "invalid_value") {
+  return MakeError(400, "invalid_request_error", std::move(message), std::move(param), std::move(code));
+}
+
+void SetError(httplib::Response& res, const ApiError& e) {
+  res.status = e.http_status;
+  res.set_content(ErrorBody(e), kJsonType);
+  if (e.http_status == 503) res.set_header("Retry-After", "1");
+  if (e.http_status == 401) res.set_header("WWW-Authenticate", "Bearer");
+}
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+bool StartsWithNoCase(std::string_view s, std::string_view prefix) {
+  if (s.size() < prefix.size()) return false;
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(s[i])) != std::tolower(static_cast<unsigned char>(prefix[i])))
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  // One pass over all of b (the secret) whatever a is: a's bytes past its end read as 0 and a
+  // length difference counts as a mismatch. The time depends on b's length only, never on
+  // where a first differs or on how long a is.
+  volatile unsigned char diff = a.size() != b.size() ? 1 : 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    diff = diff | static_cast<unsigned char>(x ^ static_cast<unsigned char>(b[i]));
+  }
+  return diff == 0;
+}
+
+// One generation request on its way: the handle, the text filter and what the response needs.
+struct Generation {
+  std::shared_ptr<RequestHandle> handle;
+  TextStream text;
+  bool chat = false;
+  bool include_usage = false;
+  bool skip_eog = true;  // end-of-generation tokens are not shown (ignore_eos shows them)
+  StreamMeta meta;
+  Clock::time_point start;
+  double timeout_s = 0;         // the deadline, from start
+  std::vector<int32_t> tokens;  // scratch for WaitNext
+  bool stopped_by_string = false;
+  bool cancelled_by_server = false;  // HttpServer::Stop ran out of grace
+  bool ended = false;                // WaitNext returned false (or the server cancelled it)
+  bool recorded = false;             // end-of-request metrics taken
+
+  explicit Generation(std::vector<std::string> stop) : text(std::move(stop)) {}
+};
+
+// Connections the kernel queues before the accept loop takes them.
+constexpr int kListenBacklog = 1024;
+
+struct HttpServer::Impl {
+  const Model& model;
+  const Tokenizer* tokenizer;
+  Scheduler* scheduler;
+  ServerOptions options;
+  std::string model_id;
+  std::unique_ptr<Registry> own_registry;
+  Registry* registry = nullptr;
+
+  httplib::Server http;
+  std::thread listener;
+  int bound_port = -1;
+  std::mutex stop_mu;  // Stop
+  std::atomic<bool> started{false};
+  std::atomic<int> listen_socket{-1};  // set by the socket-options callback, before bind
+  std::atomic<bool> stopped{false};
+  std::atomic<bool> cancel_all{false};  // Stop's grace is over: cancel what still runs
+  std::atomic<int> in_flight{0};        // generation requests submitted and not yet ended
+  std::atomic<uint64_t> next_id{0};
+  int64_t created = 0;  // Unix time at Create, what /v1/models reports
+
+  std::vector<int32_t> stop_tokens;   // end-of-generation ids (GenerationRequest::stop_tokens)
+  std::vector<uint8_t> hidden_token;  // [n_vocab] 1: control token, its text is never sent
+  std::vector<uint8_t> eog_token;     // [n_vocab] 1: end of generation
+
+  std::mutex seed_mu;
+  std::mt19937_64 seed_rng;
+
+  // Metrics.
+  Counter* prompt_tokens_total = nullptr;
+  Counter* generated_tokens_total = nullptr;
+  Histogram* ttft = nullptr;
+  Histogram* inter_token = nullptr;
+  Histogram* duration = nullptr;
+  Gauge* requests_running = nullptr;
+  Gauge* requests_waiting = nullptr;
+  Gauge* kv_pages_used = nullptr;
+  Gauge* kv_bytes_used = nullptr;
+  Gauge* kv_bytes_budget = nullptr;
+  Gauge* kv_bytes_reserved = nullptr;
+  Counter* kv_evicted_tokens = nullptr;
+  Counter* preemptions = nullptr;
+  Counter* rejected = nullptr;
+  std::mutex scrape_mu;  // the last scheduler counters seen, turned into increments
+  int64_t last_evicted = 0, last_preemptions = 0, last_rejected = 0;
+
+  Impl(const Model& m, const Tokenizer* t, Scheduler* s, ServerOptions o)
+      : model(m), tokenizer(t), scheduler(s), options(std::move(o)) {}
+
+  void InitMetrics();
+  void InitVocab();
+  void InitRoutes();
+
+  // Routing helpers: auth, exceptions, the request body (POST, capped at max_body_bytes).
+  bool Authorized(const httplib::Request& req) const;
+  void AddGet(const char* path, std::function<void(const httplib::Request&, httplib::Response&)> fn);
+  void AddPost(const char* path,
+               std::function<void(const httplib::Request&, httplib::Response&, const std::string&)> fn);
+
+  // Endpoints.
+  void HandleCompletion(const httplib::Request& req, httplib::Response& res, const std::string& body, bool chat);
+  void HandleTokenize(httplib::Response& res, const std::string& body);
+  void HandleDetokenize(httplib::Response& res, const std::string& body);
+  void HandleMetrics(httplib::Response& res);
+  void HandleHttpError(const httplib::Request& req, httplib::Response& res);
+
+  // The request flow.
+  // The request's "kvsparse" methods and budgets as per-layer settings (null: the server's).
+  std::variant<KvLayers, ApiError> KvOverrideLayers(const KvOverride& kv) const;
+  // What the tokens WaitNext gave (waiting up to kPollInterval) add to the text.
+  std::string Pull(Generation& g);
+  // After the end: the finish_reason, or the error the client gets.
+  std::variant<std::string, ApiError> Outcome(const Generation& g) const;
+  void RecordEnd(Generation& g);
+  bool StreamBody(Generation& g, std::string first_text, httplib::DataSink& sink);
+  void RefreshSchedulerMetrics();
+  void StopAccepting();
+};
+
+void HttpServer::Impl::InitMetrics() {
+  Registry& r = *registry;
+  prompt_tokens_total = &r.GetCounter("kvsparse_prompt_tokens_total", "Prompt tokens of the requests accepted.");
+  generated_tokens_total = &r.GetCounter("kvsparse_generated_tokens_total", "Tokens generated for clients.");
+  ttft = &r.GetHistogram("kvsparse_time_to_first_token_seconds", "Time from submission to the first token.",
+                         ExponentialBuckets(0.005, 2, 16));
+  inter_token = &r.GetHistogram("kvsparse_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                                ExponentialBuckets(0.001, 2, 16));
+  duration = &r.GetHistogram("kvsparse_request_duration_seconds", "Generation requests, arrival to the last token.",
+                             ExponentialBuckets(0.01, 2, 18));
+  requests_running = &r.GetGauge("kvsparse_requests_running", "Requests being generated.");
+  requests_waiting = &r.GetGauge("kvsparse_requests_waiting", "Requests waiting for admission.");
+  kv_pages_used = &r.GetGauge("kvsparse_kv_pages_used", "KV cache pages in use.");
+  kv_bytes_used = &r.GetGauge("kvsparse_kv_bytes_used", "Bytes of the KV cache pages in use.");
+  kv_bytes_budget = &r.GetGauge("kvsparse_kv_bytes_budget", "KV page budget in bytes.");
+  kv_bytes_reserved = &r.GetGauge("kvsparse_kv_bytes_reserved", "KV bytes reserved by the running requests.");
+  kv_evicted_tokens = &r.GetCounter("kvsparse_kv_evicted_tokens_total", "Tokens evicted from the KV cache (all layers).");
+  preemptions = &r.GetCounter("kvsparse_preemptions_total", "Running requests preempted for want of KV pages.");
+  rejected = &r.GetCounter("kvsparse_requests_rejected_total", "Requests refused by a full queue.");
+  // kvsparse_requests_total{endpoint,status} series appear as requests come (the logger).
+}
+
+void HttpServer::Impl::InitVocab() {
+  if (!tokenizer) return;
+  const int32_t n = std::min(tokenizer->n_vocab(), model.config().n_vocab);
+  hidden_token.assign(static_cast<size_t>(std::max(n, 0)), 0);
+  eog_token.assign(hidden_token.size(), 0);
+  for (int32_t t = 0; t < n; ++t) {
+    if (tokenizer->IsEndOfGeneration(t)) {
+      stop_tokens.push_back(t);
+      eog_token[static_cast<size_t>(t)] = 1;
+    }
+    if (tokenizer->GetTokenType(t) == TokenType::kControl) hidden_token[static_cast<size_t>(t)] = 1;
+  }
+}
+
+bool HttpServer::Impl::Authorized(const httplib::Request& req) const {
+  if (options.api_key.empty()) return true;
+  const std::string header = req.get_header_value("Authorization");
+  std::string_view token;
+  if (StartsWithNoCase(header, "Bearer ")) token = Trim(std::string_view(header).substr(7));
+  return ConstantTimeEquals(token, options.api_key);
+}
+
+namespace {
+ApiError Unauthorized() {
+  return MakeError(401, "authentication_error",
+                   "invalid or missing API key: send the header 'Authorization: Bearer <key>'", "",
+                   "invalid_api_key");
+}
+ApiError BodyTooLarge(size_t limit) {
+  return MakeError(413, "invalid_request_error",
+                   fmt::format("the request body is larger than the server's limit of {} bytes", limit), "",
+                   "request_too_large");
+}
+ApiError Internal(std::string_view what) {
+  return MakeError(500, "server_error", fmt::format("internal server error: {}", what));
+}
+}  // namespace
+
+void HttpServer::Impl::AddGet(const char* path, std::function<void(const httplib::Request&, httplib::Response&)> fn) {
+  const bool open = std::string_view(path) == "/health";
+  http.Get(path, [this, fn = std::move(fn), open](const httplib::Request& req, httplib::Response& res) {
+    try {
+      if (!open && !Authorized(req)) return SetError(res, Unauthorized());
+      fn(req, res);
+    } catch (const std::exception& e) {
+      SetError(res, Internal(e.what()));
+    } catch (...) {
+      SetError(res, Internal("unknown exception"));
+    }
+  });
+}
+
+void HttpServer::Impl::AddPost(
+    const char* path, std::function<void(const httplib::Request&, httplib::Response&, const std::string&)> fn) {
+  http.Post(path, [this, fn = std::move(fn)](const httplib::Request& req, httplib::Response& res,
+                                              const httplib::ContentReader& reader) {
+    try {
+      // Read the body here rather than letting httplib do it: httplib caps bodies with a
+      // Content-Length (payload_max_length, 413) but not chunked ones.
+      std::string body;
+      bool too_large = false;
+      const bool read = reader([&](const char* data, size_t n) {
+        if (body.size() + n > options.max_body_bytes) {
+          too_large = true;
+          return false;
+        }
+        body.append(data, n);
+        return true;
+      });
+      if (!read) {
+        res.set_header("Connection", "close");  // the rest of a chunked body may still be on the wire
+        if (too_large || res.status == 413) return SetError(res, BodyTooLarge(options.max_body_bytes));
+        return SetError(res, BadRequest("could not read the request body", "", "invalid_body"));
+      }
+      if (!Authorized(req)) return SetError(res, Unauthorized());
+      fn(req, res, body);
+    } catch (const std::exception& e) {
+      SetError(res, Internal(e.what()));
+    } catch (...) {
+      SetError(res, Internal("unknown exception"));
+    }
+  });
+}
+
+// httplib calls this for every response with status >= 400 (those our handlers wrote too):
+// fill in an OpenAI-style body where there is none (unknown routes, 413 from httplib itself).
+void HttpServer::Impl::HandleHttpError(const httplib::Request& req, httplib::Response& res) {
+  if (!res.body.empty() || res.content_provider_) return;
+  ApiError e;
+  switch (res.status) {
+    case 404: {
+      if (const Route* r = FindRoute(req.path); r && req.method != r->method &&
+                                                !(req.method == "HEAD" && std::string_view(r->method) == "GET")) {
+        e = MakeError(405, "invalid_request_error",
+                      fmt::format("{} {} is not allowed; use {}", req.method, req.path, r->method), "",
+                      "method_not_allowed");
+        res.set_header("Allow", r->method);
+      } else {
+        e = MakeError(404, "invalid_request_error", fmt::format("unknown endpoint: {} {}", req.method, req.path), "",
+                      "unknown_url");
+      }
+      break;
+    }
+    case 413:
+      e = BodyTooLarge(options.max_body_bytes);
+      break;
+    case 414:
+      e = MakeError(414, "invalid_request_error", "the request URI is too long");
+      break;
+    case 500:
+      e = Internal("the request could not be handled");
+      break;
+    default:
+      e = MakeError(res.status, "invalid_request_error",
+                    fmt::format("the request could not be handled (HTTP {})", res.status));
+      break;
+  }
+  SetError(res, e);
+}
+
+void HttpServer::Impl::InitRoutes() {
+  http.set_payload_max_length(options.max_body_bytes);
+  http.set_tcp_nodelay(true);
+  // httplib's default sets SO_REUSEPORT, which lets a second server bind the same port and
+  // silently take half the connections: SO_REUSEADDR only (a restart may reuse a TIME_WAIT
+  // port), so a port in use is a bind error.
+  http.set_socket_options([this](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    listen_socket = static_cast<int>(sock);
+  });
+  const int threads = options.http_threads > 0
+                          ? options.http_threads
+                          : std::min(256, scheduler->options().max_running + scheduler->options().max_queue + 4);
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+
+  http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "unknown exception";
+    try {
+      if (ep) std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    SetError(res, Internal(what));
+  });
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [this](const httplib::Request& req, httplib::Response& res) {
+        HandleHttpError(req, res);
+        // Handled: httplib then sets Content-Length for the body written here.
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    const Route* r = FindRoute(req.path);
+    registry
+        ->GetCounter("kvsparse_requests_total", "HTTP requests by endpoint and status.",
+                     {{"endpoint", r ? r->path : "other"}, {"status", std::to_string(res.status)}})
+        .Inc();
+  });
+
+  AddPost("/v1/completions", [this](const httplib::Request& req, httplib::Response& res, const std::string& body) {
+    HandleCompletion(req, res, body, /*chat=*/false);
+  });
+  AddPost("/v1/chat/completions",
+          [this](const httplib::Request& req, httplib::Response& res, const std::string& body) {
+            HandleCompletion(req, res, body, /*chat=*/true);
+          });
+  AddPost("/tokenize", [this](const httplib::Request&, httplib::Response& res, const std::string& body) {
+    HandleTokenize(res, body);
+  });
+  AddPost("/detokenize", [this](const httplib::Request&, httplib::Response& res, const std::string& body) {
+    HandleDetokenize(res, body);
+  });
+  AddGet("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(ModelsBody(model_id, created), kJsonType);
+  });
+  AddGet("/health",
+         [](const httplib::Request&, httplib::Response& res) { res.set_content("{\"status\":\"ok\"}", kJsonType); });
+  AddGet("/metrics", [this](const httplib::Request&, httplib::Response& res) { HandleMetrics(res); });
+}
+
+std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOverride& kv) const {
+  if (!kv.method && !kv.budget && !kv.kv_type) return KvLayers();
+  const KvSparsityConfig* c = options.kv_config;
+  if (c == nullptr || c->layers.empty()) {
+    const char* field = kv.method ? "kv_method" : kv.budget ? "kv_budget" : "kv_type";
+    return BadRequest("this server takes no per-request KV settings", fmt::format("kvsparse.{}", field),
+                      "unsupported_value");
+  }
+  // Pages are laid out once, at start-up: the storage type can only be the one in force.
+  if (kv.kv_type && !std::all_of(c->layers.begin(), c->layers.end(), [&](const LayerKvConfig& l) {
+        return KvStorageName(l.kv_type) == *kv.kv_type;
+      })) {
+    return BadRequest(fmt::format("kv_type '{}' cannot be chosen per request: the KV pages were laid out at start-up "
+                                  "('{}')",
+                                  *kv.kv_type, KvSparsityConfigSummary(*c)),
+                      "kvsparse.kv_type", "unsupported_value");
+  }
+  if (!kv.method && !kv.budget) return KvLayers();
+  // A JSON number: an integer >= 2 is a token count, anything else a fraction of the context
+  // (1.0 is the whole context, not one token).
+  std::string budget;
+  if (kv.budget) {
+    const double b = *kv.budget;
+    if (b >= 2 && b == std::floor(b) && b <= 2147483647.0) {
+      budget = fmt::format("{}", static_cast<int64_t>(b));
+    } else {
+      budget = fmt::format("{}", b);
+      if (budget.find_first_of(".eE") == std::string::npos) budget += ".0";  // "1" -> "1.0": a fraction
+    }
+  }
+  auto layers = KvLayersWithOverride(*c, kv.method.value_or(""), budget);
+  if (!layers.ok()) {
+    const std::string& m = layers.status().message();
+    const char* param = m.rfind("kv_budget", 0) == 0 ? "kvsparse.kv_budget"
+                        : m.rfind("kv_method", 0) == 0 ? "kvsparse.kv_method"
+                                                       : (kv.method ? "kvsparse.kv_method" : "kvsparse.kv_budget");
+    return BadRequest(m, param);
+  }
+  return std::make_shared<const std::vector<LayerKvConfig>>(std::move(*layers));
+}
+
+void HttpServer::Impl::HandleCompletion(const httplib::Request&, httplib::Response& res, const std::string& body,
+                                        bool chat) {
+  const Clock::time_point start = Clock::now();
+  auto parsed = ParseCompletionRequest(body, chat, options.limits);
+  if (const ApiError* e = std::get_if<ApiError>(&parsed)) return SetError(res, *e);
+  CompletionRequest& r = std::get<CompletionRequest>(parsed);
+  if (!r.model.empty() && r.model != model_id) {
+    return SetError(res, MakeError(404, "invalid_request_error",
+                                   fmt::format("the model '{}' does not exist; this server serves '{}'", r.model,
+                                               model_id),
+                                   "model", "model_not_found"));
+  }
+  auto kv_layers = KvOverrideLayers(r.kv);
+  if (const ApiError* e = std::get_if<ApiError>(&kv_layers)) return SetError(res, *e);
+
+  // The prompt's tokens.
+  const char* prompt_field = chat ? "messages" : "prompt";
+  std::vector<int32_t> prompt;
+  if (!chat && r.prompt_is_tokens) {
+    const int32_t n_vocab = model.config().n_vocab;
+    for (size_t i = 0; i < r.prompt_tokens.size(); ++i) {
+      const int32_t t = r.prompt_tokens[i];
+      if (t < 0 || t >= n_vocab) {
+        return SetError(res, BadRequest(fmt::format("prompt[{}]: token id {} is outside the vocabulary [0, {})", i,
+                                                    t, n_vocab),
+                                        fmt::format("prompt[{}]", i)));
+      }
+    }
+    prompt = std::move(r.prompt_tokens);
+  } else if (!tokenizer) {
+    return SetError(res, BadRequest(fmt::format("the model '{}' has no tokenizer (no tokenizer.ggml.tokens in its "
+                                                "file): send the prompt as token ids to /v1/completions",
+                                                model_id),
+                                    prompt_field, "no_tokenizer"));
+  } else if (chat) {
+    auto text = ApplyChatTemplate(options.chat_template, r.messages, /*add_generation_prompt=*/true);
+    if (!text.ok()) {
+      ApiError e = ApiErrorFromStatus(text.status());
+      if (e.param.empty()) e.param = "messages";
+      return SetError(res, e);
+    }
+    prompt = tokenizer->Encode(*text, /*add_bos=*/true, /*parse_special=*/true);
+  } else {
+    prompt = tokenizer->Encode(r.prompt, /*add_bos=*/true);
+  }
+  if (prompt.empty()) return SetError(res, BadRequest("the prompt is empty (it has no tokens)", prompt_field));
+  const int32_t context = scheduler->options().max_context;
+  const int32_t n_prompt = static_cast<int32_t>(std::min<size_t>(prompt.size(), INT32_MAX));
+  if (n_prompt >= context) {
+    return SetError(res, BadRequest(fmt::format("the prompt has {} tokens but the context is {} tokens (prompt and "
+                                                "completion together); shorten the prompt",
+                                                prompt.size(), context),
+                                    prompt_field, "context_length_exceeded"));
+  }
+  if (cancel_all.load() || stopped.load()) {
+    return SetError(res, MakeError(503, "unavailable_error", "the server is shutting down"));
+  }
+
+  GenerationRequest g;
+  g.prompt = std::move(prompt);
+  // What does not fit the context is cut: the response then ends with finish_reason "length".
+  g.max_tokens = std::min<int32_t>(r.max_tokens, context - n_prompt);
+  g.sampling.temperature = r.temperature;
+  g.sampling.top_k = r.top_k;
+  g.sampling.top_p = r.top_p;
+  g.sampling.repeat_penalty = r.repeat_penalty;
+  if (r.seed) {
+    g.sampling.seed = *r.seed;
+  } else {
+    std::lock_guard<std::mutex> lock(seed_mu);
+    g.sampling.seed = seed_rng();
+  }
+  if (!r.ignore_eos) g.stop_tokens = stop_tokens;
+  g.kv_layers = std::get<KvLayers>(std::move(kv_layers));
+  double timeout_s = options.request_timeout_s;
+  if (r.timeout_s) timeout_s = std::min(timeout_s, *r.timeout_s);
+  g.deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+
+  auto handle = scheduler->Submit(std::move(g));
+  if (!handle.ok()) {
+    ApiError e = ApiErrorFromStatus(handle.status());
+    if (e.http_status == 503) e.code = "server_busy";
+    return SetError(res, e);
+  }
+  prompt_tokens_total->Inc(n_prompt);
+  in_flight.fetch_add(1);
+
+  auto gen = std::make_shared<Generation>(std::move(r.stop));
+  gen->handle = std::move(*handle);
+  gen->chat = chat;
+  gen->include_usage = r.stream && r.include_usage_in_stream;
+  gen->skip_eog = !r.ignore_eos;
+  gen->start = start;
+  gen->timeout_s = timeout_s;
+  gen->meta.id = CompletionId(chat, next_id.fetch_add(1));
+  gen->meta.created = static_cast<int64_t>(std::time(nullptr));
+  gen->meta.model = model_id;
+  // Should anything below throw, the request must not go on generating for nobody.
+  struct CancelUnlessHandedOff {
+    Impl* impl;
+    std::shared_ptr<Generation> gen;
+    bool handed_off = false;
+    ~CancelUnlessHandedOff() {
+      if (handed_off) return;
+      if (!gen->ended) gen->handle->Cancel();
+      gen->ended = true;
+      impl->RecordEnd(*gen);
+    }
+  } guard{this, gen};
+
+  if (!r.stream) {
+    std::string text;
+    while (!gen->ended) text += Pull(*gen);
+    RecordEnd(*gen);
+    auto outcome = Outcome(*gen);
+    if (const ApiError* e = std::get_if<ApiError>(&outcome)) return SetError(res, *e);
+    const RequestStats stats = gen->handle->stats();
+    CompletionResult result;
+    result.id = gen->meta.id;
+    result.created = gen->meta.created;
+    result.model = model_id;
+    result.text = std::move(text);
+    result.finish_reason = std::get<std::string>(outcome);
+    result.prompt_tokens = stats.prompt_tokens;
+    result.completion_tokens = stats.completion_tokens;
+    result.kv_peak_bytes = stats.kv_peak_bytes;
+    res.set_content(chat ? ChatCompletionResponseBody(result) : CompletionResponseBody(result), kJsonType);
+    return;
+  }
+
+  // Streaming. Wait for the first text (or the end) before committing to "200 OK", so a request
+  // that fails before its first token gets a real status code.
+  std::string first;
+  while (!gen->ended && first.empty()) first += Pull(*gen);
+  if (gen->ended) {
+    auto outcome = Outcome(*gen);
+    if (const ApiError* e = std::get_if<ApiError>(&outcome)) {
+      RecordEnd(*gen);
+      return SetError(res, *e);
+    }
+  }
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider(
+      kSseType,
+      [this, gen, first = std::move(first)](size_t, httplib::DataSink& sink) { return StreamBody(*gen, first, sink); },
+      [this, gen](bool) {
+        // The stream ended early (client gone, server stopping) or never started.
+        if (!gen->ended) {
+          gen->handle->Cancel();
+          gen->ended = true;
+        }
+        RecordEnd(*gen);
+      });
+  guard.handed_off = true;  // the content provider and its releaser own it now
+}
+
+std::string HttpServer::Impl::Pull(Generation& g) {
+  if (cancel_all.load()) {
+    g.handle->Cancel();
+    g.cancelled_by_server = true;
+    g.ended = true;
+    return {};
+  }
+  g.tokens.clear();
+  const bool more = g.handle->WaitNext(&g.tokens, kPollInterval);
+  generated_tokens_total->Inc(static_cast<double>(g.tokens.size()));
+  std::string out;
+  for (int32_t t : g.tokens) {
+    if (g.text.stopped()) break;
+    if (!tokenizer) {
+      out += g.text.Push(fmt::format("{} ", t));
+      continue;
+    }
+    const size_t i = static_cast<size_t>(t);
+    if (i < hidden_token.size() && (hidden_token[i] || (g.skip_eog && eog_token[i]))) continue;
+    out += g.text.Push(tokenizer->TokenToPiece(t));
+  }
+  if (g.text.stopped() && !g.stopped_by_string) {
+    g.stopped_by_string = true;
+    g.handle->Finish();  // a stop string: end it now, free its pages
+  }
+  if (!more) {
+    g.ended = true;
+    if (!g.text.stopped()) out += g.text.Finish();
+  }
+  return out;
+}
+
+std::variant<std::string, ApiError> HttpServer::Impl::Outcome(const Generation& g) const {
+  if (g.stopped_by_string) return std::string("stop");
+  if (g.cancelled_by_server) {
+    return MakeError(503, "unavailable_error", "the server is shutting down; the request was not finished");
+  }
+  const RequestStats stats = g.handle->stats();
+  switch (g.handle->finish_reason()) {
+    case FinishReason::kStop:
+      return std::string("stop");
+    case FinishReason::kLength:
+      return std::string("length");
+    case FinishReason::kTimeout:
+      return MakeError(408, "timeout_error",
+                       fmt::format("the request ran past its deadline ({} s) after generating {} tokens; raise "
+                                   "\"timeout_s\" or lower max_tokens",
+                                   g.timeout_s, stats.completion_tokens),
+                       "", "request_timeout");
+    case FinishReason::kError:
+      return MakeError(500, "server_error", fmt::format("generation failed: {}", g.handle->error().ToString()));
+    case FinishReason::kShutdown:
+    case FinishReason::kCancelled:
+      return MakeError(503, "unavailable_error", "the server is shutting down; the request was not finished");
+    case FinishReason::kNone:
+      break;
+  }
+  return Internal("the request ended without a finish reason");
+}
+
+void HttpServer::Impl::RecordEnd(Generation& g) {
+  if (g.recorded) return;
+  g.recorded = true;
+  in_flight.fetch_sub(1);
+  const RequestStats stats = g.handle->stats();
+  if (stats.ttft_s >= 0) ttft->Observe(stats.ttft_s);
+  for (size_t i = 1; i < stats.token_times_s.size(); ++i) {
+    inter_token->Observe(stats.token_times_s[i] - stats.token_times_s[i - 1]);
+  }
+  duration->Observe(std::chrono::duration<double>(Clock::now() - g.start).count());
+}
+
+bool HttpServer::Impl::StreamBody(Generation& g, std::string first_text, httplib::DataSink& sink) {
+  try {
+    auto send = [&](const std::string& event) {
+      if (sink.write(event.data(), event.size())) return true;
+      // The client is gone: free the request's sequence and pages now.
+      g.handle->Cancel();
+      g.ended = true;
+      return false;
+    };
+    auto send_text = [&](const std::string& text) {
+      if (text.empty()) return true;
+      return send(SseEvent(g.chat ? ChatDeltaChunk(g.meta, text, /*first=*/false) : CompletionChunk(g.meta, text)));
+    };
+    if (g.chat && !send(SseEvent(ChatDeltaChunk(g.meta, "", /*first=*/true)))) return false;
+    if (!send_text(first_text)) return false;
+    while (!g.ended) {
+      if (!send_text(Pull(g))) return false;
+    }
+    RecordEnd(g);
+    auto outcome = Outcome(g);
+    if (const ApiError* e = std::get_if<ApiError>(&outcome)) {
+      if (!send(SseEvent(ErrorBody(*e)))) return false;
+    } else {
+      const std::string& reason = std::get<std::string>(outcome);
+      if (!send(SseEvent(g.chat ? ChatFinishChunk(g.meta, reason) : CompletionChunk(g.meta, "", reason)))) return false;
+      if (g.include_usage) {
+        const RequestStats stats = g.handle->stats();
+        if (!send(SseEvent(UsageChunk(g.meta, g.chat, stats.prompt_tokens, stats.completion_tokens,
+                                      stats.kv_peak_bytes)))) {
+          return false;
+        }
+      }
+    }
+    if (!send(std::string(kSseDone))) return false;
+    sink.done();
+    return true;
+  } catch (...) {
+    // Nothing may escape: httplib runs this outside its handler's try block.
+    if (!g.ended) {
+      g.handle->Cancel();
+      g.ended = true;
+    }
+    return false;
+  }
+}
+
+void HttpServer::Impl::HandleTokenize(httplib::Response& res, const std::string& body) {
+  auto parsed = ParseTokenizeRequest(body, options.limits);
+  if (const ApiError* e = std::get_if<ApiError>(&parsed)) return SetError(res, *e);
+  const TokenizeRequest& r = std::get<TokenizeRequest>(parsed);
+  if (!tokenizer) {
+    return SetError(res, BadRequest(fmt::format("the model '{}' has no tokenizer", model_id), "content",
+                                    "no_tokenizer"));
+  }
+  const std::vector<int32_t> tokens = tokenizer->Encode(r.content, r.add_special, r.parse_special);
+  res.set_content(TokenizeResponseBody(tokens), kJsonType);
+}
+
+void HttpServer::Impl::HandleDetokenize(httplib::Response& res, const std::string& body) {
+  auto parsed = ParseDetokenizeRequest(body);
+  if (const ApiError* e = std::get_if<ApiError>(&parsed)) return SetError(res, *e);
+  const DetokenizeRequest& r = std::get<DetokenizeRequest>(parsed);
+  if (!tokenizer) {
+    return SetError(res, BadRequest(fmt::format("the model '{}' has no tokenizer", model_id), "tokens",
+                                    "no_tokenizer"));
+  }
+  const int32_t n_vocab = tokenizer->n_vocab();
+  for (size_t i = 0; i < r.tokens.size(); ++i) {
+    if (r.tokens[i] < 0 || r.tokens[i] >= n_vocab) {
+      return SetError(res, BadRequest(fmt::format("tokens[{}]: token id {} is outside the vocabulary [0, {})", i,
+                                                  r.tokens[i], n_vocab),
+                                      fmt::format("tokens[{}]", i)));
+    }
+  }
+  res.set_content(DetokenizeResponseBody(tokenizer->Decode(r.tokens)), kJsonType);
+}
+
+void HttpServer::Impl::RefreshSchedulerMetrics() {
+  const SchedulerStats s = scheduler->Stats();
+  requests_running->Set(s.running);
+  requests_waiting->Set(s.waiting);
+  kv_pages_used->Set(static_cast<double>(s.kv_pages_used));
+  kv_bytes_used->Set(static_cast<double>(s.kv_used_bytes));
+  kv_bytes_budget->Set(static_cast<double>(s.kv_budget_bytes));
+  kv_bytes_reserved->Set(static_cast<double>(s.kv_reserved_bytes));
+  std::lock_guard<std::mutex> lock(scrape_mu);
+  auto advance = [](Counter* c, int64_t now, int64_t* last) {
+    if (now > *last) c->Inc(static_cast<double>(now - *last));
+    *last = std::max(*last, now);
+  };
+  advance(kv_evicted_tokens, s.evicted_tokens, &last_evicted);
+  advance(preemptions, s.preemptions, &last_preemptions);
+  advance(rejected, s.rejected, &last_rejected);
+}
+
+void HttpServer::Impl::HandleMetrics(httplib::Response& res) {
+  RefreshSchedulerMetrics();
+  res.set_content(registry->Render(), std::string(kPrometheusContentType));
+}
+
+void HttpServer::Impl::StopAccepting() {
+  if (started.load()) http.stop();  // closes the listening socket; the accept loop ends
+}
+
+// ---- HttpServer ----
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+StatusOr<std::unique_ptr<HttpServer>> HttpServer::Create(const Model& model, const Tokenizer* tokenizer,
+                                                         Scheduler* scheduler, ServerOptions options,
+                                                         Registry* metrics) {
+  if (!scheduler) return InvalidArgumentError("HttpServer: no scheduler");
+  if (options.port < 0 || options.port > 65535) {
+    return InvalidArgumentError(fmt::format("--port: {} is not a TCP port (0-65535; 0 picks a free one)", options.port));
+  }
+  if (options.max_body_bytes == 0) return InvalidArgumentError("HttpServer: max_body_bytes must be positive");
+  if (!(options.request_timeout_s > 0)) {
+    return InvalidArgumentError(fmt::format("--timeout: must be positive, got {}", options.request_timeout_s));
+  }
+  auto impl = std::make_unique<Impl>(model, tokenizer, scheduler, std::move(options));
+  Impl& s = *impl;
+  s.model_id = s.options.model_id;
+  if (s.model_id.empty()) s.model_id = std::filesystem::path(model.path()).stem().string();
+  if (s.model_id.empty()) s.model_id = "kvsparse";
+  if (metrics) {
+    s.registry = metrics;
+  } else {
+    s.own_registry = std::make_unique<Registry>();
+    s.registry = s.own_registry.get();
+  }
+  std::random_device rd;
+  s.seed_rng.seed((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                  static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()));
+  s.next_id = s.seed_rng() & 0xffffffff00000000ull;  // a random start; the low half counts
+  s.created = static_cast<int64_t>(std::time(nullptr));
+  s.InitMetrics();
+  s.InitVocab();
+  s.InitRoutes();
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+Status HttpServer::Start() {
+  Impl& s = *impl_;
+  if (s.started.load() || s.stopped.load()) return InvalidArgumentError("HttpServer::Start: already started");
+  const std::string where = fmt::format("{}:{}", s.options.host, s.options.port);
+  errno = 0;
+  int port = -1;
+  if (s.options.port == 0) {
+    port = s.http.bind_to_any_port(s.options.host);
+  } else if (s.http.bind_to_port(s.options.host, s.options.port)) {
+    port = s.options.port;
+  }
+  if (port <= 0) {
+    const int err = errno;
+    return InvalidArgumentError(fmt::format("cannot listen on {}: {}", where,
+                                            err != 0 ? std::strerror(err)
+                                                     : "the address could not be resolved or bound"));
+  }
+  s.bound_port = port;
+  // httplib 0.11 listens with a backlog of 5: a burst of clients would see dropped connections.
+  // Linux lets listen() on a listening socket raise its backlog.
+  if (const int fd = s.listen_socket.load(); fd >= 0) ::listen(fd, kListenBacklog);
+  s.listener = std::thread([&s] { s.http.listen_after_bind(); });
+  // httplib's stop() only works once the accept loop runs: wait for it.
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (!s.http.is_running() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  s.started = true;
+  if (!s.http.is_running()) {
+    Stop();
+    return InternalError(fmt::format("the HTTP server on {} did not start", where));
+  }
+  return Status::Ok();
+}
+
+int HttpServer::port() const { return impl_->bound_port > 0 ? impl_->bound_port : impl_->options.port; }
+
+void HttpServer::StopAccepting() { impl_->StopAccepting(); }
+
+void HttpServer::Stop(std::chrono::milliseconds grace) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.stop_mu);
+  if (s.stopped.exchange(true)) return;
+  s.StopAccepting();
+  const auto give_up = Clock::now() + grace;
+  while (s.in_flight.load() > 0 && Clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  s.cancel_all = true;
+  if (s.listener.joinable()) s.listener.join();  // joins httplib's worker threads
+}
+
+const ServerOptions& HttpServer::options() const { return impl_->options; }
+const std::string& HttpServer::model_id() const { return impl_->model_id; }
+
+}  // namespace kvsparse::server

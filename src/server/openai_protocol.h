@@ -1,0 +1,147 @@
+// The OpenAI-compatible wire protocol, without HTTP: request bodies of /v1/completions,
+// /v1/chat/completions, /tokenize and /detokenize parsed into checked structs (or an OpenAI-style
+// error naming the offending field), and the JSON of responses, stream chunks and /v1/models.
+// Unknown request fields are ignored, since OpenAI clients send many; fields of our own
+// "kvsparse" extension object are checked strictly. JSON null counts as "not given".
+// Nothing here throws.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "kvsparse/status.h"
+#include "server/chat_template.h"
+
+namespace kvsparse::server {
+
+struct ApiError {
+  int http_status = 400;
+  std::string type = "invalid_request_error";
+  std::string message;
+  std::string param;  // the offending field ("temperature", "messages[1].content"); empty: none
+  std::string code;   // "invalid_type", "invalid_value", "missing_required_parameter"; empty: none
+};
+
+// {"error":{"message":..,"type":..,"param":..,"code":..}}; param and code are null when empty.
+std::string ErrorBody(const ApiError& error);
+
+// An engine Status as an API error: InvalidArgument/OutOfRange → 400 invalid_request_error,
+// NotFound → 404 not_found_error, ResourceExhausted → 503 unavailable_error (out of KV memory:
+// retry later), Unimplemented → 501 not_supported_error, anything else → 500 server_error.
+ApiError ApiErrorFromStatus(const Status& status);
+
+struct ProtocolLimits {
+  int max_tokens_limit = 4096;  // largest max_tokens a request may ask for
+  int default_max_tokens = 256;  // when the request gives none
+  int max_n = 1;                 // choices per request
+  int max_stop = 4;              // stop strings per request
+  int max_stop_bytes = 64;       // bytes per stop string
+  size_t max_prompt_bytes = 1 << 20;  // prompt text, or all message contents together
+  int max_messages = 256;
+};
+
+// The "kvsparse" extension object: {"kv_method": "h2o", "kv_budget": 0.2, "kv_type": "int8"}.
+// Only parsed and type-checked here; the server validates the values against the KV config.
+struct KvOverride {
+  std::optional<std::string> method;
+  std::optional<double> budget;
+  std::optional<std::string> kv_type;
+};
+
+struct CompletionRequest {
+  bool chat = false;  // /v1/chat/completions (messages) or /v1/completions (prompt)
+  std::string model;  // as sent; empty when absent
+  std::string prompt;                  // completions, prompt given as text
+  std::vector<int32_t> prompt_tokens;  // completions, prompt given as token ids
+  bool prompt_is_tokens = false;
+  std::vector<ChatMessage> messages;  // chat; roles are system, user or assistant
+  int max_tokens = 0;  // the request's max_completion_tokens / max_tokens, else default_max_tokens
+  float temperature = 1.0f;   // [0, 2]; 0 is greedy
+  float top_p = 1.0f;         // (0, 1]
+  int top_k = 0;              // 0: off (negative values, vLLM's "off", become 0)
+  float repeat_penalty = 1.0f;  // > 0; 1: off
+  std::optional<uint64_t> seed;  // absent (or llama.cpp's -1): the server picks one
+  std::vector<std::string> stop;  // non-empty strings
+  bool stream = false;
+  bool include_usage_in_stream = false;  // stream_options.include_usage, only when streaming
+  int n = 1;
+  bool ignore_eos = false;
+  KvOverride kv;
+  std::optional<double> timeout_s;  // > 0
+};
+
+std::variant<CompletionRequest, ApiError> ParseCompletionRequest(std::string_view body, bool chat,
+                                                                 const ProtocolLimits& limits);
+
+// POST /tokenize: {"content": "...", "add_special": false, "parse_special": true} (llama.cpp's
+// fields and defaults).
+struct TokenizeRequest {
+  std::string content;
+  bool add_special = false;   // add BOS (and EOS where the vocab wants it)
+  bool parse_special = true;  // "<|im_end|>" and the like in content become special tokens
+};
+std::variant<TokenizeRequest, ApiError> ParseTokenizeRequest(std::string_view body, const ProtocolLimits& limits);
+
+// POST /detokenize: {"tokens": [1, 2, 3]}. Ids are checked non-negative here; the server checks
+// them against the vocabulary.
+struct DetokenizeRequest {
+  std::vector<int32_t> tokens;
+};
+std::variant<DetokenizeRequest, ApiError> ParseDetokenizeRequest(std::string_view body);
+
+// What a finished request produced, for the non-streaming responses.
+struct CompletionResult {
+  std::string id;  // "cmpl-..." / "chatcmpl-..." (CompletionId)
+  int64_t created = 0;  // Unix seconds
+  std::string model;
+  std::string text;
+  std::string finish_reason;  // "stop" or "length"
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  size_t kv_peak_bytes = 0;  // peak KV cache bytes the request held: usage.kv_bytes
+};
+
+// "cmpl-<16 hex digits>" or "chatcmpl-<16 hex digits>"; `unique` comes from the server (a counter
+// mixed with a random start), so ids differ across restarts too.
+std::string CompletionId(bool chat, uint64_t unique);
+
+// Non-streaming bodies. Invalid UTF-8 in generated text is replaced by U+FFFD, never an error.
+std::string CompletionResponseBody(const CompletionResult& result);      // object "text_completion"
+std::string ChatCompletionResponseBody(const CompletionResult& result);  // object "chat.completion"
+
+// The fields every chunk of one streamed response repeats.
+struct StreamMeta {
+  std::string id;
+  int64_t created = 0;
+  std::string model;
+};
+
+// Streaming /v1/completions: choices[0].text; finish_reason is null until the last chunk.
+std::string CompletionChunk(const StreamMeta& meta, std::string_view text, std::string_view finish_reason = {});
+// Streaming /v1/chat/completions: the first chunk's delta carries role "assistant" (with
+// `content`, possibly empty), later ones only content.
+std::string ChatDeltaChunk(const StreamMeta& meta, std::string_view content, bool first);
+// The chat stream's last choice chunk: an empty delta and the finish_reason.
+std::string ChatFinishChunk(const StreamMeta& meta, std::string_view finish_reason);
+// stream_options.include_usage: a last chunk with empty choices and the usage (with kv_bytes).
+std::string UsageChunk(const StreamMeta& meta, bool chat, int prompt_tokens, int completion_tokens,
+                       size_t kv_peak_bytes);
+
+// One server-sent event: "data: <json>\n\n".
+std::string SseEvent(std::string_view json);
+inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
+
+// GET /v1/models: {"object":"list","data":[{"id":..,"object":"model","created":..,"owned_by":"kvsparse"}]}.
+std::string ModelsBody(std::string_view model_id, int64_t created);
+
+// /tokenize and /detokenize responses: {"tokens":[..]} and {"content":".."}.
+std::string TokenizeResponseBody(std::span<const int32_t> tokens);
+std::string DetokenizeResponseBody(std::string_view content);
+
+}  // namespace kvsparse::server

@@ -1,0 +1,636 @@
+#include "server/openai_protocol.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace kvsparse::server {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr bool kChat = true;
+constexpr bool kText = false;
+
+CompletionRequest ParseOk(std::string_view body, bool chat, const ProtocolLimits& limits = {}) {
+  auto parsed = ParseCompletionRequest(body, chat, limits);
+  if (const ApiError* error = std::get_if<ApiError>(&parsed)) {
+    ADD_FAILURE() << "unexpected error for " << body << ": " << ErrorBody(*error);
+    return {};
+  }
+  return std::get<CompletionRequest>(parsed);
+}
+
+// Expects a 400 invalid_request_error about `param`, whose message names the field.
+ApiError ParseError(std::string_view body, bool chat, const std::string& param, const ProtocolLimits& limits = {}) {
+  auto parsed = ParseCompletionRequest(body, chat, limits);
+  const ApiError* error = std::get_if<ApiError>(&parsed);
+  if (error == nullptr) {
+    ADD_FAILURE() << "expected an error about '" << param << "' for " << body;
+    return {};
+  }
+  EXPECT_EQ(error->http_status, 400) << body;
+  EXPECT_EQ(error->type, "invalid_request_error") << body;
+  EXPECT_EQ(error->param, param) << body << " → " << error->message;
+  EXPECT_FALSE(error->message.empty()) << body;
+  if (!param.empty()) {
+    EXPECT_NE(error->message.find(param), std::string::npos) << error->message;
+  }
+  return *error;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request parsing: accepted bodies
+
+TEST(ParseCompletionRequest, MinimalCompletionGetsDefaults) {
+  const CompletionRequest r = ParseOk(R"({"prompt": "Once upon a time"})", kText);
+  EXPECT_FALSE(r.chat);
+  EXPECT_EQ(r.model, "");
+  EXPECT_EQ(r.prompt, "Once upon a time");
+  EXPECT_FALSE(r.prompt_is_tokens);
+  EXPECT_TRUE(r.prompt_tokens.empty());
+  EXPECT_TRUE(r.messages.empty());
+  EXPECT_EQ(r.max_tokens, 256);
+  EXPECT_EQ(r.temperature, 1.0f);
+  EXPECT_EQ(r.top_p, 1.0f);
+  EXPECT_EQ(r.top_k, 0);
+  EXPECT_EQ(r.repeat_penalty, 1.0f);
+  EXPECT_FALSE(r.seed.has_value());
+  EXPECT_TRUE(r.stop.empty());
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.include_usage_in_stream);
+  EXPECT_EQ(r.n, 1);
+  EXPECT_FALSE(r.ignore_eos);
+  EXPECT_FALSE(r.kv.method || r.kv.budget || r.kv.kv_type);
+  EXPECT_FALSE(r.timeout_s.has_value());
+}
+
+TEST(ParseCompletionRequest, DefaultMaxTokensComesFromLimits) {
+  ProtocolLimits limits;
+  limits.default_max_tokens = 17;
+  EXPECT_EQ(ParseOk(R"({"prompt": "x"})", kText, limits).max_tokens, 17);
+}
+
+TEST(ParseCompletionRequest, EveryFieldOfACompletion) {
+  const CompletionRequest r = ParseOk(R"({
+      "model": "tinyllama", "prompt": "Q: 2+2?\nA:", "max_tokens": 32, "temperature": 0.7, "top_p": 0.9,
+      "top_k": 40, "repeat_penalty": 1.1, "seed": 42, "stop": ["\n", "Q:"], "stream": true,
+      "stream_options": {"include_usage": true}, "n": 1, "ignore_eos": true,
+      "kvsparse": {"kv_method": "h2o", "kv_budget": 0.2, "kv_type": "int8"}, "timeout_s": 30})",
+                                      kText);
+  EXPECT_EQ(r.model, "tinyllama");
+  EXPECT_EQ(r.prompt, "Q: 2+2?\nA:");
+  EXPECT_EQ(r.max_tokens, 32);
+  EXPECT_FLOAT_EQ(r.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(r.top_p, 0.9f);
+  EXPECT_EQ(r.top_k, 40);
+  EXPECT_FLOAT_EQ(r.repeat_penalty, 1.1f);
+  ASSERT_TRUE(r.seed.has_value());
+  EXPECT_EQ(*r.seed, 42u);
+  EXPECT_EQ(r.stop, (std::vector<std::string>{"\n", "Q:"}));
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage_in_stream);
+  EXPECT_EQ(r.n, 1);
+  EXPECT_TRUE(r.ignore_eos);
+  EXPECT_EQ(r.kv.method, "h2o");
+  EXPECT_EQ(r.kv.budget, 0.2);
+  EXPECT_EQ(r.kv.kv_type, "int8");
+  EXPECT_EQ(r.timeout_s, 30.0);
+}
+
+TEST(ParseCompletionRequest, ChatMessages) {
+  const CompletionRequest r = ParseOk(R"({"model": "m", "messages": [
+      {"role": "system", "content": "Be brief."},
+      {"role": "user", "content": "Hi", "name": "bob"},
+      {"role": "assistant", "content": ""},
+      {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "KV?"}]}]})",
+                                      kChat);
+  EXPECT_TRUE(r.chat);
+  ASSERT_EQ(r.messages.size(), 4u);
+  EXPECT_EQ(r.messages[0].role, "system");
+  EXPECT_EQ(r.messages[0].content, "Be brief.");
+  EXPECT_EQ(r.messages[1].role, "user");
+  EXPECT_EQ(r.messages[1].content, "Hi");
+  EXPECT_EQ(r.messages[2].role, "assistant");
+  EXPECT_EQ(r.messages[2].content, "");
+  EXPECT_EQ(r.messages[3].content, "What is KV?");  // text parts joined
+  EXPECT_TRUE(r.prompt.empty());
+}
+
+TEST(ParseCompletionRequest, PromptShapes) {
+  CompletionRequest one_string = ParseOk(R"({"prompt": ["hello"]})", kText);
+  EXPECT_EQ(one_string.prompt, "hello");
+  EXPECT_FALSE(one_string.prompt_is_tokens);
+
+  CompletionRequest tokens = ParseOk(R"({"prompt": [1, 15043, 0, 2147483647]})", kText);
+  EXPECT_TRUE(tokens.prompt_is_tokens);
+  EXPECT_EQ(tokens.prompt_tokens, (std::vector<int32_t>{1, 15043, 0, 2147483647}));
+  EXPECT_TRUE(tokens.prompt.empty());
+
+  CompletionRequest nested = ParseOk(R"({"prompt": [[5, 6]]})", kText);  // OpenAI's batch of one token list
+  EXPECT_TRUE(nested.prompt_is_tokens);
+  EXPECT_EQ(nested.prompt_tokens, (std::vector<int32_t>{5, 6}));
+}
+
+TEST(ParseCompletionRequest, StopAsStringOrNull) {
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "stop": "###"})", kText).stop, (std::vector<std::string>{"###"}));
+  EXPECT_TRUE(ParseOk(R"({"prompt": "x", "stop": null})", kText).stop.empty());
+  EXPECT_TRUE(ParseOk(R"({"prompt": "x", "stop": []})", kText).stop.empty());
+}
+
+TEST(ParseCompletionRequest, NullMeansDefault) {
+  const CompletionRequest r = ParseOk(R"({"prompt": "x", "model": null, "max_tokens": null, "temperature": null,
+      "top_p": null, "top_k": null, "seed": null, "stream": null, "stream_options": null, "n": null,
+      "kvsparse": null, "timeout_s": null, "ignore_eos": null, "repeat_penalty": null})",
+                                      kText);
+  EXPECT_EQ(r.max_tokens, 256);
+  EXPECT_EQ(r.temperature, 1.0f);
+  EXPECT_FALSE(r.seed.has_value());
+  EXPECT_FALSE(r.stream);
+}
+
+TEST(ParseCompletionRequest, UnknownFieldsAreIgnored) {
+  const CompletionRequest r = ParseOk(R"({"messages": [{"role": "user", "content": "hi"}], "user": "u-1",
+      "presence_penalty": 0.5, "frequency_penalty": 0, "logit_bias": {"50256": -100}, "tools": [],
+      "response_format": {"type": "text"}, "some_future_field": {"nested": [1, {"x": null}]}})",
+                                      kChat);
+  ASSERT_EQ(r.messages.size(), 1u);
+}
+
+TEST(ParseCompletionRequest, MaxCompletionTokensIsAcceptedAndWins) {
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "max_completion_tokens": 12})", kText).max_tokens, 12);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "max_completion_tokens": 12, "max_tokens": 99})", kText).max_tokens, 12);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "max_tokens": 4096})", kText).max_tokens, 4096);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "max_tokens": 100.0})", kText).max_tokens, 100);  // Python's float
+}
+
+TEST(ParseCompletionRequest, BoundaryValuesAreAccepted) {
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "temperature": 0})", kText).temperature, 0.0f);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "temperature": 2})", kText).temperature, 2.0f);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "top_p": 1})", kText).top_p, 1.0f);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "max_tokens": 1})", kText).max_tokens, 1);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "top_k": -1})", kText).top_k, 0);  // vLLM's "off"
+  EXPECT_FALSE(ParseOk(R"({"prompt": "x", "seed": -1})", kText).seed.has_value());  // llama.cpp's "random"
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "seed": 18446744073709551615})", kText).seed,
+            std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "seed": 0})", kText).seed, 0u);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "stop": ["1234567890123456789012345678901234567890123456789012345678901234"]})",
+                    kText).stop.size(), 1u);  // exactly 64 bytes
+  ProtocolLimits four_choices;
+  four_choices.max_n = 4;
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "n": 4})", kText, four_choices).n, 4);
+}
+
+TEST(ParseCompletionRequest, IncludeUsageOnlyWhenStreaming) {
+  EXPECT_FALSE(ParseOk(R"({"prompt": "x", "stream_options": {"include_usage": true}})", kText).include_usage_in_stream);
+  EXPECT_FALSE(ParseOk(R"({"prompt": "x", "stream": true, "stream_options": {}})", kText).include_usage_in_stream);
+  EXPECT_TRUE(ParseOk(R"({"prompt": "x", "stream": true, "stream_options": {"include_usage": true}})", kText)
+                  .include_usage_in_stream);
+}
+
+TEST(ParseCompletionRequest, KvOverridePartial) {
+  const CompletionRequest r = ParseOk(R"({"prompt": "x", "kvsparse": {"kv_budget": 1}})", kText);
+  EXPECT_FALSE(r.kv.method.has_value());
+  EXPECT_EQ(r.kv.budget, 1.0);
+  EXPECT_FALSE(r.kv.kv_type.has_value());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request parsing: rejected bodies
+
+TEST(ParseCompletionRequest, MalformedOrNonObjectBody) {
+  // The last two: invalid UTF-8 in a string, and a number past the double range.
+  for (const char* body : {"", "{", R"({"prompt": "x",})", "{prompt: 1}", "nul", "{\"prompt\": \"\xC3\x28\"}",
+                           R"({"prompt": "x", "temperature": 1e400})"}) {
+    const ApiError e = ParseError(body, kText, "");
+    EXPECT_NE(e.message.find("parse"), std::string::npos) << e.message;
+  }
+  for (const char* body : {"[1, 2]", "\"text\"", "null", "42", "true"}) {
+    const ApiError e = ParseError(body, kChat, "");
+    EXPECT_NE(e.message.find("object"), std::string::npos) << e.message;
+  }
+}
+
+TEST(ParseCompletionRequest, HostileNestingIsRejectedNotFatal) {
+  const std::string deep = R"({"prompt": "x", "extra": )" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  ParseError(deep, kText, "");
+  const std::string shallow = R"({"prompt": "x", "extra": )" + std::string(20, '[') + std::string(20, ']') + "}";
+  ParseOk(shallow, kText);
+}
+
+TEST(ParseCompletionRequest, PromptErrors) {
+  EXPECT_EQ(ParseError(R"({"model": "m"})", kText, "prompt").code, "missing_required_parameter");
+  EXPECT_EQ(ParseError(R"({"prompt": null})", kText, "prompt").code, "missing_required_parameter");
+  ParseError(R"({"prompt": ""})", kText, "prompt");
+  ParseError(R"({"prompt": []})", kText, "prompt");
+  ParseError(R"({"prompt": [""]})", kText, "prompt");
+  ParseError(R"({"prompt": [[]]})", kText, "prompt");
+  ParseError(R"({"prompt": ["a", "b"]})", kText, "prompt");
+  EXPECT_EQ(ParseError(R"({"prompt": 5})", kText, "prompt").code, "invalid_type");
+  ParseError(R"({"prompt": {"text": "x"}})", kText, "prompt");
+  ParseError(R"({"prompt": [1, "a"]})", kText, "prompt");
+  ParseError(R"({"prompt": [true]})", kText, "prompt");
+  ParseError(R"({"prompt": [1, -2]})", kText, "prompt[1]");
+  ParseError(R"({"prompt": [1, 2.5]})", kText, "prompt[1]");
+  ParseError(R"({"prompt": [2147483648]})", kText, "prompt[0]");
+  ParseError(R"({"prompt": [[1, -1]]})", kText, "prompt[0][1]");
+  ProtocolLimits small;
+  small.max_prompt_bytes = 4;
+  ParseError(R"({"prompt": "12345"})", kText, "prompt", small);
+  ParseOk(R"({"prompt": "1234"})", kText, small);
+}
+
+TEST(ParseCompletionRequest, MessagesErrors) {
+  EXPECT_EQ(ParseError(R"({"prompt": "x"})", kChat, "messages").code, "missing_required_parameter");
+  EXPECT_EQ(ParseError(R"({"messages": {"role": "user"}})", kChat, "messages").code, "invalid_type");
+  ParseError(R"({"messages": "hi"})", kChat, "messages");
+  ParseError(R"({"messages": []})", kChat, "messages");
+  ParseError(R"({"messages": ["hi"]})", kChat, "messages[0]");
+  ParseError(R"({"messages": [{"content": "hi"}]})", kChat, "messages[0].role");
+  ParseError(R"({"messages": [{"role": 1, "content": "hi"}]})", kChat, "messages[0].role");
+  const ApiError bad_role =
+      ParseError(R"({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]})", kChat,
+                 "messages[1].role");
+  EXPECT_EQ(bad_role.code, "invalid_value");
+  EXPECT_NE(bad_role.message.find("'tool'"), std::string::npos);
+  ParseError(R"({"messages": [{"role": "user"}]})", kChat, "messages[0].content");
+  ParseError(R"({"messages": [{"role": "assistant", "content": null}]})", kChat, "messages[0].content");
+  ParseError(R"({"messages": [{"role": "user", "content": 5}]})", kChat, "messages[0].content");
+  ParseError(R"({"messages": [{"role": "user", "content": ["hi"]}]})", kChat, "messages[0].content[0]");
+  ParseError(R"({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+      {"type": "image_url", "image_url": {"url": "http://x"}}]}]})", kChat, "messages[0].content[1].type");
+  ParseError(R"({"messages": [{"role": "user", "content": [{"type": "text"}]}]})", kChat,
+             "messages[0].content[0].text");
+  ParseError(R"({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]})", kChat,
+             "messages[0].content[0].text");
+
+  ProtocolLimits limits;
+  limits.max_messages = 2;
+  limits.max_prompt_bytes = 5;
+  ParseError(R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "user", "content": "c"}]})", kChat, "messages", limits);
+  ParseError(R"({"messages": [{"role": "user", "content": "abc"}, {"role": "user", "content": "def"}]})", kChat,
+             "messages", limits);  // 6 bytes in all
+  ParseOk(R"({"messages": [{"role": "user", "content": "ab"}, {"role": "user", "content": "def"}]})", kChat, limits);
+}
+
+TEST(ParseCompletionRequest, MaxTokensErrors) {
+  ParseError(R"({"prompt": "x", "max_tokens": 0})", kText, "max_tokens");
+  ParseError(R"({"prompt": "x", "max_tokens": -5})", kText, "max_tokens");
+  ParseError(R"({"prompt": "x", "max_tokens": 4097})", kText, "max_tokens");
+  ParseError(R"({"prompt": "x", "max_tokens": 1e30})", kText, "max_tokens");
+  ParseError(R"({"prompt": "x", "max_tokens": 1.5})", kText, "max_tokens");
+  EXPECT_EQ(ParseError(R"({"prompt": "x", "max_tokens": "10"})", kText, "max_tokens").code, "invalid_type");
+  ParseError(R"({"prompt": "x", "max_completion_tokens": 0})", kText, "max_completion_tokens");
+  ProtocolLimits limits;
+  limits.max_tokens_limit = 8;
+  ParseError(R"({"prompt": "x", "max_completion_tokens": 9})", kText, "max_completion_tokens", limits);
+}
+
+TEST(ParseCompletionRequest, SamplingErrors) {
+  ParseError(R"({"prompt": "x", "temperature": -0.1})", kText, "temperature");
+  ParseError(R"({"prompt": "x", "temperature": 2.01})", kText, "temperature");
+  EXPECT_EQ(ParseError(R"({"prompt": "x", "temperature": "hot"})", kText, "temperature").code, "invalid_type");
+  ParseError(R"({"prompt": "x", "top_p": 0})", kText, "top_p");
+  ParseError(R"({"prompt": "x", "top_p": 1.01})", kText, "top_p");
+  ParseError(R"({"prompt": "x", "top_p": -1})", kText, "top_p");
+  ParseError(R"({"prompt": "x", "top_k": "40"})", kText, "top_k");
+  ParseError(R"({"prompt": "x", "top_k": 2.5})", kText, "top_k");
+  ParseError(R"({"prompt": "x", "top_k": 4294967296})", kText, "top_k");
+  ParseError(R"({"prompt": "x", "repeat_penalty": 0})", kText, "repeat_penalty");
+  ParseError(R"({"prompt": "x", "repeat_penalty": -1.1})", kText, "repeat_penalty");
+  ParseError(R"({"prompt": "x", "repeat_penalty": [1]})", kText, "repeat_penalty");
+  ParseError(R"({"prompt": "x", "seed": -2})", kText, "seed");
+  ParseError(R"({"prompt": "x", "seed": "42"})", kText, "seed");
+  ParseError(R"({"prompt": "x", "seed": 4.5})", kText, "seed");
+}
+
+TEST(ParseCompletionRequest, StopErrors) {
+  ParseError(R"({"prompt": "x", "stop": 5})", kText, "stop");
+  ParseError(R"({"prompt": "x", "stop": {"a": 1}})", kText, "stop");
+  ParseError(R"({"prompt": "x", "stop": ["a", 1]})", kText, "stop[1]");
+  ParseError(R"({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]})", kText, "stop");
+  ParseError(R"({"prompt": "x", "stop": ""})", kText, "stop");
+  ParseError(R"({"prompt": "x", "stop": ["ok", ""]})", kText, "stop");
+  ParseError(R"({"prompt": "x", "stop": ["12345678901234567890123456789012345678901234567890123456789012345"]})", kText,
+             "stop");  // 65 bytes
+  ProtocolLimits one_stop;
+  one_stop.max_stop = 1;
+  ParseError(R"({"prompt": "x", "stop": ["a", "b"]})", kText, "stop", one_stop);
+}
+
+TEST(ParseCompletionRequest, FlagAndCountErrors) {
+  ParseError(R"({"prompt": "x", "model": 3})", kText, "model");
+  ParseError(R"({"prompt": "x", "stream": "yes"})", kText, "stream");
+  ParseError(R"({"prompt": "x", "stream": 1})", kText, "stream");
+  ParseError(R"({"prompt": "x", "stream": true, "stream_options": true})", kText, "stream_options");
+  ParseError(R"({"prompt": "x", "stream": true, "stream_options": {"include_usage": "y"}})", kText,
+             "stream_options.include_usage");
+  ParseError(R"({"prompt": "x", "n": 0})", kText, "n");
+  ParseError(R"({"prompt": "x", "n": 2})", kText, "n");
+  ParseError(R"({"prompt": "x", "n": "1"})", kText, "n");
+  ParseError(R"({"prompt": "x", "ignore_eos": 1})", kText, "ignore_eos");
+  ParseError(R"({"prompt": "x", "timeout_s": 0})", kText, "timeout_s");
+  ParseError(R"({"prompt": "x", "timeout_s": -3})", kText, "timeout_s");
+  ParseError(R"({"prompt": "x", "timeout_s": "10s"})", kText, "timeout_s");
+}
+
+TEST(ParseCompletionRequest, KvOverrideErrors) {
+  ParseError(R"({"prompt": "x", "kvsparse": "h2o"})", kText, "kvsparse");
+  ParseError(R"({"prompt": "x", "kvsparse": {"kv_method": 5}})", kText, "kvsparse.kv_method");
+  ParseError(R"({"prompt": "x", "kvsparse": {"kv_budget": "0.2"}})", kText, "kvsparse.kv_budget");
+  ParseError(R"({"prompt": "x", "kvsparse": {"kv_type": 8}})", kText, "kvsparse.kv_type");
+  // Our own extension: a misspelt key is refused, not silently ignored.
+  ParseError(R"({"prompt": "x", "kvsparse": {"budget": 0.2}})", kText, "kvsparse.budget");
+}
+
+TEST(ParseCompletionRequest, ErrorsCarryTheFirstProblem) {
+  // Both fields are wrong; the error names one of them and the request is refused.
+  const ApiError e = ParseError(R"({"prompt": "", "temperature": 9})", kText, "prompt");
+  EXPECT_EQ(e.code, "invalid_value");
+}
+
+// ---------------------------------------------------------------------------------------------
+// /tokenize and /detokenize
+
+TEST(ParseTokenizeRequest, FieldsAndDefaults) {
+  auto plain = ParseTokenizeRequest(R"({"content": "Hello world"})", {});
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(plain));
+  EXPECT_EQ(std::get<TokenizeRequest>(plain).content, "Hello world");
+  EXPECT_FALSE(std::get<TokenizeRequest>(plain).add_special);
+  EXPECT_TRUE(std::get<TokenizeRequest>(plain).parse_special);
+
+  auto full = ParseTokenizeRequest(R"({"content": "", "add_special": true, "parse_special": false, "x": 1})", {});
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(full));
+  EXPECT_EQ(std::get<TokenizeRequest>(full).content, "");
+  EXPECT_TRUE(std::get<TokenizeRequest>(full).add_special);
+  EXPECT_FALSE(std::get<TokenizeRequest>(full).parse_special);
+}
+
+TEST(ParseTokenizeRequest, Errors) {
+  auto expect_error = [](std::string_view body, const std::string& param, const ProtocolLimits& limits = {}) {
+    auto parsed = ParseTokenizeRequest(body, limits);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(parsed)) << body;
+    EXPECT_EQ(std::get<ApiError>(parsed).http_status, 400);
+    EXPECT_EQ(std::get<ApiError>(parsed).param, param) << body;
+  };
+  expect_error("{", "");
+  expect_error("[]", "");
+  expect_error("{}", "content");
+  expect_error(R"({"content": 5})", "content");
+  expect_error(R"({"content": "x", "add_special": "yes"})", "add_special");
+  expect_error(R"({"content": "x", "parse_special": 0})", "parse_special");
+  ProtocolLimits small;
+  small.max_prompt_bytes = 2;
+  expect_error(R"({"content": "abc"})", "content", small);
+}
+
+TEST(ParseDetokenizeRequest, TokensAndErrors) {
+  auto ok = ParseDetokenizeRequest(R"({"tokens": [1, 2, 3]})");
+  ASSERT_TRUE(std::holds_alternative<DetokenizeRequest>(ok));
+  EXPECT_EQ(std::get<DetokenizeRequest>(ok).tokens, (std::vector<int32_t>{1, 2, 3}));
+  auto empty = ParseDetokenizeRequest(R"({"tokens": []})");
+  ASSERT_TRUE(std::holds_alternative<DetokenizeRequest>(empty));
+  EXPECT_TRUE(std::get<DetokenizeRequest>(empty).tokens.empty());
+
+  auto expect_error = [](std::string_view body, const std::string& param) {
+    auto parsed = ParseDetokenizeRequest(body);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(parsed)) << body;
+    EXPECT_EQ(std::get<ApiError>(parsed).http_status, 400);
+    EXPECT_EQ(std::get<ApiError>(parsed).param, param) << body;
+  };
+  expect_error("not json", "");
+  expect_error("{}", "tokens");
+  expect_error(R"({"tokens": "1 2"})", "tokens");
+  expect_error(R"({"tokens": [1, -1]})", "tokens[1]");
+  expect_error(R"({"tokens": [1, "2"]})", "tokens[1]");
+  expect_error(R"({"tokens": [99999999999]})", "tokens[0]");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors and responses, read back the way a client reads them
+
+TEST(ErrorBody, OpenAiShapeWithNullsForEmptyFields) {
+  ApiError bare;
+  bare.message = "We could not parse the JSON body of your request.";
+  const Json body = Json::parse(ErrorBody(bare));
+  ASSERT_TRUE(body.is_object());
+  ASSERT_EQ(body.size(), 1u);
+  const Json& error = body.at("error");
+  EXPECT_EQ(error.size(), 4u);
+  EXPECT_EQ(error.at("message"), bare.message);
+  EXPECT_EQ(error.at("type"), "invalid_request_error");
+  EXPECT_TRUE(error.at("param").is_null());
+  EXPECT_TRUE(error.at("code").is_null());
+
+  ApiError full{404, "not_found_error", "no \"such\" model\n", "model", "model_not_found"};
+  const Json full_body = Json::parse(ErrorBody(full));
+  EXPECT_EQ(full_body["error"]["message"], "no \"such\" model\n");
+  EXPECT_EQ(full_body["error"]["type"], "not_found_error");
+  EXPECT_EQ(full_body["error"]["param"], "model");
+  EXPECT_EQ(full_body["error"]["code"], "model_not_found");
+}
+
+TEST(ErrorBody, FromParseError) {
+  auto parsed = ParseCompletionRequest(R"({"prompt": "x", "top_p": 3})", kText, {});
+  const Json body = Json::parse(ErrorBody(std::get<ApiError>(parsed)));
+  EXPECT_EQ(body["error"]["param"], "top_p");
+  EXPECT_EQ(body["error"]["code"], "invalid_value");
+  EXPECT_EQ(body["error"]["type"], "invalid_request_error");
+}
+
+TEST(ApiErrorFromStatus, MapsCodesToHttpStatuses) {
+  struct Case {
+    Status status;
+    int http_status;
+    const char* type;
+  };
+  const Case cases[] = {
+      {InvalidArgumentError("bad kv_method 'x'"), 400, "invalid_request_error"},
+      {OutOfRangeError("prompt longer than context"), 400, "invalid_request_error"},
+      {NotFoundError("no model"), 404, "not_found_error"},
+      {ResourceExhaustedError("no free KV pages"), 503, "unavailable_error"},
+      {UnimplementedError("n > 1"), 501, "not_supported_error"},
+      {InternalError("oops"), 500, "server_error"},
+      {DataLossError("corrupt"), 500, "server_error"},
+  };
+  for (const Case& c : cases) {
+    const ApiError e = ApiErrorFromStatus(c.status);
+    EXPECT_EQ(e.http_status, c.http_status) << c.status.ToString();
+    EXPECT_EQ(e.type, c.type) << c.status.ToString();
+    EXPECT_EQ(e.message, c.status.message());
+  }
+}
+
+CompletionResult SampleResult() {
+  CompletionResult r;
+  r.id = "cmpl-00000000000000ff";
+  r.created = 1700000000;
+  r.model = "tinyllama-1.1b-chat";
+  r.text = "Paris, the \"city\" of light.\n";
+  r.finish_reason = "stop";
+  r.prompt_tokens = 12;
+  r.completion_tokens = 9;
+  r.kv_peak_bytes = 3u * 1024 * 1024 * 1024;  // past 32 bits
+  return r;
+}
+
+void ExpectUsage(const Json& usage, int prompt, int completion, uint64_t kv_bytes) {
+  ASSERT_TRUE(usage.is_object());
+  EXPECT_EQ(usage.at("prompt_tokens"), prompt);
+  EXPECT_EQ(usage.at("completion_tokens"), completion);
+  EXPECT_EQ(usage.at("total_tokens"), prompt + completion);
+  EXPECT_TRUE(usage.at("kv_bytes").is_number_integer());
+  EXPECT_EQ(usage.at("kv_bytes").get<uint64_t>(), kv_bytes);
+}
+
+TEST(CompletionResponseBody, TextCompletionShape) {
+  const CompletionResult r = SampleResult();
+  const std::string text = CompletionResponseBody(r);
+  const Json body = Json::parse(text);
+  EXPECT_EQ(body.at("id"), "cmpl-00000000000000ff");
+  EXPECT_EQ(body.at("object"), "text_completion");
+  EXPECT_TRUE(body.at("created").is_number_integer());
+  EXPECT_EQ(body.at("created"), 1700000000);
+  EXPECT_EQ(body.at("model"), "tinyllama-1.1b-chat");
+  ASSERT_TRUE(body.at("choices").is_array());
+  ASSERT_EQ(body["choices"].size(), 1u);
+  const Json& choice = body["choices"][0];
+  EXPECT_EQ(choice.at("text"), r.text);
+  EXPECT_EQ(choice.at("index"), 0);
+  EXPECT_TRUE(choice.at("logprobs").is_null());
+  EXPECT_EQ(choice.at("finish_reason"), "stop");
+  ExpectUsage(body.at("usage"), 12, 9, 3ull * 1024 * 1024 * 1024);
+  // Fields appear in OpenAI's order.
+  EXPECT_EQ(text.find("{\"id\":"), 0u);
+  EXPECT_LT(text.find("\"object\""), text.find("\"choices\""));
+}
+
+TEST(CompletionResponseBody, ChatCompletionShape) {
+  CompletionResult r = SampleResult();
+  r.id = CompletionId(true, 255);
+  r.finish_reason = "length";
+  const Json body = Json::parse(ChatCompletionResponseBody(r));
+  EXPECT_EQ(body.at("id"), "chatcmpl-00000000000000ff");
+  EXPECT_EQ(body.at("object"), "chat.completion");
+  EXPECT_EQ(body.at("created"), 1700000000);
+  EXPECT_EQ(body.at("model"), r.model);
+  ASSERT_EQ(body.at("choices").size(), 1u);
+  const Json& choice = body["choices"][0];
+  EXPECT_EQ(choice.at("index"), 0);
+  EXPECT_EQ(choice.at("message").at("role"), "assistant");
+  EXPECT_EQ(choice.at("message").at("content"), r.text);
+  EXPECT_TRUE(choice.at("logprobs").is_null());
+  EXPECT_EQ(choice.at("finish_reason"), "length");
+  EXPECT_FALSE(choice.contains("text"));
+  ExpectUsage(body.at("usage"), 12, 9, r.kv_peak_bytes);
+}
+
+TEST(CompletionResponseBody, InvalidUtf8IsReplacedNotFatal) {
+  CompletionResult r = SampleResult();
+  r.text = "ok \xF0\x9F then";  // a truncated 4-byte character
+  const Json body = Json::parse(CompletionResponseBody(r));
+  EXPECT_EQ(body["choices"][0]["text"], "ok \xEF\xBF\xBD then");  // U+FFFD
+  const Json chat = Json::parse(ChatCompletionResponseBody(r));
+  EXPECT_EQ(chat["choices"][0]["message"]["content"], "ok \xEF\xBF\xBD then");
+}
+
+TEST(CompletionId, PrefixAndHex) {
+  EXPECT_EQ(CompletionId(false, 0), "cmpl-0000000000000000");
+  EXPECT_EQ(CompletionId(true, 0xdeadbeefULL), "chatcmpl-00000000deadbeef");
+  EXPECT_NE(CompletionId(false, 1), CompletionId(false, 2));
+}
+
+const StreamMeta kMeta{"chatcmpl-1", 1700000001, "m"};
+
+void ExpectChunkEnvelope(const Json& chunk, std::string_view object) {
+  EXPECT_EQ(chunk.at("id"), kMeta.id);
+  EXPECT_EQ(chunk.at("object"), object);
+  EXPECT_EQ(chunk.at("created"), kMeta.created);
+  EXPECT_EQ(chunk.at("model"), kMeta.model);
+  ASSERT_TRUE(chunk.at("choices").is_array());
+}
+
+TEST(StreamChunks, CompletionChunks) {
+  const Json middle = Json::parse(CompletionChunk(kMeta, "Hel"));
+  ExpectChunkEnvelope(middle, "text_completion");
+  ASSERT_EQ(middle["choices"].size(), 1u);
+  EXPECT_EQ(middle["choices"][0].at("text"), "Hel");
+  EXPECT_EQ(middle["choices"][0].at("index"), 0);
+  EXPECT_TRUE(middle["choices"][0].at("logprobs").is_null());
+  EXPECT_TRUE(middle["choices"][0].at("finish_reason").is_null());
+  EXPECT_FALSE(middle.contains("usage"));
+
+  const Json last = Json::parse(CompletionChunk(kMeta, "", "length"));
+  EXPECT_EQ(last["choices"][0].at("text"), "");
+  EXPECT_EQ(last["choices"][0].at("finish_reason"), "length");
+}
+
+TEST(StreamChunks, ChatChunks) {
+  const Json first = Json::parse(ChatDeltaChunk(kMeta, "", /*first=*/true));
+  ExpectChunkEnvelope(first, "chat.completion.chunk");
+  ASSERT_EQ(first["choices"].size(), 1u);
+  EXPECT_EQ(first["choices"][0].at("index"), 0);
+  EXPECT_EQ(first["choices"][0].at("delta").at("role"), "assistant");
+  EXPECT_EQ(first["choices"][0].at("delta").at("content"), "");
+  EXPECT_TRUE(first["choices"][0].at("finish_reason").is_null());
+
+  const Json next = Json::parse(ChatDeltaChunk(kMeta, "Hi \xC3\xA9", /*first=*/false));
+  ExpectChunkEnvelope(next, "chat.completion.chunk");
+  const Json& delta = next["choices"][0].at("delta");
+  EXPECT_FALSE(delta.contains("role"));
+  EXPECT_EQ(delta.at("content"), "Hi \xC3\xA9");
+  EXPECT_TRUE(next["choices"][0].at("finish_reason").is_null());
+
+  const Json last = Json::parse(ChatFinishChunk(kMeta, "stop"));
+  ExpectChunkEnvelope(last, "chat.completion.chunk");
+  EXPECT_TRUE(last["choices"][0].at("delta").is_object());
+  EXPECT_TRUE(last["choices"][0].at("delta").empty());
+  EXPECT_EQ(last["choices"][0].at("finish_reason"), "stop");
+}
+
+TEST(StreamChunks, UsageChunkHasNoChoices) {
+  for (bool chat : {true, false}) {
+    const Json usage = Json::parse(UsageChunk(kMeta, chat, 5, 7, 4096));
+    ExpectChunkEnvelope(usage, chat ? "chat.completion.chunk" : "text_completion");
+    EXPECT_TRUE(usage["choices"].empty());
+    ExpectUsage(usage.at("usage"), 5, 7, 4096);
+  }
+}
+
+TEST(Sse, EventFraming) {
+  EXPECT_EQ(SseEvent(R"({"a":1})"), "data: {\"a\":1}\n\n");
+  EXPECT_EQ(kSseDone, "data: [DONE]\n\n");
+  // A chunk never holds a raw newline, which would end the SSE event early.
+  const std::string chunk = ChatDeltaChunk(kMeta, "line 1\nline 2\r\n", false);
+  EXPECT_EQ(chunk.find('\n'), std::string::npos);
+  const std::string event = SseEvent(chunk);
+  EXPECT_EQ(event.find("\n\n"), event.size() - 2);
+}
+
+TEST(ModelsBody, ListShape) {
+  const Json body = Json::parse(ModelsBody("tinyllama", 1700000002));
+  EXPECT_EQ(body.at("object"), "list");
+  ASSERT_TRUE(body.at("data").is_array());
+  ASSERT_EQ(body["data"].size(), 1u);
+  const Json& model = body["data"][0];
+  EXPECT_EQ(model.at("id"), "tinyllama");
+  EXPECT_EQ(model.at("object"), "model");
+  EXPECT_EQ(model.at("created"), 1700000002);
+  EXPECT_EQ(model.at("owned_by"), "kvsparse");
+}
+
+TEST(TokenizeResponses, Shapes) {
+  const std::vector<int32_t> tokens = {1, 15043, 3186};
+  const Json tokenized = Json::parse(TokenizeResponseBody(tokens));
+  EXPECT_EQ(tokenized.at("tokens"), Json::array({1, 15043, 3186}));
+  EXPECT_EQ(Json::parse(TokenizeResponseBody({})).at("tokens"), Json::array());
+  EXPECT_EQ(Json::parse(DetokenizeResponseBody("Hello \xF0\x9F")).at("content"), "Hello \xEF\xBF\xBD");
+}
+
+}  // namespace
+}  // namespace kvsparse::server

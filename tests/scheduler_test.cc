@@ -1,0 +1,441 @@
+// The batched runtime and the continuous-batching scheduler on the real stories260K model
+// (token level): batching never changes what a request generates, pages come back when
+// requests end or are cancelled, and running out of pages queues or preempts instead of failing.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "kvsparse/engine.h"
+#include "kvsparse/kv_config.h"
+#include "kvsparse/model.h"
+#include "kvsparse/scheduler.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "support/random_data.h"
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+using std::chrono::milliseconds;
+
+struct Runtime {
+  std::unique_ptr<Model> model;
+  SparseKvSetup kv;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<Scheduler> scheduler;
+};
+
+// budget_bytes 0: room for 16 dense requests of 256 tokens.
+Runtime MakeRuntime(const std::string& path, const std::string& method, const std::string& budget,
+                    const std::string& kv_type, size_t budget_bytes, SchedulerOptions options = {}) {
+  Runtime r;
+  auto model = Model::Load(path);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  r.model = std::move(*model);
+  const ModelConfig& c = r.model->config();
+  auto config = KvSparsityConfigFromFlags(method, budget, kv_type, c.n_layers);
+  EXPECT_TRUE(config.ok()) << config.status().ToString();
+  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+  if (budget_bytes == 0) {
+    auto probe = CreateServingKv(geometry, *config, size_t{1} << 30);
+    EXPECT_TRUE(probe.ok()) << probe.status().ToString();
+    budget_bytes = 16 * probe->controller->SequenceReserveBytes(256, 0);
+  }
+  auto kv = CreateServingKv(geometry, *config, budget_bytes);
+  EXPECT_TRUE(kv.ok()) << kv.status().ToString();
+  r.kv = std::move(*kv);
+  r.engine = std::make_unique<Engine>(*r.model, r.kv.cache.get(), 1, r.kv.controller.get());
+  options.max_context = 256;
+  r.scheduler = std::make_unique<Scheduler>(r.engine.get(), r.kv.controller.get(), options);
+  return r;
+}
+
+GenerationRequest Greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
+  GenerationRequest g;
+  g.prompt = std::move(prompt);
+  g.max_tokens = max_tokens;
+  g.sampling.temperature = 0;
+  return g;
+}
+
+// Prompts of different lengths (1 .. 90 tokens) over the 512-token vocabulary.
+std::vector<int32_t> Prompt(int i) {
+  std::vector<int32_t> p{1};
+  const int n = 1 + (i * 37) % 90;
+  for (int j = 1; j < n; ++j) p.push_back(static_cast<int32_t>(3 + (i * 131 + j * 17) % 500));
+  return p;
+}
+
+std::vector<int32_t> Drain(RequestHandle& h) {
+  std::vector<int32_t> out;
+  while (h.WaitNext(&out, milliseconds(10))) {
+  }
+  return out;
+}
+
+// Runs every request to the end with Step on this thread.
+void StepUntilDone(Scheduler& s, const std::vector<std::shared_ptr<RequestHandle>>& handles) {
+  for (int guard = 0; guard < 100000; ++guard) {
+    if (std::all_of(handles.begin(), handles.end(), [](const auto& h) { return h->finished(); })) return;
+    s.Step();
+  }
+  FAIL() << "requests did not finish";
+}
+
+std::vector<int32_t> RunAlone(const std::string& path, const std::string& method, const std::string& budget,
+                              const std::vector<int32_t>& prompt, int32_t max_tokens) {
+  Runtime r = MakeRuntime(path, method, budget, "f16", 0);
+  auto h = r.scheduler->Submit(Greedy(prompt, max_tokens));
+  EXPECT_TRUE(h.ok()) << h.status().ToString();
+  StepUntilDone(*r.scheduler, {*h});
+  return Drain(**h);
+}
+
+class BatchedEqualsAlone : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+// A request's greedy tokens are the same whether it runs alone or with 15 others (chunked
+// prompts of other requests interleaved with its decode steps).
+TEST_P(BatchedEqualsAlone, SixteenRequests) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  const auto [method, budget] = GetParam();
+  constexpr int kRequests = 16;
+  constexpr int32_t kMaxTokens = 24;
+  SchedulerOptions options;
+  options.max_running = kRequests;
+  options.step_tokens = 64;  // forces prompts to interleave with decode steps
+  Runtime r = MakeRuntime(path, method, budget, "f16", 0, options);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < kRequests; ++i) {
+    auto h = r.scheduler->Submit(Greedy(Prompt(i), kMaxTokens));
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    handles.push_back(*h);
+  }
+  StepUntilDone(*r.scheduler, handles);
+  for (int i = 0; i < kRequests; i += 5) {  // a sample of them alone (each costs a model load)
+    const std::vector<int32_t> alone = RunAlone(path, method, budget, Prompt(i), kMaxTokens);
+    EXPECT_EQ(Drain(*handles[i]), alone) << "request " << i;
+    EXPECT_EQ(handles[i]->finish_reason(), FinishReason::kLength);
+  }
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0) << "every page comes back when the requests end";
+  r.kv.cache->CheckInvariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, BatchedEqualsAlone,
+                         ::testing::Values(std::make_pair("full", ""), std::make_pair("h2o", "0.5"),
+                                           std::make_pair("snapkv", "48"), std::make_pair("streaming_llm", "40"),
+                                           std::make_pair("quest", "32")),
+                         [](const auto& info) { return std::string(info.param.first); });
+
+// One ForwardBatch over several sequences gives each the logits it gets alone.
+TEST(EngineBatch, ForwardBatchMatchesSeparateForwards) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  Runtime batched = MakeRuntime(path, "full", "", "f16", 0);
+  Runtime alone = MakeRuntime(path, "full", "", "f16", 0);
+  const int vocab = batched.model->config().n_vocab;
+  std::vector<int> seqs;
+  for (int i = 0; i < 3; ++i) {
+    seqs.push_back(*batched.kv.controller->AcquireSequence());
+    ASSERT_EQ(*alone.kv.controller->AcquireSequence(), seqs.back());
+  }
+  const std::vector<int32_t> p0 = Prompt(3), p1 = Prompt(7), p2{1, 42};
+  std::vector<float> l0(vocab), l1(static_cast<size_t>(p1.size()) * vocab), l2(vocab);
+  std::vector<BatchSequence> batch(3);
+  batch[0] = {seqs[0], p0.data(), static_cast<int32_t>(p0.size()), 0, EvictionPoint::kPromptEnd, l0.data(), false};
+  batch[1] = {seqs[1], p1.data(), static_cast<int32_t>(p1.size()), 0, EvictionPoint::kPromptEnd, l1.data(), true};
+  batch[2] = {seqs[2], p2.data(), 2, 0, EvictionPoint::kPromptEnd, l2.data(), false};
+  ASSERT_TRUE(batched.engine->ForwardBatch(batch).ok());
+  std::vector<float> r0(vocab), r1(l1.size()), r2(vocab);
+  ASSERT_TRUE(alone.engine->Forward(seqs[0], p0.data(), static_cast<int32_t>(p0.size()), 0, r0.data()).ok());
+  ASSERT_TRUE(alone.engine->Forward(seqs[1], p1.data(), static_cast<int32_t>(p1.size()), 0, r1.data(), true).ok());
+  ASSERT_TRUE(alone.engine->Forward(seqs[2], p2.data(), 2, 0, r2.data()).ok());
+  auto close = [](const std::vector<float>& a, const std::vector<float>& b) {
+    float worst = 0;
+    for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+    return worst;
+  };
+  EXPECT_LT(close(l0, r0), 1e-4f);
+  EXPECT_LT(close(l1, r1), 1e-4f);
+  EXPECT_LT(close(l2, r2), 1e-4f);
+}
+
+// A step that cannot get its pages fails before anything is stored, and one with a bad entry
+// (duplicate sequence, token out of range) leaves the cache as it was.
+TEST(EngineBatch, StepsAreAllOrNothing) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  Runtime r = MakeRuntime(path, "full", "", "f16", 0);
+  SparseKvController& kv = *r.kv.controller;
+  const int a = *kv.AcquireSequence(), b = *kv.AcquireSequence();
+  const std::vector<int32_t> p = Prompt(5);
+  std::vector<float> logits(r.model->config().n_vocab);
+  ASSERT_TRUE(r.engine->Forward(a, p.data(), static_cast<int32_t>(p.size()), 0, logits.data()).ok());
+  const int64_t pages = r.kv.cache->pages_in_use();
+  const int32_t bad[2] = {3, 100000};
+  std::vector<BatchSequence> batch(2);
+  batch[0] = {b, p.data(), static_cast<int32_t>(p.size()), 0, EvictionPoint::kPromptEnd, logits.data(), false};
+  batch[1] = {a, bad, 2, static_cast<int32_t>(p.size()), EvictionPoint::kPromptEnd, nullptr, false};
+  EXPECT_EQ(r.engine->ForwardBatch(batch).code(), StatusCode::kOutOfRange);
+  batch[1] = {b, p.data(), 1, 0, EvictionPoint::kDecodeStep, nullptr, false};
+  EXPECT_EQ(r.engine->ForwardBatch(batch).code(), StatusCode::kInvalidArgument);
+  batch[1] = {a, p.data(), 1, 3, EvictionPoint::kDecodeStep, nullptr, false};  // position already stored
+  EXPECT_EQ(r.engine->ForwardBatch(batch).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.kv.cache->pages_in_use(), pages);
+  EXPECT_EQ(r.kv.cache->NumTokens(b, 0), 0);
+  EXPECT_EQ(kv.SeenTokens(b), 0);
+
+  // A budget that holds the short prompt but not the long one beside it: the step fails whole.
+  const std::vector<int32_t> longer = Prompt(2);  // 75 tokens
+  ASSERT_GT(longer.size(), 64u);
+  Runtime small = MakeRuntime(path, "full", "", "f16",
+                              r.kv.controller->SequenceReserveBytes(static_cast<int32_t>(p.size()), 0));
+  const int x = *small.kv.controller->AcquireSequence(), y = *small.kv.controller->AcquireSequence();
+  batch[0] = {x, p.data(), static_cast<int32_t>(p.size()), 0, EvictionPoint::kPromptEnd, nullptr, false};
+  batch[1] = {y, longer.data(), static_cast<int32_t>(longer.size()), 0, EvictionPoint::kPromptEnd, logits.data(),
+              false};
+  EXPECT_EQ(small.engine->ForwardBatch(batch).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(small.kv.cache->pages_in_use(), 0);
+  EXPECT_EQ(small.kv.controller->SeenTokens(x), 0);
+}
+
+// Fork shares pages and clones the policies: both copies then continue exactly as the original.
+TEST(EngineBatch, ForkedSequenceContinuesLikeTheOriginal) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  Runtime r = MakeRuntime(path, "h2o", "24", "f16", 0);
+  SparseKvController& kv = *r.kv.controller;
+  const int vocab = r.model->config().n_vocab;
+  const int src = *kv.AcquireSequence(), dst = *kv.AcquireSequence();
+  const std::vector<int32_t> p = Prompt(11);
+  std::vector<float> ls(vocab), ld(vocab);
+  ASSERT_TRUE(r.engine->Forward(src, p.data(), static_cast<int32_t>(p.size()), 0, ls.data()).ok());
+  const int64_t pages = r.kv.cache->pages_in_use();
+  ASSERT_TRUE(kv.Fork(src, dst).ok());
+  EXPECT_EQ(r.kv.cache->pages_in_use(), pages) << "a fork copies no page";
+  int32_t pos = static_cast<int32_t>(p.size());
+  for (int step = 0; step < 30; ++step, ++pos) {
+    const int32_t token = static_cast<int32_t>(std::max_element(ls.begin(), ls.end()) - ls.begin());
+    std::vector<BatchSequence> batch(2);
+    batch[0] = {src, &token, 1, pos, EvictionPoint::kDecodeStep, ls.data(), false};
+    batch[1] = {dst, &token, 1, pos, EvictionPoint::kDecodeStep, ld.data(), false};
+    ASSERT_TRUE(r.engine->ForwardBatch(batch).ok());
+    ASSERT_EQ(ls, ld) << "step " << step;
+  }
+  r.kv.cache->CheckInvariants();
+  // RemoveRange through the controller: the policies follow the pages.
+  ASSERT_TRUE(kv.RemoveRange(dst, pos - 8, -1).ok());
+  EXPECT_EQ(kv.SeenTokens(dst), pos - 8);
+  r.kv.cache->CheckInvariants();
+  ASSERT_TRUE(kv.ReleaseSequence(src).ok());
+  ASSERT_TRUE(kv.ReleaseSequence(dst).ok());
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+  EXPECT_EQ(*kv.AcquireSequence(), src) << "released ids are reused";
+}
+
+// Admission reserves each request's pages under its sparsity budget: a long request at a 20%
+// budget reserves a fraction of what a dense one does (its prompt chunks of 512 tokens sit on
+// top of the budget while the prompt runs), and int8 pages less again.
+TEST(Scheduler, SparseRequestsReserveLess) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  Runtime dense = MakeRuntime(path, "full", "", "f16", 0);
+  Runtime sparse = MakeRuntime(path, "h2o", "0.2", "f16", 0);
+  Runtime sparse_int8 = MakeRuntime(path, "h2o", "0.2", "int8", 0);
+  const size_t d = dense.scheduler->ReserveBytes(4000, 96);
+  const size_t s = sparse.scheduler->ReserveBytes(4000, 96);
+  const size_t s8 = sparse_int8.scheduler->ReserveBytes(4000, 96);
+  EXPECT_LT(s * 3, d) << "dense " << d << " bytes, h2o 20% " << s << " bytes";
+  EXPECT_LT(s8, s) << "int8 " << s8 << " bytes, f16 " << s << " bytes";
+}
+
+// Cancelled, timed-out and finished requests all give their pages back; a full queue refuses.
+TEST(Scheduler, CancellationTimeoutAndQueueLimit) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  SchedulerOptions options;
+  options.max_running = 2;
+  options.max_queue = 3;
+  Runtime r = MakeRuntime(path, "full", "", "f16", 0, options);
+  Scheduler& s = *r.scheduler;
+  auto a = *s.Submit(Greedy(Prompt(1), 150));
+  auto b = *s.Submit(Greedy(Prompt(2), 150));
+  GenerationRequest timed = Greedy(Prompt(3), 150);
+  timed.deadline = std::chrono::steady_clock::now() - milliseconds(1);
+  auto c = *s.Submit(std::move(timed));
+  auto refused = s.Submit(Greedy(Prompt(4), 10));
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.Stats().rejected, 1);
+  for (int i = 0; i < 5; ++i) s.Step();
+  EXPECT_TRUE(c->finished());
+  EXPECT_EQ(c->finish_reason(), FinishReason::kTimeout);
+  EXPECT_GT(r.kv.cache->pages_in_use(), 0);
+  a->Cancel();
+  b->Cancel();
+  s.Step();
+  EXPECT_EQ(a->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(b->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+  EXPECT_EQ(s.Stats().running, 0);
+  // Requests that can never run are refused at once, with the reason.
+  EXPECT_EQ(s.Submit(Greedy({}, 4)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.Submit(Greedy({1, 9999}, 4)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.Submit(Greedy(Prompt(1), 1000)).status().code(), StatusCode::kInvalidArgument);
+}
+
+// More requests than the pages hold: they queue and all finish, with the tokens they get alone.
+TEST(Scheduler, ExhaustionQueuesInsteadOfFailing) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  Runtime probe = MakeRuntime(path, "full", "", "f16", 0);
+  SchedulerOptions options;
+  options.max_running = 8;
+  const size_t two = 2 * probe.scheduler->ReserveBytes(91, 20);
+  Runtime r = MakeRuntime(path, "full", "", "f16", two, options);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < 6; ++i) handles.push_back(*r.scheduler->Submit(Greedy(Prompt(i), 20)));
+  int most_running = 0, most_waiting = 0;
+  for (int guard = 0; guard < 10000; ++guard) {
+    if (std::all_of(handles.begin(), handles.end(), [](const auto& h) { return h->finished(); })) break;
+    r.scheduler->Step();
+    most_running = std::max(most_running, r.scheduler->Stats().running);
+    most_waiting = std::max(most_waiting, r.scheduler->Stats().waiting);
+  }
+  EXPECT_LT(most_running, 6) << "the pages hold fewer than six at once";
+  EXPECT_GT(most_waiting, 0);
+  EXPECT_EQ(r.scheduler->Stats().preemptions, 0) << "reservations cover every admitted request";
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(handles[i]->finish_reason(), FinishReason::kLength) << i;
+    EXPECT_EQ(Drain(*handles[i]), RunAlone(path, "full", "", Prompt(i), 20)) << i;
+  }
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+}
+
+// With overcommitted admission a step can lack pages: the newest request is preempted and
+// later recomputed from its prompt and its tokens so far, and still produces its own tokens.
+TEST(Scheduler, PreemptionRecomputesWithoutChangingTokens) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  Runtime probe = MakeRuntime(path, "full", "", "f16", 0);
+  SchedulerOptions options;
+  options.max_running = 4;
+  options.overcommit = 4;  // all four start; pages for two
+  const size_t budget = probe.scheduler->ReserveBytes(91, 40) * 2;
+  Runtime r = MakeRuntime(path, "full", "", "f16", budget, options);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < 4; ++i) {
+    auto h = r.scheduler->Submit(Greedy(Prompt(i + 2), 40));
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    handles.push_back(*h);
+  }
+  StepUntilDone(*r.scheduler, handles);
+  EXPECT_GT(r.scheduler->Stats().preemptions, 0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(Drain(*handles[i]), RunAlone(path, "full", "", Prompt(i + 2), 40)) << i;
+  }
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+}
+
+// A worker thread serves requests submitted from other threads.
+TEST(Scheduler, WorkerThreadServesConcurrentSubmitters) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  SchedulerOptions options;
+  options.max_running = 4;
+  Runtime r = MakeRuntime(path, "full", "", "f16", 0, options);
+  r.scheduler->Start();
+  std::vector<std::thread> clients;
+  std::vector<std::vector<int32_t>> got(8);
+  for (int i = 0; i < 8; ++i) {
+    clients.emplace_back([&, i] {
+      auto h = r.scheduler->Submit(Greedy(Prompt(i), 12));
+      ASSERT_TRUE(h.ok()) << h.status().ToString();
+      got[i] = Drain(**h);
+    });
+  }
+  for (auto& t : clients) t.join();
+  r.scheduler->Stop(/*drain=*/true, milliseconds(2000));
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(got[i].size(), 12u) << i;
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+  EXPECT_EQ(r.scheduler->Submit(Greedy(Prompt(1), 2)).status().code(), StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace kvsparse
+
+namespace kvsparse {
+namespace {
+
+// A request may bring its own method and budget (the server's "kvsparse" extension field): it
+// runs as a server configured that way would run it, reserves what its budget needs, and cannot
+// change how pages are stored.
+TEST(Scheduler, PerRequestMethodAndBudget) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  Runtime r = MakeRuntime(path, "full", "", "f16", 0);
+  const KvSparsityConfig& base = r.kv.controller->config();
+  auto layers = KvLayersWithOverride(base, "h2o", "40");
+  ASSERT_TRUE(layers.ok()) << layers.status().ToString();
+  GenerationRequest g = Greedy(Prompt(2), 30);
+  g.kv_layers = std::make_shared<const std::vector<LayerKvConfig>>(*layers);
+  EXPECT_LT(r.scheduler->ReserveBytes(static_cast<int32_t>(g.prompt.size()), 30, g.kv_layers.get()),
+            r.scheduler->ReserveBytes(static_cast<int32_t>(g.prompt.size()), 30));
+  auto h = r.scheduler->Submit(g);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  auto plain = r.scheduler->Submit(Greedy(Prompt(2), 30));
+  ASSERT_TRUE(plain.ok());
+  StepUntilDone(*r.scheduler, {*h, *plain});
+  EXPECT_EQ(Drain(**h), RunAlone(path, "h2o", "40", Prompt(2), 30));
+  EXPECT_EQ(Drain(**plain), RunAlone(path, "full", "", Prompt(2), 30));
+  EXPECT_GT(r.scheduler->Stats().evicted_tokens, 0);
+
+  // Bad overrides name the field.
+  auto unknown = KvLayersWithOverride(base, "h3o", "0.2");
+  EXPECT_EQ(unknown.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("kv_method"), std::string::npos) << unknown.status().message();
+  auto no_budget = KvLayersWithOverride(base, "h2o", "");
+  EXPECT_NE(no_budget.status().message().find("kv_budget"), std::string::npos) << no_budget.status().message();
+  auto bad_budget = KvLayersWithOverride(base, "h2o", "1.5");
+  EXPECT_EQ(bad_budget.status().code(), StatusCode::kInvalidArgument);
+  std::vector<LayerKvConfig> int8 = *layers;
+  for (LayerKvConfig& l : int8) l.kv_type = KvStorage::kInt8;
+  GenerationRequest other = Greedy(Prompt(8), 4);
+  other.kv_layers = std::make_shared<const std::vector<LayerKvConfig>>(int8);
+  auto refused = r.scheduler->Submit(other);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("kv_type"), std::string::npos) << refused.status().message();
+}
+
+}  // namespace
+}  // namespace kvsparse
+
+namespace kvsparse {
+namespace {
+
+// Requests that share a prompt prefix with a running one reuse its pages (reference counted)
+// and produce the tokens they would alone.
+TEST(Scheduler, SharedPromptPrefixesReusePages) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  std::vector<int32_t> system = Prompt(2);  // 75 tokens of "system prompt"
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> p = system;
+    for (int j = 0; j <= i; ++j) p.push_back(static_cast<int32_t>(10 + 7 * i + j));
+    prompts.push_back(p);
+  }
+  int64_t pages_shared = 0, pages_alone = 0;
+  std::vector<std::vector<int32_t>> shared_out, alone_out;
+  for (bool share : {true, false}) {
+    SchedulerOptions options;
+    options.max_running = 4;
+    options.share_prefixes = share;
+    Runtime r = MakeRuntime(path, "full", "", "f16", 0, options);
+    std::vector<std::shared_ptr<RequestHandle>> handles;
+    handles.push_back(*r.scheduler->Submit(Greedy(prompts[0], 20)));
+    r.scheduler->Step();  // the first prompt is computed before the others arrive
+    for (int i = 1; i < 4; ++i) handles.push_back(*r.scheduler->Submit(Greedy(prompts[i], 20)));
+    r.scheduler->Step();
+    (share ? pages_shared : pages_alone) = r.kv.cache->pages_in_use();
+    StepUntilDone(*r.scheduler, handles);
+    for (auto& h : handles) (share ? shared_out : alone_out).push_back(Drain(*h));
+    if (share) EXPECT_GE(r.scheduler->Stats().prefix_reused_tokens, 3 * 64);
+    EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+    r.kv.cache->CheckInvariants();
+  }
+  EXPECT_EQ(shared_out, alone_out);
+  EXPECT_LT(pages_shared, pages_alone);
+}
+
+}  // namespace
+}  // namespace kvsparse

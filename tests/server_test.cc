@@ -1,0 +1,790 @@
+// The OpenAI-compatible HTTP server end to end: a real server on 127.0.0.1 (ephemeral port) in
+// front of a running Scheduler, over a tiny random-weight model with a real tokenizer, driven by
+// httplib's client (and a raw socket for the client that walks away mid-stream).
+#include "server/http_server.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvsparse/engine.h"
+#include "kvsparse/kv_config.h"
+#include "kvsparse/model.h"
+#include "kvsparse/runtime.h"
+#include "kvsparse/scheduler.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/tokenizer.h"
+#include "support/cli_runner.h"
+#include "support/shared_data.h"
+#include "support/tiny_chat_model.h"
+
+namespace kvsparse::server {
+namespace {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kModelId = "tiny-test";
+constexpr const char* kApiKey = "sk-test-0123456789";
+constexpr size_t kMaxBody = 64 * 1024;
+constexpr int32_t kContext = 512;
+
+// Everything one test process serves: the model, the runtime, and three front ends on the same
+// scheduler (open, with an API key, without a tokenizer).
+struct Serving {
+  std::unique_ptr<Runtime> runtime;
+  std::unique_ptr<Scheduler> scheduler;
+};
+
+struct Env {
+  std::string vocab_note;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  KvSparsityConfig kv_config;
+  Serving serving;
+  Scheduler* scheduler = nullptr;  // serving's
+  std::unique_ptr<HttpServer> open;
+  std::unique_ptr<HttpServer> keyed;
+  std::unique_ptr<HttpServer> no_tokenizer;
+};
+
+Env* g_env = nullptr;
+std::string g_setup_error;
+
+ServerOptions BaseOptions() {
+  ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.model_id = kModelId;
+  o.chat_template = ChatTemplate::kLlama2;
+  o.max_body_bytes = kMaxBody;
+  o.http_threads = 24;  // 16 concurrent clients and room to spare
+  o.request_timeout_s = 60;
+  return o;
+}
+
+// A paged cache with room for every running request at the whole context, its engine and a
+// scheduler (not started).
+std::string MakeServing(const Env& env, SchedulerOptions sched, Serving* out) {
+  const ModelConfig& c = env.model->config();
+  auto probe = CreateServingKv(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, env.kv_config, size_t{1} << 30);
+  if (!probe.ok()) return probe.status().ToString();
+  sched.max_context = kContext;
+  const size_t budget = sched.max_running * probe->controller->SequenceReserveBytes(kContext - 1, 1);
+  auto runtime = CreateServingRuntime(*env.model, env.kv_config, budget, /*n_threads=*/2);
+  if (!runtime.ok()) return runtime.status().ToString();
+  out->runtime = std::move(*runtime);
+  out->scheduler = std::make_unique<Scheduler>(out->runtime->engine.get(), out->runtime->controller(), sched);
+  return {};
+}
+
+std::string SetUpEnv(Env* env) {
+  auto written = testing::WriteTinyChatModel("server_test_model.gguf", kContext, &env->vocab_note);
+  if (!written.ok()) return written.status().ToString();
+  const std::string path = *written;
+  auto model = Model::Load(path);
+  if (!model.ok()) return model.status().ToString();
+  env->model = std::move(*model);
+  auto tokenizer = Tokenizer::FromGguf(*env->model->gguf());
+  if (!tokenizer.ok()) return tokenizer.status().ToString();
+  env->tokenizer = std::move(*tokenizer);
+
+  const ModelConfig& c = env->model->config();
+  auto config = KvSparsityConfigFromFlags("full", "", "f16", c.n_layers);
+  if (!config.ok()) return config.status().ToString();
+  env->kv_config = *config;
+  SchedulerOptions sched;
+  sched.max_running = 4;
+  sched.max_queue = 64;
+  if (std::string e = MakeServing(*env, sched, &env->serving); !e.empty()) return e;
+  env->scheduler = env->serving.scheduler.get();
+  env->scheduler->Start();
+
+  auto start = [&](const Tokenizer* tokenizer, ServerOptions o, std::unique_ptr<HttpServer>* out) -> std::string {
+    o.kv_config = &env->kv_config;
+    auto server = HttpServer::Create(*env->model, tokenizer, env->scheduler, std::move(o));
+    if (!server.ok()) return server.status().ToString();
+    if (Status st = (*server)->Start(); !st.ok()) return st.ToString();
+    *out = std::move(*server);
+    return {};
+  };
+  if (std::string e = start(env->tokenizer.get(), BaseOptions(), &env->open); !e.empty()) return e;
+  ServerOptions keyed = BaseOptions();
+  keyed.api_key = kApiKey;
+  if (std::string e = start(env->tokenizer.get(), keyed, &env->keyed); !e.empty()) return e;
+  if (std::string e = start(nullptr, BaseOptions(), &env->no_tokenizer); !e.empty()) return e;
+  return {};
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    g_env = new Env;
+    g_setup_error = SetUpEnv(g_env);
+  }
+  static void TearDownTestSuite() {
+    if (g_env) {
+      for (auto* s : {&g_env->open, &g_env->keyed, &g_env->no_tokenizer}) {
+        if (*s) (*s)->StopAccepting();
+      }
+      if (g_env->scheduler) g_env->scheduler->Stop(/*drain=*/false);
+      for (auto* s : {&g_env->open, &g_env->keyed, &g_env->no_tokenizer}) {
+        if (*s) (*s)->Stop(std::chrono::seconds(1));
+      }
+    }
+    delete g_env;
+    g_env = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_TRUE(g_setup_error.empty()) << "server setup failed: " << g_setup_error;
+    env_ = g_env;
+  }
+
+  struct Reply {
+    int status = -1;  // -1: no response
+    std::string body;
+    httplib::Headers headers;
+    Json json() const {
+      Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+      EXPECT_FALSE(j.is_discarded()) << "not JSON: " << body;
+      return j;
+    }
+  };
+
+  static Reply ToReply(const httplib::Result& r) {
+    Reply out;
+    if (!r) return out;
+    out.status = r->status;
+    out.body = r->body;
+    out.headers = r->headers;
+    return out;
+  }
+  static httplib::Client MakeClient(int port) {
+    httplib::Client c("127.0.0.1", port);
+    c.set_connection_timeout(5);
+    c.set_read_timeout(60);
+    c.set_write_timeout(10);
+    return c;
+  }
+  Reply Post(const std::string& path, const std::string& body, int port = 0, const httplib::Headers& headers = {}) {
+    httplib::Client c = MakeClient(port ? port : env_->open->port());
+    return ToReply(c.Post(path, headers, body, "application/json"));
+  }
+  Reply Get(const std::string& path, int port = 0, const httplib::Headers& headers = {}) {
+    httplib::Client c = MakeClient(port ? port : env_->open->port());
+    return ToReply(c.Get(path, headers));
+  }
+
+  // The error body every failure carries; returns error.
+  static Json ExpectError(const Reply& r, int status, const std::string& what) {
+    EXPECT_EQ(r.status, status) << what << ": " << r.body;
+    Json j = Json::parse(r.body, nullptr, false);
+    if (j.is_discarded() || !j.contains("error")) {
+      ADD_FAILURE() << what << ": not an OpenAI error body: " << r.body;
+      return Json::object();
+    }
+    const Json& e = j["error"];
+    EXPECT_TRUE(e.contains("message") && e["message"].is_string() && !e["message"].get<std::string>().empty()) << r.body;
+    EXPECT_TRUE(e.contains("type") && e["type"].is_string()) << r.body;
+    EXPECT_TRUE(e.contains("param")) << r.body;
+    EXPECT_TRUE(e.contains("code")) << r.body;
+    return e;
+  }
+
+  // "data: <payload>\n\n" events; fails on anything else.
+  static std::vector<std::string> SseEvents(const std::string& body) {
+    std::vector<std::string> out;
+    size_t pos = 0;
+    while (pos < body.size()) {
+      if (body.compare(pos, 6, "data: ") != 0) {
+        ADD_FAILURE() << "event at byte " << pos << " does not start with 'data: ': " << body.substr(pos, 80);
+        break;
+      }
+      const size_t end = body.find("\n\n", pos);
+      if (end == std::string::npos) {
+        ADD_FAILURE() << "event at byte " << pos << " is not terminated by a blank line";
+        break;
+      }
+      std::string payload = body.substr(pos + 6, end - pos - 6);
+      EXPECT_EQ(payload.find('\n'), std::string::npos) << "one line per event: " << payload;
+      out.push_back(std::move(payload));
+      pos = end + 2;
+    }
+    return out;
+  }
+
+  // Waits until the scheduler holds no request, and returns its stats then.
+  SchedulerStats Idle() {
+    const auto until = Clock::now() + std::chrono::seconds(20);
+    SchedulerStats s = env_->scheduler->Stats();
+    while ((s.running > 0 || s.waiting > 0) && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      s = env_->scheduler->Stats();
+    }
+    return s;
+  }
+
+  static std::string CompletionBody(const std::string& prompt, int max_tokens, bool stream = false) {
+    Json j = {{"model", kModelId}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}};
+    if (stream) j["stream"] = true;
+    return j.dump();
+  }
+
+  Env* env_ = nullptr;
+};
+
+void ExpectUsage(const Json& usage, int max_completion) {
+  ASSERT_TRUE(usage.is_object()) << usage.dump();
+  const int prompt = usage.at("prompt_tokens").get<int>();
+  const int completion = usage.at("completion_tokens").get<int>();
+  EXPECT_GT(prompt, 0);
+  EXPECT_GE(completion, 1);
+  EXPECT_LE(completion, max_completion);
+  EXPECT_EQ(usage.at("total_tokens").get<int>(), prompt + completion);
+  EXPECT_GT(usage.at("kv_bytes").get<int64_t>(), 0) << "usage.kv_bytes: the request's peak KV bytes";
+}
+
+TEST(ConstantTimeEquals, ComparesWholeStrings) {
+  EXPECT_TRUE(ConstantTimeEquals("secret", "secret"));
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+  EXPECT_FALSE(ConstantTimeEquals("secreT", "secret"));
+  EXPECT_FALSE(ConstantTimeEquals("secret", "secret2"));
+  EXPECT_FALSE(ConstantTimeEquals("secret2", "secret"));
+  EXPECT_FALSE(ConstantTimeEquals("", "secret"));
+  EXPECT_FALSE(ConstantTimeEquals(std::string("secret\0", 7), "secret"));
+}
+
+TEST_F(ServerTest, CompletionWithTextPrompt) {
+  const int64_t before = static_cast<int64_t>(std::time(nullptr));
+  const Reply r = Post("/v1/completions", CompletionBody("Once upon a time", 8));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers.find("Content-Type")->second, "application/json");
+  const Json j = r.json();
+  EXPECT_EQ(j.at("id").get<std::string>().rfind("cmpl-", 0), 0u) << j.dump();
+  EXPECT_EQ(j.at("object"), "text_completion");
+  EXPECT_GE(j.at("created").get<int64_t>(), before);
+  EXPECT_LE(j.at("created").get<int64_t>(), static_cast<int64_t>(std::time(nullptr)));
+  EXPECT_EQ(j.at("model"), kModelId);
+  ASSERT_EQ(j.at("choices").size(), 1u);
+  const Json& choice = j["choices"][0];
+  EXPECT_EQ(choice.at("index"), 0);
+  EXPECT_TRUE(choice.at("text").is_string());
+  EXPECT_TRUE(choice.at("logprobs").is_null());
+  const std::string reason = choice.at("finish_reason").get<std::string>();
+  EXPECT_TRUE(reason == "stop" || reason == "length") << reason;
+  ExpectUsage(j.at("usage"), 8);
+  // The prompt is tokenized with BOS.
+  const Reply tok = Post("/tokenize", R"({"content": "Once upon a time", "add_special": true})");
+  ASSERT_EQ(tok.status, 200) << tok.body;
+  EXPECT_EQ(j["usage"]["prompt_tokens"].get<size_t>(), tok.json()["tokens"].size());
+  // Greedy: the same request gives the same text, under another id.
+  const Reply again = Post("/v1/completions", CompletionBody("Once upon a time", 8));
+  ASSERT_EQ(again.status, 200) << again.body;
+  EXPECT_EQ(again.json()["choices"][0]["text"], choice["text"]);
+  EXPECT_NE(again.json()["id"], j["id"]);
+}
+
+TEST_F(ServerTest, CompletionWithTokenIdPrompt) {
+  const Reply r = Post("/v1/completions", R"({"prompt": [1, 100, 200, 300], "max_tokens": 4, "temperature": 0})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const Json j = r.json();
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  ExpectUsage(j["usage"], 4);
+  EXPECT_EQ(j["choices"][0]["finish_reason"].is_string(), true);
+
+  const Json e = ExpectError(Post("/v1/completions", R"({"prompt": [1, 100, 99999999], "max_tokens": 4})"), 400,
+                             "token id outside the vocabulary");
+  EXPECT_EQ(e["param"], "prompt[2]");
+}
+
+TEST_F(ServerTest, ChatCompletion) {
+  const std::string body = R"({"model": "tiny-test", "temperature": 0, "max_tokens": 6, "messages": [
+      {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]})";
+  const Reply r = Post("/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const Json j = r.json();
+  EXPECT_EQ(j.at("id").get<std::string>().rfind("chatcmpl-", 0), 0u) << j.dump();
+  EXPECT_EQ(j.at("object"), "chat.completion");
+  EXPECT_TRUE(j.at("created").is_number_integer());
+  EXPECT_EQ(j.at("model"), kModelId);
+  ASSERT_EQ(j.at("choices").size(), 1u);
+  const Json& choice = j["choices"][0];
+  EXPECT_EQ(choice.at("index"), 0);
+  EXPECT_EQ(choice.at("message").at("role"), "assistant");
+  EXPECT_TRUE(choice.at("message").at("content").is_string());
+  const std::string reason = choice.at("finish_reason").get<std::string>();
+  EXPECT_TRUE(reason == "stop" || reason == "length") << reason;
+  ExpectUsage(j.at("usage"), 6);
+  // The prompt went through the llama2 template, tokenized with BOS and special tokens.
+  auto text = ApplyChatTemplate(ChatTemplate::kLlama2, {{"system", "You are terse."}, {"user", "Say hello."}}, true);
+  ASSERT_TRUE(text.ok());
+  EXPECT_EQ(j["usage"]["prompt_tokens"].get<size_t>(), env_->tokenizer->Encode(*text, true, true).size());
+}
+
+TEST_F(ServerTest, StreamingCompletionMatchesNonStreaming) {
+  const Reply plain = Post("/v1/completions", CompletionBody("The quick brown fox", 12));
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  const Reply r = Post("/v1/completions", CompletionBody("The quick brown fox", 12, /*stream=*/true));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers.find("Content-Type")->second, "text/event-stream");
+  const std::vector<std::string> events = SseEvents(r.body);
+  ASSERT_GE(events.size(), 2u) << r.body;
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text, id;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const Json c = Json::parse(events[i]);
+    EXPECT_EQ(c.at("object"), "text_completion");
+    EXPECT_EQ(c.at("model"), kModelId);
+    if (id.empty()) id = c.at("id").get<std::string>();
+    EXPECT_EQ(c.at("id"), id) << "every chunk repeats the id";
+    ASSERT_EQ(c.at("choices").size(), 1u);
+    text += c["choices"][0].at("text").get<std::string>();
+    const bool last = i + 2 == events.size();
+    EXPECT_EQ(c["choices"][0].at("finish_reason").is_null(), !last) << events[i];
+  }
+  EXPECT_EQ(text, plain.json()["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(Json::parse(events[events.size() - 2])["choices"][0]["finish_reason"],
+            plain.json()["choices"][0]["finish_reason"]);
+}
+
+TEST_F(ServerTest, StreamingChatHasRoleFirstFinishLastUsageThenDone) {
+  const std::string messages = R"([{"role": "user", "content": "Tell me a story."}])";
+  const Reply plain =
+      Post("/v1/chat/completions", R"({"temperature": 0, "max_tokens": 10, "messages": )" + messages + "}");
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  const Reply r = Post("/v1/chat/completions", R"({"temperature": 0, "max_tokens": 10, "stream": true,
+      "stream_options": {"include_usage": true}, "messages": )" + messages + "}");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const std::vector<std::string> events = SseEvents(r.body);
+  ASSERT_GE(events.size(), 4u) << r.body;  // role, finish, usage, [DONE] at least
+  EXPECT_EQ(events.back(), "[DONE]");
+  const Json first = Json::parse(events.front());
+  EXPECT_EQ(first.at("object"), "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"].at("role"), "assistant");
+  std::string content;
+  for (size_t i = 0; i + 3 < events.size(); ++i) {
+    const Json c = Json::parse(events[i]);
+    EXPECT_EQ(c.at("id"), first.at("id"));
+    EXPECT_TRUE(c["choices"][0].at("finish_reason").is_null());
+    if (i > 0) {
+      EXPECT_FALSE(c["choices"][0]["delta"].contains("role")) << events[i];
+    }
+    if (c["choices"][0]["delta"].contains("content")) content += c["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  const Json finish = Json::parse(events[events.size() - 3]);
+  EXPECT_EQ(finish["choices"][0].at("finish_reason"), plain.json()["choices"][0]["finish_reason"]);
+  const Json usage = Json::parse(events[events.size() - 2]);
+  EXPECT_TRUE(usage.at("choices").empty());
+  ExpectUsage(usage.at("usage"), 10);
+  EXPECT_EQ(usage["usage"]["completion_tokens"], plain.json()["usage"]["completion_tokens"]);
+  EXPECT_EQ(content, plain.json()["choices"][0]["message"]["content"].get<std::string>());
+}
+
+TEST_F(ServerTest, ModelsHealthTokenizeDetokenizeMetrics) {
+  const Reply health = Get("/health");
+  ASSERT_EQ(health.status, 200);
+  EXPECT_EQ(health.json(), Json({{"status", "ok"}}));
+
+  const Reply models = Get("/v1/models");
+  ASSERT_EQ(models.status, 200) << models.body;
+  const Json m = models.json();
+  EXPECT_EQ(m.at("object"), "list");
+  ASSERT_EQ(m.at("data").size(), 1u);
+  EXPECT_EQ(m["data"][0].at("id"), kModelId);
+  EXPECT_EQ(m["data"][0].at("object"), "model");
+  EXPECT_TRUE(m["data"][0].at("created").is_number_integer());
+  EXPECT_TRUE(m["data"][0].at("owned_by").is_string());
+
+  const std::string text = "Hello world, this is a test.";
+  const Reply tok = Post("/tokenize", Json{{"content", text}}.dump());
+  ASSERT_EQ(tok.status, 200) << tok.body;
+  const Json tokens = tok.json().at("tokens");
+  ASSERT_FALSE(tokens.empty());
+  const Reply detok = Post("/detokenize", Json{{"tokens", tokens}}.dump());
+  ASSERT_EQ(detok.status, 200) << detok.body;
+  EXPECT_EQ(detok.json().at("content"), text);
+  ExpectError(Post("/detokenize", R"({"tokens": [1, 99999999]})"), 400, "detokenize outside the vocabulary");
+
+  ASSERT_EQ(Post("/v1/completions", CompletionBody("metrics", 3)).status, 200);
+  // Requests are counted once their response is written (httplib's logger), which can be just
+  // after the client has read it: scrape until the count shows.
+  Reply metrics = Get("/metrics");
+  for (const auto until = Clock::now() + std::chrono::seconds(5);
+       metrics.body.find("kvsparse_requests_total{endpoint=\"/v1/completions\",status=\"200\"}") == std::string::npos &&
+       Clock::now() < until;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    metrics = Get("/metrics");
+  }
+  ASSERT_EQ(metrics.status, 200);
+  EXPECT_EQ(metrics.headers.find("Content-Type")->second.rfind("text/plain; version=0.0.4", 0), 0u);
+  for (const char* name :
+       {"kvsparse_requests_total{endpoint=\"/v1/completions\",status=\"200\"}", "kvsparse_prompt_tokens_total",
+        "kvsparse_generated_tokens_total", "kvsparse_time_to_first_token_seconds_bucket",
+        "kvsparse_inter_token_latency_seconds_bucket", "kvsparse_request_duration_seconds_count",
+        "kvsparse_requests_running", "kvsparse_requests_waiting", "kvsparse_kv_pages_used", "kvsparse_kv_bytes_used",
+        "kvsparse_kv_bytes_budget", "kvsparse_kv_bytes_reserved", "kvsparse_kv_evicted_tokens_total",
+        "kvsparse_preemptions_total", "kvsparse_requests_rejected_total"}) {
+    EXPECT_NE(metrics.body.find(name), std::string::npos) << name << " missing from /metrics";
+  }
+  EXPECT_EQ(metrics.body.find("kvsparse_kv_bytes_budget 0\n"), std::string::npos) << "the budget gauge is filled";
+}
+
+TEST_F(ServerTest, BadRequestsGetTheirStatusAndTheServerKeepsServing) {
+  Json e = ExpectError(Post("/v1/completions", "{not json"), 400, "malformed JSON");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": 5})"), 400, "prompt of the wrong type");
+  EXPECT_EQ(e["param"], "prompt");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "max_tokens": "ten"})"), 400, "max_tokens string");
+  EXPECT_EQ(e["param"], "max_tokens");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "temperature": 3})"), 400, "temperature out of range");
+  EXPECT_EQ(e["param"], "temperature");
+  e = ExpectError(Post("/v1/chat/completions", R"({"messages": [{"role": "robot", "content": "x"}]})"), 400,
+                  "unknown role");
+  e = ExpectError(Post("/v1/chat/completions", R"({"messages": "hi"})"), 400, "messages of the wrong type");
+  EXPECT_EQ(e["param"], "messages");
+  e = ExpectError(Post("/tokenize", R"({"content": 7})"), 400, "tokenize content type");
+  e = ExpectError(Post("/v1/completions", R"({"model": "gpt-4", "prompt": "x"})"), 404, "unknown model");
+  EXPECT_EQ(e["code"], "model_not_found");
+  EXPECT_EQ(e["param"], "model");
+  ExpectError(Get("/v1/nothing"), 404, "unknown route");
+  ExpectError(Post("/v1/nothing", "{}"), 404, "unknown POST route");
+  const Reply wrong_method = Get("/v1/completions");
+  ExpectError(wrong_method, 405, "GET on a POST route");
+  EXPECT_EQ(wrong_method.headers.find("Allow")->second, "POST");
+  ExpectError(Post("/metrics", "{}"), 405, "POST on a GET route");
+  ExpectError(Post("/v1/completions", std::string(kMaxBody + 1, ' ')), 413, "oversized body");
+  // A prompt that cannot fit the context, and per-request KV settings the server does not run.
+  Json long_prompt = {{"prompt", std::vector<int>(kContext + 10, 100)}, {"max_tokens", 4}};
+  e = ExpectError(Post("/v1/completions", long_prompt.dump()), 400, "prompt longer than the context");
+  EXPECT_EQ(e["code"], "context_length_exceeded");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_method": "h3o", "kv_budget": 0.2}})"),
+                  400, "unknown KV method");
+  EXPECT_EQ(e["param"], "kvsparse.kv_method");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_method": "h2o"}})"), 400,
+                  "a sparse method without a budget on a full-cache server");
+  EXPECT_EQ(e["param"], "kvsparse.kv_budget");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_method": "h2o", "kv_budget": 1.5}})"),
+                  400, "budget fraction above 1");
+  EXPECT_EQ(e["param"], "kvsparse.kv_budget");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_type": "int8"}})"), 400,
+                  "another page type");
+  EXPECT_EQ(e["param"], "kvsparse.kv_type");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_methods": "h2o"}})"), 400,
+                  "misspelt extension field");
+  const Reply same_kv = Post("/v1/completions", R"({"prompt": "x", "max_tokens": 2, "kvsparse": {"kv_method": "full",
+      "kv_type": "f16"}})");
+  EXPECT_EQ(same_kv.status, 200) << "the KV settings in force are accepted: " << same_kv.body;
+
+  // Still serving.
+  EXPECT_EQ(Get("/health").status, 200);
+  const Reply ok = Post("/v1/completions", CompletionBody("still alive", 3));
+  EXPECT_EQ(ok.status, 200) << ok.body;
+}
+
+TEST_F(ServerTest, ApiKeyGuardsEverythingButHealth) {
+  const int port = env_->keyed->port();
+  const httplib::Headers good = {{"Authorization", std::string("Bearer ") + kApiKey}};
+  EXPECT_EQ(Get("/health", port).status, 200) << "/health needs no key";
+  Json e = ExpectError(Get("/v1/models", port), 401, "no key");
+  EXPECT_EQ(e["code"], "invalid_api_key");
+  ExpectError(Get("/v1/models", port, {{"Authorization", "Bearer wrong"}}), 401, "wrong key");
+  ExpectError(Get("/v1/models", port, {{"Authorization", std::string("Bearer ") + kApiKey + "x"}}), 401,
+              "key with a suffix");
+  ExpectError(Get("/v1/models", port, {{"Authorization", kApiKey}}), 401, "key without Bearer");
+  ExpectError(Get("/metrics", port), 401, "metrics without key");
+  ExpectError(Post("/v1/completions", CompletionBody("x", 2), port), 401, "completion without key");
+  ExpectError(Post("/tokenize", R"({"content": "x"})", port, {{"Authorization", "Bearer "}}), 401, "empty key");
+  EXPECT_EQ(Get("/v1/models", port, good).status, 200);
+  const Reply ok = Post("/v1/completions", CompletionBody("with a key", 2), port, good);
+  EXPECT_EQ(ok.status, 200) << ok.body;
+}
+
+TEST_F(ServerTest, WithoutTokenizerOnlyTokenIdsWork) {
+  const int port = env_->no_tokenizer->port();
+  Json e = ExpectError(Post("/v1/completions", R"({"prompt": "text"})", port), 400, "text prompt, no tokenizer");
+  EXPECT_EQ(e["code"], "no_tokenizer");
+  ExpectError(Post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}]})", port), 400,
+              "chat, no tokenizer");
+  ExpectError(Post("/tokenize", R"({"content": "x"})", port), 400, "tokenize, no tokenizer");
+  const Reply r = Post("/v1/completions", R"({"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0,
+      "ignore_eos": true})", port);
+  ASSERT_EQ(r.status, 200) << r.body;
+  // The text is the generated ids, separated by spaces.
+  const std::string text = r.json()["choices"][0]["text"];
+  EXPECT_EQ(std::count(text.begin(), text.end(), ' '), 3) << text;
+}
+
+TEST_F(ServerTest, BindFailureNamesTheAddress) {
+  ServerOptions o = BaseOptions();
+  o.port = env_->open->port();  // taken
+  auto server = HttpServer::Create(*env_->model, env_->tokenizer.get(), env_->scheduler, o);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  const Status st = (*server)->Start();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("127.0.0.1:" + std::to_string(o.port)), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("in use"), std::string::npos) << st.message();
+}
+
+TEST_F(ServerTest, StopStringsCutTheTextAndFinishAsStop) {
+  const std::string prompt = "Once upon a time there was";
+  const Reply plain = Post("/v1/completions", CompletionBody(prompt, 16));
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  const std::string text = plain.json()["choices"][0]["text"];
+  // A stop string from the middle of the greedy text: two printable ASCII characters.
+  std::string stop;
+  for (size_t i = 2; i + 2 <= text.size() && stop.empty(); ++i) {
+    auto printable = [](char ch) { return ch > ' ' && ch < 127 && ch != '"' && ch != '\\'; };
+    if (printable(text[i]) && printable(text[i + 1])) stop = text.substr(i, 2);
+  }
+  if (stop.empty()) GTEST_SKIP() << "the random model's text has no ASCII pair to stop at: " << text;
+  const std::string want = text.substr(0, text.find(stop));
+  Json body = {{"prompt", prompt}, {"max_tokens", 16}, {"temperature", 0}, {"stop", {stop}}};
+  const Reply r = Post("/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.json()["choices"][0]["text"], want) << "stop " << stop << " in " << text;
+  EXPECT_EQ(r.json()["choices"][0]["finish_reason"], "stop");
+
+  body["stream"] = true;
+  const Reply streamed = Post("/v1/completions", body.dump());
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  const std::vector<std::string> events = SseEvents(streamed.body);
+  ASSERT_GE(events.size(), 2u);
+  std::string got;
+  for (size_t i = 0; i + 1 < events.size(); ++i) got += Json::parse(events[i])["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(Json::parse(events[events.size() - 2])["choices"][0]["finish_reason"], "stop");
+}
+
+// The "kvsparse" extension runs one request under its own method and budget.
+TEST_F(ServerTest, PerRequestKvMethodEvicts) {
+  const int64_t evicted_before = Idle().evicted_tokens;
+  const Reply r = Post("/v1/completions", R"({"prompt": "a story about a cat", "max_tokens": 80, "ignore_eos": true,
+      "temperature": 0, "kvsparse": {"kv_method": "streaming_llm", "kv_budget": 24}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.json()["usage"]["completion_tokens"], 80);
+  EXPECT_GT(Idle().evicted_tokens, evicted_before) << "the request ran with a 24-token budget";
+  const Reply full = Post("/v1/completions", R"({"prompt": "a story about a cat", "max_tokens": 80,
+      "ignore_eos": true, "temperature": 0})");
+  ASSERT_EQ(full.status, 200) << full.body;
+  EXPECT_LT(r.json()["usage"]["kv_bytes"].get<int64_t>(), full.json()["usage"]["kv_bytes"].get<int64_t>())
+      << "a sparse request holds fewer KV bytes at its peak";
+}
+
+TEST_F(ServerTest, RequestPastItsDeadlineGets408) {
+  const std::string body = R"({"prompt": "slow", "max_tokens": 400, "ignore_eos": true, "timeout_s": 0.000001)";
+  Json e = ExpectError(Post("/v1/completions", body + "}"), 408, "deadline passed");
+  EXPECT_EQ(e["code"], "request_timeout");
+  e = ExpectError(Post("/v1/completions", body + R"(, "stream": true})"), 408, "deadline passed, streaming");
+  EXPECT_EQ(e["code"], "request_timeout");
+  EXPECT_EQ(Post("/v1/completions", CompletionBody("after a timeout", 2)).status, 200);
+}
+
+TEST_F(ServerTest, FullQueueGets503) {
+  SchedulerOptions sched;
+  sched.max_queue = 0;  // every request is refused
+  Serving serving;
+  ASSERT_EQ(MakeServing(*env_, sched, &serving), "");
+  serving.scheduler->Start();
+  auto server = HttpServer::Create(*env_->model, env_->tokenizer.get(), serving.scheduler.get(), BaseOptions());
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  ASSERT_TRUE((*server)->Start().ok());
+  const Reply r = Post("/v1/completions", CompletionBody("busy", 2), (*server)->port());
+  const Json e = ExpectError(r, 503, "queue full");
+  EXPECT_EQ(e["code"], "server_busy");
+  EXPECT_EQ(r.headers.find("Retry-After")->second, "1");
+  (*server)->Stop();
+  serving.scheduler->Stop();
+}
+
+// Stop with no grace cancels what is in flight: its client gets 503 and Stop returns.
+TEST_F(ServerTest, StopCancelsRequestsInFlight) {
+  Serving serving;  // never started: requests wait in its queue
+  ASSERT_EQ(MakeServing(*env_, SchedulerOptions{}, &serving), "");
+  auto server = HttpServer::Create(*env_->model, env_->tokenizer.get(), serving.scheduler.get(), BaseOptions());
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  ASSERT_TRUE((*server)->Start().ok());
+  Reply waiting;
+  std::thread client([&] { waiting = Post("/v1/completions", CompletionBody("never runs", 4), (*server)->port()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the request is in the queue
+  const auto t0 = Clock::now();
+  (*server)->Stop();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  client.join();
+  ExpectError(waiting, 503, "cancelled by Stop");
+  serving.scheduler->Stop();
+}
+
+// Greedy results do not depend on what else runs: 16 requests alone, then all at once.
+TEST_F(ServerTest, GreedyIsTheSameAloneAndWithFifteenOthers) {
+  constexpr int kClients = 16;
+  const std::vector<std::string> words = {"apple", "river", "stone", "cloud", "lamp", "forest", "tiger", "window"};
+  std::vector<std::string> bodies;
+  for (int i = 0; i < kClients; ++i) {
+    std::string prompt;
+    for (int w = 0; w <= i % 7; ++w) prompt += words[(i * 3 + w) % words.size()] + " ";
+    const bool chat = i % 4 == 3;
+    Json j = {{"temperature", 0}, {"max_tokens", 6 + i % 5}};
+    if (chat) {
+      j["messages"] = Json::array({{{"role", "user"}, {"content", prompt}}});
+    } else {
+      j["prompt"] = prompt;
+    }
+    bodies.push_back(j.dump());
+  }
+  auto path = [](int i) { return i % 4 == 3 ? "/v1/chat/completions" : "/v1/completions"; };
+  auto text = [](const Reply& r, int i) -> std::string {
+    const Json j = Json::parse(r.body, nullptr, false);
+    if (j.is_discarded() || !j.contains("choices")) return "<no completion: " + r.body + ">";
+    return i % 4 == 3 ? j["choices"][0]["message"]["content"].get<std::string>()
+                      : j["choices"][0]["text"].get<std::string>();
+  };
+  std::vector<std::string> alone(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    const Reply r = Post(path(i), bodies[i]);
+    ASSERT_EQ(r.status, 200) << r.body;
+    alone[i] = text(r, i);
+  }
+  std::vector<Reply> together(kClients);
+  std::vector<std::thread> threads;
+  const int port = env_->open->port();
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      httplib::Client c = MakeClient(port);
+      together[i] = ToReply(c.Post(path(i), bodies[i], "application/json"));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_EQ(together[i].status, 200) << "client " << i << ": " << together[i].body;
+    EXPECT_EQ(text(together[i], i), alone[i]) << "client " << i;
+  }
+  const SchedulerStats s = Idle();
+  EXPECT_EQ(s.finished[static_cast<int>(FinishReason::kError)], 0);
+}
+
+// A raw client that reads the first event of a stream and hangs up: the request is cancelled
+// and its pages come back.
+TEST_F(ServerTest, StreamingClientThatDisconnectsIsCancelled) {
+  const SchedulerStats before = Idle();
+  const int64_t cancelled_before = before.finished[static_cast<int>(FinishReason::kCancelled)];
+
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(env_->open->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string body = R"({"prompt": "A long story:", "max_tokens": 480, "ignore_eos": true, "stream": true})";
+  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                              "Content-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  std::string received;
+  char buf[4096];
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  while (received.find("data: ") == std::string::npos) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    received.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  ASSERT_NE(received.find("HTTP/1.1 200"), std::string::npos) << received;
+  ASSERT_NE(received.find("data: "), std::string::npos) << received;
+
+  // The server notices at its next writes, cancels, and the scheduler frees the pages.
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  SchedulerStats s = env_->scheduler->Stats();
+  while (Clock::now() < until &&
+         (s.finished[static_cast<int>(FinishReason::kCancelled)] == cancelled_before || s.running > 0 ||
+          s.kv_pages_used != before.kv_pages_used)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    s = env_->scheduler->Stats();
+  }
+  EXPECT_EQ(s.finished[static_cast<int>(FinishReason::kCancelled)], cancelled_before + 1)
+      << "the request was cancelled, not run to its end";
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.kv_pages_used, before.kv_pages_used) << "the cancelled request's pages came back";
+  EXPECT_EQ(Get("/health").status, 200);
+}
+
+// `kvsparse serve` itself: it prints where it listens, answers, and exits 0 on SIGTERM.
+TEST_F(ServerTest, ServeCommandAnswersAndExitsCleanlyOnSigterm) {
+  const std::string cli = testing::CliPath();
+  const std::string model = env_->model->path();
+  int err_pipe[2];
+  ASSERT_EQ(pipe(err_pipe), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    dup2(err_pipe[1], STDERR_FILENO);
+    close(err_pipe[0]);
+    close(err_pipe[1]);
+    execl(cli.c_str(), cli.c_str(), "serve", "-m", model.c_str(), "--port", "0", "-t", "1", "--parallel", "2",
+          "--chat-template", "llama2", "--alias", "cli-model", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(err_pipe[1]);
+  // Reads stderr until the "listening on" line (or 30 s).
+  std::string log;
+  int port = 0;
+  const auto until = Clock::now() + std::chrono::seconds(30);
+  while (port == 0 && Clock::now() < until) {
+    pollfd p{err_pipe[0], POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[1024];
+    const ssize_t n = read(err_pipe[0], buf, sizeof(buf));
+    if (n <= 0) break;
+    log.append(buf, static_cast<size_t>(n));
+    const std::string marker = "listening on http://127.0.0.1:";
+    const size_t at = log.find(marker);
+    if (at != std::string::npos && log.find('\n', at) != std::string::npos) {
+      port = std::atoi(log.c_str() + at + marker.size());
+    }
+  }
+  auto finish = [&](int sig) {
+    kill(pid, sig);
+    int status = 0;
+    for (int i = 0; i < 1000 && waitpid(pid, &status, WNOHANG) == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (waitpid(pid, &status, WNOHANG) == 0) {  // still there after 10 s
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -2;
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  if (port == 0) {
+    finish(SIGKILL);
+    close(err_pipe[0]);
+    FAIL() << "no 'listening on' line from " << cli << ":\n" << log;
+  }
+  EXPECT_NE(log.find("(model cli-model, kv "), std::string::npos) << log;
+  EXPECT_NE(log.find("parallel 2, KV budget "), std::string::npos) << log;
+  EXPECT_EQ(Get("/health", port).status, 200);
+  const Reply r = Post("/v1/chat/completions",
+                       R"({"model": "cli-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})",
+                       port);
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(finish(SIGTERM), 0) << "exit status after SIGTERM; log:\n" << log;
+  close(err_pipe[0]);
+}
+
+}  // namespace
+}  // namespace kvsparse::server

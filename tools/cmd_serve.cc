@@ -1,0 +1,229 @@
+// `kvsparse serve`: an OpenAI-compatible HTTP server (like llama.cpp's llama-server) in front of
+// the continuous-batching Scheduler, on the paged, sparsified KV cache.
+#include <fmt/format.h>
+#include <pthread.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "commands.h"
+#include "kv_flags.h"
+#include "kvsparse/model.h"
+#include "kvsparse/runtime.h"
+#include "kvsparse/scheduler.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/tokenizer.h"
+#include "server/chat_template.h"
+#include "server/http_server.h"
+#include "server/metrics.h"
+
+namespace kvsparse::cli {
+namespace {
+
+constexpr const char* kDefaultKvType = "f16";
+constexpr double kMiB = 1024.0 * 1024.0;
+
+struct ServeArgs {
+  std::string model;
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  int parallel = 4;
+  int n_threads = 0;
+  int n_ctx = 0;
+  double kv_memory_mib = 0;
+  KvFlags kv;
+  std::string api_key;
+  std::string chat_template;
+  std::string model_id;
+  int queue = 64;
+  int step_tokens = 512;
+  double timeout_s = 600;
+  int http_threads = 0;
+};
+
+// KV bytes one request of n_ctx tokens may hold under the config (what admission reserves),
+// the larger of a long prompt and a long generation.
+StatusOr<size_t> ReservePerRequest(const KvGeometry& geometry, const KvSparsityConfig& config, int32_t n_ctx) {
+  // A probe: SequenceReserveBytes only reads the page layouts and the config.
+  KVS_ASSIGN_OR_RETURN(SparseKvSetup probe, CreateServingKv(geometry, config, size_t{1} << 30));
+  const int32_t n = std::max<int32_t>(n_ctx, 2);
+  return std::max(probe.controller->SequenceReserveBytes(n - 1, 1), probe.controller->SequenceReserveBytes(1, n - 1));
+}
+
+int Run(const ServeArgs& a) {
+  // SIGINT/SIGTERM are taken by sigwait on this thread: block them before any thread starts
+  // (every thread inherits the mask), so no handler ever runs inside the engine or httplib.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // a client gone mid-write is an error return, not a kill
+
+  if (a.parallel < 1) return Fail(InvalidArgumentError(fmt::format("--parallel must be >= 1, got {}", a.parallel)));
+  auto path = ResolveModelPath(a.model);
+  if (!path.ok()) return Fail(path.status());
+  auto model_or = Model::Load(*path);
+  if (!model_or.ok()) return Fail(model_or.status());
+  const Model& model = **model_or;
+  const ModelConfig& c = model.config();
+
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (model.gguf() && model.gguf()->Find("tokenizer.ggml.tokens")) {
+    auto t = Tokenizer::FromGguf(*model.gguf());
+    if (!t.ok()) return Fail(t.status());
+    tokenizer = std::move(*t);
+  } else {
+    std::fprintf(stderr, "kvsparse serve: %s has no tokenizer: only token-id prompts (/v1/completions) will work\n",
+                 path->c_str());
+  }
+
+  server::ChatTemplate chat_template = server::ChatTemplate::kChatml;
+  std::string template_note;
+  if (!a.chat_template.empty()) {
+    auto parsed = server::ParseChatTemplateName(a.chat_template);
+    if (!parsed.ok()) return Fail(InvalidArgumentError("--chat-template: " + parsed.status().message()));
+    chat_template = *parsed;
+  } else {
+    std::string_view jinja;
+    if (model.gguf() && model.gguf()->Find("tokenizer.chat_template")) {
+      auto s = model.gguf()->GetString("tokenizer.chat_template");
+      if (s.ok()) jinja = *s;
+    }
+    bool recognized = false;
+    chat_template = server::DetectChatTemplate(jinja, &recognized);
+    if (!recognized) {
+      template_note = jinja.empty() ? " (no tokenizer.chat_template in the model: chatml; set --chat-template)"
+                                    : " (tokenizer.chat_template not recognised: chatml; set --chat-template)";
+    }
+  }
+
+  const int32_t n_ctx = a.n_ctx > 0 ? a.n_ctx : std::min(c.max_context > 0 ? c.max_context : 4096, 4096);
+  if (n_ctx < 2) return Fail(InvalidArgumentError(fmt::format("-c must be at least 2, got {}", n_ctx)));
+
+  // Always the paged cache with its controller: a method-less run is "full" at --kv-type.
+  KvStorage dense_storage = KvStorage::kF16;
+  auto sparsity = ResolveKvFlags(a.kv, kDefaultKvType, c.n_layers, &dense_storage);
+  if (!sparsity.ok()) return Fail(sparsity.status());
+  KvSparsityConfig config;
+  if (*sparsity) {
+    config = std::move(**sparsity);
+  } else {
+    auto full = KvSparsityConfigFromFlags("full", "", KvStorageName(dense_storage), c.n_layers);
+    if (!full.ok()) return Fail(full.status());
+    config = std::move(*full);
+  }
+  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+
+  size_t budget_bytes = 0;
+  if (a.kv_memory_mib > 0) {
+    budget_bytes = static_cast<size_t>(a.kv_memory_mib * kMiB);
+  } else if (a.kv_memory_mib < 0) {
+    return Fail(InvalidArgumentError(fmt::format("--kv-memory must be positive (MiB), got {}", a.kv_memory_mib)));
+  } else {
+    auto per_request = ReservePerRequest(geometry, config, n_ctx);
+    if (!per_request.ok()) return Fail(per_request.status());
+    budget_bytes = *per_request * static_cast<size_t>(a.parallel);
+  }
+  auto runtime = CreateServingRuntime(model, config, budget_bytes, a.n_threads);
+  if (!runtime.ok()) return Fail(runtime.status());
+  SparseKvController* controller = (*runtime)->controller();
+
+  SchedulerOptions sched_options;
+  sched_options.max_running = a.parallel;
+  sched_options.step_tokens = a.step_tokens;
+  sched_options.max_queue = a.queue;
+  sched_options.max_context = n_ctx;
+  Scheduler scheduler((*runtime)->engine.get(), controller, sched_options);
+
+  server::ServerOptions options;
+  options.host = a.host;
+  options.port = a.port;
+  options.api_key = a.api_key;
+  options.model_id = a.model_id;
+  options.chat_template = chat_template;
+  options.request_timeout_s = a.timeout_s;
+  options.http_threads = a.http_threads;
+  options.kv_config = &config;
+  // max_tokens beyond what the context leaves is cut to fit (finish_reason "length"), so any
+  // value up to the context is accepted.
+  options.limits.max_tokens_limit = std::max(options.limits.max_tokens_limit, n_ctx);
+  server::Registry metrics;
+  auto http = server::HttpServer::Create(model, tokenizer.get(), &scheduler, options, &metrics);
+  if (!http.ok()) return Fail(http.status());
+  scheduler.Start();
+  if (Status started = (*http)->Start(); !started.ok()) {
+    scheduler.Stop();
+    return Fail(started);
+  }
+  std::fprintf(stderr, "kvsparse serve: context %d tokens per request, chat template %s%s%s\n", n_ctx,
+               std::string(server::ChatTemplateName(chat_template)).c_str(), template_note.c_str(),
+               a.api_key.empty() ? "" : ", API key required");
+  std::fprintf(stderr, "kvsparse serve: listening on http://%s:%d (model %s, kv %s, parallel %d, KV budget %.1f MiB)\n",
+               a.host.c_str(), (*http)->port(), (*http)->model_id().c_str(), KvSparsityConfigSummary(config).c_str(),
+               a.parallel, budget_bytes / kMiB);
+  std::fflush(stderr);
+
+  int sig = 0;
+  while (sigwait(&stop_signals, &sig) != 0) {
+  }
+  std::fprintf(stderr, "kvsparse serve: %s: stopping (finishing requests in flight, at most 5 s)\n",
+               sig == SIGINT ? "SIGINT" : "SIGTERM");
+  std::fflush(stderr);
+  (*http)->StopAccepting();
+  scheduler.Stop(/*drain=*/true, std::chrono::seconds(5));
+  (*http)->Stop(std::chrono::seconds(1));
+  const SchedulerStats stats = scheduler.Stats();
+  std::fprintf(stderr, "kvsparse serve: stopped (%lld prompt tokens, %lld generated, %lld preemptions)\n",
+               static_cast<long long>(stats.prompt_tokens), static_cast<long long>(stats.generated_tokens),
+               static_cast<long long>(stats.preemptions));
+  if (a.kv.stats) std::fprintf(stderr, "%s", controller->FormatStats().c_str());
+  return 0;
+}
+
+}  // namespace
+
+void RegisterServe(CLI::App& app, int* exit_code) {
+  auto args = std::make_shared<ServeArgs>();
+  CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
+  cmd->add_option("-m,--model", args->model, "GGUF or llama2.c .bin model (default: built-in synthetic TinyLlama shape)");
+  cmd->add_option("--host", args->host, "address to listen on")->capture_default_str();
+  cmd->add_option("--port", args->port, "TCP port (0: any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
+  cmd->add_option("--parallel", args->parallel, "requests generated at once (continuous batching)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("-t,--threads", args->n_threads, "threads (0 = all cores)")->capture_default_str();
+  cmd->add_option("-c,--ctx-size", args->n_ctx, "context per request: prompt + completion (0 = min(model context, 4096))")
+      ->capture_default_str();
+  cmd->add_option("--kv-memory", args->kv_memory_mib,
+                  "KV page budget in MiB for all requests together (0 = room for --parallel requests of -c tokens "
+                  "under the KV config)")
+      ->capture_default_str();
+  AddKvFlags(cmd, &args->kv, kDefaultKvType);
+  cmd->add_option("--api-key", args->api_key, "require 'Authorization: Bearer KEY' (all endpoints but /health)")
+      ->envname("KVSPARSE_API_KEY");
+  cmd->add_option("--chat-template", args->chat_template,
+                  "llama2, llama3, chatml or mistral (default: detected from the GGUF tokenizer.chat_template)");
+  cmd->add_option("--alias", args->model_id, "model id clients name (default: the model file's name)");
+  cmd->add_option("--queue", args->queue, "requests that may wait for a slot; more get 503")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--step-tokens", args->step_tokens, "rows per batch step: decode rows, then prompt chunks")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--timeout", args->timeout_s, "seconds a generation request may take (then 408)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--http-threads", args->http_threads,
+                  "HTTP worker threads (0 = --parallel + --queue + 4, at most 256)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->callback([args, exit_code] { *exit_code = Run(*args); });
+}
+
+}  // namespace kvsparse::cli
