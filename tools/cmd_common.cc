@@ -48,4 +48,11 @@ StatusOr<std::string> ResolveModelPath(const std::string& path) {
   return file.string();
 }
 
+StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerIfAny(const Model& model) {
+  if (model.gguf() == nullptr || model.gguf()->Find("tokenizer.ggml.tokens") == nullptr) {
+    return std::unique_ptr<Tokenizer>();
+  }
+  return Tokenizer::FromGguf(*model.gguf());
+}
+
 }  // namespace kvsparse::cli

@@ -56,12 +56,9 @@ int Run(const GenerateArgs& a) {
   const Model& model = **model_or;
   const ModelConfig& c = model.config();
 
-  std::unique_ptr<Tokenizer> tokenizer;
-  if (model.gguf() && model.gguf()->Find("tokenizer.ggml.tokens")) {
-    auto t = Tokenizer::FromGguf(*model.gguf());
-    if (!t.ok()) return Fail(t.status());
-    tokenizer = std::move(*t);
-  }
+  auto tokenizer_or = LoadTokenizerIfAny(model);
+  if (!tokenizer_or.ok()) return Fail(tokenizer_or.status());
+  std::unique_ptr<Tokenizer> tokenizer = std::move(*tokenizer_or);
 
   std::vector<int32_t> prompt;
   if (!a.prompt_tokens.empty()) {

@@ -73,12 +73,10 @@ int Run(const ServeArgs& a) {
   const Model& model = **model_or;
   const ModelConfig& c = model.config();
 
-  std::unique_ptr<Tokenizer> tokenizer;
-  if (model.gguf() && model.gguf()->Find("tokenizer.ggml.tokens")) {
-    auto t = Tokenizer::FromGguf(*model.gguf());
-    if (!t.ok()) return Fail(t.status());
-    tokenizer = std::move(*t);
-  } else {
+  auto tokenizer_or = LoadTokenizerIfAny(model);
+  if (!tokenizer_or.ok()) return Fail(tokenizer_or.status());
+  std::unique_ptr<Tokenizer> tokenizer = std::move(*tokenizer_or);
+  if (!tokenizer) {
     std::fprintf(stderr, "kvsparse serve: %s has no tokenizer: only token-id prompts (/v1/completions) will work\n",
                  path->c_str());
   }

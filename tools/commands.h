@@ -3,9 +3,12 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <memory>
 #include <string>
 
 #include "kvsparse/kv_cache.h"
+#include "kvsparse/model.h"
+#include "kvsparse/tokenizer.h"
 #include "kvsparse/status.h"
 
 namespace kvsparse::cli {
@@ -26,5 +29,8 @@ int Fail(const Status& status);
 // a random-weight model of TinyLlama-1.1B's exact shape (Q8_0), synthesized once into
 // $KVSPARSE_CACHE (default ~/.cache/kvsparse) so no download is needed.
 StatusOr<std::string> ResolveModelPath(const std::string& path);
+// The model's tokenizer from its GGUF tokenizer.ggml.* keys; null (not an error) when the file
+// has none (llama2.c checkpoints, vocab-less GGUFs): such models take token-id prompts only.
+StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerIfAny(const Model& model);
 
 }  // namespace kvsparse::cli
