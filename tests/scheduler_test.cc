@@ -84,8 +84,9 @@ void StepUntilDone(Scheduler& s, const std::vector<std::shared_ptr<RequestHandle
 }
 
 std::vector<int32_t> RunAlone(const std::string& path, const std::string& method, const std::string& budget,
-                              const std::vector<int32_t>& prompt, int32_t max_tokens) {
-  Runtime r = MakeRuntime(path, method, budget, "f16", 0);
+                              const std::vector<int32_t>& prompt, int32_t max_tokens,
+                              const std::string& kv_type = "f16") {
+  Runtime r = MakeRuntime(path, method, budget, kv_type, 0);
   auto h = r.scheduler->Submit(Greedy(prompt, max_tokens));
   EXPECT_TRUE(h.ok()) << h.status().ToString();
   StepUntilDone(*r.scheduler, {*h});
@@ -358,9 +359,9 @@ TEST(Scheduler, WorkerThreadServesConcurrentSubmitters) {
 namespace kvsparse {
 namespace {
 
-// A request may bring its own method and budget (the server's "kvsparse" extension field): it
-// runs as a server configured that way would run it, reserves what its budget needs, and cannot
-// change how pages are stored.
+// A request may bring its own method, budget and page storage (the server's "kvsparse"
+// extension field): it runs as a server configured that way would run it and reserves what its
+// budget and storage need.
 TEST(Scheduler, PerRequestMethodAndBudget) {
   KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
   Runtime r = MakeRuntime(path, "full", "", "f16", 0);
@@ -388,13 +389,54 @@ TEST(Scheduler, PerRequestMethodAndBudget) {
   EXPECT_NE(no_budget.status().message().find("kv_budget"), std::string::npos) << no_budget.status().message();
   auto bad_budget = KvLayersWithOverride(base, "h2o", "1.5");
   EXPECT_EQ(bad_budget.status().code(), StatusCode::kInvalidArgument);
-  std::vector<LayerKvConfig> int8 = *layers;
-  for (LayerKvConfig& l : int8) l.kv_type = KvStorage::kInt8;
-  GenerationRequest other = Greedy(Prompt(8), 4);
-  other.kv_layers = std::make_shared<const std::vector<LayerKvConfig>>(int8);
-  auto refused = r.scheduler->Submit(other);
-  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("kv_type"), std::string::npos) << refused.status().message();
+  auto bad_type = KvLayersWithOverride(base, "", "", "int3");
+  EXPECT_EQ(bad_type.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_type.status().message().find("kv_type"), std::string::npos) << bad_type.status().message();
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+}
+
+// A request's kv_type stores its pages in that type beside requests on the server's: its
+// tokens are those of a server started with that type, it reserves and holds fewer bytes, and
+// its pages go back to the pool.
+TEST(Scheduler, PerRequestKvType) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  SchedulerOptions options;
+  options.max_running = 4;
+  Runtime r = MakeRuntime(path, "full", "", "f16", 0, options);
+  const KvSparsityConfig& base = r.kv.controller->config();
+  struct Case {
+    const char* method;
+    const char* budget;
+    const char* kv_type;
+  };
+  const Case cases[] = {{"", "", "int8"}, {"h2o", "40", "int8"}, {"", "", "int8_kivi"}, {"", "", "f32"}};
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < 4; ++i) {
+    const Case& c = cases[i];
+    auto layers = KvLayersWithOverride(base, c.method, c.budget, c.kv_type);
+    ASSERT_TRUE(layers.ok()) << layers.status().ToString();
+    GenerationRequest g = Greedy(Prompt(i), 24);
+    g.kv_layers = std::make_shared<const std::vector<LayerKvConfig>>(*layers);
+    if (std::string(c.kv_type) == "int8") {
+      EXPECT_LT(r.scheduler->ReserveBytes(static_cast<int32_t>(g.prompt.size()), 24, g.kv_layers.get()),
+                r.scheduler->ReserveBytes(static_cast<int32_t>(g.prompt.size()), 24));
+    }
+    auto h = r.scheduler->Submit(g);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    handles.push_back(*h);
+  }
+  auto plain = r.scheduler->Submit(Greedy(Prompt(4), 24));
+  ASSERT_TRUE(plain.ok());
+  handles.push_back(*plain);
+  StepUntilDone(*r.scheduler, handles);
+  for (int i = 0; i < 4; ++i) {
+    const Case& c = cases[i];
+    const std::string method = *c.method ? c.method : "full";
+    EXPECT_EQ(Drain(*handles[i]), RunAlone(path, method, c.budget, Prompt(i), 24, c.kv_type)) << c.kv_type;
+  }
+  EXPECT_EQ(Drain(*handles[4]), RunAlone(path, "full", "", Prompt(4), 24));
+  r.kv.cache->CheckInvariants();
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
 }
 
 }  // namespace

@@ -480,8 +480,11 @@ TEST_F(ServerTest, BadRequestsGetTheirStatusAndTheServerKeepsServing) {
   e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_method": "h2o", "kv_budget": 1.5}})"),
                   400, "budget fraction above 1");
   EXPECT_EQ(e["param"], "kvsparse.kv_budget");
-  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_type": "int8"}})"), 400,
-                  "another page type");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_type": "int3"}})"), 400,
+                  "an unknown page type");
+  EXPECT_EQ(e["param"], "kvsparse.kv_type");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_type": 8}})"), 400,
+                  "a page type that is not a string");
   EXPECT_EQ(e["param"], "kvsparse.kv_type");
   e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "kvsparse": {"kv_methods": "h2o"}})"), 400,
                   "misspelt extension field");
@@ -582,6 +585,21 @@ TEST_F(ServerTest, PerRequestKvMethodEvicts) {
   ASSERT_EQ(full.status, 200) << full.body;
   EXPECT_LT(r.json()["usage"]["kv_bytes"].get<int64_t>(), full.json()["usage"]["kv_bytes"].get<int64_t>())
       << "a sparse request holds fewer KV bytes at its peak";
+}
+
+// ... and under its own page storage: int8 pages hold about half the bytes of the server's f16.
+TEST_F(ServerTest, PerRequestKvTypeHoldsFewerBytes) {
+  const std::string prompt = R"({"prompt": "a story about a dog", "max_tokens": 40, "ignore_eos": true,
+      "temperature": 0)";
+  const Reply int8 = Post("/v1/completions", prompt + R"(, "kvsparse": {"kv_type": "int8"}})");
+  ASSERT_EQ(int8.status, 200) << int8.body;
+  const Reply f16 = Post("/v1/completions", prompt + "}");
+  ASSERT_EQ(f16.status, 200) << f16.body;
+  const int64_t int8_bytes = int8.json()["usage"]["kv_bytes"].get<int64_t>();
+  const int64_t f16_bytes = f16.json()["usage"]["kv_bytes"].get<int64_t>();
+  EXPECT_LT(int8_bytes, f16_bytes * 3 / 4) << "int8 " << int8_bytes << " vs f16 " << f16_bytes;
+  EXPECT_EQ(int8.json()["usage"]["completion_tokens"], 40);
+  EXPECT_EQ(Idle().kv_pages_used, 0) << "the int8 request's pages went back to the pool";
 }
 
 TEST_F(ServerTest, RequestPastItsDeadlineGets408) {

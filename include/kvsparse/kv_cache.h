@@ -29,6 +29,9 @@ class KvCache {
   virtual KvStorage storage() const = 0;
   // Storage type of one layer's K/V; caches that mix types per layer override it.
   virtual KvStorage layer_storage(int layer) const { return storage(); }
+  // The storage of one sequence's layer: layer_storage(layer) unless the cache lets sequences
+  // choose their own (PagedKvCache::SetSequenceStorage).
+  virtual KvStorage sequence_storage(int seq, int layer) const { return layer_storage(layer); }
   virtual const KvGeometry& geometry() const = 0;
 
   // Stores n tokens of one layer. k, v: [n, n_kv_heads, head_dim] f32 (k already rotated);

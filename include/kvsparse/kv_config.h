@@ -68,10 +68,11 @@ StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, st
 // A request's override of a running config (the server's "kvsparse" extension field): every
 // layer gets `method` with its paper defaults and `budget`; an empty method keeps each layer's
 // method and parameters, an empty budget keeps each layer's budget (a non-full method on a
-// layer without one is an error). kv_type and per_head stay as in `base` (pages are laid out
-// at start-up). Messages name the field ("kv_method", "kv_budget") and the layer.
+// layer without one is an error), and a non-empty kv_type stores every layer in that type.
+// per_head stays as in `base` (the cache's tables are laid out at start-up). Messages name the
+// field ("kv_method", "kv_budget", "kv_type") and the layer.
 StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig& base, std::string_view method,
-                                                          std::string_view budget);
+                                                          std::string_view budget, std::string_view kv_type = {});
 
 // "512" -> 512 tokens, "0.2" -> a fifth of the context.
 StatusOr<KvBudget> ParseKvBudget(std::string_view text);

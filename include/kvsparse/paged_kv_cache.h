@@ -32,12 +32,20 @@
 //
 // Memory: one PagePool per storage type in use (page sizes differ), all charged to one
 // PageBudget (budget_bytes), so the budget bounds every layer's pages together.
+//
+// Storage per sequence: a sequence may store its layers in other types than the cache's
+// (SetSequenceStorage, while it holds no token), e.g. one request on int8 pages beside others
+// on f16. Each distinct list of layer types is a storage profile (profile 0: the options');
+// a profile's layers have their own layouts and counters and draw on the shared pools and
+// budget. per-head flags are the cache's for every profile. Pages are shared (Fork) only
+// between sequences of one profile: Fork gives the destination its source's profile.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kvsparse/kv_cache.h"
@@ -64,7 +72,8 @@ struct PagedKvCacheOptions {
 };
 
 // In a per-head layer a slot is one (token, kv head): token_bytes, live_tokens and the
-// evicted / removed counts are per head slot, summed over the layer's heads.
+// evicted / removed counts are per head slot, summed over the layer's heads. Counts and bytes
+// cover every storage profile; storage, page_bytes and token_bytes are the cache's own (profile 0).
 struct PagedKvLayerStats {
   KvStorage storage = KvStorage::kF16;
   bool per_head = false;
@@ -110,6 +119,10 @@ class PagedKvCache final : public KvCache {
   // Layer 0's storage (every layer's when uniform); mixed caches answer per layer_storage().
   KvStorage storage() const override { return layers_[0].storage; }
   KvStorage layer_storage(int layer) const override;
+  KvStorage sequence_storage(int seq, int layer) const override;
+  // Stores seq's layers in `layer_storage` (one type per layer, or one for all) from now on.
+  // seq must hold no token; InvalidArgument otherwise, or on a bad list.
+  Status SetSequenceStorage(int seq, std::span<const KvStorage> layer_storage);
   const KvGeometry& geometry() const override { return geometry_; }
   // ResourceExhausted (cache unchanged) when the pages it needs exceed the budget. A per-head
   // layer stores head h of every token in table h; positions must follow each head's last.
@@ -144,11 +157,12 @@ class PagedKvCache final : public KvCache {
   // layers) of seq (p0 < 0: from 0; p1 < 0: to the end).
   Status RemoveRange(int seq, int32_t p0, int32_t p1);
   // dst becomes a copy of src (dst's own tokens are dropped first) sharing src's pages, in
-  // every table.
+  // every table, and takes src's storage profile.
   Status Fork(int src, int dst);
   // Drops every sequence but seq.
   Status KeepOnly(int seq);
-  // A new, empty sequence (id n_seqs() before the call). Empty tables cost no pages.
+  // A new, empty sequence (id n_seqs() before the call) in the cache's storage types. Empty
+  // tables cost no pages.
   int AddSequence();
   // Renumbers the tokens of a table to positions 0..n-1 in order (StreamingLLM's positions
   // within the cache) and rotates each renumbered token's K by (new - old) position with
@@ -163,18 +177,27 @@ class PagedKvCache final : public KvCache {
   // -1 when it is empty.
   int32_t LastTokenPosition(int seq, int layer, int kv_head = 0) const;
 
+  // Every profile's pages of the layer together.
   size_t LayerAllocatedBytes(int layer) const;
   size_t LayerLiveBytes(int layer) const;
+  // Live bytes of seq's tables (a page shared with other sequences counts in each), in its
+  // own storage: slots × token bytes, int8_kivi channel scales per quantized page.
+  size_t SequenceLiveBytes(int seq) const;
   size_t FragmentationBytes() const { return AllocatedBytes() - LiveBytes(); }
   PagedKvStats Stats() const;
 
   int n_seqs() const { return n_seqs_; }
   int32_t page_size() const { return page_size_; }
+  // The cache's own layout (profile 0).
   size_t page_bytes(int layer) const;
   size_t token_bytes(int layer) const;     // per (token, head) slot in a per-head layer
-  // Bytes one table of `layer` may hold for max_tokens tokens: its full pages, a partly filled
-  // (int8_kivi: residual) page and one more page in flight while a page is rewritten.
-  size_t TableReserveBytes(int layer, int32_t max_tokens) const;
+  // Bytes one table of `layer` stored as `storage` may hold for max_tokens tokens: its full
+  // pages, a partly filled (int8_kivi: residual) page and one more page in flight while a page
+  // is rewritten.
+  size_t TableReserveBytes(int layer, int32_t max_tokens, KvStorage storage) const;
+  size_t TableReserveBytes(int layer, int32_t max_tokens) const {
+    return TableReserveBytes(layer, max_tokens, layer_storage(layer));
+  }
   int32_t tables_per_seq(int layer) const;  // 1, or n_kv_heads for a per-head layer
   const PageBudget& budget() const { return budget_; }
   int64_t pages_in_use() const { return pages_in_use_; }
@@ -193,7 +216,9 @@ class PagedKvCache final : public KvCache {
     size_t row_bytes = 0;    // one slot's K (or V): row_heads * head_dim values
     size_t token_bytes = 0;  // K + V + position + scales of one slot
   };
+  // One layer of one storage profile.
   struct Layer {
+    int index = 0;            // the model layer
     KvStorage storage = KvStorage::kF16;
     bool per_head = false;
     int n_tables = 1;         // tables per sequence: 1, or n_kv_heads when per_head
@@ -226,7 +251,18 @@ class PagedKvCache final : public KvCache {
   };
 
   PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions& options, size_t budget_bytes);
-  // head: 0 for a shared layer.
+  // Layer `layer` stored as `storage` (layout only: pools are attached by AttachPools).
+  Layer MakeLayer(int layer, KvStorage storage, bool per_head) const;
+  StatusOr<int> PoolFor(KvStorage storage, bool per_head, size_t page_bytes);
+  Status AttachPools(Layer* layer);
+  // The profile storing its layers as `storage` ([n_layers]), created on first use.
+  StatusOr<int> ProfileFor(const std::vector<KvStorage>& storage);
+  int n_profiles() const { return static_cast<int>(layers_.size()) / geometry_.n_layers; }
+  Layer& LayerOf(int seq, int layer) { return layers_[seq_profile_[seq] * geometry_.n_layers + layer]; }
+  const Layer& LayerOf(int seq, int layer) const {
+    return layers_[seq_profile_[seq] * geometry_.n_layers + layer];
+  }
+  // head: 0 for a shared layer. Every profile has the same tables (per_head is cache-wide).
   Table& table(int seq, int layer, int head = 0) {
     return tables_[static_cast<size_t>(seq) * tables_per_seq_ + layers_[layer].first_table + head];
   }
@@ -247,8 +283,8 @@ class PagedKvCache final : public KvCache {
   // ReleaseTo undoes it once no other table shares the page.
   PageId AllocateFrom(PagePool& pool, int64_t* layer_pages);
   void ReleaseTo(PagePool& pool, PageId id, int32_t fill, int64_t* layer_pages, int64_t* layer_slots);
-  PageId AllocatePage(int layer);  // budget already checked
-  void ReleasePage(int layer, PageId id, int32_t fill);
+  PageId AllocatePage(Layer& L);  // budget already checked
+  void ReleasePage(Layer& L, PageId id, int32_t fill);
   Status BudgetError(const char* op, int seq, int layer, int head, int64_t pages, size_t bytes) const;
   // Moves `count` slots between pages (memmove: ranges may overlap within one page).
   void CopySlots(const Layer& L, PageId src, int32_t src_slot, PageId dst, int32_t dst_slot, int32_t count);
@@ -260,9 +296,9 @@ class PagedKvCache final : public KvCache {
   // The first dropped index and the survivors of `keep` (first_drop -1: nothing dropped).
   static EvictPlan CountKept(const Table& t, const uint8_t* keep);
   EvictPlan PlanEvict(const Table& t, const Layer& L, const uint8_t* keep) const;
-  void ApplyEvict(Table& t, int layer, const uint8_t* keep, const EvictPlan& plan);
+  void ApplyEvict(Table& t, Layer& L, const uint8_t* keep, const EvictPlan& plan);
   Status EvictTable(int seq, int layer, int head, const std::vector<uint8_t>& keep);
-  void ClearTable(Table& t, int layer);
+  void ClearTable(Table& t, Layer& L);
   void ClearLayer(int seq, int layer);  // every table of the layer
   // Bytes an eviction plan allocates beyond what it frees first.
   size_t PlanBytes(const Layer& L, const EvictPlan& plan) const;
@@ -273,7 +309,7 @@ class PagedKvCache final : public KvCache {
   // Bytes the copies of shared pages from token `first` on need.
   size_t RenumberBytes(const Layer& L, const Table& t, int32_t first, int64_t* pages) const;
   // Renumbers t from token `first` on (budget already checked); returns the slots rotated.
-  int64_t RenumberTable(Table& t, int layer, int32_t first, const KeyRotateFn& rotate);
+  int64_t RenumberTable(Table& t, Layer& L, int32_t first, const KeyRotateFn& rotate);
 
   // ---- int8_kivi (paged_kv_cache_kivi.cc) ----
   // An int8_kivi table's last page, while not full, is its residual page (residual pool and
@@ -288,12 +324,12 @@ class PagedKvCache final : public KvCache {
     return IsResidualPage(L, t, page_index) ? L.residual_layout : L.layout;
   }
   void SetKiviLayout(Layer* layer) const;  // quantized page and residual page layouts
-  PageId AllocateResidualPage(int layer);  // budget already checked
-  void ReleaseResidualPage(int layer, PageId id, int32_t fill);
+  PageId AllocateResidualPage(Layer& L);  // budget already checked
+  void ReleaseResidualPage(Layer& L, PageId id, int32_t fill);
   // The rest of Append for an int8_kivi layer, after validation.
   Status AppendKivi(int seq, int layer, int32_t n, const float* k, const float* v, const int32_t* positions);
   EvictPlan PlanEvictKivi(const Table& t, const Layer& L, const uint8_t* keep) const;
-  void ApplyEvictKivi(Table& t, int layer, const uint8_t* keep, const EvictPlan& plan);
+  void ApplyEvictKivi(Table& t, Layer& L, const uint8_t* keep, const EvictPlan& plan);
   // Tokens on their way into int8_kivi pages. V keeps its int8 codes when it has them, so a
   // moved token's V stays bit-identical; K is always regrouped from f32.
   struct KiviStaging {
@@ -318,7 +354,8 @@ class PagedKvCache final : public KvCache {
   PageBudget budget_;                             // declared before pools_: they refund into it
   // One pool per distinct page layout in use: (storage type, per-head or not).
   std::vector<std::unique_ptr<PagePool>> pools_;
-  std::vector<Layer> layers_;                     // [n_layers]
+  std::vector<Layer> layers_;                     // [n_profiles, n_layers]; profile 0: the options'
+  std::vector<int> seq_profile_;                  // [n_seqs]
   size_t tables_per_seq_ = 0;                     // Σ layers' n_tables
   std::vector<Table> tables_;                     // [n_seqs, tables_per_seq_]
   int64_t pages_in_use_ = 0;

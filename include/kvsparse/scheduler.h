@@ -183,6 +183,7 @@ class Scheduler {
   void Preempt(Active& a);
   bool Admit();
   bool IsDense(const Active& a) const;  // every layer of its config keeps every token
+  const std::vector<LayerKvConfig>& LayersOf(const Active& a) const;  // its own config, or the server's
   void SharePrefix(Active& a);          // after acquiring a's sequence
   void WorkerLoop();
   void PublishStats();  // the step state's gauges into stats_

@@ -136,9 +136,10 @@ class SparseKvController {
   // cache grows by one sequence; empty tables cost no pages). `layers` (optional, checked by
   // CheckSequenceLayers) gives this sequence its own methods and budgets.
   StatusOr<int> AcquireSequence(std::shared_ptr<const std::vector<LayerKvConfig>> layers = nullptr);
-  // A per-sequence override must keep every layer's kv_type and per_head (the pages are laid out
-  // at start-up) and cannot turn on StreamingLLM cache positions; its values are validated as
-  // the config file's. Messages name the layer and the field.
+  // A per-sequence override may change methods, budgets and kv_type (the sequence's pages then
+  // use that storage: PagedKvCache::SetSequenceStorage), but must keep every layer's per_head
+  // (the cache's tables are laid out at start-up) and cannot turn on StreamingLLM cache
+  // positions; its values are validated as the config file's. Messages name the layer and field.
   Status CheckSequenceLayers(const std::vector<LayerKvConfig>& layers) const;
   // Drops every token of seq, frees its pages at once and makes its id available again.
   Status ReleaseSequence(int seq);
@@ -177,7 +178,7 @@ class SparseKvController {
   int n_policies(int layer) const { return per_head(layer) ? cache_->geometry().n_kv_heads : 1; }
   Status BuildPolicies(int seq);
   // The gathering pass and Observe for one policy; `shape` as the attention call's.
-  void Observe(KvPolicy& p, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
+  void Observe(KvPolicy& p, KvStorage storage, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
                int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
                const float* raw_scores);
   // RenumberPositions of the layer's table(s) (kv_head < 0: all) with rotate_.

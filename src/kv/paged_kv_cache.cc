@@ -57,67 +57,128 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
     return InvalidArgumentError("paged KV cache: the KV budget is 0 bytes; give it room for at least one page");
   }
   std::unique_ptr<PagedKvCache> cache(new PagedKvCache(geometry, options, options.budget_bytes));
-  // Layers with the same page layout share a pool: "kv-f16", "kv-int8-head", ...
-  auto pool_index = [&](KvStorage storage, bool per_head, size_t page_bytes) -> StatusOr<int> {
-    const std::string name = std::string("kv-") + KvStorageName(storage) + (per_head ? "-head" : "");
-    size_t index = 0;
-    while (index < cache->pools_.size() && cache->pools_[index]->name() != name) ++index;
-    if (index == cache->pools_.size()) {
-      KVS_ASSIGN_OR_RETURN(std::unique_ptr<PagePool> pool, PagePool::Create(page_bytes, &cache->budget_, name));
-      cache->pools_.push_back(std::move(pool));
-    }
-    KVS_CHECK(cache->pools_[index]->page_bytes() == page_bytes);
-    return static_cast<int>(index);
-  };
-  for (Layer& layer : cache->layers_) {
-    KVS_ASSIGN_OR_RETURN(layer.pool_index, pool_index(layer.storage, layer.per_head, layer.layout.page_bytes));
-    layer.pool = cache->pools_[layer.pool_index].get();
-    if (layer.kivi) {  // residual pages have the f16 layout: the f16 pool serves them
-      KVS_ASSIGN_OR_RETURN(layer.residual_pool_index,
-                           pool_index(kKiviResidualStorage, layer.per_head, layer.residual_layout.page_bytes));
-      layer.residual_pool = cache->pools_[layer.residual_pool_index].get();
-    }
-  }
+  for (Layer& layer : cache->layers_) KVS_RETURN_IF_ERROR(cache->AttachPools(&layer));
   return cache;
 }
 
 PagedKvCache::PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions& options, size_t budget_bytes)
     : geometry_(geometry), n_seqs_(options.n_seqs), page_size_(options.page_size), budget_(budget_bytes) {
-  const size_t P = static_cast<size_t>(page_size_);
-  layers_.resize(geometry.n_layers);
+  layers_.reserve(geometry.n_layers);
   for (int l = 0; l < geometry.n_layers; ++l) {
-    Layer& layer = layers_[l];
-    layer.storage = options.layer_storage.size() == 1 ? options.layer_storage[0] : options.layer_storage[l];
+    const KvStorage storage = options.layer_storage.size() == 1 ? options.layer_storage[0] : options.layer_storage[l];
     const std::vector<uint8_t>& ph = options.layer_per_head;
-    layer.per_head = !ph.empty() && (ph.size() == 1 ? ph[0] : ph[l]) != 0;
-    layer.n_tables = layer.per_head ? geometry.n_kv_heads : 1;
+    const bool per_head = !ph.empty() && (ph.size() == 1 ? ph[0] : ph[l]) != 0;
+    Layer layer = MakeLayer(l, storage, per_head);
     layer.first_table = tables_per_seq_;
     tables_per_seq_ += static_cast<size_t>(layer.n_tables);
-    PageLayout& p = layer.layout;
-    // A per-head layer's pages hold one head: the same sections with H = 1.
-    p.row_heads = layer.per_head ? 1 : geometry.n_kv_heads;
-    const size_t H = static_cast<size_t>(p.row_heads);
-    p.row_bytes = H * static_cast<size_t>(geometry.head_dim) * KvStorageValueBytes(layer.storage);
-    const bool int8 = layer.storage == KvStorage::kInt8;
-    p.k_offset = 0;
-    p.v_offset = Align64(P * p.row_bytes);
-    p.positions_offset = p.v_offset + Align64(P * p.row_bytes);
-    size_t end = p.positions_offset + Align64(P * sizeof(int32_t));
-    if (int8) {
-      p.k_scale_offset = end;
-      p.v_scale_offset = p.k_scale_offset + Align64(P * H * sizeof(float));
-      end = p.v_scale_offset + Align64(P * H * sizeof(float));
-    }
-    p.page_bytes = end;
-    p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + (int8 ? 2 * H * sizeof(float) : 0);
-    if (layer.storage == KvStorage::kInt8Kivi) SetKiviLayout(&layer);
+    layers_.push_back(layer);
   }
   tables_.resize(static_cast<size_t>(n_seqs_) * tables_per_seq_);
+  seq_profile_.assign(static_cast<size_t>(n_seqs_), 0);
+}
+
+PagedKvCache::Layer PagedKvCache::MakeLayer(int l, KvStorage storage, bool per_head) const {
+  const size_t P = static_cast<size_t>(page_size_);
+  Layer layer;
+  layer.index = l;
+  layer.storage = storage;
+  layer.per_head = per_head;
+  layer.n_tables = per_head ? geometry_.n_kv_heads : 1;
+  PageLayout& p = layer.layout;
+  // A per-head layer's pages hold one head: the same sections with H = 1.
+  p.row_heads = per_head ? 1 : geometry_.n_kv_heads;
+  const size_t H = static_cast<size_t>(p.row_heads);
+  p.row_bytes = H * static_cast<size_t>(geometry_.head_dim) * KvStorageValueBytes(storage);
+  const bool int8 = storage == KvStorage::kInt8;
+  p.k_offset = 0;
+  p.v_offset = Align64(P * p.row_bytes);
+  p.positions_offset = p.v_offset + Align64(P * p.row_bytes);
+  size_t end = p.positions_offset + Align64(P * sizeof(int32_t));
+  if (int8) {
+    p.k_scale_offset = end;
+    p.v_scale_offset = p.k_scale_offset + Align64(P * H * sizeof(float));
+    end = p.v_scale_offset + Align64(P * H * sizeof(float));
+  }
+  p.page_bytes = end;
+  p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + (int8 ? 2 * H * sizeof(float) : 0);
+  if (storage == KvStorage::kInt8Kivi) SetKiviLayout(&layer);
+  return layer;
+}
+
+// Layers with the same page layout share a pool: "kv-f16", "kv-int8-head", ...
+StatusOr<int> PagedKvCache::PoolFor(KvStorage storage, bool per_head, size_t page_bytes) {
+  const std::string name = std::string("kv-") + KvStorageName(storage) + (per_head ? "-head" : "");
+  size_t index = 0;
+  while (index < pools_.size() && pools_[index]->name() != name) ++index;
+  if (index == pools_.size()) {
+    KVS_ASSIGN_OR_RETURN(std::unique_ptr<PagePool> pool, PagePool::Create(page_bytes, &budget_, name));
+    pools_.push_back(std::move(pool));
+  }
+  KVS_CHECK(pools_[index]->page_bytes() == page_bytes);
+  return static_cast<int>(index);
+}
+
+Status PagedKvCache::AttachPools(Layer* layer) {
+  KVS_ASSIGN_OR_RETURN(layer->pool_index, PoolFor(layer->storage, layer->per_head, layer->layout.page_bytes));
+  layer->pool = pools_[layer->pool_index].get();
+  if (layer->kivi) {  // residual pages have the f16 layout: the f16 pool serves them
+    KVS_ASSIGN_OR_RETURN(layer->residual_pool_index,
+                         PoolFor(kKiviResidualStorage, layer->per_head, layer->residual_layout.page_bytes));
+    layer->residual_pool = pools_[layer->residual_pool_index].get();
+  }
+  return Status::Ok();
+}
+
+StatusOr<int> PagedKvCache::ProfileFor(const std::vector<KvStorage>& storage) {
+  const int n_layers = geometry_.n_layers;
+  KVS_CHECK(static_cast<int>(storage.size()) == n_layers);
+  for (int profile = 0; profile < n_profiles(); ++profile) {
+    bool same = true;
+    for (int l = 0; l < n_layers && same; ++l) same = layers_[profile * n_layers + l].storage == storage[l];
+    if (same) return profile;
+  }
+  std::vector<Layer> added;
+  for (int l = 0; l < n_layers; ++l) {
+    Layer layer = MakeLayer(l, storage[l], layers_[l].per_head);
+    layer.first_table = layers_[l].first_table;
+    KVS_RETURN_IF_ERROR(AttachPools(&layer));
+    added.push_back(layer);
+  }
+  const int profile = n_profiles();
+  layers_.insert(layers_.end(), added.begin(), added.end());
+  return profile;
+}
+
+Status PagedKvCache::SetSequenceStorage(int seq, std::span<const KvStorage> layer_storage) {
+  KVS_RETURN_IF_ERROR(CheckSeq("set-storage", seq));
+  const size_t n = layer_storage.size();
+  if (n != 1 && n != static_cast<size_t>(geometry_.n_layers)) {
+    return InvalidArgumentError("KV cache set-storage: seq " + std::to_string(seq) + ": " + std::to_string(n) +
+                                " storage types; expected 1 (all layers) or " + std::to_string(geometry_.n_layers));
+  }
+  for (KvStorage st : layer_storage) {
+    if (!IsKnownStorage(st)) return InvalidArgumentError("KV cache set-storage: unknown KV storage type");
+  }
+  for (size_t ti = 0; ti < tables_per_seq_; ++ti) {
+    if (tables_[static_cast<size_t>(seq) * tables_per_seq_ + ti].n != 0) {
+      return InvalidArgumentError("KV cache set-storage: seq " + std::to_string(seq) +
+                                     " holds tokens; clear it before changing its storage");
+    }
+  }
+  std::vector<KvStorage> storage(static_cast<size_t>(geometry_.n_layers));
+  for (int l = 0; l < geometry_.n_layers; ++l) storage[l] = n == 1 ? layer_storage[0] : layer_storage[l];
+  KVS_ASSIGN_OR_RETURN(seq_profile_[seq], ProfileFor(storage));
+  return Status::Ok();
 }
 
 KvStorage PagedKvCache::layer_storage(int layer) const {
   KVS_CHECK_MSG(layer >= 0 && layer < geometry_.n_layers, "layer " + std::to_string(layer) + " out of range");
   return layers_[layer].storage;
+}
+
+KvStorage PagedKvCache::sequence_storage(int seq, int layer) const {
+  CheckSeqLayer("sequence_storage", seq, layer);
+  return LayerOf(seq, layer).storage;
 }
 
 size_t PagedKvCache::page_bytes(int layer) const {
@@ -192,12 +253,9 @@ void PagedKvCache::ReleaseTo(PagePool& pool, PageId id, int32_t fill, int64_t* l
   KVS_CHECK(*layer_pages >= 0 && *layer_slots >= 0);
 }
 
-PageId PagedKvCache::AllocatePage(int layer) { return AllocateFrom(*layers_[layer].pool, &layers_[layer].pages); }
+PageId PagedKvCache::AllocatePage(Layer& L) { return AllocateFrom(*L.pool, &L.pages); }
 
-void PagedKvCache::ReleasePage(int layer, PageId id, int32_t fill) {
-  Layer& L = layers_[layer];
-  ReleaseTo(*L.pool, id, fill, &L.pages, &L.live_slots);
-}
+void PagedKvCache::ReleasePage(Layer& L, PageId id, int32_t fill) { ReleaseTo(*L.pool, id, fill, &L.pages, &L.live_slots); }
 
 Status PagedKvCache::BudgetError(const char* op, int seq, int layer, int head, int64_t pages, size_t bytes) const {
   std::string where = "seq " + std::to_string(seq) + (layer >= 0 ? " layer " + std::to_string(layer) : "") +
@@ -272,7 +330,7 @@ void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_
 }
 
 Status PagedKvCache::CheckPositions(int seq, int layer, int head, const int32_t* positions, int32_t n) const {
-  const Layer& L = layers_[layer];
+  const Layer& L = LayerOf(seq, layer);
   const Table& t = table(seq, layer, head);
   const std::string where = "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
                             (L.per_head ? " kv head " + std::to_string(head) : std::string());
@@ -333,7 +391,8 @@ size_t PagedKvCache::AppendBytes(int seq, int32_t n) const {
   size_t bytes = 0;
   int64_t pages = 0;
   for (int l = 0; l < geometry_.n_layers; ++l) {
-    for (int h = 0; h < layers_[l].n_tables; ++h) bytes += TableAppendBytes(layers_[l], table(seq, l, h), n, &pages);
+    const Layer& L = LayerOf(seq, l);
+    for (int h = 0; h < L.n_tables; ++h) bytes += TableAppendBytes(L, table(seq, l, h), n, &pages);
   }
   return bytes;
 }
@@ -348,11 +407,12 @@ Status PagedKvCache::CheckAppend(std::span<const KvAppendPlan> plans, const uint
     positions.resize(static_cast<size_t>(plan.n));
     for (int32_t i = 0; i < plan.n; ++i) positions[i] = plan.pos0 + i;
     for (int l = 0; l < geometry_.n_layers; ++l) {
-      for (int h = 0; h < layers_[l].n_tables; ++h) {
+      const Layer& L = LayerOf(plan.seq, l);
+      for (int h = 0; h < L.n_tables; ++h) {
         if (relative_positions == nullptr || relative_positions[l] == 0) {
           KVS_RETURN_IF_ERROR(CheckPositions(plan.seq, l, h, positions.data(), plan.n));
         }
-        bytes += TableAppendBytes(layers_[l], table(plan.seq, l, h), plan.n, &pages);
+        bytes += TableAppendBytes(L, table(plan.seq, l, h), plan.n, &pages);
       }
     }
   }
@@ -374,7 +434,7 @@ Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const
   if (k == nullptr || v == nullptr || positions == nullptr) {
     return InvalidArgumentError("KV cache append: null k, v or positions for " + std::to_string(n) + " tokens");
   }
-  Layer& L = layers_[layer];
+  Layer& L = LayerOf(seq, layer);
   const int32_t P = page_size_;
   // Validate every table (one per head in a per-head layer) and count the pages before
   // writing anything, so a failed append leaves the cache unchanged.
@@ -395,15 +455,15 @@ Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const
       // Copy-on-write: the partly filled last page is shared with another sequence.
       const PageId shared = t.pages.back();
       const int32_t fill = PageFill(t, t.pages.size() - 1);
-      const PageId own = AllocatePage(layer);
+      const PageId own = AllocatePage(L);
       CopySlots(L, shared, 0, own, 0, fill);
       L.live_slots += fill;
-      ReleasePage(layer, shared, fill);
+      ReleasePage(L, shared, fill);
       t.pages.back() = own;
       ++cow_pages_;
     }
     for (int32_t done = 0; done < n;) {
-      if (t.n == static_cast<int32_t>(t.pages.size()) * P) t.pages.push_back(AllocatePage(layer));
+      if (t.n == static_cast<int32_t>(t.pages.size()) * P) t.pages.push_back(AllocatePage(L));
       const int32_t slot = t.n - static_cast<int32_t>(t.pages.size() - 1) * P;
       const int32_t chunk = std::min(n - done, P - slot);
       uint8_t* page = L.pool->data(t.pages.back());
@@ -442,7 +502,7 @@ void PagedKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) const {
   KVS_CHECK_MSG(!layers_[layer].per_head, "Spans: layer " + std::to_string(layer) +
                                               " keeps different tokens per KV head; read it with "
                                               "HeadSpans(seq, layer, kv_head)");
-  FillSpans(layers_[layer], table(seq, layer), out);
+  FillSpans(LayerOf(seq, layer), table(seq, layer), out);
 }
 
 void PagedKvCache::HeadSpans(int seq, int layer, int kv_head, std::vector<KvSpan>* out) const {
@@ -451,7 +511,7 @@ void PagedKvCache::HeadSpans(int seq, int layer, int kv_head, std::vector<KvSpan
                                              " keeps the same tokens for every KV head; read it with Spans()");
   KVS_CHECK_MSG(kv_head >= 0 && kv_head < geometry_.n_kv_heads,
                 "HeadSpans: kv head " + std::to_string(kv_head) + " out of range");
-  FillSpans(layers_[layer], table(seq, layer, kv_head), out);
+  FillSpans(LayerOf(seq, layer), table(seq, layer, kv_head), out);
 }
 
 int32_t PagedKvCache::NumTokens(int seq, int layer) const {
@@ -468,12 +528,12 @@ int32_t PagedKvCache::NumHeadTokens(int seq, int layer, int kv_head) const {
   return table(seq, layer, layers_[layer].per_head ? kv_head : 0).n;
 }
 
-void PagedKvCache::ClearTable(Table& t, int layer) {
+void PagedKvCache::ClearTable(Table& t, Layer& L) {
   for (size_t i = 0; i < t.pages.size(); ++i) {
-    if (IsResidualPage(layers_[layer], t, i)) {
-      ReleaseResidualPage(layer, t.pages[i], PageFill(t, i));
+    if (IsResidualPage(L, t, i)) {
+      ReleaseResidualPage(L, t.pages[i], PageFill(t, i));
     } else {
-      ReleasePage(layer, t.pages[i], PageFill(t, i));
+      ReleasePage(L, t.pages[i], PageFill(t, i));
     }
   }
   t.pages.clear();
@@ -481,7 +541,8 @@ void PagedKvCache::ClearTable(Table& t, int layer) {
 }
 
 void PagedKvCache::ClearLayer(int seq, int layer) {
-  for (int h = 0; h < layers_[layer].n_tables; ++h) ClearTable(table(seq, layer, h), layer);
+  Layer& L = LayerOf(seq, layer);
+  for (int h = 0; h < L.n_tables; ++h) ClearTable(table(seq, layer, h), L);
 }
 
 void PagedKvCache::Clear(int seq) {
@@ -514,10 +575,9 @@ PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, 
   return plan;
 }
 
-void PagedKvCache::ApplyEvict(Table& t, int layer, const uint8_t* keep, const EvictPlan& plan) {
+void PagedKvCache::ApplyEvict(Table& t, Layer& L, const uint8_t* keep, const EvictPlan& plan) {
   if (plan.first_drop < 0) return;
-  if (layers_[layer].kivi) return ApplyEvictKivi(t, layer, keep, plan);
-  Layer& L = layers_[layer];
+  if (L.kivi) return ApplyEvictKivi(t, L, keep, plan);
   const int32_t P = page_size_;
   const int32_t n_old = t.n;
   const int32_t f = plan.first_drop;
@@ -531,7 +591,7 @@ void PagedKvCache::ApplyEvict(Table& t, int layer, const uint8_t* keep, const Ev
   // (only the untouched leading slots of the first page need copying; the rest is overwritten).
   for (int32_t d = first_page; d < new_count; ++d) {
     if (L.pool->refcount(old[d]) == 1) continue;
-    const PageId own = AllocatePage(layer);
+    const PageId own = AllocatePage(L);
     if (d == first_page && f % P > 0) CopySlots(L, old[d], 0, own, 0, f % P);
     t.pages[d] = own;
     ++cow_pages_;
@@ -567,14 +627,14 @@ void PagedKvCache::ApplyEvict(Table& t, int layer, const uint8_t* keep, const Ev
       }
       L.live_slots += new_fill(d);  // the copy; the shared original keeps its slots for others
     }
-    ReleasePage(layer, old[d], old_fill(d));
+    ReleasePage(L, old[d], old_fill(d));
   }
   t.pages.resize(new_count);
   t.n = plan.n_keep;
 }
 
 Status PagedKvCache::EvictTable(int seq, int layer, int head, const std::vector<uint8_t>& keep) {
-  Layer& L = layers_[layer];
+  Layer& L = LayerOf(seq, layer);
   Table& t = table(seq, layer, head);
   const std::string where = "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
                             (L.per_head ? " kv head " + std::to_string(head) : std::string());
@@ -587,7 +647,7 @@ Status PagedKvCache::EvictTable(int seq, int layer, int head, const std::vector<
   if (!budget_.CanAfford(bytes)) {
     return BudgetError("evict (copy of shared pages)", seq, layer, L.per_head ? head : -1, plan.fresh_pages, bytes);
   }
-  ApplyEvict(t, layer, keep.data(), plan);
+  ApplyEvict(t, L, keep.data(), plan);
   if (plan.first_drop >= 0) L.evicted_tokens += keep.size() - plan.n_keep;
   return Status::Ok();
 }
@@ -636,7 +696,7 @@ Status PagedKvCache::RemoveRange(int seq, int32_t p0, int32_t p1) {
   int64_t fresh_pages = 0;
   size_t fresh_bytes = 0;
   for (int l = 0; l < geometry_.n_layers; ++l) {
-    const Layer& L = layers_[l];
+    const Layer& L = LayerOf(seq, l);
     for (int h = 0; h < L.n_tables; ++h) {
       const size_t ti = L.first_table + h;
       const Table& t = tables[ti];
@@ -656,11 +716,12 @@ Status PagedKvCache::RemoveRange(int seq, int32_t p0, int32_t p1) {
     return BudgetError("remove-range (copy of shared pages)", seq, -1, -1, fresh_pages, fresh_bytes);
   }
   for (int l = 0; l < geometry_.n_layers; ++l) {
-    for (int h = 0; h < layers_[l].n_tables; ++h) {
-      const size_t ti = layers_[l].first_table + h;
+    Layer& L = LayerOf(seq, l);
+    for (int h = 0; h < L.n_tables; ++h) {
+      const size_t ti = L.first_table + h;
       const int32_t n_before = tables[ti].n;
-      ApplyEvict(tables[ti], l, scratch_keep_.data() + mask_offset[ti], plans[ti]);
-      layers_[l].removed_tokens += n_before - tables[ti].n;
+      ApplyEvict(tables[ti], L, scratch_keep_.data() + mask_offset[ti], plans[ti]);
+      L.removed_tokens += n_before - tables[ti].n;
     }
   }
   return Status::Ok();
@@ -670,14 +731,16 @@ Status PagedKvCache::Fork(int src, int dst) {
   KVS_RETURN_IF_ERROR(CheckSeq("fork (source)", src));
   KVS_RETURN_IF_ERROR(CheckSeq("fork (destination)", dst));
   if (src == dst) return Status::Ok();
+  for (int l = 0; l < geometry_.n_layers; ++l) ClearLayer(dst, l);
+  seq_profile_[dst] = seq_profile_[src];
   for (int l = 0; l < geometry_.n_layers; ++l) {
-    ClearLayer(dst, l);
-    for (int h = 0; h < layers_[l].n_tables; ++h) {
+    const Layer& L = LayerOf(src, l);
+    for (int h = 0; h < L.n_tables; ++h) {
       const Table& from = table(src, l, h);
       Table& to = table(dst, l, h);
       to.pages = from.pages;
       to.n = from.n;
-      for (size_t i = 0; i < to.pages.size(); ++i) PoolOf(layers_[l], to, i)->Retain(to.pages[i]);
+      for (size_t i = 0; i < to.pages.size(); ++i) PoolOf(L, to, i)->Retain(to.pages[i]);
     }
   }
   return Status::Ok();
@@ -687,6 +750,7 @@ int PagedKvCache::AddSequence() {
   KVS_CHECK_MSG(n_seqs_ < INT32_MAX / 2, "AddSequence: too many sequences");
   ++n_seqs_;
   tables_.resize(static_cast<size_t>(n_seqs_) * tables_per_seq_);
+  seq_profile_.push_back(0);
   return n_seqs_ - 1;
 }
 
@@ -700,20 +764,47 @@ Status PagedKvCache::KeepOnly(int seq) {
 
 size_t PagedKvCache::LayerAllocatedBytes(int layer) const {
   KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
-  const Layer& L = layers_[layer];
-  return static_cast<size_t>(L.pages) * L.layout.page_bytes +
-         static_cast<size_t>(L.residual_pages) * L.residual_layout.page_bytes;
+  size_t bytes = 0;
+  for (int profile = 0; profile < n_profiles(); ++profile) {
+    const Layer& L = layers_[profile * geometry_.n_layers + layer];
+    bytes += static_cast<size_t>(L.pages) * L.layout.page_bytes +
+             static_cast<size_t>(L.residual_pages) * L.residual_layout.page_bytes;
+  }
+  return bytes;
 }
 
 size_t PagedKvCache::LayerLiveBytes(int layer) const {
   KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
-  const Layer& L = layers_[layer];
-  // int8_kivi: each quantized page's K channel scales are live with it; residual slots are f16.
-  const size_t channel_scale_bytes =
-      L.kivi ? static_cast<size_t>(L.layout.row_heads) * geometry_.head_dim * sizeof(float) : 0;
-  return static_cast<size_t>(L.live_slots) * L.layout.token_bytes +
-         static_cast<size_t>(L.pages) * channel_scale_bytes +
-         static_cast<size_t>(L.residual_slots) * L.residual_layout.token_bytes;
+  size_t bytes = 0;
+  for (int profile = 0; profile < n_profiles(); ++profile) {
+    const Layer& L = layers_[profile * geometry_.n_layers + layer];
+    // int8_kivi: each quantized page's K channel scales are live with it; residual slots are f16.
+    const size_t channel_scale_bytes =
+        L.kivi ? static_cast<size_t>(L.layout.row_heads) * geometry_.head_dim * sizeof(float) : 0;
+    bytes += static_cast<size_t>(L.live_slots) * L.layout.token_bytes +
+             static_cast<size_t>(L.pages) * channel_scale_bytes +
+             static_cast<size_t>(L.residual_slots) * L.residual_layout.token_bytes;
+  }
+  return bytes;
+}
+
+size_t PagedKvCache::SequenceLiveBytes(int seq) const {
+  KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_, "SequenceLiveBytes: seq " + std::to_string(seq) + " out of range");
+  size_t bytes = 0;
+  for (int l = 0; l < geometry_.n_layers; ++l) {
+    const Layer& L = LayerOf(seq, l);
+    const size_t channel_scale_bytes =
+        L.kivi ? static_cast<size_t>(L.layout.row_heads) * geometry_.head_dim * sizeof(float) : 0;
+    for (int h = 0; h < L.n_tables; ++h) {
+      const Table& t = table(seq, l, h);
+      for (size_t i = 0; i < t.pages.size(); ++i) {
+        const bool residual = IsResidualPage(L, t, i);
+        bytes += static_cast<size_t>(PageFill(t, i)) * (residual ? L.residual_layout : L.layout).token_bytes +
+                 (residual ? 0 : channel_scale_bytes);
+      }
+    }
+  }
+  return bytes;
 }
 
 size_t PagedKvCache::AllocatedBytes() const {
@@ -740,14 +831,17 @@ PagedKvStats PagedKvCache::Stats() const {
     ls.tables_per_seq = L.n_tables;
     ls.page_bytes = L.layout.page_bytes;
     ls.token_bytes = L.layout.token_bytes;
-    ls.pages = L.pages + L.residual_pages;
-    ls.live_tokens = L.live_slots + L.residual_slots;
-    ls.residual_pages = L.residual_pages;
-    ls.residual_tokens = L.residual_slots;
+    for (int profile = 0; profile < n_profiles(); ++profile) {
+      const Layer& P = layers_[profile * geometry_.n_layers + l];
+      ls.pages += P.pages + P.residual_pages;
+      ls.live_tokens += P.live_slots + P.residual_slots;
+      ls.residual_pages += P.residual_pages;
+      ls.residual_tokens += P.residual_slots;
+      ls.evicted_tokens += P.evicted_tokens;
+      ls.removed_tokens += P.removed_tokens;
+    }
     ls.allocated_bytes = LayerAllocatedBytes(l);
     ls.live_bytes = LayerLiveBytes(l);
-    ls.evicted_tokens = L.evicted_tokens;
-    ls.removed_tokens = L.removed_tokens;
     s.allocated_bytes += ls.allocated_bytes;
     s.live_bytes += ls.live_bytes;
     s.evicted_tokens += ls.evicted_tokens;
@@ -778,17 +872,30 @@ void PagedKvCache::CheckInvariants() const {
     views[i].fill.assign(touched, -1);
     views[i].owner.assign(touched, -1);
   }
+  const int n_layers = geometry_.n_layers;
   std::vector<int> table_layer(tables_per_seq_);
-  for (int l = 0; l < geometry_.n_layers; ++l) {
-    KVS_CHECK(layers_[l].n_tables == (layers_[l].per_head ? geometry_.n_kv_heads : 1));
-    KVS_CHECK(layers_[l].pool == pools_[layers_[l].pool_index].get());
+  for (int l = 0; l < n_layers; ++l) {
     for (int h = 0; h < layers_[l].n_tables; ++h) table_layer[layers_[l].first_table + h] = l;
   }
+  for (size_t fl = 0; fl < layers_.size(); ++fl) {
+    const Layer& L = layers_[fl];
+    const Layer& base = layers_[L.index];
+    KVS_CHECK(L.index == static_cast<int>(fl) % n_layers);
+    KVS_CHECK(L.n_tables == (L.per_head ? geometry_.n_kv_heads : 1));
+    KVS_CHECK(L.per_head == base.per_head && L.first_table == base.first_table);
+    KVS_CHECK(L.pool == pools_[L.pool_index].get());
+  }
+  KVS_CHECK(seq_profile_.size() == static_cast<size_t>(n_seqs_));
   for (int seq = 0; seq < n_seqs_; ++seq) {
+    const int profile = seq_profile_[seq];
+    KVS_CHECK(profile >= 0 && profile < n_profiles());
     for (size_t ti = 0; ti < tables_per_seq_; ++ti) {
       const Table& t = tables_[static_cast<size_t>(seq) * tables_per_seq_ + ti];
       const int l = table_layer[ti];
-      const Layer& L = layers_[l];
+      const Layer& L = LayerOf(seq, l);
+      // A page belongs to one (profile, layer, head) table position.
+      const int64_t owner = static_cast<int64_t>(profile) * static_cast<int64_t>(tables_per_seq_) +
+                            static_cast<int64_t>(ti);
       KVS_CHECK(t.n >= 0);
       KVS_CHECK(t.pages.size() == static_cast<size_t>((t.n + page_size_ - 1) / page_size_));
       bool has_prev = false;
@@ -801,10 +908,10 @@ void PagedKvCache::CheckInvariants() const {
         KVS_CHECK(fill >= 1 && fill <= page_size_);
         ++view.refs[id];
         KVS_CHECK_MSG(view.fill[id] < 0 || view.fill[id] == fill, "shared page seen with different fills");
-        KVS_CHECK_MSG(view.owner[id] < 0 || view.owner[id] == static_cast<int64_t>(ti),
-                      "page shared across tables of different (layer, kv head)");
+        KVS_CHECK_MSG(view.owner[id] < 0 || view.owner[id] == owner,
+                      "page shared across tables of different (storage profile, layer, kv head)");
         view.fill[id] = fill;
-        view.owner[id] = static_cast<int64_t>(ti);
+        view.owner[id] = owner;
         const int32_t* pos =
             reinterpret_cast<const int32_t*>(PoolOf(L, t, i)->data(id) + LayoutOf(L, t, i).positions_offset);
         for (int32_t s = 0; s < fill; ++s) {
@@ -815,8 +922,9 @@ void PagedKvCache::CheckInvariants() const {
       }
     }
   }
-  std::vector<int64_t> layer_pages(geometry_.n_layers, 0), layer_slots(geometry_.n_layers, 0);
-  std::vector<int64_t> residual_pages(geometry_.n_layers, 0), residual_slots(geometry_.n_layers, 0);
+  // Indexed by flat layer (profile * n_layers + layer), as layers_.
+  std::vector<int64_t> layer_pages(layers_.size(), 0), layer_slots(layers_.size(), 0);
+  std::vector<int64_t> residual_pages(layers_.size(), 0), residual_slots(layers_.size(), 0);
   int64_t total_in_use = 0;
   size_t total_bytes = 0;
   for (size_t i = 0; i < pools_.size(); ++i) {
@@ -828,7 +936,10 @@ void PagedKvCache::CheckInvariants() const {
                         std::to_string(views[i].refs[id]) + " table references");
       if (views[i].refs[id] == 0) continue;
       ++distinct;
-      const int l = table_layer[static_cast<size_t>(views[i].owner[id])];
+      const int64_t owner = views[i].owner[id];
+      const size_t tables = tables_per_seq_;
+      const size_t l = static_cast<size_t>(owner) / tables * static_cast<size_t>(n_layers) +
+                       static_cast<size_t>(table_layer[static_cast<size_t>(owner) % tables]);
       const bool residual = layers_[l].kivi && static_cast<int>(i) == layers_[l].residual_pool_index;
       ++(residual ? residual_pages : layer_pages)[l];
       (residual ? residual_slots : layer_slots)[l] += views[i].fill[id];
@@ -837,7 +948,7 @@ void PagedKvCache::CheckInvariants() const {
     total_in_use += distinct;
     total_bytes += pools_[i]->bytes_in_use();
   }
-  for (int l = 0; l < geometry_.n_layers; ++l) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
     KVS_CHECK_MSG(layer_pages[l] == layers_[l].pages, "layer " + std::to_string(l) + " page count");
     KVS_CHECK_MSG(layer_slots[l] == layers_[l].live_slots, "layer " + std::to_string(l) + " live slots");
     KVS_CHECK_MSG(residual_pages[l] == layers_[l].residual_pages, "layer " + std::to_string(l) + " residual pages");

@@ -54,13 +54,9 @@ void PagedKvCache::SetKiviLayout(Layer* layer) const {
   r.token_bytes = 2 * r.row_bytes + sizeof(int32_t);
 }
 
-PageId PagedKvCache::AllocateResidualPage(int layer) {
-  Layer& L = layers_[layer];
-  return AllocateFrom(*L.residual_pool, &L.residual_pages);
-}
+PageId PagedKvCache::AllocateResidualPage(Layer& L) { return AllocateFrom(*L.residual_pool, &L.residual_pages); }
 
-void PagedKvCache::ReleaseResidualPage(int layer, PageId id, int32_t fill) {
-  Layer& L = layers_[layer];
+void PagedKvCache::ReleaseResidualPage(Layer& L, PageId id, int32_t fill) {
   ReleaseTo(*L.residual_pool, id, fill, &L.residual_pages, &L.residual_slots);
 }
 
@@ -68,9 +64,9 @@ size_t PagedKvCache::PlanBytes(const Layer& L, const EvictPlan& plan) const {
   return L.kivi ? plan.fresh_bytes : static_cast<size_t>(plan.fresh_pages) * L.layout.page_bytes;
 }
 
-size_t PagedKvCache::TableReserveBytes(int layer, int32_t max_tokens) const {
+size_t PagedKvCache::TableReserveBytes(int layer, int32_t max_tokens, KvStorage storage) const {
   KVS_CHECK(layer >= 0 && layer < geometry_.n_layers && max_tokens >= 0);
-  const Layer& L = layers_[layer];
+  const Layer L = MakeLayer(layer, storage, layers_[layer].per_head);
   if (!L.kivi) {
     const size_t pages = static_cast<size_t>((max_tokens + page_size_ - 1) / page_size_) + 1;
     return pages * L.layout.page_bytes;
@@ -158,7 +154,7 @@ void PagedKvCache::WriteKiviPage(const Layer& L, uint8_t* page, bool residual, i
 
 Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, const float* v,
                                 const int32_t* positions) {
-  Layer& L = layers_[layer];
+  Layer& L = LayerOf(seq, layer);
   const int32_t P = page_size_;
   // Append checked the budget (TableAppendBytes walks the same steps as below).
   const int rh = L.layout.row_heads, D = geometry_.head_dim;
@@ -187,10 +183,10 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
         // The page fills: its residual tokens and the new ones are quantized as one group.
         if (r > 0) ReadKiviSlots(L, t, t.pages.size() - 1, 0, r, &st, 0);
         stage_input(done, c, r);
-        const PageId id = AllocatePage(layer);
+        const PageId id = AllocatePage(L);
         WriteKiviPage(L, L.pool->data(id), /*residual=*/false, 0, st, 0, P);
         if (r > 0) {
-          ReleaseResidualPage(layer, t.pages.back(), r);
+          ReleaseResidualPage(L, t.pages.back(), r);
           t.pages.back() = id;
         } else {
           t.pages.push_back(id);
@@ -198,15 +194,15 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
         L.live_slots += P;
       } else {
         if (r == 0) {
-          t.pages.push_back(AllocateResidualPage(layer));
+          t.pages.push_back(AllocateResidualPage(L));
         } else if (L.residual_pool->refcount(t.pages.back()) > 1) {
           // Copy-on-write: the residual page is shared with another sequence.
           const PageId shared = t.pages.back();
           ReadKiviSlots(L, t, t.pages.size() - 1, 0, r, &st, 0);
-          const PageId own = AllocateResidualPage(layer);
+          const PageId own = AllocateResidualPage(L);
           WriteKiviPage(L, L.residual_pool->data(own), /*residual=*/true, 0, st, 0, r);
           L.residual_slots += r;
-          ReleaseResidualPage(layer, shared, r);
+          ReleaseResidualPage(L, shared, r);
           t.pages.back() = own;
           ++cow_pages_;
         }
@@ -241,8 +237,7 @@ PagedKvCache::EvictPlan PagedKvCache::PlanEvictKivi(const Table& t, const Layer&
   return plan;
 }
 
-void PagedKvCache::ApplyEvictKivi(Table& t, int layer, const uint8_t* keep, const EvictPlan& plan) {
-  Layer& L = layers_[layer];
+void PagedKvCache::ApplyEvictKivi(Table& t, Layer& L, const uint8_t* keep, const EvictPlan& plan) {
   const int32_t P = page_size_;
   const int32_t n_old = t.n;
   const int32_t first_page = plan.first_drop / P;
@@ -273,22 +268,22 @@ void PagedKvCache::ApplyEvictKivi(Table& t, int layer, const uint8_t* keep, cons
     const bool is_residual = IsResidualPage(L, t, d);
     if (static_cast<int32_t>(d) < new_count && PoolOf(L, t, d)->refcount(t.pages[d]) > 1) ++cow_pages_;
     if (is_residual) {
-      ReleaseResidualPage(layer, t.pages[d], PageFill(t, d));
+      ReleaseResidualPage(L, t.pages[d], PageFill(t, d));
     } else {
-      ReleasePage(layer, t.pages[d], P);
+      ReleasePage(L, t.pages[d], P);
     }
   }
   t.pages.resize(first_page);
   t.n = first_page * P;
   for (int32_t d = first_page; d < full_pages; ++d) {
-    const PageId id = AllocatePage(layer);
+    const PageId id = AllocatePage(L);
     WriteKiviPage(L, L.pool->data(id), /*residual=*/false, 0, st, (d - first_page) * P, P);
     t.pages.push_back(id);
     t.n += P;
     L.live_slots += P;
   }
   if (residual > 0) {
-    const PageId id = AllocateResidualPage(layer);
+    const PageId id = AllocateResidualPage(L);
     WriteKiviPage(L, L.residual_pool->data(id), /*residual=*/true, 0, st, (full_pages - first_page) * P, residual);
     t.pages.push_back(id);
     t.n += residual;

@@ -20,7 +20,7 @@ namespace kvsparse {
 
 int32_t PagedKvCache::LastTokenPosition(int seq, int layer, int kv_head) const {
   CheckSeqLayer("LastTokenPosition", seq, layer);
-  const Layer& L = layers_[layer];
+  const Layer& L = LayerOf(seq, layer);
   KVS_CHECK_MSG(kv_head >= 0 && kv_head < geometry_.n_kv_heads,
                 "LastTokenPosition: kv head " + std::to_string(kv_head) + " out of range");
   const int32_t* last = LastPosition(L, table(seq, layer, L.per_head ? kv_head : 0));
@@ -51,8 +51,7 @@ size_t PagedKvCache::RenumberBytes(const Layer& L, const Table& t, int32_t first
   return bytes;
 }
 
-int64_t PagedKvCache::RenumberTable(Table& t, int layer, int32_t first, const KeyRotateFn& rotate) {
-  Layer& L = layers_[layer];
+int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const KeyRotateFn& rotate) {
   const int32_t P = page_size_;
   const int D = geometry_.head_dim;
   const int rh = L.layout.row_heads;
@@ -68,14 +67,14 @@ int64_t PagedKvCache::RenumberTable(Table& t, int layer, int32_t first, const Ke
     if (pool->refcount(t.pages[pi]) > 1) {
       // Copy-on-write: the other tables sharing this page keep their positions and keys.
       const PageId shared = t.pages[pi];
-      const PageId own = residual ? AllocateResidualPage(layer) : AllocatePage(layer);
+      const PageId own = residual ? AllocateResidualPage(L) : AllocatePage(L);
       std::memcpy(pool->data(own), pool->data(shared), p.page_bytes);
       if (residual) {
         L.residual_slots += fill;
-        ReleaseResidualPage(layer, shared, fill);
+        ReleaseResidualPage(L, shared, fill);
       } else {
         L.live_slots += fill;
-        ReleasePage(layer, shared, fill);
+        ReleasePage(L, shared, fill);
       }
       t.pages[pi] = own;
       ++cow_pages_;
@@ -138,7 +137,7 @@ Status PagedKvCache::RenumberPositions(int seq, int layer, int kv_head, const Ke
   KVS_RETURN_IF_ERROR(CheckSeq("renumber-positions", seq));
   KVS_RETURN_IF_ERROR(CheckLayer("renumber-positions", layer));
   if (!rotate) return InvalidArgumentError("KV cache renumber-positions: no key rotation given");
-  const Layer& L = layers_[layer];
+  Layer& L = LayerOf(seq, layer);
   if (kv_head >= 0 && !L.per_head) {
     return InvalidArgumentError("KV cache renumber-positions: layer " + std::to_string(layer) +
                                 " keeps the same tokens for every KV head; pass kv_head -1");
@@ -163,7 +162,7 @@ Status PagedKvCache::RenumberPositions(int seq, int layer, int kv_head, const Ke
   for (int h = h0; h < h1; ++h) {
     Table& t = table(seq, layer, h);
     const int32_t first = FirstRenumbered(L, t);  // a second scan of positions: cheaper than a buffer
-    if (first < t.n) total += RenumberTable(t, layer, first, rotate);
+    if (first < t.n) total += RenumberTable(t, L, first, rotate);
   }
   rerotated_tokens_ += total;
   if (rotated != nullptr) *rotated = total;

@@ -83,7 +83,7 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
 ::testing::AssertionResult MatchesTable(const PagedKvCache& cache, int seq, int layer, int head,
                                         const ModelTable& full_model) {
   KvGeometry geo = cache.geometry();
-  const KvStorage storage = cache.layer_storage(layer);
+  const KvStorage storage = cache.sequence_storage(seq, layer);
   std::vector<KvSpan> spans;
   ModelTable head_model;
   int32_t n_cached = 0;
@@ -427,6 +427,86 @@ TEST(PagedKvCacheTest, MixedStoragePerLayer) {
   // A uniform cache's KvCache::layer_storage default answers storage() for every layer.
   ContiguousKvCache dense(geo, KvStorage::kF32, 1, 4);
   EXPECT_EQ(static_cast<const KvCache&>(dense).layer_storage(2), KvStorage::kF32);
+}
+
+// Sequences with their own storage (a request's kv_type): each holds exactly its own encoding
+// beside the others, shares the one budget, forks within its profile, and frees every page.
+TEST(PagedKvCacheTest, SequencesWithTheirOwnStorage) {
+  const KvGeometry geo{2, 2, 16};
+  auto cache = MakePagedCache(geo, {KvStorage::kF16}, 0, 8, 1 << 20);
+  const int f16 = cache->AddSequence();
+  const int int8 = cache->AddSequence();
+  const int mixed = cache->AddSequence();
+  const std::vector<KvStorage> all_int8 = {KvStorage::kInt8};
+  const std::vector<KvStorage> per_layer = {KvStorage::kF32, KvStorage::kInt8Kivi};
+  ASSERT_TRUE(cache->SetSequenceStorage(int8, all_int8).ok());
+  ASSERT_TRUE(cache->SetSequenceStorage(mixed, per_layer).ok());
+  EXPECT_EQ(cache->sequence_storage(f16, 1), KvStorage::kF16);
+  EXPECT_EQ(cache->sequence_storage(int8, 0), KvStorage::kInt8);
+  EXPECT_EQ(cache->sequence_storage(mixed, 0), KvStorage::kF32);
+  EXPECT_EQ(cache->sequence_storage(mixed, 1), KvStorage::kInt8Kivi);
+  EXPECT_EQ(cache->layer_storage(1), KvStorage::kF16) << "the cache's own storage is unchanged";
+  EXPECT_LT(cache->TableReserveBytes(0, 100, KvStorage::kInt8), cache->TableReserveBytes(0, 100));
+
+  std::mt19937 rng(11);
+  std::vector<ModelTable> f16_model(2), int8_model(2);
+  for (int l = 0; l < 2; ++l) {
+    ASSERT_TRUE(AppendRandom(*cache, f16_model[l], f16, l, 13, rng).ok());
+    ASSERT_TRUE(AppendRandom(*cache, int8_model[l], int8, l, 13, rng).ok());
+  }
+  ModelTable f32_model, unused;
+  ASSERT_TRUE(AppendRandom(*cache, f32_model, mixed, 0, 13, rng).ok());
+  ASSERT_TRUE(AppendRandom(*cache, unused, mixed, 1, 13, rng).ok());
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_TRUE(MatchesModel(*cache, f16, l, f16_model[l]));
+    EXPECT_TRUE(MatchesModel(*cache, int8, l, int8_model[l]));
+  }
+  EXPECT_TRUE(MatchesModel(*cache, mixed, 0, f32_model));
+  std::vector<KvSpan> spans;
+  cache->Spans(mixed, 1, &spans);
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_NE(spans[0].k_channel_scale, nullptr) << "a full int8_kivi page";
+  EXPECT_EQ(spans[1].k_channel_scale, nullptr) << "the residual";
+  cache->CheckInvariants();
+  // Layer bytes count every profile; the int8 sequence's pages are smaller.
+  const size_t f16_page = cache->page_bytes(0);
+  const size_t int8_page = cache->TableReserveBytes(0, 1, KvStorage::kInt8) / 2;
+  EXPECT_LT(int8_page, f16_page);
+  EXPECT_EQ(cache->LayerAllocatedBytes(0), 2 * f16_page + 2 * int8_page + 2 * cache->TableReserveBytes(0, 1, KvStorage::kF32) / 2);
+  EXPECT_EQ(cache->AllocatedBytes(), cache->budget().used_bytes());
+  EXPECT_EQ(cache->Stats().layers[0].pages, 6);
+  EXPECT_EQ(cache->SequenceLiveBytes(f16) + cache->SequenceLiveBytes(int8) + cache->SequenceLiveBytes(mixed),
+            cache->LiveBytes());
+  EXPECT_LT(cache->SequenceLiveBytes(int8), cache->SequenceLiveBytes(f16));
+
+  // A storage change needs an empty sequence.
+  EXPECT_EQ(cache->SetSequenceStorage(f16, all_int8).code(), StatusCode::kInvalidArgument);
+  const std::vector<KvStorage> two_of_three = {KvStorage::kF16, KvStorage::kF16, KvStorage::kF16};
+  EXPECT_EQ(cache->SetSequenceStorage(cache->AddSequence(), two_of_three).code(), StatusCode::kInvalidArgument);
+
+  // A fork takes the source's storage and shares its pages.
+  const int forked = cache->AddSequence();
+  ASSERT_TRUE(cache->Fork(int8, forked).ok());
+  EXPECT_EQ(cache->sequence_storage(forked, 0), KvStorage::kInt8);
+  ModelTable forked_model = int8_model[0];
+  ASSERT_TRUE(AppendRandom(*cache, forked_model, forked, 0, 5, rng).ok());  // copy-on-write of the last page
+  EXPECT_TRUE(MatchesModel(*cache, forked, 0, forked_model));
+  EXPECT_TRUE(MatchesModel(*cache, int8, 0, int8_model[0]));
+  std::vector<uint8_t> keep(13, 1);
+  keep[2] = keep[9] = 0;
+  ASSERT_TRUE(cache->Evict(int8, 0, keep).ok());
+  EXPECT_TRUE(MatchesModel(*cache, int8, 0, KeepRows(int8_model[0], keep)));
+  EXPECT_TRUE(MatchesModel(*cache, forked, 0, forked_model));
+  cache->CheckInvariants();
+
+  // A cleared sequence may change storage; every page goes back.
+  cache->Clear(f16);
+  ASSERT_TRUE(cache->SetSequenceStorage(f16, all_int8).ok());
+  EXPECT_EQ(cache->sequence_storage(f16, 0), KvStorage::kInt8);
+  for (int seq = 0; seq < cache->n_seqs(); ++seq) cache->Clear(seq);
+  cache->CheckInvariants();
+  EXPECT_EQ(cache->pages_in_use(), 0);
+  EXPECT_EQ(cache->budget().used_bytes(), 0u);
 }
 
 TEST(PagedKvCacheTest, SpansReusesTheOutputVector) {

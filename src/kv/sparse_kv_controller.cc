@@ -73,6 +73,14 @@ SparseKvController::SparseKvController(const KvSparsityConfig& config, PagedKvCa
 }
 
 Status SparseKvController::BuildPolicies(int seq) {
+  // A per-sequence config may store its pages in other types (the sequence holds no token yet).
+  std::vector<KvStorage> storage(static_cast<size_t>(n_layers_));
+  bool same_storage = true;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    storage[layer] = (seq_layers_[seq] ? (*seq_layers_[seq])[layer] : config_.layers[layer]).kv_type;
+    same_storage = same_storage && storage[layer] == cache_->sequence_storage(seq, layer);
+  }
+  if (!same_storage) KVS_RETURN_IF_ERROR(cache_->SetSequenceStorage(seq, storage));
   for (int layer = 0; layer < n_layers_; ++layer) {
     for (int head = 0; head < n_policies(layer); ++head) {
       // Distinct, reproducible seeds per (restart, sequence, layer, head); head 0 (and every
@@ -112,12 +120,6 @@ Status SparseKvController::CheckSequenceLayers(const std::vector<LayerKvConfig>&
   }
   for (int layer = 0; layer < n_layers_; ++layer) {
     const LayerKvConfig& l = layers[layer];
-    if (l.kv_type != config_.layers[layer].kv_type) {
-      return InvalidArgumentError(fmt::format(
-          "kv_type: layer {} stores {} pages in this server; a request cannot change it to {} (start the server with "
-          "that --kv-type)",
-          layer, KvStorageName(config_.layers[layer].kv_type), KvStorageName(l.kv_type)));
-    }
     if (l.per_head != config_.layers[layer].per_head) {
       return InvalidArgumentError(fmt::format("per_head: layer {} is {} in this server; a request cannot change it",
                                               layer, config_.layers[layer].per_head ? "per-head" : "shared"));
@@ -261,7 +263,8 @@ size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t m
       live = std::max(prompt_peak, decode_peak);
     }
     const int32_t live_tokens = static_cast<int32_t>(std::min<int64_t>(live, INT32_MAX - cache_->page_size()));
-    bytes += cache_->TableReserveBytes(layer, live_tokens) * static_cast<size_t>(n_policies(layer));
+    const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
+    bytes += cache_->TableReserveBytes(layer, live_tokens, storage) * static_cast<size_t>(n_policies(layer));
   }
   return bytes;
 }
@@ -286,7 +289,7 @@ void SparseKvController::ObserveAttention(int seq, int layer, const AttentionSha
   KVS_CHECK_MSG(!per_head(layer), fmt::format("ObserveAttention: layer {} is per-head; observe each head with "
                                               "ObserveHeadAttention",
                                               layer));
-  Observe(policy(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads, raw_scores);
+  Observe(policy(seq, layer), cache_->sequence_storage(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads, raw_scores);
 }
 
 void SparseKvController::ObserveHeadAttention(int seq, int layer, int kv_head, const AttentionShape& shape,
@@ -298,11 +301,11 @@ void SparseKvController::ObserveHeadAttention(int seq, int layer, int kv_head, c
                                              layer));
   KVS_CHECK_MSG(kv_head >= 0 && kv_head < n_policies(layer) && shape.n_kv_heads == 1,
                 fmt::format("ObserveHeadAttention: kv head {} with a {}-kv-head shape", kv_head, shape.n_kv_heads));
-  Observe(policy(seq, layer, kv_head), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads,
+  Observe(policy(seq, layer, kv_head), cache_->sequence_storage(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads,
           raw_scores);
 }
 
-void SparseKvController::Observe(KvPolicy& p, int layer, const AttentionShape& shape, const float* q,
+void SparseKvController::Observe(KvPolicy& p, KvStorage storage, int layer, const AttentionShape& shape, const float* q,
                                  const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
                                  const float* row_max_sum, int n_threads, const float* raw_scores) {
   const auto t0 = Clock::now();
@@ -332,7 +335,7 @@ void SparseKvController::Observe(KvPolicy& p, int layer, const AttentionShape& s
     // Decode steps: the attention call kept its scores, so K is not read a second time.
     ops::GatherScoresFromRaw(shape, q_pos, n_q, n_tokens, raw_scores, row_max_sum, gathering, outputs, n_threads);
   } else {
-    ops::AttentionScores(shape, cache_->layer_storage(layer), q, q_pos, n_q, spans, n_spans, row_max_sum, gathering,
+    ops::AttentionScores(shape, storage, q, q_pos, n_q, spans, n_spans, row_max_sum, gathering,
                          outputs, n_threads);
   }
   AttentionObservation obs;
@@ -395,7 +398,7 @@ Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionP
   ctx.in_prefill = point != EvictionPoint::kDecodeStep;
   ctx.spans = spans_.data();
   ctx.n_spans = static_cast<int32_t>(spans_.size());
-  ctx.storage = cache_->layer_storage(layer);
+  ctx.storage = cache_->sequence_storage(seq, layer);
   ctx.n_kv_heads = one_head ? 1 : g.n_kv_heads;  // head spans are [n, 1, head_dim]
   ctx.head_dim = g.head_dim;
   p.SelectKeep(ctx, &keep_);
@@ -477,7 +480,7 @@ void SparseKvController::SelectSpans(int seq, int layer, int kv_head, const Atte
   ctx.n_q_heads = shape.n_heads;
   ctx.n_kv_heads = shape.n_kv_heads;
   ctx.head_dim = shape.head_dim;
-  ctx.storage = cache_->layer_storage(layer);
+  ctx.storage = cache_->sequence_storage(seq, layer);
   ctx.cache_page_size = cache_->page_size();
   const size_t bytes_before = p.MetadataBytes();
   p.SelectSpans(ctx, spans);

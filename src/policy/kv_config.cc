@@ -459,7 +459,16 @@ StatusOr<KvSparsityConfig> LoadKvSparsityConfig(const std::string& path, int n_l
 }
 
 StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig& base, std::string_view method,
-                                                          std::string_view budget) {
+                                                          std::string_view budget, std::string_view kv_type) {
+  std::optional<KvStorage> storage;
+  if (!kv_type.empty()) {
+    storage = KvStorageFromName(kv_type);
+    if (!storage) {
+      return InvalidArgumentError(fmt::format("kv_type: unknown kv type '{}'{}; valid kv types: {}", kv_type,
+                                              Suggestion(kv_type, {"f32", "f16", "int8", "int8_kivi"}),
+                                              kKvTypeNames));
+    }
+  }
   std::optional<KvMethod> m;
   if (!method.empty()) {
     m = KvMethodFromName(method);
@@ -488,6 +497,7 @@ StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig
       }
     }
     if (b) layer.budget = *b;
+    if (storage) layer.kv_type = *storage;
     const Status status = ValidateLayerKvConfig(layer, static_cast<int>(i));
     if (!status.ok()) return InvalidArgumentError("kv_method/kv_budget: " + status.message());
   }

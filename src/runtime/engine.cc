@@ -323,7 +323,7 @@ Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {
   }
   const size_t q_off = static_cast<size_t>(e.row0) * shape.n_heads * shape.head_dim;
   cache_->Spans(e.seq, layer, &s.spans);
-  ops::Attention(shape, cache_->layer_storage(layer), s.q.data() + q_off, s.positions.data() + e.row0, e.n,
+  ops::Attention(shape, cache_->sequence_storage(e.seq, layer), s.q.data() + q_off, s.positions.data() + e.row0, e.n,
                  s.spans.data(), static_cast<int32_t>(s.spans.size()), s.att.data() + q_off, n_threads_);
   return Status::Ok();
 }
@@ -334,7 +334,7 @@ Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {
 // the next step attends to the reduced cache.
 Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& shape) {
   Scratch& s = *scratch_;
-  const KvStorage storage = cache_->layer_storage(layer);
+  const KvStorage storage = cache_->sequence_storage(e.seq, layer);
   const int32_t n = e.n;
   const size_t q_off = static_cast<size_t>(e.row0) * shape.n_heads * shape.head_dim;
   const float* q = s.q.data() + q_off;                  // [n, n_heads, head_dim]
@@ -377,7 +377,7 @@ Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& 
 // head's policy observes its own head and evicts its own head table.
 Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape& shape) {
   Scratch& s = *scratch_;
-  const KvStorage storage = cache_->layer_storage(layer);
+  const KvStorage storage = cache_->sequence_storage(e.seq, layer);
   const int32_t n = e.n;
   const int group = shape.n_heads / shape.n_kv_heads;
   const int d = shape.head_dim;

@@ -212,8 +212,12 @@ void Scheduler::Preempt(Active& a) {
   ++stats_.preemptions;
 }
 
+const std::vector<LayerKvConfig>& Scheduler::LayersOf(const Active& a) const {
+  return a.request.kv_layers ? *a.request.kv_layers : controller_->config().layers;
+}
+
 bool Scheduler::IsDense(const Active& a) const {
-  const std::vector<LayerKvConfig>& layers = a.request.kv_layers ? *a.request.kv_layers : controller_->config().layers;
+  const std::vector<LayerKvConfig>& layers = LayersOf(a);
   return std::all_of(layers.begin(), layers.end(), [](const LayerKvConfig& l) { return l.method == KvMethod::kFull; });
 }
 
@@ -225,8 +229,17 @@ void Scheduler::SharePrefix(Active& a) {
   const int32_t page = controller_->cache()->page_size();
   Active* donor = nullptr;
   int32_t best = 0;
+  const std::vector<LayerKvConfig>& layers = LayersOf(a);
+  auto same_storage = [&](const Active& r) {
+    const std::vector<LayerKvConfig>& other = LayersOf(r);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      if (layers[l].kv_type != other[l].kv_type) return false;
+    }
+    return true;
+  };
   for (const auto& r : running_) {
-    if (r.get() == &a || r->seq < 0 || !IsDense(*r)) continue;
+    // A fork shares pages, so the donor must store them in the same types.
+    if (r.get() == &a || r->seq < 0 || !IsDense(*r) || !same_storage(*r)) continue;
     const int32_t limit = std::min<int32_t>(r->n_computed, static_cast<int32_t>(a.tokens.size()) - 1);
     int32_t common = 0;
     while (common < limit && r->tokens[common] == a.tokens[common]) ++common;
@@ -380,18 +393,11 @@ bool Scheduler::Step() {
   } else {
     const auto after = Clock::now();
     const PagedKvCache& cache = *controller_->cache();
-    const int n_layers = cache.geometry().n_layers;
     int64_t generated = 0;
     for (size_t i = 0; i < members.size(); ++i) {
       Active& a = *members[i];
       a.n_computed += batch[i].n;
-      // KV bytes this sequence's pages hold now (live slots of every table).
-      size_t kv_bytes = 0;
-      for (int layer = 0; layer < n_layers; ++layer) {
-        for (int h = 0; h < cache.tables_per_seq(layer); ++h) {
-          kv_bytes += static_cast<size_t>(cache.NumHeadTokens(a.seq, layer, h)) * cache.token_bytes(layer);
-        }
-      }
+      const size_t kv_bytes = cache.SequenceLiveBytes(a.seq);  // its pages' live slots now
       FinishReason finish = FinishReason::kNone;
       if (batch[i].logits != nullptr) {
         const int32_t token = a.sampler.Sample(a.logits.data(), n_vocab_);

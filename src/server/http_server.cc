@@ -420,16 +420,6 @@ std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOver
     return BadRequest("this server takes no per-request KV settings", fmt::format("kvsparse.{}", field),
                       "unsupported_value");
   }
-  // Pages are laid out once, at start-up: the storage type can only be the one in force.
-  if (kv.kv_type && !std::all_of(c->layers.begin(), c->layers.end(), [&](const LayerKvConfig& l) {
-        return KvStorageName(l.kv_type) == *kv.kv_type;
-      })) {
-    return BadRequest(fmt::format("kv_type '{}' cannot be chosen per request: the KV pages were laid out at start-up "
-                                  "('{}')",
-                                  *kv.kv_type, KvSparsityConfigSummary(*c)),
-                      "kvsparse.kv_type", "unsupported_value");
-  }
-  if (!kv.method && !kv.budget) return KvLayers();
   // A JSON number: an integer >= 2 is a token count, anything else a fraction of the context
   // (1.0 is the whole context, not one token).
   std::string budget;
@@ -442,12 +432,15 @@ std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOver
       if (budget.find_first_of(".eE") == std::string::npos) budget += ".0";  // "1" -> "1.0": a fraction
     }
   }
-  auto layers = KvLayersWithOverride(*c, kv.method.value_or(""), budget);
+  auto layers = KvLayersWithOverride(*c, kv.method.value_or(""), budget, kv.kv_type.value_or(""));
   if (!layers.ok()) {
     const std::string& m = layers.status().message();
-    const char* param = m.rfind("kv_budget", 0) == 0 ? "kvsparse.kv_budget"
+    const char* param = m.rfind("kv_budget", 0) == 0  ? "kvsparse.kv_budget"
                         : m.rfind("kv_method", 0) == 0 ? "kvsparse.kv_method"
-                                                       : (kv.method ? "kvsparse.kv_method" : "kvsparse.kv_budget");
+                        : m.rfind("kv_type", 0) == 0   ? "kvsparse.kv_type"
+                        : kv.method                    ? "kvsparse.kv_method"
+                        : kv.budget                    ? "kvsparse.kv_budget"
+                                                       : "kvsparse.kv_type";
     return BadRequest(m, param);
   }
   return std::make_shared<const std::vector<LayerKvConfig>>(std::move(*layers));

@@ -57,9 +57,9 @@ struct ServerOptions {
   int http_threads = 0;  // 0: the scheduler's max_running + max_queue + 4 (at most 256)
   double request_timeout_s = 600;  // deadline of every generation request (a request's own "timeout_s" may shorten it)
   // The KV config the scheduler's cache runs (must outlive the server). A request's "kvsparse"
-  // object overrides its methods and budgets for that request (KvLayersWithOverride:
-  // {"kv_method": "h2o", "kv_budget": 0.2} or 512 tokens); "kv_type" may only name the storage
-  // already in force (pages are laid out at start-up). Null: any such field gets 400.
+  // object overrides its methods, budgets and page storage for that request
+  // (KvLayersWithOverride: {"kv_method": "h2o", "kv_budget": 0.2, "kv_type": "int8"}; a budget
+  // of 512 is tokens). Null: any such field gets 400.
   const KvSparsityConfig* kv_config = nullptr;
 };
 
