@@ -46,13 +46,18 @@ struct ServeArgs {
   int http_threads = 0;
 };
 
-// KV bytes one request of n_ctx tokens may hold under the config (what admission reserves),
-// the larger of a long prompt and a long generation.
-StatusOr<size_t> ReservePerRequest(const KvGeometry& geometry, const KvSparsityConfig& config, int32_t n_ctx) {
-  // A probe: SequenceReserveBytes only reads the page layouts and the config.
+// The KV budget when --kv-memory is not given: `parallel` requests of n_ctx tokens each (the
+// larger of a long prompt and a long generation, as admission reserves them) plus the prompt
+// chunk a step holds on top.
+StatusOr<size_t> DefaultKvBudget(const KvGeometry& geometry, const KvSparsityConfig& config, int32_t n_ctx,
+                                 int parallel, int32_t step_tokens) {
+  // A probe: the reservations only read the page layouts and the config.
   KVS_ASSIGN_OR_RETURN(SparseKvSetup probe, CreateServingKv(geometry, config, size_t{1} << 30));
   const int32_t n = std::max<int32_t>(n_ctx, 2);
-  return std::max(probe.controller->SequenceReserveBytes(n - 1, 1), probe.controller->SequenceReserveBytes(1, n - 1));
+  const size_t per_request =
+      std::max(probe.controller->SequenceReserveBytes(n - 1, 1), probe.controller->SequenceReserveBytes(1, n - 1));
+  return per_request * static_cast<size_t>(parallel) +
+         probe.controller->ChunkReserveBytes(std::min(config.prefill_chunk, step_tokens));
 }
 
 int Run(const ServeArgs& a) {
@@ -124,9 +129,9 @@ int Run(const ServeArgs& a) {
   } else if (a.kv_memory_mib < 0) {
     return Fail(InvalidArgumentError(fmt::format("--kv-memory must be positive (MiB), got {}", a.kv_memory_mib)));
   } else {
-    auto per_request = ReservePerRequest(geometry, config, n_ctx);
-    if (!per_request.ok()) return Fail(per_request.status());
-    budget_bytes = *per_request * static_cast<size_t>(a.parallel);
+    auto budget = DefaultKvBudget(geometry, config, n_ctx, a.parallel, a.step_tokens);
+    if (!budget.ok()) return Fail(budget.status());
+    budget_bytes = *budget;
   }
   auto runtime = CreateServingRuntime(model, config, budget_bytes, a.n_threads);
   if (!runtime.ok()) return Fail(runtime.status());

@@ -6,9 +6,11 @@
 //      until the step holds step_tokens rows, so a long prompt is spread over several steps
 //      and never stalls the running streams.
 // Admission: a waiting request starts when a sequence slot is free (max_running) and the KV
-// pages it can ever hold under its sparsity budget (SparseKvController::SequenceReserveBytes)
-// fit beside what the running requests reserve: a request at a 20% budget with int8 pages
-// reserves about a tenth of what a dense f16 one does. Should a step still lack pages (an
+// pages it can ever hold between steps under its sparsity budget
+// (SparseKvController::SequenceReserveBytes) fit beside what the running requests reserve and
+// one prompt chunk on top (ChunkReserveBytes: a sparse layer holds a chunk beyond its budget
+// until the chunk's eviction, and only the step's chunks do so at once): a request at a 20%
+// budget with int8 pages reserves about a tenth of what a dense f16 one does. Should a step still lack pages (an
 // eviction put off, an estimate short), the newest running request is preempted: its pages
 // are freed and it goes back to the head of the queue, to be recomputed from its prompt and
 // the tokens it already produced (its client sees no gap). A full queue refuses new requests.
@@ -172,9 +174,13 @@ class Scheduler {
 
   SchedulerStats Stats() const;
   const SchedulerOptions& options() const { return options_; }
-  // KV bytes a request would reserve (what admission compares with the budget).
+  // KV bytes a request would reserve while admitted (SequenceReserveBytes).
   size_t ReserveBytes(int32_t prompt_tokens, int32_t max_tokens,
                       const std::vector<LayerKvConfig>* kv_layers = nullptr) const;
+  // What one of its prompt chunks holds on top while it runs (ChunkReserveBytes of the step's
+  // largest chunk). Admission needs room for the reservations plus the largest chunk still to
+  // run; a step runs its first prompt chunk, and further ones while they fit.
+  size_t ChunkReserveBytes(const std::vector<LayerKvConfig>* kv_layers = nullptr) const;
 
  private:
   struct Active;  // a request inside the scheduler
@@ -182,6 +188,7 @@ class Scheduler {
   void End(Active& a, FinishReason reason, Status error = Status::Ok());
   void Preempt(Active& a);
   bool Admit();
+  int32_t ChunkTokens() const;  // the largest prompt chunk of a step
   bool IsDense(const Active& a) const;  // every layer of its config keeps every token
   const std::vector<LayerKvConfig>& LayersOf(const Active& a) const;  // its own config, or the server's
   void SharePrefix(Active& a);          // after acquiring a's sequence

@@ -12,7 +12,7 @@
 //    ceiling batched decode approaches as S grows, since both run the same matmuls on S rows.
 // 2. Capacity under a fixed KV memory budget. For each KV config, the scheduler's admission
 //    rule gives the requests of depth + capacity_gen tokens that fit the budget at once
-//    (floor(budget / SparseKvController::SequenceReserveBytes)); that many sequences (at most
+//    (floor((budget - ChunkReserveBytes) / SequenceReserveBytes)); that many sequences (at most
 //    capacity_max) are filled with `depth` tokens of synthetic K/V through the controller, in
 //    the config's prompt chunks (trimmed after every chunk as a chunked prefill would be; no
 //    attention observations), then decode capacity_gen steps together, one row per sequence,
@@ -93,7 +93,8 @@ struct ServeCapacityResult {
   std::string label;                 // "h2o 0.2 int8"
   std::string kv_desc;               // KvSparsityConfigSummary
   size_t reserve_bytes = 0;          // SequenceReserveBytes(depth, capacity_gen)
-  int64_t admitted = 0;              // floor(budget / reserve_bytes)
+  size_t chunk_reserve_bytes = 0;    // ChunkReserveBytes of one prompt chunk (once, for all requests)
+  int64_t admitted = 0;              // floor((budget - chunk_reserve_bytes) / reserve_bytes)
   int ran = 0;                       // sequences filled and decoded: min(admitted, capacity_max)
   double admitted_vs_first = 0;      // admitted / the first config's admitted
   double fill_s = 0;                 // the synthetic fill of every sequence

@@ -154,13 +154,20 @@ class SparseKvController {
   // Drops the tokens with positions in [p0, p1) (p1 < 0: to the end) from every table of seq;
   // each policy compacts its per-token state with its table's mask, as after an eviction.
   Status RemoveRange(int seq, int32_t p0, int32_t p1);
-  // The most bytes of KV pages one sequence can hold while it runs a prompt of prompt_tokens
-  // (chunked, evicting as configured) and then generates max_new_tokens: per layer the most
-  // live tokens its budget allows (budget + prefill chunk during the prompt, + evict_interval
-  // while decoding; everything for full and query-aware layers), in pages, plus a page in
-  // flight. What a scheduler reserves to admit a request.
+  // The most bytes of KV pages one sequence can hold between steps while it runs a prompt of
+  // prompt_tokens (chunked, evicting as configured) and then generates max_new_tokens: per
+  // layer the most live tokens its budget allows (its budget after each prompt chunk, budget +
+  // evict_interval while decoding; everything for full and query-aware layers, and the whole
+  // prompt when eviction waits for the prompt's end), in pages, plus a page in flight. What a
+  // scheduler reserves to admit a request (with ChunkReserveBytes for the chunks it runs).
   size_t SequenceReserveBytes(int32_t prompt_tokens, int32_t max_new_tokens,
                               const std::vector<LayerKvConfig>* layers = nullptr) const;
+  // What one prompt chunk of chunk_tokens holds beyond its sequence's SequenceReserveBytes
+  // until the chunk's eviction: a layer that trims after each chunk holds the chunk on top of
+  // its budget (0 for layers that keep the whole prompt). A scheduler reserves this only for
+  // the chunks of the step it runs, not for every admitted request: that is what lets a sparse
+  // request reserve its budget rather than its budget plus a chunk.
+  size_t ChunkReserveBytes(int32_t chunk_tokens, const std::vector<LayerKvConfig>* layers = nullptr) const;
 
   const std::vector<SparseKvLayerStats>& layer_stats() const { return stats_; }
   void ResetStats();
@@ -178,6 +185,10 @@ class SparseKvController {
   int n_policies(int layer) const { return per_head(layer) ? cache_->geometry().n_kv_heads : 1; }
   Status BuildPolicies(int seq);
   // The gathering pass and Observe for one policy; `shape` as the attention call's.
+  // The policy that sizes a reservation: the layer's template, or (layers given) *own, made
+  // from the override's config.
+  const KvPolicy& ReservePolicy(int layer, const std::vector<LayerKvConfig>* layers,
+                                std::unique_ptr<KvPolicy>* own) const;
   void Observe(KvPolicy& p, KvStorage storage, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
                int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
                const float* raw_scores);

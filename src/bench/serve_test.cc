@@ -73,7 +73,7 @@ TEST(ServeBench, TinyRunOnStories260K) {
   const size_t budget = static_cast<size_t>(config.kv_memory_mib * 1048576.0);
   for (const ServeCapacityResult& r : report->capacity) {
     SCOPED_TRACE(r.label);
-    EXPECT_EQ(r.admitted, static_cast<int64_t>(budget / r.reserve_bytes));
+    EXPECT_EQ(r.admitted, static_cast<int64_t>((budget - r.chunk_reserve_bytes) / r.reserve_bytes));
     EXPECT_EQ(r.ran, std::min<int64_t>(r.admitted, config.capacity_max));
     EXPECT_EQ(r.steps, config.capacity_gen);
     EXPECT_GT(r.decode_tps, 0);
@@ -85,6 +85,8 @@ TEST(ServeBench, TinyRunOnStories260K) {
   }
   EXPECT_EQ(dense.live_tokens_per_layer, config.depth + config.capacity_gen);  // nothing evicted
   EXPECT_EQ(dense.evicted_tokens, 0);
+  EXPECT_EQ(dense.chunk_reserve_bytes, 0u) << "a dense request reserves its whole prompt already";
+  EXPECT_GT(h2o_f16.chunk_reserve_bytes, 0u);
   EXPECT_LT(h2o_f16.live_tokens_per_layer, config.depth);
   EXPECT_GT(h2o_f16.evicted_tokens, 0);
 

@@ -234,29 +234,32 @@ Status SparseKvController::RemoveRange(int seq, int32_t p0, int32_t p1) {
   return Status::Ok();
 }
 
+const KvPolicy& SparseKvController::ReservePolicy(int layer, const std::vector<LayerKvConfig>* layers,
+                                                  std::unique_ptr<KvPolicy>* own) const {
+  if (layers == nullptr) return *layer_templates_[layer];
+  auto made = CreatePolicy((*layers)[layer], layer, n_layers_, seed_);
+  KVS_CHECK_MSG(made.ok(), made.status().ToString());  // CheckSequenceLayers validated it
+  *own = std::move(*made);
+  return **own;
+}
+
 size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t max_new_tokens,
                                                 const std::vector<LayerKvConfig>* layers) const {
   const int64_t prompt = std::max(prompt_tokens, 0);
   const int64_t total = prompt + std::max(max_new_tokens, 0);
-  const int64_t chunk = std::max(config_.prefill_chunk, 1);
   const bool prompt_end_eviction = config_.prefill_eviction == PrefillEviction::kPromptEnd;
   size_t bytes = 0;
   for (int layer = 0; layer < n_layers_; ++layer) {
-    std::unique_ptr<KvPolicy> own;  // a per-sequence override's policy
-    if (layers != nullptr) {
-      auto made = CreatePolicy((*layers)[layer], layer, n_layers_, seed_);
-      KVS_CHECK_MSG(made.ok(), made.status().ToString());  // CheckSequenceLayers validated it
-      own = std::move(*made);
-    }
-    const KvPolicy& p = own ? *own : *layer_templates_[layer];
+    std::unique_ptr<KvPolicy> own;
+    const KvPolicy& p = ReservePolicy(layer, layers, &own);
     auto budget = [&](int64_t n_seen) -> int64_t {
       return p.BudgetTokens(static_cast<int32_t>(std::min<int64_t>(n_seen, INT32_MAX)));
     };
     int64_t live = total;
     if (!p.SelectsSpans() && budget(total) < total) {
-      // Prompt: each chunk is attended on top of what the budget kept (all of it when the
-      // prompt is only trimmed at its end).
-      const int64_t prompt_peak = prompt_end_eviction ? prompt : std::min(prompt, budget(prompt) + chunk);
+      // Prompt: what the budget keeps after each chunk (all of it when the prompt is only
+      // trimmed at its end). The chunk on top, until its eviction, is ChunkReserveBytes'.
+      const int64_t prompt_peak = prompt_end_eviction ? prompt : std::min(prompt, budget(prompt));
       const int64_t decode_peak = p.EvictsDuringDecode()
                                       ? std::min(total, budget(total) + config_.evict_interval)
                                       : std::min(prompt, budget(prompt)) + (total - prompt);
@@ -265,6 +268,25 @@ size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t m
     const int32_t live_tokens = static_cast<int32_t>(std::min<int64_t>(live, INT32_MAX - cache_->page_size()));
     const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
     bytes += cache_->TableReserveBytes(layer, live_tokens, storage) * static_cast<size_t>(n_policies(layer));
+  }
+  return bytes;
+}
+
+size_t SparseKvController::ChunkReserveBytes(int32_t chunk_tokens, const std::vector<LayerKvConfig>* layers) const {
+  if (config_.prefill_eviction == PrefillEviction::kPromptEnd || chunk_tokens <= 0) return 0;
+  const int32_t page = cache_->page_size();
+  const int32_t chunk = std::min(chunk_tokens, INT32_MAX / 2 - 2 * page);
+  constexpr int32_t kLarge = INT32_MAX / 4;
+  size_t bytes = 0;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    std::unique_ptr<KvPolicy> own;
+    const KvPolicy& p = ReservePolicy(layer, layers, &own);
+    // Layers that keep every prompt token have it in SequenceReserveBytes already.
+    if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge) continue;
+    // The chunk spans at most ceil(chunk / page) + 1 more pages than the budget's (one more
+    // for an int8_kivi page being quantized): TableReserveBytes of chunk + page tokens.
+    const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
+    bytes += cache_->TableReserveBytes(layer, chunk + page, storage) * static_cast<size_t>(n_policies(layer));
   }
   return bytes;
 }

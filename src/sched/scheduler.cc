@@ -94,6 +94,7 @@ struct Scheduler::Active {
   int32_t n_computed = 0;       // leading tokens already in the cache
   int seq = -1;                 // -1: not admitted
   size_t reserved = 0;          // admission reservation while admitted
+  size_t chunk_reserve = 0;     // what one of its prompt chunks holds on top (ChunkReserveBytes)
   uint64_t admit_order = 0;     // later admissions are preempted first
   Sampler sampler;
   std::vector<float> logits;    // [n_vocab]
@@ -124,6 +125,14 @@ size_t Scheduler::ReserveBytes(int32_t prompt_tokens, int32_t max_tokens,
   return controller_->SequenceReserveBytes(prompt_tokens, max_tokens, kv_layers);
 }
 
+int32_t Scheduler::ChunkTokens() const {
+  return std::min(std::clamp(controller_->prefill_chunk(), 1, kMaxPromptChunk), options_.step_tokens);
+}
+
+size_t Scheduler::ChunkReserveBytes(const std::vector<LayerKvConfig>* kv_layers) const {
+  return controller_->ChunkReserveBytes(ChunkTokens(), kv_layers);
+}
+
 StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest request) {
   const int64_t prompt = static_cast<int64_t>(request.prompt.size());
   if (prompt == 0) return InvalidArgumentError("the prompt is empty");
@@ -143,7 +152,8 @@ StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest req
                                             prompt, request.max_tokens, options_.max_context));
   }
   if (request.kv_layers) KVS_RETURN_IF_ERROR(controller_->CheckSequenceLayers(*request.kv_layers));
-  const size_t need = ReserveBytes(static_cast<int32_t>(prompt), request.max_tokens, request.kv_layers.get());
+  const size_t need = ReserveBytes(static_cast<int32_t>(prompt), request.max_tokens, request.kv_layers.get()) +
+                      ChunkReserveBytes(request.kv_layers.get());
   const size_t budget = controller_->cache()->budget().limit_bytes();
   if (need > budget) {
     return InvalidArgumentError(fmt::format(
@@ -268,8 +278,15 @@ bool Scheduler::Admit() {
     Active& a = *waiting_.front();
     const int32_t left = a.request.max_tokens - a.n_generated;
     const size_t need = ReserveBytes(static_cast<int32_t>(a.tokens.size()), left, a.request.kv_layers.get());
+    const size_t chunk = ChunkReserveBytes(a.request.kv_layers.get());
+    // Room for every reservation and, beside them, for the largest prompt chunk still to run:
+    // a step always runs at least its oldest prompt chunk.
+    size_t largest_chunk = chunk;
+    for (const auto& r : running_) {
+      if (r->remaining() > 1 || r->n_computed == 0) largest_chunk = std::max(largest_chunk, r->chunk_reserve);
+    }
     // First come, first served: the head waits for room rather than being overtaken.
-    if (static_cast<double>(reserved_bytes_ + need) > budget) break;
+    if (static_cast<double>(reserved_bytes_ + need + largest_chunk) > budget) break;
     auto seq = controller_->AcquireSequence(a.request.kv_layers);
     if (!seq.ok()) {
       std::unique_ptr<Active> failed = std::move(waiting_.front());
@@ -279,6 +296,7 @@ bool Scheduler::Admit() {
     }
     a.seq = *seq;
     a.reserved = need;
+    a.chunk_reserve = chunk;
     a.admit_order = ++admit_counter_;
     reserved_bytes_ += need;
     {
@@ -331,6 +349,7 @@ bool Scheduler::Step() {
   progressed = Admit() || progressed;
 
   const int32_t chunk_limit = std::clamp(controller_->prefill_chunk(), 1, kMaxPromptChunk);
+  const double budget = static_cast<double>(controller_->cache()->budget().limit_bytes()) * options_.overcommit;
   std::vector<BatchSequence> batch;
   std::vector<Active*> members;
   int64_t prompt_rows = 0;
@@ -360,10 +379,15 @@ bool Scheduler::Step() {
         add(*a, 1, EvictionPoint::kDecodeStep);
       }
     }
+    // Prompt chunks hold their tokens on top of their reservations until their eviction: the
+    // first always runs (admission left room for it), the others while the budget has room.
+    size_t chunk_bytes = 0;
     for (auto& a : running_) {
       if (a->remaining() > 1 || a->n_computed == 0) {
         const int32_t n = std::min({a->remaining(), chunk_limit, options_.step_tokens - rows});
         if (n <= 0) break;
+        chunk_bytes += a->chunk_reserve;
+        if (prompt_rows > 0 && static_cast<double>(reserved_bytes_ + chunk_bytes) > budget) break;
         prompt_rows += n;
         add(*a, n, n == a->remaining() ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
       }
