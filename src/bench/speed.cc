@@ -14,9 +14,9 @@
 
 #include "bench/synthetic_fill.h"
 #include "kvsparse/attention.h"
-#include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/isa.h"
 #include "kvsparse/ops.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/sparse_kv_controller.h"
 
 namespace kvsparse {
@@ -165,20 +165,15 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
     for (int p : config.n_prompt) max_tokens = std::max(max_tokens, d + p);
   for (int d : config.depths)
     for (int g : config.n_gen) max_tokens = std::max(max_tokens, d + g);
-  KvGeometry geo{c.n_layers, c.n_kv_heads, c.head_dim};
   // Dense: one contiguous buffer per layer. Sparse: the paged cache and its policies.
-  std::unique_ptr<KvCache> dense;
-  SparseKvSetup sparse;
-  if (config.kv_sparsity) {
-    KVS_ASSIGN_OR_RETURN(sparse, CreateSparseKv(geo, *config.kv_sparsity, /*n_seqs=*/1, std::max(max_tokens, 1)));
-    report.kv_desc = KvSparsityConfigSummary(*config.kv_sparsity);
-  } else {
-    dense = std::make_unique<ContiguousKvCache>(geo, config.kv_storage, /*n_seqs=*/1, max_tokens);
-    report.kv_desc = std::string("dense ") + KvStorageName(config.kv_storage);
-  }
-  KvCache& cache = dense ? *dense : *sparse.cache;
-  SparseKvController* controller = sparse.controller.get();
-  Engine engine(model, &cache, n_threads, controller);
+  const KvSparsityConfig* sparsity = config.kv_sparsity ? &*config.kv_sparsity : nullptr;
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> runtime,
+                       CreateRuntime(model, sparsity, config.kv_storage, /*n_seqs=*/1, std::max(max_tokens, 1),
+                                     n_threads));
+  report.kv_desc = sparsity ? KvSparsityConfigSummary(*sparsity) : std::string("dense ") + KvStorageName(config.kv_storage);
+  KvCache& cache = runtime->cache();
+  SparseKvController* controller = runtime->controller();
+  Engine& engine = *runtime->engine;
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
   const double dense_kv_bytes_per_token =
       2.0 * c.n_layers * c.n_kv_heads * c.head_dim * KvStorageValueBytes(config.kv_storage);
@@ -187,7 +182,8 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   auto finish = [&](SpeedResult& r, double policy_s, int64_t evictions, int reps) {
     r.kv_allocated_bytes = cache.AllocatedBytes();
     r.kv_live_bytes = cache.LiveBytes();
-    r.kv_peak_allocated_bytes = sparse.cache ? sparse.cache->Stats().peak_allocated_bytes : r.kv_allocated_bytes;
+    const PagedKvCache* paged = runtime->paged_cache();
+    r.kv_peak_allocated_bytes = paged ? paged->Stats().peak_allocated_bytes : r.kv_allocated_bytes;
     r.dense_f16_kv_bytes = dense_f16_bytes_per_token * (r.depth + r.n_tokens);
     r.peak_rss_bytes = PeakRssBytes();
     if (controller != nullptr) {
