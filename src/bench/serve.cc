@@ -15,6 +15,7 @@
 #include "bench/synthetic_fill.h"
 #include "kvsparse/engine.h"
 #include "kvsparse/isa.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/scheduler.h"
 #include "kvsparse/sparse_kv_controller.h"
 
@@ -64,10 +65,10 @@ void Progress(const ServeBenchConfig& config, const std::string& line) {
 StatusOr<double> MeasurePrefill(const Model& model, const KvSparsityConfig& kv_config, const ServeBenchConfig& config,
                                 int n_threads) {
   const ModelConfig& c = model.config();
-  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
-  KVS_ASSIGN_OR_RETURN(SparseKvSetup kv, CreateServingKv(geometry, kv_config, BudgetBytes(config), config.seed));
-  Engine engine(model, kv.cache.get(), n_threads, kv.controller.get());
-  SparseKvController& controller = *kv.controller;
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> runtime,
+                       CreateServingRuntime(model, kv_config, BudgetBytes(config), n_threads, config.seed));
+  Engine& engine = *runtime->engine;
+  SparseKvController& controller = *runtime->controller();
   const int n = config.prefill_tokens;
   const uint64_t seed = config.seed;
   const int n_vocab = c.n_vocab;
@@ -93,16 +94,14 @@ StatusOr<double> MeasurePrefill(const Model& model, const KvSparsityConfig& kv_c
 // Part 1 for one stream count, on a fresh runtime.
 StatusOr<ServeThroughputResult> RunStreams(const Model& model, const KvSparsityConfig& kv_config,
                                            const ServeBenchConfig& config, int n_threads, int streams) {
-  const ModelConfig& c = model.config();
-  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
-  KVS_ASSIGN_OR_RETURN(SparseKvSetup kv, CreateServingKv(geometry, kv_config, BudgetBytes(config), config.seed));
-  Engine engine(model, kv.cache.get(), n_threads, kv.controller.get());
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> runtime,
+                       CreateServingRuntime(model, kv_config, BudgetBytes(config), n_threads, config.seed));
   SchedulerOptions options;
   options.max_running = streams;
   options.step_tokens = config.step_tokens;
   options.max_queue = std::max(streams, 64);
   options.max_context = config.prompt_tokens + config.gen_tokens;
-  Scheduler scheduler(&engine, kv.controller.get(), options);
+  Scheduler scheduler(runtime->engine.get(), runtime->controller(), options);
 
   ServeThroughputResult r;
   r.streams = streams;
@@ -113,7 +112,7 @@ StatusOr<ServeThroughputResult> RunStreams(const Model& model, const KvSparsityC
   const auto t0 = Clock::now();
   for (int i = 0; i < streams; ++i) {
     GenerationRequest request;
-    request.prompt = RandomTokens(config.prompt_tokens, c.n_vocab, config.seed * 1000003 + static_cast<uint64_t>(i));
+    request.prompt = RandomTokens(config.prompt_tokens, model.config().n_vocab, config.seed * 1000003 + static_cast<uint64_t>(i));
     request.max_tokens = config.gen_tokens;
     request.sampling.temperature = 0;  // greedy
     request.sampling.repeat_penalty = 1.0f;
@@ -161,11 +160,11 @@ StatusOr<ServeThroughputResult> RunStreams(const Model& model, const KvSparsityC
   r.ttft_p95_s = Percentile(ttft, 95);
   r.itl_p50_s = Percentile(itl, 50);
   r.itl_p95_s = Percentile(itl, 95);
-  r.kv_peak_bytes = kv.cache->budget().peak_bytes();
+  r.kv_peak_bytes = runtime->paged_cache()->budget().peak_bytes();
   r.wall_s = Seconds(t0, end);
   r.steps = stats.steps;
   r.preemptions = stats.preemptions;
-  r.pages_leaked = kv.cache->pages_in_use();
+  r.pages_leaked = runtime->paged_cache()->pages_in_use();
   return r;
 }
 
@@ -173,13 +172,15 @@ StatusOr<ServeThroughputResult> RunStreams(const Model& model, const KvSparsityC
 StatusOr<ServeCapacityResult> RunCapacity(const Model& model, const ServeKvSpec& spec, const ServeBenchConfig& config,
                                           int n_threads) {
   const ModelConfig& c = model.config();
-  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
   KVS_ASSIGN_OR_RETURN(KvSparsityConfig kv_config,
                        KvSparsityConfigFromFlags(spec.method, spec.budget, spec.kv_type, c.n_layers));
   const size_t budget = BudgetBytes(config);
-  KVS_ASSIGN_OR_RETURN(SparseKvSetup kv, CreateServingKv(geometry, kv_config, budget, config.seed));
-  SparseKvController& controller = *kv.controller;
-  PagedKvCache& cache = *kv.cache;
+  // The engine comes with it: it gives the controller the model's RoPE (StreamingLLM's cache positions).
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> runtime,
+                       CreateServingRuntime(model, kv_config, budget, n_threads, config.seed));
+  SparseKvController& controller = *runtime->controller();
+  PagedKvCache& cache = *runtime->paged_cache();
+  Engine& engine = *runtime->engine;
   ServeCapacityResult r;
   r.label = spec.label();
   r.kv_desc = KvSparsityConfigSummary(kv_config);
@@ -191,8 +192,6 @@ StatusOr<ServeCapacityResult> RunCapacity(const Model& model, const ServeKvSpec&
                    : 0;
   r.ran = static_cast<int>(std::min<int64_t>(r.admitted, config.capacity_max));
   if (r.ran == 0) return r;
-  // The engine first: it gives the controller the model's RoPE (StreamingLLM's cache positions).
-  Engine engine(model, &cache, n_threads, &controller);
   std::vector<int> seqs;
   Status status = Status::Ok();
   const auto fill0 = Clock::now();
