@@ -274,8 +274,9 @@ class PagedKvCache final : public KvCache {
   void CheckSeqLayer(const char* op, int seq, int layer) const;  // aborts when out of range
   int32_t PageFill(const Table& t, size_t page_index) const;
   const int32_t* LastPosition(const Layer& L, const Table& t) const;  // null when empty
-  // Positions [pos0, pos0 + n) follow the table's last (InvalidArgument naming the table otherwise).
-  Status CheckPositions(int seq, int layer, int head, const int32_t* positions, int32_t n) const;
+  // positions[0, n) (positions null: the run pos0, pos0 + 1, ...) ascend, are >= 0 and follow
+  // the table's last (InvalidArgument naming the table otherwise).
+  Status CheckPositions(int seq, int layer, int head, const int32_t* positions, int32_t n, int32_t pos0 = 0) const;
   // Pages (and their bytes) an append of n tokens to table t allocates; int8_kivi: the peak of
   // bytes allocated minus freed (a residual is freed right after its page is quantized).
   size_t TableAppendBytes(const Layer& L, const Table& t, int32_t n, int64_t* pages) const;

@@ -212,6 +212,8 @@ class Scheduler {
   std::vector<std::unique_ptr<Active>> running_;
   size_t reserved_bytes_ = 0;
   uint64_t admit_counter_ = 0;
+  std::vector<BatchSequence> step_batch_;  // the step's batch, kept so a step does not allocate
+  std::vector<Active*> step_members_;      // [batch] the request of each entry
 
   std::thread worker_;
   bool worker_exit_ = false;  // under waker_->mu

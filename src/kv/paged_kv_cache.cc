@@ -329,18 +329,29 @@ void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_
   }
 }
 
-Status PagedKvCache::CheckPositions(int seq, int layer, int head, const int32_t* positions, int32_t n) const {
+Status PagedKvCache::CheckPositions(int seq, int layer, int head, const int32_t* positions, int32_t n,
+                                    int32_t pos0) const {
   const Layer& L = LayerOf(seq, layer);
   const Table& t = table(seq, layer, head);
-  const std::string where = "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
-                            (L.per_head ? " kv head " + std::to_string(head) : std::string());
-  if (n > INT32_MAX - t.n) return ResourceExhaustedError("KV cache append: " + where + " would exceed 2^31 tokens");
+  // Built on the error paths only: this runs for every table of every step.
+  auto where = [&] {
+    return "seq " + std::to_string(seq) + " layer " + std::to_string(layer) +
+           (L.per_head ? " kv head " + std::to_string(head) : std::string());
+  };
+  if (n > INT32_MAX - t.n) return ResourceExhaustedError("KV cache append: " + where() + " would exceed 2^31 tokens");
   const int32_t* last_pos = LastPosition(L, t);
-  for (int32_t i = 0; i < n; ++i) {
+  if (positions == nullptr && n > 0 && pos0 > INT32_MAX - n) {
+    return InvalidArgumentError("KV cache append: " + where() + ": positions " + std::to_string(pos0) + " + " +
+                                std::to_string(n) + " overflow int32");
+  }
+  // A run pos0, pos0 + 1, ... ascends by itself: only its first position needs checking.
+  const int32_t checked = positions == nullptr ? std::min(n, 1) : n;
+  for (int32_t i = 0; i < checked; ++i) {
     const bool has_prev = i > 0 || last_pos != nullptr;
+    const int32_t pos = positions == nullptr ? pos0 : positions[i];
     const int32_t prev = i > 0 ? positions[i - 1] : (last_pos ? *last_pos : 0);
-    if (positions[i] < 0 || (has_prev && positions[i] <= prev)) {
-      return InvalidArgumentError("KV cache append: " + where + ": position " + std::to_string(positions[i]) +
+    if (pos < 0 || (has_prev && pos <= prev)) {
+      return InvalidArgumentError("KV cache append: " + where() + ": position " + std::to_string(pos) +
                                   " (token " + std::to_string(i) +
                                   " of the batch) must be >= 0 and greater than the previous position " +
                                   (has_prev ? std::to_string(prev) : std::string("(none)")));
@@ -400,17 +411,14 @@ size_t PagedKvCache::AppendBytes(int seq, int32_t n) const {
 Status PagedKvCache::CheckAppend(std::span<const KvAppendPlan> plans, const uint8_t* relative_positions) const {
   size_t bytes = 0;
   int64_t pages = 0;
-  std::vector<int32_t> positions;
   for (const KvAppendPlan& plan : plans) {
     KVS_RETURN_IF_ERROR(CheckSeq("append", plan.seq));
     if (plan.n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(plan.n));
-    positions.resize(static_cast<size_t>(plan.n));
-    for (int32_t i = 0; i < plan.n; ++i) positions[i] = plan.pos0 + i;
     for (int l = 0; l < geometry_.n_layers; ++l) {
       const Layer& L = LayerOf(plan.seq, l);
       for (int h = 0; h < L.n_tables; ++h) {
         if (relative_positions == nullptr || relative_positions[l] == 0) {
-          KVS_RETURN_IF_ERROR(CheckPositions(plan.seq, l, h, positions.data(), plan.n));
+          KVS_RETURN_IF_ERROR(CheckPositions(plan.seq, l, h, /*positions=*/nullptr, plan.n, plan.pos0));
         }
         bytes += TableAppendBytes(L, table(plan.seq, l, h), plan.n, &pages);
       }

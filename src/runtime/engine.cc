@@ -56,6 +56,7 @@ struct Engine::Scratch {
   std::vector<int32_t> wanted;     // [wanted rows] batch row of each
   std::vector<KvAppendPlan> plans; // [batch] what the step appends, checked before it runs
   std::vector<uint8_t> relative_positions;  // [n_layers] 1: StreamingLLM cache-position layer
+  std::vector<Entry> entries;      // [batch] the step's sequences and their first rows
 
   void Reserve(const ModelConfig& c, int32_t n) {
     if (n <= rows) return;
@@ -195,11 +196,12 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
   KVS_RETURN_IF_ERROR(Validate(batch));
   const ModelConfig& c = model_.config();
   Scratch& s = *scratch_;
-  std::vector<Entry> entries(batch.size());
+  std::vector<Entry>& entries = s.entries;
+  entries.clear();
   int32_t n = 0;  // rows of the step
-  for (size_t e = 0; e < batch.size(); ++e) {
-    entries[e] = Entry{batch[e].seq, batch[e].n, batch[e].pos0, batch[e].phase, n};
-    n += batch[e].n;
+  for (const BatchSequence& b : batch) {
+    entries.push_back(Entry{b.seq, b.n, b.pos0, b.phase, n});
+    n += b.n;
   }
   s.Reserve(c, n);
   const int64_t dim = c.dim, hidden = c.hidden_dim;

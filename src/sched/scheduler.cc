@@ -350,8 +350,10 @@ bool Scheduler::Step() {
 
   const int32_t chunk_limit = std::clamp(controller_->prefill_chunk(), 1, kMaxPromptChunk);
   const double budget = static_cast<double>(controller_->cache()->budget().limit_bytes()) * options_.overcommit;
-  std::vector<BatchSequence> batch;
-  std::vector<Active*> members;
+  std::vector<BatchSequence>& batch = step_batch_;
+  std::vector<Active*>& members = step_members_;
+  batch.clear();  // kept from the last step: empty unless this step builds one
+  members.clear();
   int64_t prompt_rows = 0;
   Status status = Status::Ok();
   while (!running_.empty()) {
