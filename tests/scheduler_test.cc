@@ -259,7 +259,7 @@ TEST(Scheduler, SparseAdmissionReservesOneChunkForAll) {
   for (int i = 0; i < 6; ++i) {
     reserve = std::max(reserve, probe.scheduler->ReserveBytes(static_cast<int32_t>(Prompt(i).size()), 30));
   }
-  const size_t chunk = probe.scheduler->ChunkReserveBytes();
+  const size_t chunk = probe.scheduler->ChunkReserveBytes(static_cast<int32_t>(Prompt(0).size()));
   ASSERT_GT(chunk, 0u);
   const size_t budget = 6 * reserve + chunk;
   ASSERT_LT(budget / (reserve + chunk), 6u) << "a chunk per request would admit fewer";

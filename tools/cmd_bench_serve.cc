@@ -17,6 +17,7 @@ constexpr const char* kDefaultKvType = "f16";
 struct ServeBenchArgs {
   std::string model, out_file, capacity_configs = "full:f16,h2o:0.2:f16,h2o:0.2:int8";
   bool no_capacity = false;
+  bool no_load = false;
   KvFlags kv;
   ServeBenchConfig config;
 };
@@ -27,6 +28,7 @@ int Run(ServeBenchArgs& a) {
   if (!specs.ok()) return Fail(specs.status());
   a.config.capacity_configs = *specs;
   a.config.run_capacity = !a.no_capacity;
+  a.config.run_load = !a.no_load;
   if (Status valid = ValidateServeBenchConfig(a.config); !valid.ok()) return Fail(valid);
   auto path = ResolveModelPath(a.model);
   if (!path.ok()) return Fail(path.status());
@@ -89,6 +91,16 @@ void RegisterBenchServe(CLI::App& app, int* exit_code) {
                   "capacity: KV configs, comma-separated method[:budget][:kv_type] (the first is the reference)")
       ->capture_default_str();
   cmd->add_flag("--no-capacity", a->no_capacity, "skip the capacity part");
+  cmd->add_option("--load-requests", a->config.load_requests, "latency part: requests submitted at once")
+      ->capture_default_str();
+  cmd->add_option("--load-prompt", a->config.load_prompt, "latency part: prompt tokens per request")
+      ->capture_default_str();
+  cmd->add_option("--load-gen", a->config.load_gen, "latency part: tokens generated per request")
+      ->capture_default_str();
+  cmd->add_option("--load-slots", a->config.load_dense_slots,
+                  "latency part: the KV budget holds this many dense f16 requests at once")
+      ->capture_default_str();
+  cmd->add_flag("--no-load", a->no_load, "skip the latency-under-memory-pressure part");
   AddKvFlags(cmd, &a->kv, kDefaultKvType);
   cmd->add_option("-o,--out", a->out_file, "also write the figures to this JSON file");
   cmd->callback([a, exit_code] { *exit_code = Run(*a); });

@@ -57,7 +57,7 @@ StatusOr<size_t> DefaultKvBudget(const KvGeometry& geometry, const KvSparsityCon
   const size_t per_request =
       std::max(probe.controller->SequenceReserveBytes(n - 1, 1), probe.controller->SequenceReserveBytes(1, n - 1));
   return per_request * static_cast<size_t>(parallel) +
-         probe.controller->ChunkReserveBytes(std::min(config.prefill_chunk, step_tokens));
+         probe.controller->ChunkReserveBytes(std::min({config.prefill_chunk, step_tokens, n}));
 }
 
 int Run(const ServeArgs& a) {

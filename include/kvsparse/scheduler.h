@@ -177,10 +177,11 @@ class Scheduler {
   // KV bytes a request would reserve while admitted (SequenceReserveBytes).
   size_t ReserveBytes(int32_t prompt_tokens, int32_t max_tokens,
                       const std::vector<LayerKvConfig>* kv_layers = nullptr) const;
-  // What one of its prompt chunks holds on top while it runs (ChunkReserveBytes of the step's
-  // largest chunk). Admission needs room for the reservations plus the largest chunk still to
-  // run; a step runs its first prompt chunk, and further ones while they fit.
-  size_t ChunkReserveBytes(const std::vector<LayerKvConfig>* kv_layers = nullptr) const;
+  // What one prompt chunk of a request holds on top while it runs (ChunkReserveBytes of its
+  // largest chunk: the step's chunk size, or the whole prompt when shorter). Admission needs
+  // room for the reservations plus the largest chunk still to run; a step runs its first prompt
+  // chunk, and further ones while they fit.
+  size_t ChunkReserveBytes(int32_t prompt_tokens, const std::vector<LayerKvConfig>* kv_layers = nullptr) const;
 
  private:
   struct Active;  // a request inside the scheduler

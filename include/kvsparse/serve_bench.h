@@ -16,9 +16,14 @@
 //    capacity_max) are filled with `depth` tokens of synthetic K/V through the controller, in
 //    the config's prompt chunks (trimmed after every chunk as a chunked prefill would be; no
 //    attention observations), then decode capacity_gen steps together, one row per sequence,
-//    through Engine::ForwardBatch. The synthetic fill is what makes this part take seconds: a
+//    through Engine::ForwardBatch (then "admitted" is the admission rule; part 3 shows it live). The synthetic fill is what makes this part take seconds: a
 //    real 8K-token prefill per request would take minutes on 2 cores, and decode speed and
 //    memory do not depend on the cached values.
+// 3. Latency under that memory pressure, for real: load_requests requests of load_prompt +
+//    load_gen tokens submitted at once to a scheduler (max_running = load_requests) whose KV
+//    budget admits load_dense_slots dense f16 requests at a time, once per capacity config on
+//    that same budget. Sparse configs admit more of them at once, so fewer wait: TTFT and ITL
+//    percentiles, most requests running at once, tokens/s over the whole run.
 #pragma once
 
 #include <cstddef>
@@ -64,6 +69,12 @@ struct ServeBenchConfig {
   int capacity_max = 64;        // most sequences one capacity run fills (admitted may be more)
   std::vector<ServeKvSpec> capacity_configs = {{"full", "", "f16"}, {"h2o", "0.2", "f16"}, {"h2o", "0.2", "int8"}};
   bool run_capacity = true;
+  // ---- Part 3: latency under the memory pressure, per capacity config ----
+  int load_requests = 12;
+  int load_prompt = 128;
+  int load_gen = 32;
+  int load_dense_slots = 4;    // the part's KV budget: this many dense f16 requests at once
+  bool run_load = true;
   uint64_t seed = 1;
   // Optional progress lines ("streams 4: ..."), e.g. to stderr.
   std::function<void(const std::string&)> progress;
@@ -109,6 +120,20 @@ struct ServeCapacityResult {
   int64_t pages_leaked = 0;          // pages in use after every sequence was released (must be 0)
 };
 
+struct ServeLoadResult {
+  std::string label;                 // "h2o 0.2 int8"
+  int requests = 0;
+  size_t reserve_bytes = 0;          // the scheduler's reservation per request
+  int most_running = 0;              // requests running at once, at most
+  double ttft_p50_s = 0, ttft_p95_s = 0;
+  double itl_p50_s = 0, itl_p95_s = 0;
+  double tokens_per_s = 0;           // generated tokens / wall
+  double wall_s = 0;                 // submit to the last token
+  int64_t preemptions = 0;
+  size_t kv_peak_bytes = 0;
+  int64_t pages_leaked = 0;          // must be 0
+};
+
 struct ServeBenchReport {
   std::string isa;
   std::string model_path;
@@ -126,6 +151,10 @@ struct ServeBenchReport {
   int capacity_gen = 0;
   int capacity_max = 0;
   std::vector<ServeCapacityResult> capacity;
+  // Part 3
+  int load_requests = 0, load_prompt = 0, load_gen = 0, load_dense_slots = 0;
+  size_t load_budget_bytes = 0;
+  std::vector<ServeLoadResult> load;
   double total_s = 0;
 };
 

@@ -91,6 +91,61 @@ StatusOr<double> MeasurePrefill(const Model& model, const KvSparsityConfig& kv_c
   return n / secs;
 }
 
+// n greedy requests of `prompt` random tokens + `gen` submitted at once, the scheduler stepped
+// on this thread until every one has finished (each must end by length).
+struct Driven {
+  std::vector<double> ttft, itl;     // every request's TTFT; every gap between two of its tokens
+  Clock::time_point t0, all_started, end;
+  int64_t generated_at_start = 0;    // generated tokens when every request had its first
+  int most_running = 0;
+};
+
+StatusOr<Driven> Drive(Scheduler& scheduler, const Model& model, int n, int prompt, int gen, uint64_t seed,
+                       const std::string& what) {
+  Driven d;
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  d.t0 = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    GenerationRequest request;
+    request.prompt = RandomTokens(prompt, model.config().n_vocab, seed * 1000003 + static_cast<uint64_t>(i));
+    request.max_tokens = gen;
+    request.sampling.temperature = 0;  // greedy
+    request.sampling.repeat_penalty = 1.0f;
+    KVS_ASSIGN_OR_RETURN(std::shared_ptr<RequestHandle> h, scheduler.Submit(std::move(request)));
+    handles.push_back(std::move(h));
+  }
+  bool all_started = false;
+  d.all_started = d.end = d.t0;
+  for (;;) {
+    const bool progressed = scheduler.Step();
+    const auto now = Clock::now();
+    d.most_running = std::max(d.most_running, scheduler.Stats().running);
+    if (!all_started) {
+      all_started = std::all_of(handles.begin(), handles.end(),
+                                [](const auto& h) { return h->finished() || h->stats().ttft_s >= 0; });
+      if (all_started) {
+        d.all_started = now;
+        d.generated_at_start = scheduler.Stats().generated_tokens;
+      }
+    }
+    if (std::all_of(handles.begin(), handles.end(), [](const auto& h) { return h->finished(); })) {
+      d.end = now;
+      break;
+    }
+    if (!progressed) return InternalError(fmt::format("{}: the scheduler stopped making progress", what));
+  }
+  for (const auto& h : handles) {
+    if (h->finish_reason() != FinishReason::kLength) {
+      return InternalError(fmt::format("{}: request {} ended as '{}' instead of 'length': {}", what, h->id(),
+                                       FinishReasonName(h->finish_reason()), h->error().ToString()));
+    }
+    const RequestStats st = h->stats();
+    d.ttft.push_back(st.ttft_s);
+    for (size_t i = 1; i < st.token_times_s.size(); ++i) d.itl.push_back(st.token_times_s[i] - st.token_times_s[i - 1]);
+  }
+  return d;
+}
+
 // Part 1 for one stream count, on a fresh runtime.
 StatusOr<ServeThroughputResult> RunStreams(const Model& model, const KvSparsityConfig& kv_config,
                                            const ServeBenchConfig& config, int n_threads, int streams) {
@@ -108,62 +163,55 @@ StatusOr<ServeThroughputResult> RunStreams(const Model& model, const KvSparsityC
   r.prompt_tokens = config.prompt_tokens;
   r.gen_tokens = config.gen_tokens;
   r.kv_reserved_bytes = scheduler.ReserveBytes(config.prompt_tokens, config.gen_tokens);
-  std::vector<std::shared_ptr<RequestHandle>> handles;
-  const auto t0 = Clock::now();
-  for (int i = 0; i < streams; ++i) {
-    GenerationRequest request;
-    request.prompt = RandomTokens(config.prompt_tokens, model.config().n_vocab, config.seed * 1000003 + static_cast<uint64_t>(i));
-    request.max_tokens = config.gen_tokens;
-    request.sampling.temperature = 0;  // greedy
-    request.sampling.repeat_penalty = 1.0f;
-    KVS_ASSIGN_OR_RETURN(std::shared_ptr<RequestHandle> h, scheduler.Submit(std::move(request)));
-    handles.push_back(std::move(h));
-  }
-  // Step on this thread; note the step after which every request has its first token.
-  bool all_started = false;
-  Clock::time_point started_at = t0, end = t0;
-  int64_t generated_at_start = 0;
-  for (;;) {
-    const bool progressed = scheduler.Step();
-    const auto now = Clock::now();
-    if (!all_started) {
-      all_started = std::all_of(handles.begin(), handles.end(),
-                                [](const auto& h) { return h->finished() || h->stats().ttft_s >= 0; });
-      if (all_started) {
-        started_at = now;
-        generated_at_start = scheduler.Stats().generated_tokens;
-      }
-    }
-    if (std::all_of(handles.begin(), handles.end(), [](const auto& h) { return h->finished(); })) {
-      end = now;
-      break;
-    }
-    if (!progressed) return InternalError(fmt::format("streams {}: the scheduler stopped making progress", streams));
-  }
+  KVS_ASSIGN_OR_RETURN(Driven d, Drive(scheduler, model, streams, config.prompt_tokens, config.gen_tokens, config.seed,
+                                       fmt::format("streams {}", streams)));
   const SchedulerStats stats = scheduler.Stats();
-  std::vector<double> ttft, itl;
-  for (const auto& h : handles) {
-    if (h->finish_reason() != FinishReason::kLength) {
-      return InternalError(fmt::format("streams {}: request {} ended as '{}' instead of 'length': {}", streams, h->id(),
-                                       FinishReasonName(h->finish_reason()), h->error().ToString()));
-    }
-    const RequestStats s = h->stats();
-    ttft.push_back(s.ttft_s);
-    for (size_t i = 1; i < s.token_times_s.size(); ++i) itl.push_back(s.token_times_s[i] - s.token_times_s[i - 1]);
-  }
   r.generated_tokens = stats.generated_tokens;
-  r.decode_window_tokens = stats.generated_tokens - generated_at_start;
-  r.decode_window_s = Seconds(started_at, end);
+  r.decode_window_tokens = stats.generated_tokens - d.generated_at_start;
+  r.decode_window_s = Seconds(d.all_started, d.end);
   r.aggregate_decode_tps = r.decode_window_s > 0 ? r.decode_window_tokens / r.decode_window_s : 0;
   r.per_stream_decode_tps = r.aggregate_decode_tps / streams;
-  r.ttft_p50_s = Percentile(ttft, 50);
-  r.ttft_p95_s = Percentile(ttft, 95);
-  r.itl_p50_s = Percentile(itl, 50);
-  r.itl_p95_s = Percentile(itl, 95);
+  r.ttft_p50_s = Percentile(d.ttft, 50);
+  r.ttft_p95_s = Percentile(d.ttft, 95);
+  r.itl_p50_s = Percentile(d.itl, 50);
+  r.itl_p95_s = Percentile(d.itl, 95);
   r.kv_peak_bytes = runtime->paged_cache()->budget().peak_bytes();
-  r.wall_s = Seconds(t0, end);
+  r.wall_s = Seconds(d.t0, d.end);
   r.steps = stats.steps;
   r.preemptions = stats.preemptions;
+  r.pages_leaked = runtime->paged_cache()->pages_in_use();
+  return r;
+}
+
+// Part 3 for one KV config: every request at once, on a budget of budget_bytes.
+StatusOr<ServeLoadResult> RunLoad(const Model& model, const ServeKvSpec& spec, const ServeBenchConfig& config,
+                                  int n_threads, size_t budget_bytes) {
+  KVS_ASSIGN_OR_RETURN(KvSparsityConfig kv_config,
+                       KvSparsityConfigFromFlags(spec.method, spec.budget, spec.kv_type, model.config().n_layers));
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> runtime,
+                       CreateServingRuntime(model, kv_config, budget_bytes, n_threads, config.seed));
+  SchedulerOptions options;
+  options.max_running = config.load_requests;
+  options.step_tokens = config.step_tokens;
+  options.max_queue = config.load_requests;
+  options.max_context = config.load_prompt + config.load_gen;
+  Scheduler scheduler(runtime->engine.get(), runtime->controller(), options);
+  ServeLoadResult r;
+  r.label = spec.label();
+  r.requests = config.load_requests;
+  r.reserve_bytes = scheduler.ReserveBytes(config.load_prompt, config.load_gen);
+  KVS_ASSIGN_OR_RETURN(Driven d, Drive(scheduler, model, config.load_requests, config.load_prompt, config.load_gen,
+                                       config.seed + 7, "load " + r.label));
+  const SchedulerStats stats = scheduler.Stats();
+  r.most_running = d.most_running;
+  r.ttft_p50_s = Percentile(d.ttft, 50);
+  r.ttft_p95_s = Percentile(d.ttft, 95);
+  r.itl_p50_s = Percentile(d.itl, 50);
+  r.itl_p95_s = Percentile(d.itl, 95);
+  r.wall_s = Seconds(d.t0, d.end);
+  r.tokens_per_s = r.wall_s > 0 ? stats.generated_tokens / r.wall_s : 0;
+  r.preemptions = stats.preemptions;
+  r.kv_peak_bytes = runtime->paged_cache()->budget().peak_bytes();
   r.pages_leaked = runtime->paged_cache()->pages_in_use();
   return r;
 }
@@ -186,7 +234,8 @@ StatusOr<ServeCapacityResult> RunCapacity(const Model& model, const ServeKvSpec&
   r.kv_desc = KvSparsityConfigSummary(kv_config);
   r.reserve_bytes = controller.SequenceReserveBytes(config.depth, config.capacity_gen);
   // As the scheduler admits: every reservation, and room for one prompt chunk on top.
-  r.chunk_reserve_bytes = controller.ChunkReserveBytes(std::min(kv_config.prefill_chunk, config.step_tokens));
+  r.chunk_reserve_bytes =
+      controller.ChunkReserveBytes(std::min({kv_config.prefill_chunk, config.step_tokens, config.depth}));
   r.admitted = r.reserve_bytes > 0 && budget > r.chunk_reserve_bytes
                    ? static_cast<int64_t>((budget - r.chunk_reserve_bytes) / r.reserve_bytes)
                    : 0;
@@ -343,6 +392,19 @@ Status ValidateServeBenchConfig(const ServeBenchConfig& config) {
       static_cast<int64_t>(config.depth) + config.capacity_gen > INT32_MAX / 2) {
     return InvalidArgumentError("--prompt/--gen/--depth/--capacity-gen: lengths too large");
   }
+  if (config.run_load) {
+    KVS_RETURN_IF_ERROR(positive("--load-requests", config.load_requests));
+    KVS_RETURN_IF_ERROR(positive("--load-prompt", config.load_prompt));
+    KVS_RETURN_IF_ERROR(positive("--load-gen", config.load_gen));
+    KVS_RETURN_IF_ERROR(positive("--load-slots", config.load_dense_slots));
+    if (config.load_requests > Engine::kMaxBatchRows) {
+      return InvalidArgumentError(fmt::format("--load-requests: at most {} requests run in one step, found {}",
+                                              Engine::kMaxBatchRows, config.load_requests));
+    }
+    if (static_cast<int64_t>(config.load_prompt) + config.load_gen > INT32_MAX / 2) {
+      return InvalidArgumentError("--load-prompt/--load-gen: lengths too large");
+    }
+  }
   if (config.run_capacity && config.capacity_configs.empty()) {
     return InvalidArgumentError("--capacity-configs: no configuration given");
   }
@@ -390,7 +452,8 @@ StatusOr<ServeBenchReport> RunServeBench(const Model& model, const ServeBenchCon
     const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
     KVS_ASSIGN_OR_RETURN(SparseKvSetup probe, CreateServingKv(geometry, throughput_kv, BudgetBytes(config)));
     const size_t reserve = probe.controller->SequenceReserveBytes(config.prompt_tokens, config.gen_tokens);
-    const size_t chunk = probe.controller->ChunkReserveBytes(std::min(throughput_kv.prefill_chunk, config.step_tokens));
+    const size_t chunk = probe.controller->ChunkReserveBytes(
+        std::min({throughput_kv.prefill_chunk, config.step_tokens, config.prompt_tokens}));
     const int most = *std::max_element(config.streams.begin(), config.streams.end());
     if (static_cast<double>(reserve) * most + static_cast<double>(chunk) > static_cast<double>(BudgetBytes(config))) {
       return InvalidArgumentError(fmt::format(
@@ -428,6 +491,25 @@ StatusOr<ServeBenchReport> RunServeBench(const Model& model, const ServeBenchCon
     for (ServeCapacityResult& r : report.capacity) {
       r.admitted_vs_first = first.admitted > 0 ? static_cast<double>(r.admitted) / first.admitted : 0;
       r.decode_tps_vs_first = first.decode_tps > 0 ? r.decode_tps / first.decode_tps : 0;
+    }
+  }
+  if (config.run_load && !config.capacity_configs.empty()) {
+    // The budget: load_dense_slots dense f16 requests at once (their reservations; dense
+    // layers need no chunk reserve).
+    KVS_ASSIGN_OR_RETURN(KvSparsityConfig dense, KvSparsityConfigFromFlags("full", "", "f16", c.n_layers));
+    const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+    KVS_ASSIGN_OR_RETURN(SparseKvSetup probe, CreateServingKv(geometry, dense, size_t{1} << 30));
+    report.load_requests = config.load_requests;
+    report.load_prompt = config.load_prompt;
+    report.load_gen = config.load_gen;
+    report.load_dense_slots = config.load_dense_slots;
+    report.load_budget_bytes = probe.controller->SequenceReserveBytes(config.load_prompt, config.load_gen) *
+                               static_cast<size_t>(config.load_dense_slots);
+    for (const ServeKvSpec& spec : config.capacity_configs) {
+      KVS_ASSIGN_OR_RETURN(ServeLoadResult r, RunLoad(model, spec, config, n_threads, report.load_budget_bytes));
+      Progress(config, fmt::format("load {}: at most {} running, TTFT p50 {:.2f} s p95 {:.2f} s, {:.1f} t/s ({:.1f} s)",
+                                   r.label, r.most_running, r.ttft_p50_s, r.ttft_p95_s, r.tokens_per_s, r.wall_s));
+      report.load.push_back(r);
     }
   }
   report.total_s = Seconds(start, Clock::now());
@@ -484,6 +566,20 @@ std::string ServeBenchMarkdown(const ServeBenchReport& report) {
                          r.label, r.reserve_bytes / kMiB, r.chunk_reserve_bytes / kMiB, r.admitted, r.admitted_vs_first, r.ran, r.decode_tps,
                          r.decode_tps_vs_first, r.step_p50_s * 1e3, r.step_p95_s * 1e3, r.kv_used_bytes / kMiB,
                          r.kv_peak_bytes / kMiB, r.live_tokens_per_layer);
+    }
+  }
+  if (!report.load.empty()) {
+    out += fmt::format("\nLatency under memory pressure: {} requests of {} prompt + {} generated tokens submitted at once; "
+                       "KV budget {:.2f} MiB = {} dense f16 requests at a time; the scheduler admits what fits.\n",
+                       report.load_requests, report.load_prompt, report.load_gen, report.load_budget_bytes / kMiB,
+                       report.load_dense_slots);
+    out += "\n| KV config | reserve KiB/request | most running | TTFT p50 s | TTFT p95 s | ITL p50 ms | ITL p95 ms | "
+           "tokens/s (whole run) | wall s | preemptions |\n";
+    out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    for (const ServeLoadResult& r : report.load) {
+      out += fmt::format("| {} | {:.1f} | {} | {:.2f} | {:.2f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {} |\n", r.label,
+                         r.reserve_bytes / 1024.0, r.most_running, r.ttft_p50_s, r.ttft_p95_s, r.itl_p50_s * 1e3,
+                         r.itl_p95_s * 1e3, r.tokens_per_s, r.wall_s, r.preemptions);
     }
   }
   out += fmt::format("\ntotal {:.1f} s\n", report.total_s);
@@ -547,6 +643,26 @@ std::string ServeBenchJson(const ServeBenchReport& report) {
                                         {"live_tokens_per_layer", r.live_tokens_per_layer},
                                         {"evicted_tokens", r.evicted_tokens},
                                         {"pages_leaked", r.pages_leaked}});
+  }
+  j["load"] = {{"requests", report.load_requests},
+               {"prompt_tokens", report.load_prompt},
+               {"gen_tokens", report.load_gen},
+               {"dense_slots", report.load_dense_slots},
+               {"budget_bytes", report.load_budget_bytes},
+               {"configs", nlohmann::json::array()}};
+  for (const ServeLoadResult& r : report.load) {
+    j["load"]["configs"].push_back({{"label", r.label},
+                                    {"reserve_bytes_per_request", r.reserve_bytes},
+                                    {"most_running", r.most_running},
+                                    {"ttft_p50_s", r.ttft_p50_s},
+                                    {"ttft_p95_s", r.ttft_p95_s},
+                                    {"itl_p50_s", r.itl_p50_s},
+                                    {"itl_p95_s", r.itl_p95_s},
+                                    {"tokens_per_s", r.tokens_per_s},
+                                    {"wall_s", r.wall_s},
+                                    {"preemptions", r.preemptions},
+                                    {"kv_peak_bytes", r.kv_peak_bytes},
+                                    {"pages_leaked", r.pages_leaked}});
   }
   j["total_s"] = report.total_s;
   return j.dump(2) + "\n";

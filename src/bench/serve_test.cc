@@ -26,6 +26,10 @@ ServeBenchConfig TinyConfig() {
   c.depth = 200;
   c.capacity_gen = 4;
   c.capacity_max = 64;
+  c.load_requests = 8;
+  c.load_prompt = 64;
+  c.load_gen = 16;
+  c.load_dense_slots = 3;
   return c;
 }
 
@@ -98,6 +102,26 @@ TEST(ServeBench, TinyRunOnStories260K) {
   EXPECT_EQ(j["throughput"].size(), 2u);
   EXPECT_EQ(j["capacity"]["configs"].size(), 3u);
   EXPECT_EQ(j["capacity"]["configs"][2]["admitted"].get<int64_t>(), h2o_int8.admitted);
+
+  // Latency under memory pressure: the budget holds two dense requests at once; the sparse
+  // configs run more at once, and every request finishes without a preemption.
+  ASSERT_EQ(report->load.size(), 3u);
+  EXPECT_GT(report->load_budget_bytes, 0u);
+  EXPECT_EQ(report->load[0].most_running, config.load_dense_slots);
+  EXPECT_GT(report->load[1].most_running, report->load[0].most_running);
+  EXPECT_GE(report->load[2].most_running, report->load[1].most_running);
+  for (const ServeLoadResult& r : report->load) {
+    SCOPED_TRACE(r.label);
+    EXPECT_EQ(r.requests, config.load_requests);
+    EXPECT_EQ(r.preemptions, 0);
+    EXPECT_EQ(r.pages_leaked, 0);
+    EXPECT_LE(r.kv_peak_bytes, report->load_budget_bytes);
+    EXPECT_GT(r.ttft_p50_s, 0);
+    EXPECT_LE(r.ttft_p50_s, r.ttft_p95_s);
+    EXPECT_GT(r.tokens_per_s, 0);
+  }
+  EXPECT_NE(md.find("Latency under memory pressure"), std::string::npos) << md;
+  EXPECT_EQ(j["load"]["configs"].size(), 3u);
 }
 
 // With a chunk below the depth, a 20% budget also bounds the prompt: more requests fit than dense.
@@ -154,6 +178,14 @@ TEST(ServeBench, ValidationNamesTheFlag) {
   c = {};
   c.step_tokens = Engine::kMaxBatchRows + 1;
   expect_error(c, "--step-tokens");
+  c = {};
+  c.load_requests = 0;
+  expect_error(c, "--load-requests");
+  c = {};
+  c.load_dense_slots = -1;
+  expect_error(c, "--load-slots");
+  c.run_load = false;
+  EXPECT_TRUE(ValidateServeBenchConfig(c).ok()) << "unused when the part is skipped";
 }
 
 TEST(ServeBench, KvSpecs) {
@@ -183,6 +215,7 @@ TEST(ServeBenchCli, BadFlagsFailBeforeTheModelLoads) {
   ExpectCleanFailure(RunCli("bench-serve --gen -1" + model), "--gen");
   ExpectCleanFailure(RunCli("bench-serve --kv-memory 0" + model), "--kv-memory");
   ExpectCleanFailure(RunCli("bench-serve --depth 0" + model), "--depth");
+  ExpectCleanFailure(RunCli("bench-serve --load-prompt 0" + model), "--load-prompt");
   ExpectCleanFailure(RunCli("bench-serve --capacity-configs h2o:0.2:f9" + model), "--capacity-configs");
 }
 

@@ -274,8 +274,7 @@ size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t m
 
 size_t SparseKvController::ChunkReserveBytes(int32_t chunk_tokens, const std::vector<LayerKvConfig>* layers) const {
   if (config_.prefill_eviction == PrefillEviction::kPromptEnd || chunk_tokens <= 0) return 0;
-  const int32_t page = cache_->page_size();
-  const int32_t chunk = std::min(chunk_tokens, INT32_MAX / 2 - 2 * page);
+  const int32_t chunk = std::min(chunk_tokens, INT32_MAX / 2);
   constexpr int32_t kLarge = INT32_MAX / 4;
   size_t bytes = 0;
   for (int layer = 0; layer < n_layers_; ++layer) {
@@ -283,10 +282,11 @@ size_t SparseKvController::ChunkReserveBytes(int32_t chunk_tokens, const std::ve
     const KvPolicy& p = ReservePolicy(layer, layers, &own);
     // Layers that keep every prompt token have it in SequenceReserveBytes already.
     if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge) continue;
-    // The chunk spans at most ceil(chunk / page) + 1 more pages than the budget's (one more
-    // for an int8_kivi page being quantized): TableReserveBytes of chunk + page tokens.
+    // A table of B tokens holds ceil(B / page) pages, and B + chunk at most ceil(chunk / page)
+    // more; its reservation has a page in flight on top, and an int8_kivi page being quantized
+    // one more: TableReserveBytes(chunk) covers both.
     const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
-    bytes += cache_->TableReserveBytes(layer, chunk + page, storage) * static_cast<size_t>(n_policies(layer));
+    bytes += cache_->TableReserveBytes(layer, chunk, storage) * static_cast<size_t>(n_policies(layer));
   }
   return bytes;
 }

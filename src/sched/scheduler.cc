@@ -129,8 +129,8 @@ int32_t Scheduler::ChunkTokens() const {
   return std::min(std::clamp(controller_->prefill_chunk(), 1, kMaxPromptChunk), options_.step_tokens);
 }
 
-size_t Scheduler::ChunkReserveBytes(const std::vector<LayerKvConfig>* kv_layers) const {
-  return controller_->ChunkReserveBytes(ChunkTokens(), kv_layers);
+size_t Scheduler::ChunkReserveBytes(int32_t prompt_tokens, const std::vector<LayerKvConfig>* kv_layers) const {
+  return controller_->ChunkReserveBytes(std::min(ChunkTokens(), prompt_tokens), kv_layers);
 }
 
 StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest request) {
@@ -153,7 +153,7 @@ StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest req
   }
   if (request.kv_layers) KVS_RETURN_IF_ERROR(controller_->CheckSequenceLayers(*request.kv_layers));
   const size_t need = ReserveBytes(static_cast<int32_t>(prompt), request.max_tokens, request.kv_layers.get()) +
-                      ChunkReserveBytes(request.kv_layers.get());
+                      ChunkReserveBytes(static_cast<int32_t>(prompt), request.kv_layers.get());
   const size_t budget = controller_->cache()->budget().limit_bytes();
   if (need > budget) {
     return InvalidArgumentError(fmt::format(
@@ -278,7 +278,7 @@ bool Scheduler::Admit() {
     Active& a = *waiting_.front();
     const int32_t left = a.request.max_tokens - a.n_generated;
     const size_t need = ReserveBytes(static_cast<int32_t>(a.tokens.size()), left, a.request.kv_layers.get());
-    const size_t chunk = ChunkReserveBytes(a.request.kv_layers.get());
+    const size_t chunk = ChunkReserveBytes(static_cast<int32_t>(a.tokens.size()), a.request.kv_layers.get());
     // Room for every reservation and, beside them, for the largest prompt chunk still to run:
     // a step always runs at least its oldest prompt chunk.
     size_t largest_chunk = chunk;
