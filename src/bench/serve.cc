@@ -547,7 +547,7 @@ std::string ServeBenchMarkdown(const ServeBenchReport& report) {
   if (!report.capacity.empty()) {
     const std::string& first = report.capacity.front().label;
     out += fmt::format("\nCapacity under a {:g} MiB KV budget: requests of {} context + {} generated tokens; admitted "
-                       "= floor(budget / the scheduler's reservation per request); the run fills min(admitted, {}) "
+                       "= floor((budget - chunk) / the scheduler's reservation per request); the run fills min(admitted, {}) "
                        "sequences and decodes {} steps with all of them in each step (ForwardBatch).\n",
                        report.kv_memory_mib, report.depth, report.capacity_gen, report.capacity_max,
                        report.capacity_gen);
