@@ -741,6 +741,47 @@ TEST_F(ServerTest, StreamingClientThatDisconnectsIsCancelled) {
   EXPECT_EQ(Get("/health").status, 200);
 }
 
+// A non-streaming client that hangs up before its answer: nothing is written to it until the
+// end, so the server watches the socket; the request is cancelled and its pages come back long
+// before its 480 tokens would have run.
+TEST_F(ServerTest, NonStreamingClientThatDisconnectsIsCancelled) {
+  const SchedulerStats before = Idle();
+  const int64_t cancelled_before = before.finished[static_cast<int>(FinishReason::kCancelled)];
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(env_->open->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string body = R"({"prompt": "A long story:", "max_tokens": 480, "ignore_eos": true})";
+  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                              "Content-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  // Hang up once the request runs.
+  const auto started = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < started && env_->scheduler->Stats().running == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_GT(env_->scheduler->Stats().running, 0);
+  ::close(fd);
+
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  SchedulerStats s = env_->scheduler->Stats();
+  while (Clock::now() < until &&
+         (s.finished[static_cast<int>(FinishReason::kCancelled)] == cancelled_before || s.running > 0 ||
+          s.kv_pages_used != before.kv_pages_used)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    s = env_->scheduler->Stats();
+  }
+  EXPECT_EQ(s.finished[static_cast<int>(FinishReason::kCancelled)], cancelled_before + 1)
+      << "the request was cancelled, not run to its end";
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.kv_pages_used, before.kv_pages_used) << "the cancelled request's pages came back";
+  EXPECT_EQ(Get("/health").status, 200);
+}
+
 // `kvsparse serve` itself: it prints where it listens, answers, and exits 0 on SIGTERM.
 TEST_F(ServerTest, ServeCommandAnswersAndExitsCleanlyOnSigterm) {
   const std::string cli = testing::CliPath();

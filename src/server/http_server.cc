@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kvsparse/kv_config.h"
+#include "server/connection_watch.h"
 #include "server/text_stream.h"
 
 namespace kvsparse::server {
@@ -446,7 +447,7 @@ std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOver
   return std::make_shared<const std::vector<LayerKvConfig>>(std::move(*layers));
 }
 
-void HttpServer::Impl::HandleCompletion(const httplib::Request&, httplib::Response& res, const std::string& body,
+void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Response& res, const std::string& body,
                                         bool chat) {
   const Clock::time_point start = Clock::now();
   auto parsed = ParseCompletionRequest(body, chat, options.limits);
@@ -557,8 +558,20 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request&, httplib::Respon
   } guard{this, gen};
 
   if (!r.stream) {
+    // Nothing is written before the end, so a client that hangs up is seen by watching its
+    // socket between pulls: its request is cancelled and its pages freed at once.
+    const ConnectionWatch watch(req.local_port, req.remote_port);
     std::string text;
-    while (!gen->ended) text += Pull(*gen);
+    while (!gen->ended) {
+      text += Pull(*gen);
+      if (!gen->ended && watch.PeerClosed()) {
+        gen->handle->Cancel();
+        gen->ended = true;
+        RecordEnd(*gen);
+        res.status = 499;  // nginx's "client closed request", for the logs and /metrics; nobody reads it
+        return;
+      }
+    }
     RecordEnd(*gen);
     auto outcome = Outcome(*gen);
     if (const ApiError* e = std::get_if<ApiError>(&outcome)) return SetError(res, *e);
