@@ -55,4 +55,12 @@ StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerIfAny(const Model& model) {
   return Tokenizer::FromGguf(*model.gguf());
 }
 
+StatusOr<LoadedModel> LoadModelWithTokenizer(const std::string& model_flag) {
+  LoadedModel loaded;
+  KVS_ASSIGN_OR_RETURN(loaded.path, ResolveModelPath(model_flag));
+  KVS_ASSIGN_OR_RETURN(loaded.model, Model::Load(loaded.path));
+  KVS_ASSIGN_OR_RETURN(loaded.tokenizer, LoadTokenizerIfAny(*loaded.model));
+  return loaded;
+}
+
 }  // namespace kvsparse::cli

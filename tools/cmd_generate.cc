@@ -49,16 +49,12 @@ StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
 }
 
 int Run(const GenerateArgs& a) {
-  auto path = ResolveModelPath(a.model);
-  if (!path.ok()) return Fail(path.status());
-  auto model_or = Model::Load(*path);
-  if (!model_or.ok()) return Fail(model_or.status());
-  const Model& model = **model_or;
+  auto loaded = LoadModelWithTokenizer(a.model);
+  if (!loaded.ok()) return Fail(loaded.status());
+  const std::string& path = loaded->path;
+  const Model& model = *loaded->model;
   const ModelConfig& c = model.config();
-
-  auto tokenizer_or = LoadTokenizerIfAny(model);
-  if (!tokenizer_or.ok()) return Fail(tokenizer_or.status());
-  std::unique_ptr<Tokenizer> tokenizer = std::move(*tokenizer_or);
+  std::unique_ptr<Tokenizer>& tokenizer = loaded->tokenizer;
 
   std::vector<int32_t> prompt;
   if (!a.prompt_tokens.empty()) {
@@ -70,7 +66,7 @@ int Run(const GenerateArgs& a) {
   } else {
     if (!a.prompt.empty()) {
       return Fail(InvalidArgumentError(fmt::format(
-          "{} has no tokenizer (no tokenizer.ggml.tokens); give the prompt as token ids with --tokens", *path)));
+          "{} has no tokenizer (no tokenizer.ggml.tokens); give the prompt as token ids with --tokens", path)));
     }
     prompt = {1};  // BOS of llama-family vocabularies
   }

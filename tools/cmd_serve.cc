@@ -71,19 +71,15 @@ int Run(const ServeArgs& a) {
   signal(SIGPIPE, SIG_IGN);  // a client gone mid-write is an error return, not a kill
 
   if (a.parallel < 1) return Fail(InvalidArgumentError(fmt::format("--parallel must be >= 1, got {}", a.parallel)));
-  auto path = ResolveModelPath(a.model);
-  if (!path.ok()) return Fail(path.status());
-  auto model_or = Model::Load(*path);
-  if (!model_or.ok()) return Fail(model_or.status());
-  const Model& model = **model_or;
+  auto loaded = LoadModelWithTokenizer(a.model);
+  if (!loaded.ok()) return Fail(loaded.status());
+  const std::string& path = loaded->path;
+  const Model& model = *loaded->model;
   const ModelConfig& c = model.config();
-
-  auto tokenizer_or = LoadTokenizerIfAny(model);
-  if (!tokenizer_or.ok()) return Fail(tokenizer_or.status());
-  std::unique_ptr<Tokenizer> tokenizer = std::move(*tokenizer_or);
+  std::unique_ptr<Tokenizer>& tokenizer = loaded->tokenizer;
   if (!tokenizer) {
     std::fprintf(stderr, "kvsparse serve: %s has no tokenizer: only token-id prompts (/v1/completions) will work\n",
-                 path->c_str());
+                 path.c_str());
   }
 
   server::ChatTemplate chat_template = server::ChatTemplate::kChatml;

@@ -33,4 +33,13 @@ StatusOr<std::string> ResolveModelPath(const std::string& path);
 // has none (llama2.c checkpoints, vocab-less GGUFs): such models take token-id prompts only.
 StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerIfAny(const Model& model);
 
+// What `generate` and `serve` start from: the resolved path, the model and its tokenizer (null
+// when the file has none).
+struct LoadedModel {
+  std::string path;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+StatusOr<LoadedModel> LoadModelWithTokenizer(const std::string& model_flag);
+
 }  // namespace kvsparse::cli
