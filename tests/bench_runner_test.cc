@@ -1,5 +1,6 @@
 // The method benchmark's runner: configuration enumeration, resume, shard + merge, reports,
 // on the built-in retrieval model (small and exact, so accuracies are known).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -7,8 +8,11 @@
 
 #include "kvsparse/bench_report.h"
 #include "kvsparse/bench_runner.h"
+#include "kvsparse/kv_config.h"
 #include "kvsparse/retrieval_model.h"
 #include "support/retrieval_model_file.h"
+#include "support/test_model_gguf.h"
+#include "support/tiny_chat_model.h"
 #include "support/shared_data.h"
 
 namespace kvsparse {
@@ -204,6 +208,162 @@ TEST(BenchRunnerTest, FidelityAndLatencyRows) {
   EXPECT_NE(report.find("### latency and memory"), std::string::npos);
 }
 
+TEST(BenchRunnerTest, EvictIntervalIsThePaperCadenceUnlessGiven) {
+  BenchSpec spec = SmallSpec();
+  spec.methods = {"full", "h2o", "tova", "streaming_llm", "scissorhands", "random", "snapkv", "pyramidkv", "knorm",
+                  "quest"};
+  spec.tasks = {"niah_single", "fidelity", "latency"};
+  const int serving = KvSparsityConfig{}.evict_interval;
+  for (const BenchConfig& c : EnumerateBenchConfigs(spec)) {
+    SCOPED_TRACE(c.Key(spec));
+    const bool per_step = c.method == "h2o" || c.method == "tova" || c.method == "streaming_llm" ||
+                          c.method == "scissorhands" || c.method == "random";
+    EXPECT_EQ(BenchEvictInterval(spec, c), c.task != "latency" && per_step ? 1 : serving);
+    EXPECT_NE(c.Key(spec).find(fmt::format("/i{}/", BenchEvictInterval(spec, c))), std::string::npos);
+  }
+  // An explicit interval applies to every method and task, and is a different configuration.
+  BenchSpec given = spec;
+  given.evict_interval = 4;
+  const std::vector<BenchConfig> configs = EnumerateBenchConfigs(spec);
+  for (const BenchConfig& c : configs) {
+    EXPECT_EQ(BenchEvictInterval(given, c), 4);
+    EXPECT_NE(c.Key(given), c.Key(spec));
+  }
+  given.evict_interval = -1;
+  Status st = ValidateBenchSpec(given);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("--evict-interval"), std::string::npos) << st.message();
+}
+
+TEST(BenchRunnerTest, RowsRecordTheIntervalThatRan) {
+  BenchSpec spec = SmallSpec();
+  spec.methods = {"full", "h2o", "snapkv"};
+  spec.protocols = {BenchProtocol::kQuestionLast};
+  spec.samples = 1;
+  const std::string results = FreshFile("bench_runner_interval.jsonl");
+  BenchRunOptions options;
+  options.results_path = results;
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+  auto rows = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 3u);
+  for (const nlohmann::json& row : *rows) {
+    SCOPED_TRACE(row.dump());
+    const int expected = row["method"] == "h2o" ? 1 : KvSparsityConfig{}.evict_interval;
+    EXPECT_EQ(row["evict_interval"].get<int>(), expected);
+    EXPECT_NE(row["key"].get<std::string>().find(fmt::format("/i{}/", expected)), std::string::npos);
+  }
+}
+
+TEST(BenchRunnerTest, SampledFidelityStreamIsDeterministicAndSharedByEveryMethod) {
+  // A random-weight model: broad next-token distributions, so the sampled streams vary (the
+  // retrieval model's would repeat one symbol).
+  const std::string model_path = TempPath("bench_runner_random_model.gguf");
+  ASSERT_TRUE(testing::WriteTinyModelGguf(testing::TinyModelSpec{}, model_path).ok());
+  BenchSpec spec = SmallSpec();
+  spec.model_path = model_path;
+  spec.model_name = "random";
+  spec.tasks = {"fidelity"};
+  spec.methods = {"full", "h2o", "streaming_llm", "snapkv"};
+  spec.lengths = {128};
+  spec.samples = 2;
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (int run = 0; run < 2; ++run) {
+    const std::string results = FreshFile(fmt::format("bench_runner_stream{}.jsonl", run));
+    BenchRunOptions options;
+    options.results_path = results;
+    { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString(); }
+    auto rows = ReadBenchResultsSorted(results);
+    ASSERT_TRUE(rows.ok());
+    ASSERT_EQ(rows->size(), 4u);
+    runs.push_back(*rows);
+  }
+  const std::string hash = runs[0][0]["stream_hash"].get<std::string>();
+  for (const std::vector<nlohmann::json>& rows : runs) {
+    for (const nlohmann::json& row : rows) {
+      SCOPED_TRACE(row.dump());
+      EXPECT_EQ(row["stream"], "sampled(seed=1)");
+      EXPECT_NE(row["key"].get<std::string>().find("sampled(seed=1)"), std::string::npos);
+      EXPECT_EQ(row["stream_hash"], hash);  // every method, both runs: the same tokens
+      EXPECT_EQ(row["samples"].get<int>(), 2);
+    }
+  }
+  // One configuration run alone (no shared cache) samples the same streams.
+  auto loaded = Model::Load(model_path);
+  ASSERT_TRUE(loaded.ok());
+  const std::unique_ptr<Model>& model = *loaded;
+  auto row = RunBenchConfig(spec, EnumerateBenchConfigs(spec).back(), *model, nullptr);
+  ASSERT_TRUE(row.ok()) << row.status().ToString();
+  EXPECT_EQ((*row)["stream_hash"], hash);
+  // Another seed samples other streams, and is another configuration.
+  BenchSpec other = spec;
+  other.seed = 2;
+  auto other_row = RunBenchConfig(other, EnumerateBenchConfigs(other).front(), *model, nullptr);
+  ASSERT_TRUE(other_row.ok()) << other_row.status().ToString();
+  EXPECT_NE((*other_row)["stream_hash"], hash);
+  EXPECT_EQ((*other_row)["stream"], "sampled(seed=2)");
+  EXPECT_NE(EnumerateBenchConfigs(other).front().Key(other), EnumerateBenchConfigs(spec).front().Key(spec));
+  const std::string report = BenchReportMarkdown(runs[0]);
+  EXPECT_NE(report.find("| random | sampled(seed=1) | h2o | 48 | f16 | 1 | 128 |"), std::string::npos) << report;
+}
+
+TEST(BenchRunnerTest, FidelityStreamFlagsAreChecked) {
+  BenchSpec spec = SmallSpec();
+  spec.tasks = {"fidelity"};
+  spec.fidelity_tokens = TempPath("bench_runner_no_such_ids.txt");
+  fs::remove(spec.fidelity_tokens);
+  Status st = ValidateBenchSpec(spec);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("--fidelity-tokens: cannot read " + spec.fidelity_tokens), std::string::npos)
+      << st.message();
+  spec.fidelity_text = spec.fidelity_tokens;
+  st = ValidateBenchSpec(spec);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("at most one"), std::string::npos) << st.message();
+  spec.fidelity_tokens.clear();
+  spec.tasks = {"niah_single"};
+  st = ValidateBenchSpec(spec);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("add fidelity to --tasks"), std::string::npos) << st.message();
+}
+
+TEST(BenchRunnerTest, FidelityOnTheUsersTextWithTheModelsTokenizer) {
+  std::string note;
+  auto model_path = testing::WriteTinyChatModel("bench_runner_text_model.gguf", 256, &note);
+  ASSERT_TRUE(model_path.ok()) << model_path.status().ToString();
+  std::string text;
+  for (int i = 0; i < 30; ++i) text += "The little dog ran to the park and found a red ball under a tree. ";
+  const std::string text_path = TempPath("bench_runner_text.txt");
+  std::ofstream(text_path, std::ios::trunc) << text;
+  BenchSpec spec;
+  spec.model_path = *model_path;
+  spec.model_name = "tiny-chat";
+  spec.tasks = {"fidelity"};
+  spec.methods = {"full", "streaming_llm"};
+  spec.budgets = {"24"};
+  spec.lengths = {96};
+  spec.samples = 3;
+  spec.n_threads = 1;
+  spec.fidelity_text = text_path;
+  const std::string results = FreshFile("bench_runner_text.jsonl");
+  BenchRunOptions options;
+  options.results_path = results;
+  { Status st = RunBench(spec, options); ASSERT_TRUE(st.ok()) << st.ToString() << " (" << note << ")"; }
+  auto rows = ReadBenchResultsSorted(results);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 2u);
+  for (const nlohmann::json& row : *rows) {
+    SCOPED_TRACE(row.dump());
+    EXPECT_EQ(row["stream"], "text:" + text_path);
+    EXPECT_EQ(row["stream_hash"], (*rows)[0]["stream_hash"]);
+    EXPECT_EQ(row["samples"].get<int>(), 1);  // a file is one stream
+    if (row["method"] == "full") {
+      EXPECT_NEAR(row["kl"].get<double>(), 0.0, 1e-3);
+    }
+  }
+  EXPECT_NE(BenchReportMarkdown(*rows).find("| tiny-chat | text:" + text_path + " |"), std::string::npos);
+}
+
 TEST(BenchRunnerTest, ReportHasOrderingAccuracyTablesAndPlots) {
   const BenchSpec spec = SmallSpec();
   const std::string results = FreshFile("bench_runner_report.jsonl");
@@ -215,7 +375,9 @@ TEST(BenchRunnerTest, ReportHasOrderingAccuracyTablesAndPlots) {
   const std::string report = BenchReportMarkdown(*rows);
   EXPECT_NE(report.find("## Method ordering"), std::string::npos) << report;
   EXPECT_NE(report.find("### niah_single — question_last"), std::string::npos) << report;
-  EXPECT_NE(report.find("| full | — | f16 | 100 ["), std::string::npos) << report;
+  EXPECT_NE(report.find("| full | — | f16 | — | 100 ["), std::string::npos) << report;
+  // StreamingLLM evicts at every decode step (its paper's cadence), SnapKV not while decoding.
+  EXPECT_NE(report.find("| streaming_llm | 48 | f16 | 1 |"), std::string::npos) << report;
   const std::string dir = TempPath("bench_runner_plots");
   fs::create_directories(dir);
   auto pngs = WriteBenchPlots(results, dir);

@@ -94,7 +94,10 @@ TEST_F(QuestSynthTest, WholeContextBudgetIsBitIdenticalToFull) {
       KvSparsityConfig full = FlagsConfig(*model_, "full", "", kv_type);
       KvSparsityConfig quest = FlagsConfig(*model_, "quest", std::to_string(context), kv_type);
       for (LayerKvConfig& l : full.layers) l.per_head = per_head;
-      for (LayerKvConfig& l : quest.layers) l.per_head = per_head;
+      for (LayerKvConfig& l : quest.layers) {
+        l.per_head = per_head;
+        l.params.dense_layers = 0;  // every layer selects (the paper's default leaves layers 0-1 dense)
+      }
       auto full_kv = CreateSparseKv(Geometry(*model_), full, 1, context);
       auto quest_kv = CreateSparseKv(Geometry(*model_), quest, 1, context);
       ASSERT_TRUE(full_kv.ok() && quest_kv.ok());
@@ -124,6 +127,7 @@ TEST_F(QuestSynthTest, SmallBudgetReadsAtMostBudgetPlusOnePageAndKeepsEverything
       for (LayerKvConfig& l : config.layers) {
         l.per_head = per_head;
         l.params.page_tokens = page_tokens;
+        l.params.dense_layers = 0;  // every layer selects
       }
       const int32_t page = page_tokens > 0 ? page_tokens : config.page_size;
       auto kv = CreateSparseKv(Geometry(*model_), config, 1, context);

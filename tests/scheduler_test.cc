@@ -27,8 +27,10 @@ struct Runtime {
 };
 
 // budget_bytes 0: room for 16 dense requests of 256 tokens.
+// per_head -1: the method's default granularity; 0 / 1: every layer shared / per KV head.
 Runtime MakeRuntime(const std::string& path, const std::string& method, const std::string& budget,
-                    const std::string& kv_type, size_t budget_bytes, SchedulerOptions options = {}) {
+                    const std::string& kv_type, size_t budget_bytes, SchedulerOptions options = {},
+                    int per_head = -1) {
   Runtime r;
   auto model = Model::Load(path);
   EXPECT_TRUE(model.ok()) << model.status().ToString();
@@ -36,6 +38,9 @@ Runtime MakeRuntime(const std::string& path, const std::string& method, const st
   const ModelConfig& c = r.model->config();
   auto config = KvSparsityConfigFromFlags(method, budget, kv_type, c.n_layers);
   EXPECT_TRUE(config.ok()) << config.status().ToString();
+  if (per_head >= 0) {
+    for (LayerKvConfig& layer : config->layers) layer.per_head = per_head != 0;
+  }
   const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
   if (budget_bytes == 0) {
     auto probe = CreateServingKv(geometry, *config, size_t{1} << 30);
@@ -85,8 +90,8 @@ void StepUntilDone(Scheduler& s, const std::vector<std::shared_ptr<RequestHandle
 
 std::vector<int32_t> RunAlone(const std::string& path, const std::string& method, const std::string& budget,
                               const std::vector<int32_t>& prompt, int32_t max_tokens,
-                              const std::string& kv_type = "f16") {
-  Runtime r = MakeRuntime(path, method, budget, kv_type, 0);
+                              const std::string& kv_type = "f16", int per_head = -1) {
+  Runtime r = MakeRuntime(path, method, budget, kv_type, 0, {}, per_head);
   auto h = r.scheduler->Submit(Greedy(prompt, max_tokens));
   EXPECT_TRUE(h.ok()) << h.status().ToString();
   StepUntilDone(*r.scheduler, {*h});
@@ -416,7 +421,8 @@ TEST(Scheduler, PerRequestMethodAndBudget) {
   auto plain = r.scheduler->Submit(Greedy(Prompt(2), 30));
   ASSERT_TRUE(plain.ok());
   StepUntilDone(*r.scheduler, {*h, *plain});
-  EXPECT_EQ(Drain(**h), RunAlone(path, "h2o", "40", Prompt(2), 30));
+  // The server's layers are shared (its method, full, is): the override runs H2O on them.
+  EXPECT_EQ(Drain(**h), RunAlone(path, "h2o", "40", Prompt(2), 30, "f16", /*per_head=*/0));
   EXPECT_EQ(Drain(**plain), RunAlone(path, "full", "", Prompt(2), 30));
   EXPECT_GT(r.scheduler->Stats().evicted_tokens, 0);
 

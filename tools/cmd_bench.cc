@@ -21,9 +21,11 @@ namespace fs = std::filesystem;
 
 struct BenchArgs {
   std::string model, out_dir = "bench-out", shard = "0/1", kv_config, suite = "all", prefill_eviction;
+  std::string fidelity_text, fidelity_tokens;
   std::vector<std::string> methods, budgets, lengths, kv_types, tasks, protocols;
   std::vector<double> depths;
-  int samples = 0, threads = 0, evict_interval = 16, page_size = 16, value_tokens = 0;
+  // evict_interval 0: each method's paper cadence (BenchSpec::evict_interval).
+  int samples = 0, threads = 0, evict_interval = 0, page_size = 16, value_tokens = 0;
   uint64_t seed = 1;
   bool no_plots = false;
 };
@@ -90,6 +92,8 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
     s.n_threads = a.threads;
     s.seed = a.seed;
     s.evict_interval = a.evict_interval;
+    s.fidelity_text = a.fidelity_text;
+    s.fidelity_tokens = a.fidelity_tokens;
     s.page_size = a.page_size;
     return ValidateBenchSpec(s);
   };
@@ -246,9 +250,17 @@ void RegisterBench(CLI::App& app, int* exit_code) {
                   "prompt_end (compress after the whole prompt; default of the accuracy runs) or chunk (after every "
                   "prompt chunk: bounded memory; default of the latency runs)")
       ->check(CLI::IsMember({"chunk", "prompt_end"}));
-  cmd->add_option("--evict-interval", a->evict_interval, "decode eviction interval")
-      ->capture_default_str()
+  cmd->add_option("--evict-interval", a->evict_interval,
+                  "decode eviction interval of every method (a performance option). Default: each method's paper "
+                  "cadence in accuracy and fidelity runs (1 for streaming_llm, h2o, tova, scissorhands, random; 16 "
+                  "for methods that do not evict while decoding) and 16 in latency runs")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--fidelity-text", a->fidelity_text,
+                  "fidelity task: teacher-force the first --lengths tokens of this text file (encoded by the model's "
+                  "tokenizer) instead of a stream sampled from the model");
+  cmd->add_option("--fidelity-tokens", a->fidelity_tokens,
+                  "fidelity task: teacher-force the first --lengths token ids of this file (whitespace-separated; # "
+                  "starts a comment) instead of a stream sampled from the model");
   cmd->add_option("--page-size", a->page_size, "tokens per KV page")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("-t,--threads", a->threads, "threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "task seed")->capture_default_str();

@@ -15,8 +15,13 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
                   "decode steps a layer may grow past its budget before evicting (default 16)")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--kv-stats", f->stats, "print per-layer KV bytes (allocated, live), evictions and policy time");
-  cmd->add_flag("--kv-per-head", f->per_head,
-                "one policy and page table per KV head, so each head keeps its own tokens (JSON: \"per_head\")");
+  CLI::Option* per_head =
+      cmd->add_flag("--kv-per-head", f->per_head,
+                    "one policy and page table per KV head, so each head keeps its own tokens (JSON: \"per_head\": "
+                    "true; default: the method's reference granularity)");
+  cmd->add_flag("--kv-shared-heads", f->shared_heads,
+                "every KV head of a layer keeps the same tokens, scores folded over heads (JSON: \"per_head\": false)")
+      ->excludes(per_head);
 }
 
 StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const std::string& default_kv_type,
@@ -36,9 +41,10 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
     if (!f.kv_type.empty()) {
       return InvalidArgumentError("--kv-config sets kv_type per layer; drop --kv-type (or set \"kv_type\" in the file)");
     }
-    if (f.per_head) {
-      return InvalidArgumentError("--kv-config sets per_head per layer; drop --kv-per-head (or set \"per_head\": true "
-                                  "in the file)");
+    if (f.per_head || f.shared_heads) {
+      return InvalidArgumentError(fmt::format("--kv-config sets per_head per layer; drop {} (or set \"per_head\" in "
+                                              "the file)",
+                                              f.per_head ? "--kv-per-head" : "--kv-shared-heads"));
     }
     KVS_ASSIGN_OR_RETURN(config, LoadKvSparsityConfig(f.config_file, n_layers));
   } else if (!f.method.empty()) {
@@ -46,13 +52,13 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   } else if (!f.budget.empty()) {
     return InvalidArgumentError(fmt::format("--kv-budget needs --kv-method (one of {})", ValidKvMethodNames()));
   } else if (*storage == KvStorage::kInt8 || *storage == KvStorage::kInt8Kivi || f.page_size > 0 ||
-             f.evict_interval > 0 || f.per_head) {  // int8 types need the paged cache
+             f.evict_interval > 0 || f.per_head || f.shared_heads) {  // int8 types need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
   } else {
     return std::optional<KvSparsityConfig>();  // dense
   }
-  if (f.per_head) {
-    for (LayerKvConfig& layer : config.layers) layer.per_head = true;
+  if (f.per_head || f.shared_heads) {
+    for (LayerKvConfig& layer : config.layers) layer.per_head = f.per_head;
   }
   if (f.page_size > 0) config.page_size = f.page_size;
   if (f.evict_interval > 0) config.evict_interval = f.evict_interval;

@@ -35,11 +35,40 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
                float* raw_scores = nullptr);
 }  // namespace ops
 
+// One attention problem of an AttentionBatch call: query heads over their own spans.
+struct AttentionJob {
+  const KvSpan* spans = nullptr;  // token rows [n, row_heads, head_dim] (see AttentionBatch)
+  int32_t n_spans = 0;
+  // The job's kv heads within a row: first_kv_head .. first_kv_head + shape.n_kv_heads - 1.
+  int first_kv_head = 0;
+  const float* q = nullptr;      // [n_q, shape.n_heads, head_dim]
+  float* out = nullptr;          // [n_q, shape.n_heads, head_dim]
+  float* row_max_sum = nullptr;  // optional, [n_q, shape.n_heads, 2] as in Attention
+  float* raw_scores = nullptr;   // optional, [n_q, shape.n_heads, tokens of the job's spans] as in Attention
+};
+
+namespace ops {
+// Several independent attention calls in one parallel region (a per-head layer's kv heads,
+// each over its own token list; Quest's query heads, each over its own pages). Every job gets
+// exactly what Attention(shape, storage, job.q, q_pos, n_q, job.spans, job.n_spans, job.out,
+// n_threads, ...) gives over rows holding only its kv heads, bit for bit: the same token
+// chunks and merge order; only the units of all jobs share one loop, so small jobs do not
+// each pay a parallel region and leave threads idle at its end.
+// row_heads: kv heads per stored token row of the spans (1 for HeadSpans; a shared layer's
+// n_kv_heads), >= first_kv_head + shape.n_kv_heads for every job. All jobs share shape,
+// storage, q_pos and n_q.
+void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
+                    const AttentionJob* jobs, int32_t n_jobs, int n_threads);
+}  // namespace ops
+
 namespace ref {
 // Scalar twin: materializes scores per query head, double accumulation.
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
                const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum = nullptr,
                float* raw_scores = nullptr);
+// Scalar twin of ops::AttentionBatch: each job on its own.
+void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
+                    const AttentionJob* jobs, int32_t n_jobs);
 }  // namespace ref
 
 }  // namespace kvsparse

@@ -25,10 +25,15 @@ struct ScoreGathering {
 //   sum_all[h, t]    = Σ_queries agg_{query heads of h} p(query, head, t)
 //   sum_window[h, t] = the same over the queries with position >= window_start
 //   last[h, t]       = agg p(last query, head, t)
+// and, [n_window, n_kv_heads, n_tokens] with n_window = the queries at positions >= window_start
+// (the call's last ones), oldest first:
+//   window_rows[w, h, t] = agg p(window query w, head, t)
+// (AttentionScores only; GatherScoresFromRaw serves decode steps, whose one row is `last`).
 struct ScoreOutputs {
   float* sum_all = nullptr;
   float* sum_window = nullptr;
   float* last = nullptr;
+  float* window_rows = nullptr;
 };
 
 namespace ops {

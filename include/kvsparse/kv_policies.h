@@ -3,17 +3,19 @@
 //
 //   full           keep everything (never evicts)
 //   streaming_llm  n_sink first tokens + the most recent ones            (n_sink 4, cache_positions off)
-//   h2o            accumulated attention heavy hitters + recent window   (recent_ratio 0.5)
+//   h2o            accumulated attention heavy hitters + recent window   (recent_ratio 0.5, per KV head)
 //   tova           attention of the last query, averaged over heads      (no window)
 //   scissorhands   fewest "unimportant" marks over a history of queries  (history 32, recent_ratio 0.1)
-//   snapkv         observation-window votes, pooled, + the window        (window 32, kernel 7, max)
-//   pyramidkv      SnapKV scoring, budgets decreasing with depth         (beta 20)
-//   knorm          lowest key L2 norm                                    (no window)
+//   snapkv         observation-window votes, pooled, + the window        (window 32, kernel 7, max, per KV head)
+//   pyramidkv      SnapKV scoring, budgets decreasing with depth         (window 8, beta 20, per KV head)
+//   knorm          lowest key L2 norm, prompt only                       (layers 0-1 whole, per KV head)
 //   random         uniform random subset, seeded                         (recent_ratio 0.5)
 //   quest          never evicts; each decode step reads the pages whose  (page_tokens = cache page,
-//                  key min/max bound q·k highest, within the budget       head_reduce max)
+//                  key min/max bound q·k highest, within the budget       layers 0-1 dense)
+// Every selection keeps the token just appended (see selection.h).
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -38,8 +40,8 @@ std::string ValidKvMethodNames();                                 // "full, stre
 // How a token's per-KV-head importance becomes one score when a layer keeps the same tokens
 // for every head (per_head false): the mean over heads, or the head that values it most.
 // Quest folds a page's bounds with it twice: over the query heads of each kv head's group,
-// then (shared layers) over kv heads.
-enum class HeadReduce { kMean, kMax };
+// then (shared layers) over kv heads; kNone ("none", Quest only) selects per query head.
+enum class HeadReduce { kMean, kMax, kNone };
 // SnapKV's smoothing of the votes over neighbouring tokens.
 enum class VotePooling { kMax, kAvg };
 
@@ -49,14 +51,17 @@ struct KvMethodParams {
   int32_t n_sink = 0;           // "n_sink": first live tokens always kept
   int32_t recent = -1;          // "recent": newest tokens always kept; -1 = use recent_ratio
   double recent_ratio = 0.0;    // "recent_ratio": recent window as a fraction of the budget
-  HeadReduce head_reduce = HeadReduce::kMean;  // "head_reduce": "mean" | "max"
+  HeadReduce head_reduce = HeadReduce::kMean;  // "head_reduce": "mean" | "max" | "none" (quest)
   int32_t history_window = 32;  // "history_window": Scissorhands queries remembered (1..64)
   int32_t obs_window = 32;      // "window": SnapKV/PyramidKV observation window (queries)
   int32_t kernel = 7;           // "kernel": SnapKV pooling kernel (odd)
   VotePooling pooling = VotePooling::kMax;  // "pooling": "max" | "avg"
-  bool decode_evict = false;    // "decode_evict": SnapKV/PyramidKV also evict while decoding
+  bool decode_evict = false;    // "decode_evict": SnapKV/PyramidKV/KNorm also evict while decoding
   double beta = 20.0;           // "beta": PyramidKV: last layer gets 1/beta of the mean share
   int32_t page_tokens = 0;      // "page_tokens": Quest page in tokens; 0 = the cache's page size
+  // "dense_layers": KNorm and Quest leave the model's first layers uncompressed (both papers: 2);
+  // those layers run Full.
+  int32_t dense_layers = 0;
   // "cache_positions": StreamingLLM only. RoPE positions are places in the cache (0..n-1, a new
   // token gets n) instead of places in the text; survivors are renumbered and their keys
   // re-rotated after every eviction (the paper's setting; see docs/DESIGN.md "Positions").
@@ -65,6 +70,16 @@ struct KvMethodParams {
 
 // The paper defaults of `method` (see the table above).
 KvMethodParams DefaultMethodParams(KvMethod method);
+// The decode eviction cadence of the method's paper, in steps: 1 for methods that evict at every
+// generated token (H2O, TOVA, StreamingLLM, Scissorhands, Random), 0 for methods that never
+// evict while decoding by default (Full, SnapKV, PyramidKV, KNorm, Quest). `bench` accuracy runs
+// use it unless --evict-interval is given; serving keeps KvSparsityConfig::evict_interval.
+int PaperEvictInterval(KvMethod method);
+// The granularity of the method's reference code: true where it selects tokens per KV head
+// (H2O, SnapKV, PyramidKV, KNorm), false where one selection serves every head (TOVA averages
+// heads; StreamingLLM, Random and Full need no scores; Quest keeps every token and selects its
+// pages per query head at decode time whatever the layout). LayerKvConfig::per_head's default.
+bool DefaultPerHead(KvMethod method);
 // JSON keys `method` accepts besides method/budget/kv_type.
 std::span<const std::string_view> KvMethodParamKeys(KvMethod method);
 
@@ -93,10 +108,14 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
 
 // PyramidKV (Cai et al., 2024): per-layer budgets (window included) that decrease
 // linearly with depth and sum to n_layers * average_budget. Of the share above the window,
-// S = average_budget - window, the last layer gets S / beta and the first 2S - S / beta.
-// When average_budget <= window every layer gets average_budget.
-std::vector<int32_t> PyramidBudgets(int n_layers, int32_t average_budget, int32_t window, double beta);
+// S = average_budget - window, the last layer gets S / beta and the first 2S - S / beta, the
+// first clamped to what n_seen tokens fill (KVCache-Factory's rule, see pyramidkv.cc). When
+// average_budget <= window, n_seen <= average_budget or n_seen < 2S every layer gets
+// average_budget.
+std::vector<int32_t> PyramidBudgets(int n_layers, int32_t average_budget, int32_t window, double beta,
+                                    int32_t n_seen = INT32_MAX);
 // PyramidBudgets(...)[layer] without allocating.
-int32_t PyramidLayerBudget(int layer, int n_layers, int32_t average_budget, int32_t window, double beta);
+int32_t PyramidLayerBudget(int layer, int n_layers, int32_t average_budget, int32_t window, double beta,
+                           int32_t n_seen = INT32_MAX);
 
 }  // namespace kvsparse

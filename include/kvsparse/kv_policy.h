@@ -35,6 +35,7 @@ enum ObservationField : uint32_t {
   kObserveSumAll = 1u << 0,
   kObserveSumWindow = 1u << 1,
   kObserveLast = 1u << 2,
+  kObserveWindowRows = 1u << 3,
 };
 
 // Attention probabilities gathered by the attention kernel for one call on one layer,
@@ -49,6 +50,10 @@ struct AttentionObservation {
   // this call (SnapKV's observation window); null when the policy asks for no window.
   const float* sum_window = nullptr;
   const float* last = nullptr;         // [n_kv_heads, n_tokens] p(last query, token)
+  // Per query of the window (the call's last n_window = min(ObservationWindow(), n_queries)
+  // queries, oldest first): [n_window, n_kv_heads, n_tokens] p(query, token). Null unless asked.
+  int32_t n_window = 0;
+  const float* window_rows = nullptr;
 };
 
 // What a policy may look at when it selects.

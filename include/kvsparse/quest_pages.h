@@ -21,6 +21,7 @@
 
 #include "kvsparse/kv_cache.h"
 #include "kvsparse/kv_policies.h"
+#include "kvsparse/kv_policy.h"
 
 namespace kvsparse {
 
@@ -68,24 +69,54 @@ class QuestPageIndex {
 // q, key_min, key_max: [head_dim].
 float QuestBound(const float* q, const float* key_min, const float* key_max, int head_dim);
 
-// Page scores for one decode query. q: [n_q_heads, head_dim], the query heads of kv head h
-// being h * group .. h * group + group - 1 (group = n_q_heads / index.n_kv_heads()). Each
-// kv head's score is `reduce` over its group's bounds, the page's score `reduce` over kv heads.
-// scores: [index.n_pages()]; NaN bounds count as -inf.
+// Page scores for one decode query, folded over query heads (head_reduce "max" / "mean"). q:
+// [n_q_heads, head_dim], the query heads of kv head h being h * group .. h * group + group - 1
+// (group = n_q_heads / index.n_kv_heads()). Each kv head's score is `reduce` over its group's
+// bounds, the page's score `reduce` over kv heads. scores: [index.n_pages()]; NaN bounds count
+// as -inf. `reduce` must be kMax or kMean.
 void QuestPageScores(const QuestPageIndex& index, const float* q, int n_q_heads, HeadReduce reduce, float* scores);
 
-// The pages attention reads: always the last (most recent) page, then pages by descending
-// score (ties: the earlier page) while their tokens fit `budget_tokens`. So the selected token
-// count is <= max(budget_tokens, tokens of the last page) <= budget_tokens + page_tokens.
-// *pages gets the selected page indices ascending; *order is scratch.
-void QuestSelectPages(const float* scores, int32_t n_pages, int32_t page_tokens, int32_t n_tokens,
-                      int32_t budget_tokens, std::vector<int32_t>* order, std::vector<int32_t>* pages);
+// Page scores of every query head on its own (head_reduce "none", the reference's): query head
+// i against its kv head i / group. q: [n_q_heads, head_dim]; scores: [n_q_heads, index.n_pages()];
+// NaN bounds count as -inf.
+void QuestQueryHeadScores(const QuestPageIndex& index, const float* q, int n_q_heads, float* scores);
 
-// Replaces *spans (the table's live spans, ascending, storage `storage`, rows of n_kv_heads x
-// head_dim) by runs covering exactly the tokens of `pages` (ascending page indices of
-// page_tokens tokens), in order; runs of one span that touch are merged. *scratch is reused.
+// Pages a decode step reads under a budget of budget_tokens, as the reference does:
+// max(3, budget_tokens / page_tokens) (rounded down), the most recent page included.
+int32_t QuestPagesRead(int32_t budget_tokens, int32_t page_tokens);
+
+// The pages attention reads: the last (most recent, the current token's) page, then the
+// n_read - 1 best of the others by descending score (ties: the earlier page); every page when
+// n_read >= n_pages. *pages gets the selected page indices ascending; *order is scratch.
+void QuestSelectPages(const float* scores, int32_t n_pages, int32_t n_read, std::vector<int32_t>* order,
+                      std::vector<int32_t>* pages);
+
+// The runs covering exactly the tokens of `pages` (ascending page indices of page_tokens
+// tokens) within `spans` (a table's live spans, ascending, storage `storage`, rows of
+// n_kv_heads x head_dim), in order; runs of one span that touch are merged. *out is replaced.
+void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std::vector<int32_t>& pages,
+                      int32_t page_tokens, const std::vector<KvSpan>& spans, std::vector<KvSpan>* out);
+// The same in place: *spans becomes the runs; *scratch is reused.
 void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std::vector<int32_t>& pages,
                       int32_t page_tokens, std::vector<KvSpan>* spans, std::vector<KvSpan>* scratch);
+
+// Per-query-head span selection (Quest with head_reduce "none", the reference's granularity):
+// a KvPolicy that also implements this interface gives every query head its own runs, so each
+// query head attends only its own pages. SparseKvController::SelectSpans reaches it through
+// dynamic_cast, which keeps KvPolicy (kv_policy.h) at one span list per table.
+class QueryHeadSpanSelector {
+ public:
+  virtual ~QueryHeadSpanSelector() = default;
+  // True when SelectQueryHeadSpans is the policy's selection (else KvPolicy::SelectSpans).
+  virtual bool SelectsPerQueryHead() const = 0;
+  // spans: every live span of the table, ascending; ctx as for KvPolicy::SelectSpans (q
+  // [n_q_heads, head_dim]; query head i belongs to kv head i / (n_q_heads / n_kv_heads) of the
+  // span rows). Returns false when every query head reads the whole table (the budget covers
+  // it), leaving head_spans alone; else head_spans[i] (an array of ctx.n_q_heads lists) gets
+  // the runs query head i reads, pointing into the spans' storage.
+  virtual bool SelectQueryHeadSpans(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans,
+                                    std::vector<KvSpan>* head_spans) = 0;
+};
 
 namespace ref {
 // Scalar twin of QuestBound: double accumulation, in order.

@@ -125,8 +125,14 @@ class SparseKvController {
   // kv_head -1 with the layer's Spans and the model's shape and q [n_heads, head_dim]; for a
   // per-head layer the head's index, its HeadSpans, shape {group, 1, head_dim} and q
   // [group, head_dim]. The spans must be every live token of the table.
-  void SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
-                   std::vector<KvSpan>* spans);
+  // Per-query-head selection (Quest's head_reduce "none", quest_pages.h QueryHeadSpanSelector):
+  // given query_head_spans (an array of shape.n_heads lists), such a policy fills list i with
+  // the runs query head i reads, leaves *spans as it is and the call returns true; false
+  // otherwise (also when the budget covers the table: every head reads *spans). Without
+  // query_head_spans it narrows *spans to the union of the query heads' pages. Stats count one
+  // selection per call and, per query head, the mean of the tokens they read.
+  bool SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
+                   std::vector<KvSpan>* spans, std::vector<KvSpan>* query_head_spans = nullptr);
 
   // Drops every token of seq from the cache and restarts its policies.
   Status ResetSequence(int seq);
@@ -217,6 +223,7 @@ class SparseKvController {
 
   // Reused buffers (no allocation in steady-state decode).
   std::vector<float> sum_all_, sum_window_, last_;  // each [n_kv_heads, n_tokens]
+  std::vector<float> window_rows_;                  // [n_window, n_kv_heads, n_tokens]
   std::vector<KvSpan> spans_;
   std::vector<int32_t> positions_;                  // [n_live]
   std::vector<uint8_t> keep_;                       // [n_live]

@@ -32,11 +32,6 @@ double Nested(const Json& row, const char* key, const char* field) {
   auto f = it->find(field);
   return f != it->end() && f->is_number() ? f->get<double>() : 0;
 }
-// "h2o 0.1" / "full"
-std::string MethodLabel(const Json& row) {
-  const std::string budget = Str(row, "budget");
-  return budget.empty() ? Str(row, "method") : Str(row, "method") + " " + budget;
-}
 // Budgets sort numerically (fractions before token counts), "" (full) first.
 bool BudgetLess(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return a.empty() && !b.empty();
@@ -44,6 +39,12 @@ bool BudgetLess(const std::string& a, const std::string& b) {
   const bool x_ok = std::from_chars(a.data(), a.data() + a.size(), x).ec == std::errc();
   const bool y_ok = std::from_chars(b.data(), b.data() + b.size(), y).ec == std::errc();
   return x_ok && y_ok ? x < y : a < b;  // a hand-edited row may hold anything
+}
+// The decode eviction interval a row ran with; "—" for full (it never evicts) and for rows
+// written before the interval was recorded.
+std::string IntervalText(const Json& row) {
+  const double interval = Num(row, "evict_interval");
+  return Str(row, "method") == "full" || interval <= 0 ? "—" : fmt::format("{}", static_cast<int>(interval));
 }
 // "lo–hi" of a row's [low, high] accuracy interval, "?" when the row has none.
 std::string CiText(const Json& row) {
@@ -54,17 +55,18 @@ std::string CiText(const Json& row) {
   return fmt::format("{:.0f}–{:.0f}", 100 * (*it)[0].get<double>(), 100 * (*it)[1].get<double>());
 }
 
-// Rows grouped by a key, keeping first-seen order of methods.
+// Rows grouped by a key, keeping first-seen order of methods. A method run at two eviction
+// intervals (two runs into one results file) gets two table rows.
 struct Table {
   std::vector<int> lengths;
-  std::vector<std::tuple<std::string, std::string, std::string>> methods;  // (method, budget, kv_type)
-  std::map<std::tuple<std::string, std::string, std::string, int>, const Json*> cells;
+  std::vector<std::tuple<std::string, std::string, std::string, std::string>> methods;  // (method, budget, kv, evict)
+  std::map<std::tuple<std::string, std::string, std::string, std::string, int>, const Json*> cells;
 };
 
 void AddToTable(Table& t, const Json& row) {
   const int length = static_cast<int>(Num(row, "length"));
   if (std::find(t.lengths.begin(), t.lengths.end(), length) == t.lengths.end()) t.lengths.push_back(length);
-  auto m = std::make_tuple(Str(row, "method"), Str(row, "budget"), Str(row, "kv_type"));
+  auto m = std::make_tuple(Str(row, "method"), Str(row, "budget"), Str(row, "kv_type"), IntervalText(row));
   if (std::find(t.methods.begin(), t.methods.end(), m) == t.methods.end()) t.methods.push_back(m);
   t.cells[std::tuple_cat(m, std::make_tuple(length))] = &row;
 }
@@ -88,17 +90,17 @@ std::string AccuracyTables(const std::vector<Json>& rows) {
   for (auto& [key, t] : tables) {
     SortTable(t);
     const auto& [model, task, protocol] = key;
-    out += fmt::format("\n### {} — {} ({})\n\nAccuracy % [95% CI] (n samples); KV = allocated bytes / dense f16 at the longest length.\n\n",
+    out += fmt::format("\n### {} — {} ({})\n\nAccuracy % [95% CI] (n samples); evict = decode eviction interval in tokens; KV = allocated bytes / dense f16 at the longest length.\n\n",
                        task, protocol, model);
-    out += "| method | budget | kv |";
+    out += "| method | budget | kv | evict |";
     for (int l : t.lengths) out += fmt::format(" {} tok |", l);
-    out += " KV % |\n|---|---|---|";
+    out += " KV % |\n|---|---|---|---:|";
     for (size_t i = 0; i < t.lengths.size(); ++i) out += "---:|";
     out += "---:|\n";
     for (const auto& m : t.methods) {
-      out += fmt::format("| {} | {} | {} |", std::get<0>(m), std::get<1>(m).empty() ? "—" : std::get<1>(m),
-                         std::get<2>(m));
       const Json* last = nullptr;
+      out += fmt::format("| {} | {} | {} | {} |", std::get<0>(m), std::get<1>(m).empty() ? "—" : std::get<1>(m),
+                         std::get<2>(m), std::get<3>(m));
       for (int l : t.lengths) {
         auto it = t.cells.find(std::tuple_cat(m, std::make_tuple(l)));
         if (it == t.cells.end()) {
@@ -161,12 +163,14 @@ std::string FidelityTable(const std::vector<Json>& rows) {
   for (const Json& row : rows) {
     if (Str(row, "task") != "fidelity") continue;
     if (out.empty()) {
-      out = "\n### fidelity (label-free, against the full cache)\n\n| model | method | budget | kv | length | KL nats | top-1 agreement | perplexity change | KV % |\n|---|---|---|---|---:|---:|---:|---:|---:|\n";
+      out = "\n### fidelity (label-free, against the full cache)\n\nstream: the teacher-forced tokens (sampled from the model with the full cache, or the user's file); evict = decode eviction interval in tokens.\n\n| model | stream | method | budget | kv | evict | length | KL nats | top-1 agreement | perplexity change | KV % |\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|\n";
     }
-    out += fmt::format("| {} | {} | {} | {} | {} | {:.4f} | {:.1f}% | {:+.2f}% | {:.1f} |\n", Str(row, "model"),
-                       Str(row, "method"), Str(row, "budget").empty() ? "—" : Str(row, "budget"), Str(row, "kv_type"),
-                       static_cast<int>(Num(row, "length")), Num(row, "kl"), 100 * Num(row, "top1_agreement"),
-                       100 * Num(row, "ppl_change"), 100 * Num(row, "kv_ratio"));
+    // Rows written before streams were recorded measured the multi-key haystacks.
+    const std::string stream = Str(row, "stream").empty() ? "haystack" : Str(row, "stream");
+    out += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {:.4f} | {:.1f}% | {:+.2f}% | {:.1f} |\n", Str(row, "model"),
+                       stream, Str(row, "method"), Str(row, "budget").empty() ? "—" : Str(row, "budget"),
+                       Str(row, "kv_type"), IntervalText(row), static_cast<int>(Num(row, "length")), Num(row, "kl"),
+                       100 * Num(row, "top1_agreement"), 100 * Num(row, "ppl_change"), 100 * Num(row, "kv_ratio"));
   }
   return out;
 }
@@ -188,11 +192,12 @@ std::string LatencyTable(const std::vector<Json>& all_rows) {
   for (const Json* row_ptr : rows) {
     const Json& row = *row_ptr;
     if (out.empty()) {
-      out = "\n### latency and memory\n\n| model | method | budget | kv | length | TTFT ms | decode ms p50 | p90 | tokens/s | KV MiB | % of dense f16 | peak KV MiB | peak RSS MiB | policy share |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      out = "\n### latency and memory\n\n| model | method | budget | kv | evict | length | TTFT ms | decode ms p50 | p90 | tokens/s | KV MiB | % of dense f16 | peak KV MiB | peak RSS MiB | policy share |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     }
-    out += fmt::format("| {} | {} | {} | {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {:.2f} | {:.0f} | {:.1f}% |\n",
+    out += fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {:.2f} | {:.0f} | {:.1f}% |\n",
                        Str(row, "model"), Str(row, "method"), Str(row, "budget").empty() ? "—" : Str(row, "budget"),
-                       Str(row, "kv_type"), static_cast<int>(Num(row, "length")), Nested(row, "ttft_ms", "median"),
+                       Str(row, "kv_type"), IntervalText(row), static_cast<int>(Num(row, "length")),
+                       Nested(row, "ttft_ms", "median"),
                        Nested(row, "decode_ms", "median"), Nested(row, "decode_ms", "p90"),
                        Num(row, "decode_tokens_per_s"), Num(row, "kv_allocated_bytes") / 1048576.0,
                        100 * Num(row, "kv_ratio"), Num(row, "kv_peak_allocated_bytes") / 1048576.0,

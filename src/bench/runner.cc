@@ -17,6 +17,7 @@
 #include "kvsparse/bench_metrics.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/kv_config.h"
+#include "kvsparse/kv_policies.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/tokenizer.h"
 
@@ -100,7 +101,7 @@ StatusOr<KvSparsityConfig> SparsityFor(const BenchSpec& spec, const BenchConfig&
     return sparsity;
   }
   KVS_ASSIGN_OR_RETURN(sparsity, KvSparsityConfigFromFlags(config.method, config.budget, config.kv_type, n_layers));
-  sparsity.evict_interval = spec.evict_interval;
+  sparsity.evict_interval = BenchEvictInterval(spec, config);
   sparsity.page_size = spec.page_size;
   sparsity.prefill_chunk = spec.prefill_chunk;
   sparsity.prefill_eviction =
@@ -283,12 +284,38 @@ std::string BenchConfig::Key(const BenchSpec& spec) const {
   for (double d : spec.depths) depths += fmt::format("{}{:g}", depths.empty() ? "" : ",", d);
   std::string schedule = method == "config"
                              ? fmt::format("file={:016x}", HashString(spec.kv_config_file))
-                             : fmt::format("{}/i{}/p{}/c{}", spec.prefill_eviction, spec.evict_interval,
+                             : fmt::format("{}/i{}/p{}/c{}", spec.prefill_eviction, BenchEvictInterval(spec, *this),
                                            spec.page_size, spec.prefill_chunk);
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}|n{}|s{}|{}|v{}|d{}|g{}", spec.model_name, task,
-                     IsQuestionTask(task) ? BenchProtocolName(protocol) : "-", method, budget.empty() ? "-" : budget,
-                     kv_type.empty() ? "-" : kv_type, length, spec.samples, spec.seed, schedule, spec.value_tokens,
-                     depths, spec.latency_gen);
+  std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|n{}|s{}|{}|v{}|d{}|g{}", spec.model_name, task,
+                                IsQuestionTask(task) ? BenchProtocolName(protocol) : "-", method,
+                                budget.empty() ? "-" : budget, kv_type.empty() ? "-" : kv_type, length, spec.samples,
+                                spec.seed, schedule, spec.value_tokens, depths, spec.latency_gen);
+  if (task == "fidelity") key += "|" + BenchFidelitySource(spec).Label();
+  return key;
+}
+
+int BenchEvictInterval(const BenchSpec& spec, const BenchConfig& config) {
+  if (spec.evict_interval > 0) return spec.evict_interval;
+  const int serving = KvSparsityConfig{}.evict_interval;
+  // Latency rows time what a server runs; accuracy and fidelity rows follow the papers.
+  if (config.task == "latency") return serving;
+  const std::optional<KvMethod> method = KvMethodFromName(config.method);
+  const int paper = method ? PaperEvictInterval(*method) : 0;
+  // 0: the method does not evict while decoding, so any valid interval gives the same outcome.
+  return paper > 0 ? paper : serving;
+}
+
+FidelityStreamSource BenchFidelitySource(const BenchSpec& spec) {
+  FidelityStreamSource source;
+  source.seed = spec.seed;
+  if (!spec.fidelity_text.empty()) {
+    source.kind = FidelityStreamKind::kText;
+    source.path = spec.fidelity_text;
+  } else if (!spec.fidelity_tokens.empty()) {
+    source.kind = FidelityStreamKind::kTokens;
+    source.path = spec.fidelity_tokens;
+  }
+  return source;
 }
 
 std::vector<BenchConfig> EnumerateBenchConfigs(const BenchSpec& spec) {
@@ -352,6 +379,22 @@ Status ValidateBenchSpec(const BenchSpec& spec) {
     if (!(d >= 0 && d <= 1)) return InvalidArgumentError(fmt::format("--depths: {} is outside [0, 1]", d));
   }
   if (spec.depths.empty()) return InvalidArgumentError("--depths: give at least one depth");
+  if (spec.evict_interval < 0) {
+    return InvalidArgumentError(fmt::format(
+        "--evict-interval: expected >= 1 (or 0: each method's paper cadence), found {}", spec.evict_interval));
+  }
+  if (!spec.fidelity_text.empty() || !spec.fidelity_tokens.empty()) {
+    const char* flag = spec.fidelity_text.empty() ? "--fidelity-tokens" : "--fidelity-text";
+    if (!spec.fidelity_text.empty() && !spec.fidelity_tokens.empty()) {
+      return InvalidArgumentError("--fidelity-text and --fidelity-tokens: give at most one fidelity stream");
+    }
+    if (std::find(spec.tasks.begin(), spec.tasks.end(), "fidelity") == spec.tasks.end()) {
+      return InvalidArgumentError(
+          fmt::format("{} sets the stream of the fidelity task: add fidelity to --tasks", flag));
+    }
+    const std::string& path = spec.fidelity_text.empty() ? spec.fidelity_tokens : spec.fidelity_text;
+    if (!std::ifstream(path)) return InvalidArgumentError(fmt::format("{}: cannot read {}", flag, path));
+  }
   if (spec.prefill_eviction != "chunk" && spec.prefill_eviction != "prompt_end") {
     return InvalidArgumentError(
         fmt::format("--prefill-eviction: expected chunk or prompt_end, found '{}'", spec.prefill_eviction));
@@ -360,7 +403,7 @@ Status ValidateBenchSpec(const BenchSpec& spec) {
 }
 
 StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig& config, const Model& model,
-                                        const Tokenizer* tokenizer) {
+                                        const Tokenizer* tokenizer, FidelityStreamCache* streams) {
   const ModelConfig& c = model.config();
   const int n_threads = spec.n_threads > 0 ? spec.n_threads : omp_get_num_procs();
   KVS_ASSIGN_OR_RETURN(KvSparsityConfig sparsity, SparsityFor(spec, config, c.n_layers));
@@ -370,6 +413,8 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
 
   // The samples (the same for every method, protocol and kv type).
   std::vector<BenchSample> samples;
+  FidelityStreamCache local_streams;  // when the caller keeps none
+  const std::vector<std::vector<int32_t>>* fidelity_streams = nullptr;  // [streams][length]
   if (config.task.rfind(kUserTaskPrefix, 0) == 0) {
     if (tokenizer == nullptr) {
       return InvalidArgumentError(fmt::format("task {}: user tasks are text and model {} has no tokenizer",
@@ -382,10 +427,18 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
     for (size_t i = 0; i < records.size() && static_cast<int>(i) < spec.samples; ++i) {
       samples.push_back(BuildUserSample(records[i], *tokenizer, options));
     }
-  } else if (IsQuestionTask(config.task) || config.task == "fidelity") {
-    // Fidelity streams are the multi-key haystacks: any token stream would do.
-    const std::string task_name = config.task == "fidelity" ? "niah_multikey" : config.task;
-    KVS_ASSIGN_OR_RETURN(BenchTask task, ParseBenchTask(task_name));
+  } else if (config.task == "fidelity") {
+    // The same streams for every method of the run (bench_fidelity.h).
+    FidelityStreamCache& cache = streams != nullptr ? *streams : local_streams;
+    if (!cache.count(config.length)) {
+      KVS_ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> made,
+                           MakeFidelityStreams(BenchFidelitySource(spec), model, tokenizer, config.length,
+                                               spec.samples, n_threads));
+      cache[config.length] = std::move(made);
+    }
+    fidelity_streams = &cache[config.length];
+  } else if (IsQuestionTask(config.task)) {
+    KVS_ASSIGN_OR_RETURN(BenchTask task, ParseBenchTask(config.task));
     std::optional<TokenVocab> vocab;
     if (tokenizer == nullptr) {
       if (!HasTokenLevelForm(task)) {
@@ -430,7 +483,9 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
       KVS_RETURN_IF_ERROR(RunLatencySample(config.length, spec.latency_gen, Mix(base_seed, i), model, e, acc));
     }
   } else if (config.task == "fidelity") {
-    for (const BenchSample& s : samples) KVS_RETURN_IF_ERROR(RunFidelitySample(s.context, model, e, n_threads, acc));
+    for (const std::vector<int32_t>& s : *fidelity_streams) {
+      KVS_RETURN_IF_ERROR(RunFidelitySample(s, model, e, n_threads, acc));
+    }
   } else {
     for (const BenchSample& s : samples) {
       KVS_RETURN_IF_ERROR(RunQuestionSample(s, config.protocol, model, tokenizer, e, acc));
@@ -447,9 +502,16 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
   row["budget"] = config.budget;
   row["kv_type"] = config.kv_type;
   row["length"] = config.length;
-  row["samples"] = static_cast<int>(config.task == "latency" ? spec.samples : samples.size());
+  row["samples"] = static_cast<int>(config.task == "latency"  ? spec.samples
+                                    : fidelity_streams != nullptr ? fidelity_streams->size()
+                                                                  : samples.size());
   row["seed"] = spec.seed;
   row["prefill_eviction"] = sparsity.prefill_eviction == PrefillEviction::kPromptEnd ? "prompt_end" : "chunk";
+  row["evict_interval"] = sparsity.evict_interval;  // what ran: the paper cadence, the flag or the file's
+  if (fidelity_streams != nullptr) {
+    row["stream"] = BenchFidelitySource(spec).Label();
+    row["stream_hash"] = FidelityStreamHash(*fidelity_streams);
+  }
   row["kv_config"] = KvSparsityConfigSummary(sparsity);
   row["isa"] = IsaName(ActiveIsa());  // kernel family: latency figures depend on it
   if (std::optional<MetricSummary> all = acc.scores.Get(kAllSamples, kAllSamples, "score")) {
@@ -505,9 +567,17 @@ Status RunBench(const BenchSpec& spec, const BenchRunOptions& options) {
   if (model->gguf() != nullptr && model->gguf()->Find("tokenizer.ggml.tokens") != nullptr) {
     KVS_ASSIGN_OR_RETURN(tokenizer, Tokenizer::FromGguf(*model->gguf()));
   }
+  FidelityStreamCache streams;
+  if (const FidelityStreamSource source = BenchFidelitySource(spec); source.kind != FidelityStreamKind::kSampled) {
+    // A stream file's faults (no tokenizer, bad ids, too short) show before any configuration runs.
+    for (int32_t length : spec.lengths) {
+      KVS_ASSIGN_OR_RETURN(streams[length], MakeFidelityStreams(source, *model, tokenizer.get(), length, spec.samples,
+                                                                /*n_threads=*/1));
+    }
+  }
   const auto t0 = Clock::now();
   for (size_t i = 0; i < todo.size(); ++i) {
-    StatusOr<nlohmann::json> row = RunBenchConfig(spec, *todo[i], *model, tokenizer.get());
+    StatusOr<nlohmann::json> row = RunBenchConfig(spec, *todo[i], *model, tokenizer.get(), &streams);
     if (!row.ok()) {
       return Status(row.status().code(),
                     fmt::format("configuration {}: {}", todo[i]->Key(spec), row.status().message()));

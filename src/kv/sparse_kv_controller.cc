@@ -8,6 +8,7 @@
 
 #include "kvsparse/attention_scores.h"
 #include "kvsparse/kv_policies.h"
+#include "kvsparse/quest_pages.h"
 
 namespace kvsparse {
 
@@ -345,9 +346,15 @@ void SparseKvController::Observe(KvPolicy& p, KvStorage storage, int layer, cons
     sum_window_.resize(n_out);
     outputs.sum_window = sum_window_.data();
   }
-  if (needed & kObserveLast) {
+  // A single query's window row is its `last` row (decode steps gather no rows of their own).
+  const bool rows_from_last = (needed & kObserveWindowRows) && window > 0 && n_q == 1;
+  if ((needed & kObserveLast) || rows_from_last) {
     last_.resize(n_out);
     outputs.last = last_.data();
+  }
+  if ((needed & kObserveWindowRows) && window > 0 && !rows_from_last) {
+    window_rows_.resize(static_cast<size_t>(window) * n_out);
+    outputs.window_rows = window_rows_.data();
   }
   ScoreGathering gathering;
   gathering.aggregation = config_.agg;
@@ -368,6 +375,10 @@ void SparseKvController::Observe(KvPolicy& p, KvStorage storage, int layer, cons
   obs.sum_all = outputs.sum_all;
   obs.sum_window = outputs.sum_window;
   obs.last = outputs.last;
+  if (needed & kObserveWindowRows) {
+    obs.n_window = window;
+    obs.window_rows = rows_from_last ? outputs.last : outputs.window_rows;
+  }
   p.Observe(obs);
   SparseKvLayerStats& st = stats_[layer];
   ++st.observations;
@@ -486,10 +497,10 @@ StatusOr<int32_t> SparseKvController::NextCachePosition(int seq, int layer) {
   return n;
 }
 
-void SparseKvController::SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
-                                     std::vector<KvSpan>* spans) {
+bool SparseKvController::SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
+                                     std::vector<KvSpan>* spans, std::vector<KvSpan>* query_head_spans) {
   KvPolicy& p = policy(seq, layer, kv_head < 0 ? 0 : kv_head);
-  if (!p.SelectsSpans()) return;
+  if (!p.SelectsSpans()) return false;
   KVS_CHECK_MSG((kv_head >= 0) == per_head(layer) && kv_head < n_policies(layer),
                 fmt::format("SelectSpans: kv head {} on layer {} ({})", kv_head, layer,
                             per_head(layer) ? "per-head: pass the head" : "shared: pass -1"));
@@ -505,15 +516,31 @@ void SparseKvController::SelectSpans(int seq, int layer, int kv_head, const Atte
   ctx.storage = cache_->sequence_storage(seq, layer);
   ctx.cache_page_size = cache_->page_size();
   const size_t bytes_before = p.MetadataBytes();
-  p.SelectSpans(ctx, spans);
+  // Quest's per-query-head mode lives outside KvPolicy's one-list interface (quest_pages.h).
+  auto* by_query = query_head_spans != nullptr ? dynamic_cast<QueryHeadSpanSelector*>(&p) : nullptr;
+  bool per_query = false;
   int64_t read = 0;
-  for (const KvSpan& s : *spans) read += s.n;
+  if (by_query != nullptr && by_query->SelectsPerQueryHead()) {
+    per_query = by_query->SelectQueryHeadSpans(ctx, *spans, query_head_spans);
+    if (per_query) {
+      int64_t sum = 0;
+      for (int h = 0; h < shape.n_heads; ++h)
+        for (const KvSpan& s : query_head_spans[h]) sum += s.n;
+      read = (sum + shape.n_heads / 2) / shape.n_heads;  // mean over the query heads
+    } else {
+      read = live;
+    }
+  } else {
+    p.SelectSpans(ctx, spans);
+    for (const KvSpan& s : *spans) read += s.n;
+  }
   SparseKvLayerStats& st = stats_[layer];
   st.metadata_bytes = st.metadata_bytes - bytes_before + p.MetadataBytes();
   ++st.span_selections;
   st.selected_tokens += read;
   st.selectable_tokens += live;
   st.select_s += Seconds(t0, Clock::now());
+  return per_query;
 }
 
 void SparseKvController::ResetStats() {

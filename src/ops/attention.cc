@@ -55,6 +55,8 @@ struct Plan {
   int n_tiles = 0;
   bool v_in_place = false;    // head_dim % 16 == 0: whole V blocks are read in place, no copy
   int64_t n_tokens = 0;       // all tokens of the spans: the length of a raw_scores row
+  int row_heads = 0;          // kv heads per stored token row (>= shape.n_kv_heads)
+  int first_kv_head = 0;      // the row's head that is this call's kv head 0
 };
 
 // Unnormalized per-row state of one token chunk, for the split-K merge.
@@ -128,9 +130,9 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   const bool int8 = IsInt8Storage(storage);  // int8 or int8_kivi: scaled codes
   const bool kivi = storage == KvStorage::kInt8Kivi;
   const size_t elem_bytes = KvStorageValueBytes(storage);
-  const size_t token_bytes = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;  // one token, all heads
+  const size_t token_bytes = static_cast<size_t>(plan.row_heads) * d * elem_bytes;  // one token row, all its heads
   const size_t head_bytes = static_cast<size_t>(d) * elem_bytes;
-  const size_t span_stride = static_cast<size_t>(shape.n_kv_heads) * d;  // elements between rows in a span
+  const size_t span_stride = static_cast<size_t>(plan.row_heads) * d;  // elements between rows in a span
   // Prefetches of one block are spread over a head's row pairs (see below).
   const int prefetch_per_pair = (kBlock + (head_rows + 1) / 2 - 1) / ((head_rows + 1) / 2);
   int32_t block_span = t_begin < t_end ? seq.SpanOf(t_begin) : 0;
@@ -150,11 +152,12 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       prefetch_v[n_prefetch++] = static_cast<const uint8_t*>(s.v) + offset;
     }
     BlockRows block;  // this block's token rows (head 0) in storage type
-    GatherBlockRows(seq, t0, n_block, token_bytes, shape.n_kv_heads, int8, &block_span, &block);
+    GatherBlockRows(seq, t0, n_block, token_bytes, plan.row_heads, int8, &block_span, &block);
     const bool v_in_place = plan.v_in_place && block.one_span;
 
     for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
-      const size_t head_offset = static_cast<size_t>(kv_head) * head_bytes;
+      const int stored_head = plan.first_kv_head + kv_head;  // its place in the stored rows
+      const size_t head_offset = static_cast<size_t>(stored_head) * head_bytes;
       const uint8_t* k_head[kBlock];
       float k_scale[kBlock];         // int8 only: token j's K scale for this head
       const float* k_chan[kBlock];   // int8_kivi only: token j's K channel scales for this head [d]
@@ -163,11 +166,11 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       if (int8) {
         for (int j = 0; j < n_block; ++j) {
           if (kivi) {
-            k_chan[j] = block.k_chan[j] + static_cast<size_t>(kv_head) * d;
+            k_chan[j] = block.k_chan[j] + static_cast<size_t>(stored_head) * d;
           } else {
-            k_scale[j] = block.k_scale[j][kv_head];
+            k_scale[j] = block.k_scale[j][stored_head];
           }
-          v_scale[j] = block.v_scale[j][kv_head];
+          v_scale[j] = block.v_scale[j][stored_head];
         }
       }
       PackK(storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
@@ -267,44 +270,54 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   }
 }
 
-}  // namespace
+// One job of a batch: its plan, segments and token chunks, and where its units and partial
+// states sit among the batch's.
+struct JobPlan {
+  Plan plan;
+  std::vector<SegmentPlan> segments;
+  std::vector<std::pair<int, int>> chunk_of;  // global chunk -> (segment, chunk within it)
+  int n_chunks = 0;
+  int n_units = 0;  // 0: no query sees a token (outputs already written)
+  int first_unit = 0;  // among the batch's units
+  size_t partial_offset = 0;  // floats into the batch's partial buffer
+};
 
-void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-                   const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,
-                   float* raw_scores) {
-  KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
-  KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
-  KVS_CHECK(n_q >= 0 && n_spans >= 0);
-  if (n_q == 0) return;
-  if (n_threads <= 0) n_threads = omp_get_max_threads();
-
+// Plans one job as a lone Attention call would (so its chunks, hence its rounding, are the
+// same); a job no query of which sees any token gets its outputs here and no unit.
+void PlanJob(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
+             const AttentionJob& job, int n_threads, JobPlan* jp) {
+  KVS_CHECK(job.n_spans >= 0 && (job.n_spans == 0 || job.spans != nullptr));
+  KVS_CHECK_MSG(job.first_kv_head >= 0 && job.first_kv_head + shape.n_kv_heads <= row_heads,
+                "AttentionBatch: a job's kv heads lie outside the span rows");
   int64_t n_tokens = 0;
-  for (int32_t i = 0; i < n_spans; ++i) n_tokens += spans[i].n;
-  std::vector<SegmentPlan> segments = PlanSegments(storage, spans, n_spans, q_pos, n_q);
-  if (raw_scores != nullptr) {
+  for (int32_t i = 0; i < job.n_spans; ++i) n_tokens += job.spans[i].n;
+  jp->segments = PlanSegments(storage, job.spans, job.n_spans, q_pos, n_q);
+  if (job.raw_scores != nullptr) {
     // The units write the tokens each row sees; the rest of each segment is -inf.
-    for (const SegmentPlan& segment : segments) {
+    for (const SegmentPlan& segment : jp->segments) {
       for (int32_t i = 0; i < n_q; ++i) {
         for (int h = 0; h < shape.n_heads; ++h) {
-          float* row = raw_scores + (static_cast<size_t>(i) * shape.n_heads + h) * n_tokens + segment.first_token;
+          float* row = job.raw_scores + (static_cast<size_t>(i) * shape.n_heads + h) * n_tokens + segment.first_token;
           std::fill(row + segment.visible[i], row + segment.seq.n_tokens, kNegInf);
         }
       }
     }
   }
+  jp->n_chunks = 0;
+  jp->n_units = 0;
   const size_t n_rows_total = static_cast<size_t>(n_q) * shape.n_heads;
-  if (TotalVisible(segments) == 0) {  // no query sees any token
-    std::fill(out, out + n_rows_total * shape.head_dim, 0.f);
-    if (row_max_sum != nullptr) {
+  if (TotalVisible(jp->segments) == 0) {  // no query sees any token
+    std::fill(job.out, job.out + n_rows_total * shape.head_dim, 0.f);
+    if (job.row_max_sum != nullptr) {
       for (size_t row = 0; row < n_rows_total; ++row) {
-        row_max_sum[2 * row] = kNegInf;
-        row_max_sum[2 * row + 1] = 0.f;
+        job.row_max_sum[2 * row] = kNegInf;
+        job.row_max_sum[2 * row + 1] = 0.f;
       }
     }
     return;
   }
 
-  Plan plan;
+  Plan& plan = jp->plan;
   plan.shape = shape;
   plan.group = shape.n_heads / shape.n_kv_heads;
   plan.dp = static_cast<int>(RoundUp(shape.head_dim, kLanes));
@@ -312,6 +325,8 @@ void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* 
   plan.n_tiles = (n_q + plan.tile_queries - 1) / plan.tile_queries;
   plan.v_in_place = shape.head_dim % kLanes == 0;
   plan.n_tokens = n_tokens;
+  plan.row_heads = row_heads;
+  plan.first_kv_head = job.first_kv_head;
 
   // Split the tokens (flash-decoding split-K) when query tiles alone give fewer than
   // kUnitsPerThread units per thread: decode has a single tile, so it always splits
@@ -321,58 +336,128 @@ void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* 
   if (n_threads > 1 && plan.n_tiles < kUnitsPerThread * n_threads) {
     wanted = (kUnitsPerThread * n_threads + plan.n_tiles - 1) / plan.n_tiles;
   }
-  // Global chunk index -> (segment, chunk within it); segments no query sees are dropped (they cost nothing).
-  const std::vector<std::pair<int, int>> chunk_of = ChunkSegments(&segments, wanted, kMinChunkTokens);
-  const int n_chunks = static_cast<int>(chunk_of.size());
+  // Segments no query sees are dropped (they cost nothing).
+  jp->chunk_of = ChunkSegments(&jp->segments, wanted, kMinChunkTokens);
+  jp->n_chunks = static_cast<int>(jp->chunk_of.size());
+  jp->n_units = plan.n_tiles * jp->n_chunks;
+}
+
+// Scales each chunk's state by 2^(m_c - M), sums, normalizes.
+void MergeChunks(const JobPlan& jp, const PartialState* partials, int32_t n_q, const AttentionJob& job) {
+  const Plan& plan = jp.plan;
+  const size_t n_rows_total = static_cast<size_t>(n_q) * plan.shape.n_heads;
+  const int d = plan.shape.head_dim;
+  for (size_t row = 0; row < n_rows_total; ++row) {
+    float m_max = kNegInf;
+    for (int c = 0; c < jp.n_chunks; ++c) m_max = std::max(m_max, partials[c].m[row]);
+    float* o = job.out + row * d;
+    std::fill(o, o + d, 0.f);
+    if (job.row_max_sum != nullptr) {
+      job.row_max_sum[2 * row] = m_max * kLn2;
+      job.row_max_sum[2 * row + 1] = 0.f;
+    }
+    if (m_max == kNegInf) continue;  // no chunk saw a token
+    float l_total = 0.f;
+    for (int c = 0; c < jp.n_chunks; ++c) {
+      if (partials[c].m[row] == kNegInf) continue;
+      const float w = std::exp2(partials[c].m[row] - m_max);
+      l_total += partials[c].l[row] * w;
+      const float* a = partials[c].acc + row * plan.dp;
+      for (int e = 0; e < d; ++e) o[e] += a[e] * w;
+    }
+    if (job.row_max_sum != nullptr) job.row_max_sum[2 * row + 1] = l_total;
+    const float inv = 1.f / l_total;
+    for (int e = 0; e < d; ++e) o[e] *= inv;
+  }
+}
+
+}  // namespace
+
+void AttentionBatchImpl(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos,
+                        int32_t n_q, const AttentionJob* jobs, int32_t n_jobs, int n_threads) {
+  KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
+  KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+  KVS_CHECK(n_q >= 0 && n_jobs >= 0);
+  if (n_q == 0 || n_jobs == 0) return;
+  if (n_threads <= 0) n_threads = omp_get_max_threads();
+
+  // Kept per calling thread: decode steps run this a few times per layer, and their plans'
+  // buffers keep their capacity.
+  static thread_local std::vector<JobPlan> plans;
+  static thread_local std::vector<PartialState> partials;  // [Σ jobs' chunks] (jobs with more than one)
+  static thread_local std::vector<int> unit_start;         // [n_jobs + 1] first unit of each job
+  if (plans.size() < static_cast<size_t>(n_jobs)) plans.resize(n_jobs);
+  unit_start.resize(static_cast<size_t>(n_jobs) + 1);
+  size_t partial_floats = 0;
+  int n_units = 0;
+  for (int32_t j = 0; j < n_jobs; ++j) {
+    JobPlan& jp = plans[j];
+    PlanJob(shape, row_heads, storage, q_pos, n_q, jobs[j], n_threads, &jp);
+    jp.first_unit = n_units;
+    unit_start[j] = n_units;
+    n_units += jp.n_units;
+    jp.partial_offset = partial_floats;
+    if (jp.n_chunks > 1) {
+      partial_floats += static_cast<size_t>(n_q) * shape.n_heads * (2 + jp.plan.dp) * jp.n_chunks;
+    }
+  }
+  unit_start[n_jobs] = n_units;
+  if (n_units == 0) return;
 
   static thread_local AlignedBuffer partial_buffer;
-  std::vector<PartialState> partials;
-  if (n_chunks > 1) {
-    const size_t per_chunk = n_rows_total * (2 + plan.dp);
-    float* base = partial_buffer.Get(per_chunk * n_chunks);
-    for (int c = 0; c < n_chunks; ++c) {
-      float* b = base + per_chunk * c;
+  float* const partial_base = partial_floats > 0 ? partial_buffer.Get(partial_floats) : nullptr;
+  partials.clear();
+  static thread_local std::vector<size_t> first_partial;  // [n_jobs] each job's first entry in partials
+  first_partial.resize(n_jobs);
+  const size_t n_rows_total = static_cast<size_t>(n_q) * shape.n_heads;
+  for (int32_t j = 0; j < n_jobs; ++j) {
+    const JobPlan& jp = plans[j];
+    first_partial[j] = partials.size();
+    if (jp.n_chunks <= 1) continue;
+    const size_t per_chunk = n_rows_total * (2 + jp.plan.dp);
+    for (int c = 0; c < jp.n_chunks; ++c) {
+      float* b = partial_base + jp.partial_offset + per_chunk * c;
       partials.push_back({b, b + n_rows_total, b + 2 * n_rows_total});
     }
   }
 
-  const int n_units = plan.n_tiles * n_chunks;
   const int threads = std::min(n_threads, n_units);
-  // Later tiles see more tokens under the causal mask: hand them out first.
+  const JobPlan* const plan_of = plans.data();
+  const PartialState* const partial_of = partials.data();
+  const int* const starts = unit_start.data();
+  const size_t* const partial_first = first_partial.data();
+  // One loop over every job's units. Within a job, later tiles see more tokens under the
+  // causal mask: hand them out first.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int u = 0; u < n_units; ++u) {
-    const int chunk = u % n_chunks;
-    const int tile = plan.n_tiles - 1 - u / n_chunks;
-    UnitOutput output{out, row_max_sum, n_chunks > 1 ? &partials[chunk] : nullptr, raw_scores};
-    RunUnit(plan, segments[chunk_of[chunk].first], q, n_q, tile, chunk_of[chunk].second, output);
+    const int j = static_cast<int>(std::upper_bound(starts, starts + n_jobs + 1, u) - starts) - 1;
+    const JobPlan& jp = plan_of[j];
+    const int local = u - jp.first_unit;
+    const int chunk = local % jp.n_chunks;
+    const int tile = jp.plan.n_tiles - 1 - local / jp.n_chunks;
+    const AttentionJob& job = jobs[j];
+    UnitOutput output{job.out, job.row_max_sum, jp.n_chunks > 1 ? &partial_of[partial_first[j] + chunk] : nullptr,
+                      job.raw_scores};
+    RunUnit(jp.plan, jp.segments[jp.chunk_of[chunk].first], job.q, n_q, tile, jp.chunk_of[chunk].second, output);
   }
 
-  if (n_chunks > 1) {
-    // Merge chunk states: scale each by 2^(m_c - M), sum, normalize.
-    const int d = shape.head_dim;
-    for (size_t row = 0; row < n_rows_total; ++row) {
-      float m_max = kNegInf;
-      for (int c = 0; c < n_chunks; ++c) m_max = std::max(m_max, partials[c].m[row]);
-      float* o = out + row * d;
-      std::fill(o, o + d, 0.f);
-      if (row_max_sum != nullptr) {
-        row_max_sum[2 * row] = m_max * kLn2;
-        row_max_sum[2 * row + 1] = 0.f;
-      }
-      if (m_max == kNegInf) continue;  // no chunk saw a token
-      float l_total = 0.f;
-      for (int c = 0; c < n_chunks; ++c) {
-        if (partials[c].m[row] == kNegInf) continue;
-        const float w = std::exp2(partials[c].m[row] - m_max);
-        l_total += partials[c].l[row] * w;
-        const float* a = partials[c].acc + row * plan.dp;
-        for (int e = 0; e < d; ++e) o[e] += a[e] * w;
-      }
-      if (row_max_sum != nullptr) row_max_sum[2 * row + 1] = l_total;
-      const float inv = 1.f / l_total;
-      for (int e = 0; e < d; ++e) o[e] *= inv;
-    }
+  for (int32_t j = 0; j < n_jobs; ++j) {
+    if (plans[j].n_chunks > 1) MergeChunks(plans[j], partials.data() + first_partial[j], n_q, jobs[j]);
   }
+}
+
+void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
+                   const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,
+                   float* raw_scores) {
+  KVS_CHECK(n_spans >= 0);
+  AttentionJob job;
+  job.spans = spans;
+  job.n_spans = n_spans;
+  job.q = q;
+  job.out = out;
+  job.row_max_sum = row_max_sum;
+  job.raw_scores = raw_scores;
+  AttentionBatchImpl(shape, shape.n_kv_heads, storage, q_pos, n_q, &job, 1, n_threads);
 }
 
 }  // namespace kvsparse::ops::HWY_NAMESPACE
@@ -382,11 +467,17 @@ void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* 
 namespace kvsparse::ops {
 
 HWY_EXPORT(AttentionImpl);
+HWY_EXPORT(AttentionBatchImpl);
 
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
                const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,
                float* raw_scores) {
   KVS_DISPATCH(AttentionImpl)(shape, storage, q, q_pos, n_q, spans, n_spans, out, n_threads, row_max_sum, raw_scores);
+}
+
+void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
+                    const AttentionJob* jobs, int32_t n_jobs, int n_threads) {
+  KVS_DISPATCH(AttentionBatchImpl)(shape, row_heads, storage, q_pos, n_q, jobs, n_jobs, n_threads);
 }
 
 }  // namespace kvsparse::ops

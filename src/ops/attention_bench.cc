@@ -26,17 +26,18 @@ constexpr int kHeads = 32;
 constexpr int kKvHeads = 4;
 constexpr int kHeadDim = 64;
 
-// K/V for `depth` tokens split into spans of `span_tokens` (one span = contiguous cache).
+// K/V for `depth` tokens of `heads` kv heads split into spans of `span_tokens` (one span =
+// contiguous cache; heads 1 = one head table of a per-head layer).
 struct BenchCache {
   KvStorage storage;
-  std::vector<uint8_t> k, v;         // [depth, kKvHeads, kHeadDim] in storage type
-  std::vector<float> k_scale, v_scale;  // [depth, kKvHeads] (int8; v_scale also int8_kivi)
-  std::vector<float> k_channel_scale;   // [spans, kKvHeads, kHeadDim] (int8_kivi: one page per span)
+  std::vector<uint8_t> k, v;         // [depth, heads, kHeadDim] in storage type
+  std::vector<float> k_scale, v_scale;  // [depth, heads] (int8; v_scale also int8_kivi)
+  std::vector<float> k_channel_scale;   // [spans, heads, kHeadDim] (int8_kivi: one page per span)
   std::vector<int32_t> positions;    // [depth]
   std::vector<KvSpan> spans;
 
-  BenchCache(KvStorage st, int64_t depth, int64_t span_tokens) : storage(st) {
-    const size_t elems = static_cast<size_t>(depth) * kKvHeads * kHeadDim;
+  BenchCache(KvStorage st, int64_t depth, int64_t span_tokens, int heads = kKvHeads) : storage(st) {
+    const size_t elems = static_cast<size_t>(depth) * heads * kHeadDim;
     const size_t elem_bytes = KvStorageValueBytes(st);
     k.resize(elems * elem_bytes);
     v.resize(elems * elem_bytes);
@@ -61,26 +62,26 @@ struct BenchCache {
           break;
       }
     }
-    if (st == KvStorage::kInt8) k_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
+    if (st == KvStorage::kInt8) k_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
     if (st == KvStorage::kInt8 || st == KvStorage::kInt8Kivi) {
-      v_scale.assign(static_cast<size_t>(depth) * kKvHeads, 1.f / 127);
+      v_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
     }
     const int64_t n_spans = (depth + span_tokens - 1) / span_tokens;
     if (st == KvStorage::kInt8Kivi) {
-      k_channel_scale.assign(static_cast<size_t>(n_spans) * kKvHeads * kHeadDim, 1.f / 127);
+      k_channel_scale.assign(static_cast<size_t>(n_spans) * heads * kHeadDim, 1.f / 127);
     }
     positions.resize(depth);
     for (int64_t t = 0; t < depth; ++t) positions[t] = static_cast<int32_t>(t);
-    const size_t row_bytes = kKvHeads * kHeadDim * elem_bytes;
+    const size_t row_bytes = heads * kHeadDim * elem_bytes;
     for (int64_t t0 = 0; t0 < depth; t0 += span_tokens) {
       KvSpan span;
       span.k = k.data() + t0 * row_bytes;
       span.v = v.data() + t0 * row_bytes;
       span.positions = positions.data() + t0;
-      if (st == KvStorage::kInt8) span.k_scale = k_scale.data() + t0 * kKvHeads;
-      if (!v_scale.empty()) span.v_scale = v_scale.data() + t0 * kKvHeads;
+      if (st == KvStorage::kInt8) span.k_scale = k_scale.data() + t0 * heads;
+      if (!v_scale.empty()) span.v_scale = v_scale.data() + t0 * heads;
       if (st == KvStorage::kInt8Kivi) {
-        span.k_channel_scale = k_channel_scale.data() + (t0 / span_tokens) * kKvHeads * kHeadDim;
+        span.k_channel_scale = k_channel_scale.data() + (t0 / span_tokens) * heads * kHeadDim;
       }
       span.n = static_cast<int32_t>(std::min(span_tokens, depth - t0));
       spans.push_back(span);
@@ -164,6 +165,72 @@ void BM_AttentionDecode22Layers(benchmark::State& state) {
                           static_cast<int64_t>(layers[0].Bytes()));
 }
 
+// One decode step's attention over one layer whose kv heads keep `depth` tokens each, in
+// 16-token pages, over all 22 TinyLlama layers (each its own cache, as in
+// BM_AttentionDecode22Layers). Modes: 0 = shared layer (one call, rows of all 4 heads);
+// 1 = per-head layer, one ops::Attention call per kv head (the engine before AttentionBatch);
+// 2 = per-head layer, one ops::AttentionBatch call for the 4 heads (the engine now);
+// 3 = shared rows read per query head (Quest's per-query-head selection: 32 jobs {1, 1, 64}).
+// Compare the modes' times within one run. Args: isa, depth, mode, threads.
+void BM_AttentionDecodePerHead(benchmark::State& state) {
+  constexpr int kLayers = 22;
+  if (!UseIsa(state, state.range(0))) return;
+  const int64_t depth = state.range(1);
+  const int mode = static_cast<int>(state.range(2));
+  const int threads = static_cast<int>(state.range(3));
+  const int group = kHeads / kKvHeads;
+  const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  const AttentionShape head_shape{group, 1, kHeadDim, shape.scale};
+  const AttentionShape query_shape{1, 1, kHeadDim, shape.scale};
+  const bool shared_rows = mode == 0 || mode == 3;
+  std::vector<BenchCache> caches;  // [layer] shared rows, or [layer, kv head] head tables
+  caches.reserve(static_cast<size_t>(kLayers) * kKvHeads);
+  for (int l = 0; l < kLayers; ++l) {
+    if (shared_rows) {
+      caches.emplace_back(KvStorage::kF16, depth, 16);
+    } else {
+      for (int h = 0; h < kKvHeads; ++h) caches.emplace_back(KvStorage::kF16, depth, 16, 1);
+    }
+  }
+  std::vector<float> q = RandomQ(kHeads * kHeadDim), out(kHeads * kHeadDim);
+  const int32_t q_pos = static_cast<int32_t>(depth);
+  const int n_jobs = mode == 3 ? kHeads : kKvHeads;
+  std::vector<AttentionJob> jobs(static_cast<size_t>(kLayers) * n_jobs);  // [layer, job]
+  for (int l = 0; l < kLayers; ++l) {
+    for (int j = 0; j < n_jobs && mode >= 1; ++j) {
+      const BenchCache& cache = caches[mode == 3 ? l : l * kKvHeads + j];
+      const size_t offset = static_cast<size_t>(j) * (mode == 3 ? 1 : group) * kHeadDim;
+      jobs[static_cast<size_t>(l) * n_jobs + j] = AttentionJob{cache.spans.data(),
+                                                               static_cast<int32_t>(cache.spans.size()),
+                                                               mode == 3 ? j / group : 0, q.data() + offset,
+                                                               out.data() + offset};
+    }
+  }
+  for (auto _ : state) {
+    for (int l = 0; l < kLayers; ++l) {
+      const AttentionJob* layer_jobs = jobs.data() + static_cast<size_t>(l) * n_jobs;
+      switch (mode) {
+        case 0:
+          ops::Attention(shape, KvStorage::kF16, q.data(), &q_pos, 1, caches[l].spans.data(),
+                         static_cast<int32_t>(caches[l].spans.size()), out.data(), threads);
+          break;
+        case 1:
+          for (int h = 0; h < kKvHeads; ++h) {
+            ops::Attention(head_shape, KvStorage::kF16, layer_jobs[h].q, &q_pos, 1, layer_jobs[h].spans,
+                           layer_jobs[h].n_spans, layer_jobs[h].out, threads);
+          }
+          break;
+        case 2: ops::AttentionBatch(head_shape, 1, KvStorage::kF16, &q_pos, 1, layer_jobs, kKvHeads, threads); break;
+        default:
+          ops::AttentionBatch(query_shape, kKvHeads, KvStorage::kF16, &q_pos, 1, layer_jobs, kHeads, threads);
+          break;
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kLayers * kKvHeads * depth * kHeadDim * 2 * 2);
+}
+
 // Causal prefill of n queries over n tokens (positions 0..n-1). Args: isa, n, storage, threads.
 void BM_AttentionPrefill(benchmark::State& state) {
   if (!UseIsa(state, state.range(0))) return;
@@ -227,6 +294,12 @@ BENCHMARK(BM_AttentionDecode)
 BENCHMARK(BM_AttentionDecode22Layers)
     ->ArgNames({"isa", "depth", "threads"})
     ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {4096}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+// Per-head layers at 20% of 4K and of 32K (H2O's kept tokens); modes side by side.
+BENCHMARK(BM_AttentionDecodePerHead)
+    ->ArgNames({"isa", "depth", "mode", "threads"})
+    ->ArgsProduct({{kAvx2, kAvx512}, {819, 6554}, {0, 1, 2, 3}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionScores)

@@ -10,21 +10,25 @@
 #include "ops/attention_ref_util.h"
 
 namespace kvsparse::ref {
+namespace {
 
-void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
-               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum, float* raw_scores) {
+// Attention whose kv heads are heads first_kv_head .. of span rows holding row_heads heads.
+void AttentionOverHeads(const AttentionShape& shape, int row_heads, int first_kv_head, KvStorage storage,
+                        const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
+                        float* out, float* row_max_sum, float* raw_scores) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK(shape.n_heads % shape.n_kv_heads == 0);
+  KVS_CHECK(first_kv_head >= 0 && first_kv_head + shape.n_kv_heads <= row_heads);
   const int group = shape.n_heads / shape.n_kv_heads;
   const int d = shape.head_dim;
-  const KvElementReader reader{storage, shape.n_kv_heads, d};
+  const KvElementReader reader{storage, row_heads, d};
   int64_t n_tokens = 0;
   for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
   std::vector<double> scores;  // [attended tokens]
   std::vector<double> acc(d);  // [head_dim]
   for (int32_t i = 0; i < n_q; ++i) {
     for (int h = 0; h < shape.n_heads; ++h) {
-      const int kv_head = h / group;
+      const int kv_head = first_kv_head + h / group;
       const size_t row_index = static_cast<size_t>(i) * shape.n_heads + h;
       const float* q_row = q + row_index * d;
       // Scores for every attended token, in span order.
@@ -75,6 +79,23 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
       }
       for (int c = 0; c < d; ++c) out_row[c] = static_cast<float>(acc[c]);
     }
+  }
+}
+
+}  // namespace
+
+void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
+               const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum, float* raw_scores) {
+  AttentionOverHeads(shape, shape.n_kv_heads, 0, storage, q, q_pos, n_q, spans, n_spans, out, row_max_sum,
+                     raw_scores);
+}
+
+void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
+                    const AttentionJob* jobs, int32_t n_jobs) {
+  for (int32_t j = 0; j < n_jobs; ++j) {
+    const AttentionJob& job = jobs[j];
+    AttentionOverHeads(shape, row_heads, job.first_kv_head, storage, job.q, q_pos, n_q, job.spans, job.n_spans,
+                       job.out, job.row_max_sum, job.raw_scores);
   }
 }
 

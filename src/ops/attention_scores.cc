@@ -51,6 +51,7 @@ struct ScorePlan {
   const int32_t* q_pos = nullptr;
   int32_t n_q = 0;
   const float* row_max_sum = nullptr;
+  int32_t first_window = 0;   // the first query inside the window (window_rows row 0)
 };
 
 // One (kv head, token chunk) unit. Queries are processed in tiles of about kTileRows rows so
@@ -158,6 +159,16 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
         for (int lane = 0; lane < kBlock; ++lane) sum_all[lane] += folded[lane];
         if (plan.q_pos[i] >= plan.gathering.window_start) {
           for (int lane = 0; lane < kBlock; ++lane) sum_window[lane] += folded[lane];
+          if (out.window_rows != nullptr) {
+            float* row = out.window_rows +
+                         (static_cast<size_t>(i - plan.first_window) * plan.shape.n_kv_heads + kv_head) *
+                             plan.n_tokens +
+                         segment.first_token + t0;
+            for (int lane = 0; lane < kBlock; ++lane) {
+              const int j = LaneToken(lane);
+              if (j < n_block) row[j] = folded[lane];
+            }
+          }
         }
         if (i == plan.n_q - 1) std::copy(folded, folded + kBlock, last);
       }
@@ -191,6 +202,11 @@ void AttentionScoresImpl(const AttentionShape& shape, KvStorage storage, const f
   for (float* o : {outputs.sum_all, outputs.sum_window, outputs.last}) {
     if (o != nullptr) std::fill(o, o + n_out, 0.f);
   }
+  int32_t first_window = n_q;  // queries [first_window, n_q) are the window's (positions ascend)
+  while (first_window > 0 && q_pos[first_window - 1] >= gathering.window_start) --first_window;
+  if (outputs.window_rows != nullptr) {
+    std::fill(outputs.window_rows, outputs.window_rows + static_cast<size_t>(n_q - first_window) * n_out, 0.f);
+  }
   std::vector<SegmentPlan> segments = PlanSegments(storage, spans, n_spans, q_pos, n_q);  // checks the scales
   const int64_t total_visible = TotalVisible(segments);
   if (total_visible == 0) return;
@@ -206,6 +222,7 @@ void AttentionScoresImpl(const AttentionShape& shape, KvStorage storage, const f
   plan.q_pos = q_pos;
   plan.n_q = n_q;
   plan.row_max_sum = row_max_sum;
+  plan.first_window = first_window;
 
   // Enough (kv head, chunk) units to keep every thread busy, but chunks of at least
   // kMinChunkTokens; segments share the chunks in proportion to their tokens.

@@ -24,6 +24,8 @@ void AttentionScores(const AttentionShape& shape, KvStorage storage, const float
   std::vector<double> sum_all(static_cast<size_t>(shape.n_kv_heads) * n_tokens, 0.0);  // [n_kv_heads, n_tokens]
   std::vector<double> sum_window(sum_all.size(), 0.0);
   std::vector<double> last(sum_all.size(), 0.0);
+  int32_t first_window = n_q;  // the first query inside the window
+  while (first_window > 0 && q_pos[first_window - 1] >= gathering.window_start) --first_window;
   std::vector<double> p(static_cast<size_t>(n_tokens));       // [n_tokens] one row's probabilities
   std::vector<double> folded(static_cast<size_t>(n_tokens));  // [n_tokens] one query's fold over a group
   for (int32_t i = 0; i < n_q; ++i) {
@@ -70,6 +72,11 @@ void AttentionScores(const AttentionShape& shape, KvStorage storage, const float
         all_row[t] += folded[t];
         if (in_window) window_row[t] += folded[t];
         if (i == n_q - 1) last_row[t] = folded[t];
+      }
+      if (in_window && outputs.window_rows != nullptr) {
+        // [n_window, n_kv_heads, n_tokens]: window queries are the call's last ones.
+        float* row = outputs.window_rows + (static_cast<size_t>(i - first_window) * shape.n_kv_heads + kv_head) * n_tokens;
+        for (int64_t t = 0; t < n_tokens; ++t) row[t] = static_cast<float>(folded[t]);
       }
     }
   }

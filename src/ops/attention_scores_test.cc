@@ -70,6 +70,27 @@ void CheckAgainstReference(const AttentionShape& shape, const SpanSet& set, cons
   ExpectScoresClose(got.sum_window, want.sum_window, what + " sum_window");
   ExpectScoresClose(got.last, want.last, what + " last");
 
+  // The window's per-query rows ([n_window, n_kv_heads, n_tokens], every element written),
+  // fast vs reference, and their sum is sum_window.
+  int32_t n_window = 0;
+  for (int32_t p : q_pos) n_window += p >= gathering.window_start;
+  if (n_window > 0) {
+    std::vector<float> want_rows(n_window * n_out, -7.f), got_rows(n_window * n_out, -7.f);
+    ScoreOutputs want_out{}, got_out{};
+    want_out.window_rows = want_rows.data();
+    got_out.window_rows = got_rows.data();
+    ref::AttentionScores(shape, set.storage, q.data(), q_pos.data(), n_q, set.spans.data(), n_spans, gathering,
+                         want_out);
+    ops::AttentionScores(shape, set.storage, q.data(), q_pos.data(), n_q, set.spans.data(), n_spans, stats.data(),
+                         gathering, got_out, n_threads);
+    ExpectScoresClose(got_rows, want_rows, what + " window_rows");
+    std::vector<float> summed(n_out, 0.f);
+    for (int32_t w = 0; w < n_window; ++w) {
+      for (size_t e = 0; e < n_out; ++e) summed[e] += got_rows[w * n_out + e];
+    }
+    for (size_t e = 0; e < n_out; ++e) ASSERT_NEAR(summed[e], want.sum_window[e], 1e-5f) << what << " rows sum " << e;
+  }
+
   // The decode path: the same outputs from the raw scores ops::Attention keeps (every element
   // of the raw array is written: it starts as garbage), fast and reference gathering.
   std::vector<float> raw(static_cast<size_t>(n_q) * shape.n_heads * n_tokens, 123.f);

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -513,6 +514,218 @@ TEST_P(AttentionTest, RawScoresMatchReference) {
         }
       }
     }
+  }
+}
+
+// ---- AttentionBatch ----
+
+// Compares one batch's outputs, statistics (as normalizers) and raw scores with the reference's.
+void ExpectBatchClose(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& got_stats,
+                      const std::vector<float>& want_stats, const std::vector<float>& got_raw,
+                      const std::vector<float>& want_raw, const std::string& what) {
+  ExpectClose(got, want, what + " out");
+  for (size_t r = 0; r < want_stats.size() / 2; ++r) {
+    if (std::isinf(want_stats[2 * r])) {
+      ASSERT_TRUE(std::isinf(got_stats[2 * r]) && got_stats[2 * r + 1] == 0.f) << what << " row " << r;
+      continue;
+    }
+    const double got_z = std::log(got_stats[2 * r + 1]) + got_stats[2 * r];
+    const double want_z = std::log(want_stats[2 * r + 1]) + want_stats[2 * r];
+    ASSERT_NEAR(got_z, want_z, 1e-4) << what << " row " << r;
+  }
+  ASSERT_EQ(got_raw.size(), want_raw.size());
+  for (size_t e = 0; e < want_raw.size(); ++e) {
+    if (std::isinf(want_raw[e])) {
+      ASSERT_TRUE(std::isinf(got_raw[e]) && got_raw[e] < 0) << what << " raw " << e;
+      continue;
+    }
+    ASSERT_NEAR(got_raw[e], want_raw[e], 1e-4f + 1e-5f * std::fabs(want_raw[e])) << what << " raw " << e;
+  }
+}
+
+// The outputs of a batch's jobs, all in one buffer each: out [jobs, n_q, heads, d], stats
+// [jobs, n_q, heads, 2], raw [Σ jobs' n_q * heads * tokens].
+struct BatchBuffers {
+  std::vector<float> out, stats, raw;
+  std::vector<AttentionJob> jobs;
+  BatchBuffers(const AttentionShape& shape, int32_t n_q, const std::vector<std::vector<KvSpan>>& job_spans,
+               const std::vector<int>& first_kv_head, const std::vector<float>& q) {
+    const size_t rows = static_cast<size_t>(n_q) * shape.n_heads;
+    const size_t n_jobs = job_spans.size();
+    size_t raw_total = 0;
+    std::vector<size_t> raw_at;
+    for (const std::vector<KvSpan>& spans : job_spans) {
+      raw_at.push_back(raw_total);
+      for (const KvSpan& span : spans) raw_total += rows * span.n;
+    }
+    out.assign(n_jobs * rows * shape.head_dim, 12345.f);
+    stats.assign(n_jobs * rows * 2, 7.f);
+    raw.assign(raw_total, 99.f);
+    for (size_t j = 0; j < n_jobs; ++j) {
+      AttentionJob job;
+      job.spans = job_spans[j].data();
+      job.n_spans = static_cast<int32_t>(job_spans[j].size());
+      job.first_kv_head = first_kv_head[j];
+      job.q = q.data() + j * rows * shape.head_dim;  // [jobs, n_q, heads, d]
+      job.out = out.data() + j * rows * shape.head_dim;
+      job.row_max_sum = stats.data() + j * rows * 2;
+      job.raw_scores = raw.data() + raw_at[j];
+      jobs.push_back(job);
+    }
+  }
+};
+
+// Jobs over their own ragged spans (a per-head layer's heads: rows of one head; Quest's query
+// heads: runs of shared rows, each reading its own kv head) against the scalar twin, on every
+// storage type, decode and a few queries, one thread and several.
+TEST_P(AttentionTest, BatchMatchesReferenceOverRaggedJobs) {
+  std::mt19937 rng(2024);
+  for (KvStorage storage : kAllStorage) {
+    for (int head_dim : {64, 20}) {
+      // Per-head style: every job its own single-head spans, of different lengths.
+      std::vector<SpanSet> sets;
+      const std::vector<std::vector<int>> lengths = {{16, 16, 5}, {3}, {16, 200, 16, 9}, {0, 0}, {40, 1}};
+      for (const std::vector<int>& l : lengths) sets.push_back(MakeSpans(storage, l, 1, head_dim, rng));
+      // Quest style: runs of one set of shared rows (3 kv heads), each job a subset of spans.
+      SpanSet shared = MakeSpans(storage, {16, 16, 16, 16, 160, 16, 7}, 3, head_dim, rng);
+      int32_t last = LastPosition(shared);
+      for (const SpanSet& set : sets) last = std::max(last, LastPosition(set));
+      for (int n_q : {1, 3}) {
+        std::vector<int32_t> q_pos(n_q, last);
+        if (n_q == 3) q_pos = {-1, last / 3, last};
+        for (int mode = 0; mode < 2; ++mode) {
+          const bool per_head = mode == 0;
+          const AttentionShape shape = per_head ? AttentionShape{4, 1, head_dim, 0.17f}
+                                                : AttentionShape{1, 1, head_dim, 0.17f};
+          const int row_heads = per_head ? 1 : 3;
+          std::vector<std::vector<KvSpan>> job_spans;
+          std::vector<int> first;
+          if (per_head) {
+            for (const SpanSet& set : sets) {
+              job_spans.push_back(set.spans);
+              first.push_back(0);
+            }
+          } else {
+            for (int j = 0; j < 6; ++j) {  // query head j reads kv head j / 2, its own runs
+              std::vector<KvSpan> runs;
+              for (size_t t = 0; t < shared.spans.size(); ++t)
+                if ((t + j) % 3 != 0 || t + 1 == shared.spans.size()) runs.push_back(shared.spans[t]);
+              job_spans.push_back(runs);
+              first.push_back(j / 2);
+            }
+          }
+          const size_t n_jobs = job_spans.size();
+          const std::vector<float> q =
+              RandomQueries(n_jobs * n_q * shape.n_heads * head_dim, rng, 2.f);  // [jobs, n_q, heads, d]
+          BatchBuffers want(shape, n_q, job_spans, first, q);
+          ref::AttentionBatch(shape, row_heads, storage, q_pos.data(), n_q, want.jobs.data(),
+                              static_cast<int32_t>(n_jobs));
+          for (int n_threads : {1, 2, 3}) {
+            BatchBuffers got(shape, n_q, job_spans, first, q);
+            ops::AttentionBatch(shape, row_heads, storage, q_pos.data(), n_q, got.jobs.data(),
+                                static_cast<int32_t>(n_jobs), n_threads);
+            ExpectBatchClose(got.out, want.out, got.stats, want.stats, got.raw, want.raw,
+                             std::string(KvStorageName(storage)) + (per_head ? " per-head" : " shared rows") + " d" +
+                                 std::to_string(head_dim) + " n_q " + std::to_string(n_q) + " threads " +
+                                 std::to_string(n_threads));
+            if (HasFatalFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+// A job is computed exactly as a lone call: bit-identical to ops::Attention over its spans
+// (same chunks, same merge), and a job reading kv head h of shared rows is bit-identical to
+// that head's rows of one call over every head (what makes per-head layers equal shared ones
+// when their heads keep the same tokens).
+TEST_P(AttentionTest, BatchJobsAreBitIdenticalToLoneCalls) {
+  std::mt19937 rng(77);
+  for (KvStorage storage : kAllStorage) {
+    const int d = 64, group = 4;
+    const AttentionShape head_shape{group, 1, d, 0.125f};
+    std::vector<SpanSet> sets;
+    for (const std::vector<int>& l : std::vector<std::vector<int>>{{16, 16, 900, 5}, {2000, 16}, {3}, {16, 7}})
+      sets.push_back(MakeSpans(storage, l, 1, d, rng));
+    int32_t last = 0;
+    for (const SpanSet& set : sets) last = std::max(last, LastPosition(set));
+    for (int n_q : {1, 2}) {
+      std::vector<int32_t> q_pos(n_q, last);
+      if (n_q == 2) q_pos[0] = last / 2;
+      for (int n_threads : {1, 2, 3}) {
+        std::vector<std::vector<KvSpan>> job_spans;
+        for (const SpanSet& set : sets) job_spans.push_back(set.spans);
+        const std::vector<float> q = RandomQueries(sets.size() * n_q * group * d, rng, 2.f);
+        BatchBuffers got(head_shape, n_q, job_spans, std::vector<int>(sets.size(), 0), q);
+        ops::AttentionBatch(head_shape, 1, storage, q_pos.data(), n_q, got.jobs.data(),
+                            static_cast<int32_t>(sets.size()), n_threads);
+        for (size_t j = 0; j < sets.size(); ++j) {
+          const size_t rows = static_cast<size_t>(n_q) * group;
+          std::vector<float> out(rows * d), stats(rows * 2);
+          int64_t n_tokens = 0;
+          for (const KvSpan& span : sets[j].spans) n_tokens += span.n;
+          std::vector<float> raw(rows * n_tokens);
+          ops::Attention(head_shape, storage, q.data() + j * rows * d, q_pos.data(), n_q, sets[j].spans.data(),
+                         static_cast<int32_t>(sets[j].spans.size()), out.data(), n_threads, stats.data(), raw.data());
+          ASSERT_EQ(std::vector<float>(got.jobs[j].out, got.jobs[j].out + out.size()), out)
+              << KvStorageName(storage) << " job " << j << " threads " << n_threads;
+          ASSERT_EQ(std::vector<float>(got.jobs[j].row_max_sum, got.jobs[j].row_max_sum + stats.size()), stats);
+          ASSERT_EQ(std::vector<float>(got.jobs[j].raw_scores, got.jobs[j].raw_scores + raw.size()), raw);
+        }
+      }
+    }
+
+    // Kv head h of shared rows: the same bits as the rows of kv head h in one call over all heads.
+    const int n_kv = 3;
+    const AttentionShape shape{n_kv * group, n_kv, d, 0.125f};
+    SpanSet shared = MakeSpans(storage, {16, 700, 16, 3}, n_kv, d, rng);
+    const int32_t q_pos = LastPosition(shared);
+    const std::vector<float> q = RandomQueries(static_cast<size_t>(shape.n_heads) * d, rng, 2.f);  // [1, heads, d]
+    for (int n_threads : {1, 2}) {
+      std::vector<float> all(q.size());
+      ops::Attention(shape, storage, q.data(), &q_pos, 1, shared.spans.data(),
+                     static_cast<int32_t>(shared.spans.size()), all.data(), n_threads);
+      std::vector<float> by_head(q.size(), 9.f);
+      std::vector<AttentionJob> jobs(n_kv);
+      for (int h = 0; h < n_kv; ++h) {
+        jobs[h].spans = shared.spans.data();
+        jobs[h].n_spans = static_cast<int32_t>(shared.spans.size());
+        jobs[h].first_kv_head = h;
+        jobs[h].q = q.data() + static_cast<size_t>(h) * group * d;
+        jobs[h].out = by_head.data() + static_cast<size_t>(h) * group * d;
+      }
+      ops::AttentionBatch(head_shape, n_kv, storage, &q_pos, 1, jobs.data(), n_kv, n_threads);
+      EXPECT_EQ(by_head, all) << KvStorageName(storage) << " threads " << n_threads;
+    }
+  }
+}
+
+// No jobs, jobs without tokens and jobs whose tokens no query sees: zeros (and -inf / 0
+// statistics), next to a job that sees tokens.
+TEST_P(AttentionTest, BatchEmptyJobsGiveZeros) {
+  std::mt19937 rng(8);
+  const AttentionShape shape{2, 1, 16, 0.25f};
+  ops::AttentionBatch(shape, 1, KvStorage::kF32, nullptr, 1, nullptr, 0, 2);  // no-op
+  for (KvStorage storage : kAllStorage) {
+    SpanSet seen = MakeSpans(storage, {5, 16}, 1, 16, rng, /*first_position=*/0);
+    SpanSet later = MakeSpans(storage, {4}, 1, 16, rng, /*first_position=*/1000);
+    const int32_t q_pos = LastPosition(seen);
+    const std::vector<std::vector<KvSpan>> job_spans = {{}, later.spans, seen.spans};
+    const std::vector<float> q = RandomQueries(3 * 2 * 16, rng, 1.f);
+    BatchBuffers got(shape, 1, job_spans, {0, 0, 0}, q);
+    ops::AttentionBatch(shape, 1, storage, &q_pos, 1, got.jobs.data(), 3, 2);
+    for (int j = 0; j < 2; ++j) {
+      for (int e = 0; e < 2 * 16; ++e) ASSERT_EQ(got.jobs[j].out[e], 0.f) << "job " << j;
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_TRUE(std::isinf(got.jobs[j].row_max_sum[2 * r]) && got.jobs[j].row_max_sum[2 * r] < 0);
+        EXPECT_EQ(got.jobs[j].row_max_sum[2 * r + 1], 0.f);
+      }
+    }
+    for (int e = 0; e < 4 * 2; ++e) EXPECT_TRUE(std::isinf(got.jobs[1].raw_scores[e])) << "unseen tokens: -inf";
+    BatchBuffers want(shape, 1, job_spans, {0, 0, 0}, q);
+    ref::AttentionBatch(shape, 1, storage, &q_pos, 1, want.jobs.data(), 3);
+    ExpectBatchClose(got.out, want.out, got.stats, want.stats, got.raw, want.raw, KvStorageName(storage));
   }
 }
 

@@ -3,11 +3,14 @@
 // Inference of Large Language Models", NeurIPS 2023, arXiv:2306.14048.
 //
 // Score of a token = its attention summed over every query that has seen it (sum_all of
-// each observation, accumulated since the token arrived), folded over KV heads (mean by
-// default). Keeps the most recent tokens plus the highest-scored "heavy hitters"; by
-// default half of the budget each, as in the paper (recent_ratio 0.5; "recent" sets the
-// window in tokens instead). The prompt variant is the same rule: prompt chunks add their
-// queries' attention and the layer is trimmed to the budget between chunks.
+// each observation, accumulated since the token arrived). Tokens are chosen per KV head by
+// default, as the reference (per_head true; the query heads of a group are averaged, GQA);
+// "per_head": false folds the heads' scores (head_reduce, mean by default). Keeps the most
+// recent tokens plus the highest-scored "heavy hitters"; by default half of the budget each, as
+// in the paper (recent_ratio 0.5; "recent" sets the window in tokens instead). The prompt
+// variant is the same rule: prompt queries add their attention, and the layer is trimmed to the
+// budget after the prompt (or after each chunk). The paper evicts at every generated token:
+// `bench` does (PaperEvictInterval); serving batches evictions (evict_interval 16).
 #include "policy/per_token_heads.h"
 #include "policy/policy_base.h"
 #include "policy/selection.h"

@@ -7,9 +7,11 @@
 // through the cache spans in their storage type (f32, f16, int8 with per-(token, head)
 // scales, or int8_kivi pages with per-channel scales and a full-precision residual). Each token's norms are computed once, at its first selection, and compacted
 // with the cache afterwards.
-// Defaults: no sinks and no recent window, as the paper; "n_sink", "recent",
-// "recent_ratio" add them. The paper leaves the first layers uncompressed; express that
-// per layer in the config ({"layers": "0-1", "method": "full"}).
+// Defaults, as the paper and its reference (kvpress KnormPress): tokens chosen per KV head
+// (per_head true; "per_head": false folds the heads' norms, head_reduce), no sinks and no
+// recent window ("n_sink", "recent", "recent_ratio" add them), the first two layers kept whole
+// ("dense_layers" 2), and only the prompt compressed: generated tokens are all kept unless
+// "decode_evict" is set. Deliberate difference: the newest token is always kept.
 #include <algorithm>
 #include <cmath>
 
@@ -64,6 +66,7 @@ class KNormPolicy final : public BudgetedPolicy {
   // Norms were computed from the keys at selection time and are stored by value, so the copy
   // holds no reference into the original's cache.
   std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<KNormPolicy>(*this); }
+  bool EvictsDuringDecode() const override { return params_.decode_evict; }
   void OnAppend(int32_t n_new) override { neg_norms_.Append(n_new); }
 
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {

@@ -29,6 +29,13 @@ std::vector<float> KeysWithNorms(const std::vector<std::array<float, kHeads>>& n
   return keys;
 }
 
+// KNorm on a layer it compresses (the default leaves layers 0-1 whole; the harness drives layer 0).
+LayerKvConfig Config(int32_t budget) {
+  LayerKvConfig config = Layer(KvMethod::kKNorm, KvBudget::Tokens(budget));
+  config.params.dense_layers = 0;
+  return config;
+}
+
 const std::vector<std::array<float, kHeads>> kNorms = {
     {5.f, 5.f}, {1.f, 1.f}, {9.f, 8.f}, {2.f, 3.f}, {0.5f, 7.f}, {4.f, 4.f}, {3.f, 1.f}};
 // Mean norms: 5, 1, 8.5, 2.5, 3.75, 4, 2 -> the 3 lowest: 1 (1), 6 (2), 3 (2.5).
@@ -55,8 +62,19 @@ Spans TwoSpans(const std::vector<T>& keys, const std::vector<float>& scales, int
   return s;
 }
 
+TEST(KNormTest, DefaultsFollowThePaper) {
+  const KvMethodParams p = DefaultMethodParams(KvMethod::kKNorm);
+  EXPECT_EQ(p.dense_layers, 2);
+  EXPECT_FALSE(p.decode_evict);
+  EXPECT_TRUE(DefaultPerHead(KvMethod::kKNorm));
+  Harness h(Config(3));
+  EXPECT_FALSE(h.policy().EvictsDuringDecode());  // the prompt only, as the reference
+  EXPECT_EQ(h.policy().EvictionTarget(40, 40, EvictionPoint::kDecodeStep, 1), 40);
+  EXPECT_EQ(h.policy().EvictionTarget(40, 40, EvictionPoint::kPromptEnd, 1), 3);
+}
+
 TEST(KNormTest, KeepsTheLowestKeyNormsF32) {
-  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  Harness h(Config(3));
   EXPECT_FALSE(h.policy().NeedsAttention());
   h.Append(7);
   const std::vector<float> keys = KeysWithNorms(kNorms);
@@ -65,7 +83,7 @@ TEST(KNormTest, KeepsTheLowestKeyNormsF32) {
 }
 
 TEST(KNormTest, KeepsTheLowestKeyNormsF16) {
-  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  Harness h(Config(3));
   h.Append(7);
   std::vector<f16_bits> keys;
   for (float v : KeysWithNorms(kNorms)) keys.push_back(F32ToF16(v));
@@ -75,7 +93,7 @@ TEST(KNormTest, KeepsTheLowestKeyNormsF16) {
 
 TEST(KNormTest, Int8NormsUseTheScales) {
   // Same quantized vector for every token; the per-(token, head) scale sets the norm.
-  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(2)));
+  Harness h(Config(2));
   h.Append(4);
   std::vector<int8_t> keys;
   for (int i = 0; i < 4 * kHeads; ++i)
@@ -88,7 +106,7 @@ TEST(KNormTest, Int8NormsUseTheScales) {
 // int8_kivi: the first span is a quantized page (K codes times per-(head, channel) scales), the
 // second the full-precision (f16) residual; both are read in their own type.
 TEST(KNormTest, Int8KiviReadsChannelScalesAndResidual) {
-  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  Harness h(Config(3));
   h.Append(7);
   const std::vector<float> keys = KeysWithNorms(kNorms);
   const int page = 3, row_len = kHeads * kHeadDim;
@@ -110,16 +128,16 @@ TEST(KNormTest, Int8KiviReadsChannelScalesAndResidual) {
   spans[1].positions = positions.data() + page;
   spans[1].n = 7 - page;
   EXPECT_EQ(h.Evict(3, false, spans, 2, KvStorage::kInt8Kivi, kHeads, kHeadDim), (Positions{1, 3, 6}));
-  // The page's norms follow its channel scales: a tenth of them makes the page's three tokens
-  // (norms 5, 1, 8.5 -> 0.5, 0.1, 0.85) the shortest.
+  // The page's norms follow its channel scales: a tenth of them makes the page's tokens (norms
+  // 5, 1, 8.5 -> 0.5, 0.1, 0.85) the shortest; the newest token (6) always stays.
   for (float& x : channel_scale) x *= 0.1f;
-  Harness h2(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  Harness h2(Config(3));
   h2.Append(7);
-  EXPECT_EQ(h2.Evict(3, false, spans, 2, KvStorage::kInt8Kivi, kHeads, kHeadDim), (Positions{0, 1, 2}));
+  EXPECT_EQ(h2.Evict(3, false, spans, 2, KvStorage::kInt8Kivi, kHeads, kHeadDim), (Positions{0, 1, 6}));
 }
 
 TEST(KNormTest, HeadReduceMaxKeepsATokenWithOneShortHead) {
-  LayerKvConfig config = Layer(KvMethod::kKNorm, KvBudget::Tokens(3));
+  LayerKvConfig config = Config(3);
   config.params.head_reduce = HeadReduce::kMax;
   Harness h(config);
   h.Append(7);
@@ -130,22 +148,22 @@ TEST(KNormTest, HeadReduceMaxKeepsATokenWithOneShortHead) {
 }
 
 TEST(KNormTest, NormsStayAlignedAcrossEvictions) {
-  Harness h(Layer(KvMethod::kKNorm, KvBudget::Tokens(3)));
+  Harness h(Config(3));
   h.Append(7);
   {
     const std::vector<float> keys = KeysWithNorms(kNorms);
     Spans s = TwoSpans(keys, {}, 7, h.live());
     ASSERT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF32, kHeads, kHeadDim), (Positions{1, 3, 6}));
   }
-  // The cache now holds 1, 3, 6 and then 7, 8 with mean norms 0.2 and 9. The old rows get
-  // different keys here: their norms were computed once and must follow them (a policy
-  // that re-read them, or lost their alignment, would keep another set).
+  // The cache now holds 1, 3, 6 and then 7, 8 with mean norms 0.2 and 9 (8, the newest, stays).
+  // The old rows get different keys here: their norms were computed once and must follow them
+  // (a policy that re-read them, or lost their alignment, would keep another set).
   h.Append(2);
   const std::vector<std::array<float, kHeads>> live_norms = {
       {100.f, 100.f}, {100.f, 100.f}, {100.f, 100.f}, {0.2f, 0.2f}, {9.f, 9.f}};
   const std::vector<float> keys = KeysWithNorms(live_norms);
   Spans s = TwoSpans(keys, {}, 5, h.live());
-  EXPECT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF32, kHeads, kHeadDim), (Positions{1, 6, 7}));
+  EXPECT_EQ(h.Evict(3, false, s.spans.data(), 2, KvStorage::kF32, kHeads, kHeadDim), (Positions{1, 7, 8}));
 }
 
 }  // namespace

@@ -176,8 +176,8 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   }
   if (key == "head_reduce") {
     size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"mean", "max"}, &i));
-    p->head_reduce = i == 0 ? HeadReduce::kMean : HeadReduce::kMax;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"mean", "max", "none"}, &i));
+    p->head_reduce = i == 0 ? HeadReduce::kMean : i == 1 ? HeadReduce::kMax : HeadReduce::kNone;
     return Status::Ok();
   }
   if (key == "history_window") return ReadInt(v, where, key, &p->history_window);
@@ -192,6 +192,7 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   if (key == "decode_evict") return ReadBool(v, where, key, &p->decode_evict);
   if (key == "beta") return ReadNumber(v, where, key, &p->beta);
   if (key == "page_tokens") return ReadInt(v, where, key, &p->page_tokens);
+  if (key == "dense_layers") return ReadInt(v, where, key, &p->dense_layers);
   if (key == "cache_positions") return ReadBool(v, where, key, &p->cache_positions);
   return where.Error(key, "internal: parameter without a reader");
 }
@@ -211,7 +212,11 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
                                                Suggestion(name, MethodNameList()), ValidKvMethodNames()));
     out->method = *method;
     // Parameters carry over only within the same method; another method starts from its paper defaults.
-    if (*method != base.method) out->params = DefaultMethodParams(*method);
+    // The same holds for per_head: another method starts from its reference's granularity.
+    if (*method != base.method) {
+      out->params = DefaultMethodParams(*method);
+      out->per_head = DefaultPerHead(*method);
+    }
   }
   if (MethodUses(out->method, "recent") && obj.contains("recent") && obj.contains("recent_ratio"))
     return where.Error("recent", "give either 'recent' (tokens) or 'recent_ratio' (of the budget), not both");
@@ -309,6 +314,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "decode_evict") s += fmt::format(" decode_evict={}", p.decode_evict);
     if (key == "beta") s += fmt::format(" beta={:g}", p.beta);
     if (key == "page_tokens" && p.page_tokens > 0) s += fmt::format(" page_tokens={}", p.page_tokens);
+    if (key == "dense_layers") s += fmt::format(" dense_layers={}", p.dense_layers);
     if (key == "cache_positions" && p.cache_positions) s += " cache_positions";
   }
   return s;
@@ -514,6 +520,7 @@ StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, st
   LayerKvConfig layer;
   layer.method = *m;
   layer.params = DefaultMethodParams(*m);
+  layer.per_head = DefaultPerHead(*m);
   if (budget.empty()) {
     if (*m != KvMethod::kFull)
       return InvalidArgumentError(fmt::format("--kv-budget: method '{}' needs a budget (512 tokens, or a fraction "

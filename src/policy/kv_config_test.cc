@@ -1,5 +1,6 @@
 #include "kvsparse/kv_config.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -65,7 +66,8 @@ TEST(KvConfigTest, ParsesTheDocumentedExample) {
   EXPECT_EQ(config->agg, GqaAggregation::kMean);
   EXPECT_EQ(config->prefill_chunk, 512);
   EXPECT_EQ(KvSparsityConfigSummary(*config),
-            "layers 0-1: full kv=f16; layers 2-4: h2o budget=0.2 of the context kv=int8 n_sink=0 recent_ratio=0.5 "
+            "layers 0-1: full kv=f16; layers 2-4: h2o budget=0.2 of the context kv=int8 per_head n_sink=0 "
+            "recent_ratio=0.5 "
             "head_reduce=mean; evict_interval=16 page_size=16 gqa_aggregation=mean prefill_chunk=512");
 }
 
@@ -84,7 +86,7 @@ TEST(KvConfigTest, EntriesInheritAndOverride) {
   EXPECT_EQ(l[3].budget.tokens, 64);
   EXPECT_EQ(l[3].params.pooling, VotePooling::kAvg);  // same method: parameters carry over
   EXPECT_EQ(l[4].method, KvMethod::kPyramidKv);
-  EXPECT_EQ(l[4].params.obs_window, 32);  // another method: its own defaults
+  EXPECT_EQ(l[4].params.obs_window, 8);  // another method: its own defaults (KVCache-Factory's window)
   EXPECT_EQ(l[4].params.beta, 10.0);
   EXPECT_EQ(l[4].budget.tokens, 128);     // budget always carries over
   EXPECT_EQ(l[1].method, KvMethod::kStreamingLlm);
@@ -334,22 +336,39 @@ TEST(KvConfigTest, ValidateCatchesConfigsBuiltInCode) {
   EXPECT_FALSE(ValidateKvSparsityConfig(config).ok());
 }
 
-// "per_head" is inherited from "default" like kv_type (also across a method change), set or
-// cleared per entry, shown in the summary, and must be a boolean.
+// "per_head" defaults to the method's reference granularity, is inherited from "default" like
+// the method parameters (within the same method; another method starts from its own default),
+// set or cleared per entry, shown in the summary, and must be a boolean.
 TEST(KvConfigTest, PerHeadIsInheritedAndChecked) {
   auto config = ParseKvSparsityConfig(
-      R"({"default": {"method": "h2o", "budget": 32, "per_head": true},
+      R"({"default": {"method": "tova", "budget": 32, "per_head": true},
           "layers": [{"layers": 0, "method": "full"}, {"layers": "3-4", "per_head": false}]})",
       kLayers);
   ASSERT_TRUE(config.ok()) << config.status().ToString();
-  EXPECT_TRUE(config->layers[0].per_head);  // inherited, though the method changed
+  EXPECT_FALSE(config->layers[0].per_head);  // another method: its own default
   EXPECT_TRUE(config->layers[1].per_head);
   EXPECT_TRUE(config->layers[2].per_head);
   EXPECT_FALSE(config->layers[3].per_head);
   EXPECT_FALSE(config->layers[4].per_head);
-  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "layers 1-2: h2o budget=32 tokens kv=f32 per_head");
-  EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 32}})", kLayers)->layers[2].per_head);
-  EXPECT_FALSE(KvSparsityConfigFromFlags("h2o", "32", "f32", kLayers)->layers[0].per_head);
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "layers 1-2: tova budget=32 tokens kv=f32 per_head");
+  // The references' granularity: per KV head for H2O, SnapKV, PyramidKV and KNorm.
+  for (const char* method : {"h2o", "snapkv", "pyramidkv", "knorm"}) {
+    EXPECT_TRUE(ParseKvSparsityConfig(fmt::format(R"({{"default": {{"method": "{}", "budget": 64}}}})", method),
+                                      kLayers)
+                    ->layers[2]
+                    .per_head)
+        << method;
+    EXPECT_TRUE(KvSparsityConfigFromFlags(method, "64", "f32", kLayers)->layers[0].per_head) << method;
+  }
+  for (const char* method : {"tova", "streaming_llm", "scissorhands", "random", "quest", "full"}) {
+    EXPECT_FALSE(KvSparsityConfigFromFlags(method, method == std::string("full") ? "" : "64", "f32", kLayers)
+                     ->layers[0]
+                     .per_head)
+        << method;
+  }
+  EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 32, "per_head": false}})", kLayers)
+                   ->layers[2]
+                   .per_head);
 
   std::string m = Rejection(R"({"layers": [{"layers": "1-2", "per_head": "yes"}]})");
   EXPECT_MENTIONS(m, "layers[0] (layers 1-2)");

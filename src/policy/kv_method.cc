@@ -21,7 +21,9 @@ constexpr std::string_view kScissorhandsKeys[] = {"n_sink", "recent", "recent_ra
 constexpr std::string_view kSnapKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict"};
 constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict", "beta"};
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
-constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce"};
+constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
+constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "decode_evict",
+                                           "dense_layers"};
 
 constexpr std::array<MethodInfo, 10> kMethods = {{
     {KvMethod::kFull, "full", {}},
@@ -31,7 +33,7 @@ constexpr std::array<MethodInfo, 10> kMethods = {{
     {KvMethod::kScissorhands, "scissorhands", kScissorhandsKeys},
     {KvMethod::kSnapKv, "snapkv", kSnapKvKeys},
     {KvMethod::kPyramidKv, "pyramidkv", kPyramidKvKeys},
-    {KvMethod::kKNorm, "knorm", kWindowedKeys},
+    {KvMethod::kKNorm, "knorm", kKNormKeys},
     {KvMethod::kRandom, "random", kRandomKeys},
     {KvMethod::kQuest, "quest", kQuestKeys},
 }};
@@ -67,7 +69,9 @@ std::string ValidKvMethodNames() {
 
 std::span<const std::string_view> KvMethodParamKeys(KvMethod method) { return Info(method).keys; }
 
-std::string_view HeadReduceName(HeadReduce r) { return r == HeadReduce::kMean ? "mean" : "max"; }
+std::string_view HeadReduceName(HeadReduce r) {
+  return r == HeadReduce::kMean ? "mean" : r == HeadReduce::kMax ? "max" : "none";
+}
 std::string_view VotePoolingName(VotePooling p) { return p == VotePooling::kMax ? "max" : "avg"; }
 
 KvMethodParams DefaultMethodParams(KvMethod method) {
@@ -77,14 +81,49 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
     case KvMethod::kH2O: p.recent_ratio = 0.5; break;             // Zhang et al.: half heavy, half recent
     case KvMethod::kScissorhands: p.recent_ratio = 0.1; break;    // ours (paper leaves it open)
     case KvMethod::kRandom: p.recent_ratio = 0.5; break;          // mirrors H2O's split
-    case KvMethod::kQuest: p.head_reduce = HeadReduce::kMax; break;  // Tang et al.: max over heads; page 16
+    case KvMethod::kQuest:  // Tang et al.: page 16, pages per query head, layers 0-1 dense
+      p.head_reduce = HeadReduce::kNone;
+      p.dense_layers = 2;
+      break;
+    case KvMethod::kKNorm: p.dense_layers = 2; break;  // Devoto et al.: the first two layers kept whole
+    case KvMethod::kPyramidKv: p.obs_window = 8; break;  // KVCache-Factory's runs: window 8
     case KvMethod::kFull:
     case KvMethod::kTova:
-    case KvMethod::kSnapKv:
-    case KvMethod::kPyramidKv:
-    case KvMethod::kKNorm: break;
+    case KvMethod::kSnapKv: break;
   }
   return p;
+}
+
+bool DefaultPerHead(KvMethod method) {
+  switch (method) {
+    case KvMethod::kH2O:
+    case KvMethod::kSnapKv:
+    case KvMethod::kPyramidKv:
+    case KvMethod::kKNorm: return true;
+    case KvMethod::kFull:
+    case KvMethod::kStreamingLlm:
+    case KvMethod::kTova:
+    case KvMethod::kScissorhands:
+    case KvMethod::kRandom:
+    case KvMethod::kQuest: return false;
+  }
+  return false;
+}
+
+int PaperEvictInterval(KvMethod method) {
+  switch (method) {
+    case KvMethod::kStreamingLlm:
+    case KvMethod::kH2O:
+    case KvMethod::kTova:
+    case KvMethod::kScissorhands:
+    case KvMethod::kRandom: return 1;
+    case KvMethod::kFull:
+    case KvMethod::kSnapKv:
+    case KvMethod::kPyramidKv:
+    case KvMethod::kKNorm:
+    case KvMethod::kQuest: return 0;
+  }
+  return 0;
 }
 
 Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
@@ -116,6 +155,10 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
   if (Uses(method, "page_tokens") && p.page_tokens < 0)
     return error("page_tokens", fmt::format("must be >= 1 token (or 0 for the cache's page size); found {}",
                                             p.page_tokens));
+  if (p.head_reduce == HeadReduce::kNone && method != KvMethod::kQuest)
+    return error("head_reduce", "\"none\" (per query head) is Quest's page selection; use mean or max");
+  if (Uses(method, "dense_layers") && p.dense_layers < 0)
+    return error("dense_layers", fmt::format("must be >= 0 layers; found {}", p.dense_layers));
   if (Uses(method, "beta") && !(p.beta >= 1.0 && std::isfinite(p.beta)))
     return error("beta", fmt::format("must be >= 1 (the last layer gets 1/beta of the mean share); found {:g}", p.beta));
 

@@ -48,8 +48,13 @@ LayerKvConfig ConfigFor(KvMethod method) {
   switch (method) {
     case KvMethod::kH2O:
     case KvMethod::kTova:
-    case KvMethod::kKNorm:
     case KvMethod::kRandom: p.n_sink = 1; break;
+    case KvMethod::kKNorm:
+      p.n_sink = 1;
+      p.decode_evict = true;
+      p.dense_layers = 0;  // the test's layer 1 would otherwise run Full
+      break;
+    case KvMethod::kQuest: p.dense_layers = 0; break;
     case KvMethod::kScissorhands:
       p.n_sink = 1;
       p.history_window = 8;

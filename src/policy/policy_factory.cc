@@ -13,6 +13,8 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
   KVS_RETURN_IF_ERROR(ValidateLayerKvConfig(config, layer));
   const KvBudget& b = config.budget;
   const KvMethodParams& p = config.params;
+  // KNorm and Quest leave the first layers whole, as their papers do.
+  if (layer < p.dense_layers) return policy::MakeFullPolicy();
   switch (config.method) {
     case KvMethod::kFull: return policy::MakeFullPolicy();
     case KvMethod::kStreamingLlm: return policy::MakeStreamingLlmPolicy(b, p);

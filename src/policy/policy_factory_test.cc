@@ -11,7 +11,7 @@ TEST(PolicyFactoryTest, BuildsEveryMethodWithItsName) {
   for (KvMethod method : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova,
                           KvMethod::kScissorhands, KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm,
                           KvMethod::kRandom, KvMethod::kQuest}) {
-    auto policy = CreatePolicy(Layer(method, KvBudget::Tokens(64)), 1, 4, 123);
+    auto policy = CreatePolicy(Layer(method, KvBudget::Tokens(64)), 2, 4, 123);  // above KNorm's and Quest's dense layers
     ASSERT_TRUE(policy.ok()) << policy.status().ToString();
     EXPECT_EQ((*policy)->name(), KvMethodName(method));
     EXPECT_EQ(KvMethodFromName(KvMethodName(method)), method);
@@ -27,9 +27,23 @@ TEST(PolicyFactoryTest, AttentionNeedsPerMethod) {
   EXPECT_EQ(needs(KvMethod::kQuest), 0u);
   EXPECT_EQ(needs(KvMethod::kH2O), kObserveSumAll);
   EXPECT_EQ(needs(KvMethod::kTova), kObserveLast);
-  EXPECT_EQ(needs(KvMethod::kScissorhands), kObserveLast);
-  EXPECT_EQ(needs(KvMethod::kSnapKv), kObserveSumWindow);
-  EXPECT_EQ(needs(KvMethod::kPyramidKv), kObserveSumWindow);
+  EXPECT_EQ(needs(KvMethod::kScissorhands), kObserveWindowRows);
+  EXPECT_EQ(needs(KvMethod::kSnapKv), kObserveWindowRows);
+  EXPECT_EQ(needs(KvMethod::kPyramidKv), kObserveWindowRows);
+}
+
+// KNorm and Quest leave their first `dense_layers` layers (2, as both papers) whole.
+TEST(PolicyFactoryTest, DenseFirstLayersRunFull) {
+  for (KvMethod method : {KvMethod::kKNorm, KvMethod::kQuest}) {
+    for (int layer = 0; layer < 4; ++layer) {
+      auto policy = CreatePolicy(Layer(method, KvBudget::Tokens(64)), layer, 4, 0);
+      ASSERT_TRUE(policy.ok());
+      EXPECT_EQ((*policy)->name(), layer < 2 ? "full" : KvMethodName(method)) << KvMethodName(method) << layer;
+    }
+    LayerKvConfig none = Layer(method, KvBudget::Tokens(64));
+    none.params.dense_layers = 0;
+    EXPECT_EQ((*CreatePolicy(none, 0, 4, 0))->name(), KvMethodName(method));
+  }
 }
 
 TEST(PolicyFactoryTest, RejectsInvalidConfigAndLayer) {
@@ -75,8 +89,8 @@ TEST(SelectionTest, ClampsWindowsToTheTarget) {
   config.params.n_sink = 3;
   config.params.recent = 5;
   Harness h(config);
-  h.Append(20);  // budget 2: only the sinks fit, and only two of them
-  EXPECT_EQ(h.Evict(2), (Positions{0, 1}));
+  h.Append(20);  // budget 2: the newest token, then one sink; no room for the window
+  EXPECT_EQ(h.Evict(2), (Positions{0, 19}));
 }
 
 }  // namespace

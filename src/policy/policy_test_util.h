@@ -15,13 +15,16 @@
 
 namespace kvsparse::policy_test {
 
-// Owns the arrays an AttentionObservation points into. Each field is [n_heads, n_tokens].
+// Owns the arrays an AttentionObservation points into. Each field is [n_heads, n_tokens];
+// window_rows is [n_window, n_heads, n_tokens] (empty: one row, `last`).
 struct Observation {
   int n_heads = 1;
   int32_t n_tokens = 0;
   int32_t n_queries = 1;
   std::vector<int32_t> query_positions;
   std::vector<float> sum_all, sum_window, last;
+  int32_t n_window = 0;
+  std::vector<float> window_rows;
 
   AttentionObservation view() const {
     AttentionObservation obs;
@@ -32,6 +35,13 @@ struct Observation {
     obs.sum_all = sum_all.empty() ? nullptr : sum_all.data();
     obs.sum_window = sum_window.empty() ? nullptr : sum_window.data();
     obs.last = last.empty() ? nullptr : last.data();
+    if (!window_rows.empty()) {
+      obs.n_window = n_window;
+      obs.window_rows = window_rows.data();
+    } else if (!last.empty()) {
+      obs.n_window = 1;
+      obs.window_rows = last.data();
+    }
     return obs;
   }
 };

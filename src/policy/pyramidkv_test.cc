@@ -40,6 +40,33 @@ TEST(PyramidBudgetsTest, BudgetWithinTheWindowIsUniform) {
   EXPECT_EQ(PyramidBudgets(3, 16, 32, 20.0), (std::vector<int32_t>{16, 16, 16}));
 }
 
+// KVCache-Factory's rule: the first layer never gets more than the prompt holds; the line
+// pivots so the mean stays the average budget. Shorter prompts: uniform, or nothing to compress.
+TEST(PyramidBudgetsTest, ClampsToThePromptAndRedistributes) {
+  // S = 80: unclamped shares 156 .. 4, but 170 tokens hold at most 150 above the window.
+  EXPECT_EQ(PyramidBudgets(5, 100, 20, 20.0, /*n_seen=*/170), (std::vector<int32_t>{170, 135, 100, 65, 30}));
+  EXPECT_EQ(PyramidBudgets(5, 100, 20, 20.0, /*n_seen=*/200), PyramidBudgets(5, 100, 20, 20.0));
+  EXPECT_EQ(PyramidBudgets(5, 100, 20, 20.0, /*n_seen=*/150), (std::vector<int32_t>{100, 100, 100, 100, 100}));
+  EXPECT_EQ(PyramidBudgets(5, 100, 20, 20.0, /*n_seen=*/90), (std::vector<int32_t>{100, 100, 100, 100, 100}));
+  for (int32_t n_seen = 160; n_seen < 400; n_seen += 7) {
+    const std::vector<int32_t> b = PyramidBudgets(4, 100, 8, 20.0, n_seen);
+    int64_t sum = 0;
+    for (int32_t x : b) {
+      EXPECT_LE(x, n_seen) << n_seen;  // every layer can hold its budget: the tokens kept are the budgets
+      sum += x;
+    }
+    EXPECT_EQ(sum, 400) << n_seen;
+  }
+}
+
+TEST(PyramidKvTest, DefaultsFollowTheReferenceRuns) {
+  const KvMethodParams p = DefaultMethodParams(KvMethod::kPyramidKv);
+  EXPECT_EQ(p.obs_window, 8);
+  EXPECT_EQ(p.kernel, 7);
+  EXPECT_EQ(p.pooling, VotePooling::kMax);
+  EXPECT_EQ(p.beta, 20.0);
+}
+
 TEST(PyramidKvTest, EachLayerGetsItsShareOfTheResolvedBudget) {
   LayerKvConfig config = Layer(KvMethod::kPyramidKv, KvBudget::Fraction(0.5));
   config.params.obs_window = 20;

@@ -174,6 +174,7 @@ void QuestPageScores(const QuestPageIndex& index, const float* q, int n_q_heads,
   const int heads = index.n_kv_heads(), d = index.head_dim();
   KVS_CHECK_MSG(n_q_heads >= heads && n_q_heads % heads == 0,
                 "QuestPageScores: the query heads must be a multiple of the kv heads");
+  KVS_CHECK_MSG(reduce != HeadReduce::kNone, "QuestPageScores folds heads: use QuestQueryHeadScores for none");
   const int group = n_q_heads / heads;
   const bool max = reduce == HeadReduce::kMax;
   for (int32_t page = 0; page < index.n_pages(); ++page) {
@@ -196,15 +197,36 @@ void QuestPageScores(const QuestPageIndex& index, const float* q, int n_q_heads,
   }
 }
 
-void QuestSelectPages(const float* scores, int32_t n_pages, int32_t page_tokens, int32_t n_tokens,
-                      int32_t budget_tokens, std::vector<int32_t>* order, std::vector<int32_t>* pages) {
+void QuestQueryHeadScores(const QuestPageIndex& index, const float* q, int n_q_heads, float* scores) {
+  const int heads = index.n_kv_heads(), d = index.head_dim();
+  KVS_CHECK_MSG(n_q_heads >= heads && n_q_heads % heads == 0,
+                "QuestQueryHeadScores: the query heads must be a multiple of the kv heads");
+  const int group = n_q_heads / heads;
+  const int32_t n_pages = index.n_pages();
+  // Page-major walk: each page's bounds are read once for all query heads.
+  for (int32_t page = 0; page < n_pages; ++page) {
+    const float* mn = index.page_min(page);
+    const float* mx = index.page_max(page);
+    for (int i = 0; i < n_q_heads; ++i) {
+      const size_t kv = static_cast<size_t>(i / group) * d;
+      const float b = QuestBound(q + static_cast<size_t>(i) * d, mn + kv, mx + kv, d);
+      scores[static_cast<size_t>(i) * n_pages + page] = std::isnan(b) ? -std::numeric_limits<float>::infinity() : b;
+    }
+  }
+}
+
+int32_t QuestPagesRead(int32_t budget_tokens, int32_t page_tokens) {
+  KVS_CHECK(page_tokens >= 1);
+  return std::max<int32_t>(3, std::max(budget_tokens, 0) / page_tokens);
+}
+
+void QuestSelectPages(const float* scores, int32_t n_pages, int32_t n_read, std::vector<int32_t>* order,
+                      std::vector<int32_t>* pages) {
   pages->clear();
   if (n_pages <= 0) return;
   const int32_t last = n_pages - 1;
-  const int32_t last_tokens = n_tokens - last * page_tokens;  // the last page may be partly filled
-  // Every other page is full, so what fits is a whole number of pages.
-  const int32_t room = budget_tokens - last_tokens;
-  const int32_t k = std::min(room > 0 ? room / page_tokens : 0, last);
+  // The last page is always read and counts as one of n_read.
+  const int32_t k = std::clamp(n_read - 1, 0, last);
   order->resize(static_cast<size_t>(last));
   for (int32_t p = 0; p < last; ++p) (*order)[p] = p;
   // (score descending, page ascending) is a strict total order: the choice is deterministic.
@@ -216,8 +238,9 @@ void QuestSelectPages(const float* scores, int32_t n_pages, int32_t page_tokens,
 }
 
 void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std::vector<int32_t>& pages,
-                      int32_t page_tokens, std::vector<KvSpan>* spans, std::vector<KvSpan>* scratch) {
-  scratch->clear();
+                      int32_t page_tokens, const std::vector<KvSpan>& spans, std::vector<KvSpan>* out) {
+  KVS_CHECK(out != &spans);
+  out->clear();
   size_t s = 0;
   int32_t span_first = 0;  // live index of spans[s]'s first token
   int32_t last_source = -1, last_end = -1;  // the run last emitted: its span and end (within the span)
@@ -225,23 +248,28 @@ void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std
     const int32_t first = page * page_tokens;
     const int32_t end = first + page_tokens;
     // Skip the spans that end before the page.
-    while (s < spans->size() && span_first + (*spans)[s].n <= first) span_first += (*spans)[s++].n;
+    while (s < spans.size() && span_first + spans[s].n <= first) span_first += spans[s++].n;
     // The spans the page overlaps (several when Quest pages are larger than cache pages).
     int32_t t_first = span_first;
-    for (size_t t = s; t < spans->size() && t_first < end; t_first += (*spans)[t++].n) {
-      const KvSpan& span = (*spans)[t];
+    for (size_t t = s; t < spans.size() && t_first < end; t_first += spans[t++].n) {
+      const KvSpan& span = spans[t];
       const int32_t lo = std::max(first, t_first) - t_first;
       const int32_t hi = std::min(end, t_first + span.n) - t_first;
       if (hi <= lo) continue;
       if (last_source == static_cast<int32_t>(t) && last_end == lo) {
-        scratch->back().n += hi - lo;  // continues the previous run of the same span
+        out->back().n += hi - lo;  // continues the previous run of the same span
       } else {
-        scratch->push_back(SubSpan(storage, span, lo, hi - lo, n_kv_heads, head_dim));
+        out->push_back(SubSpan(storage, span, lo, hi - lo, n_kv_heads, head_dim));
       }
       last_source = static_cast<int32_t>(t);
       last_end = hi;
     }
   }
+}
+
+void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std::vector<int32_t>& pages,
+                      int32_t page_tokens, std::vector<KvSpan>* spans, std::vector<KvSpan>* scratch) {
+  QuestFilterSpans(storage, n_kv_heads, head_dim, pages, page_tokens, *spans, scratch);
   spans->swap(*scratch);
 }
 

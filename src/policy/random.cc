@@ -33,8 +33,11 @@ class RandomPolicy final : public BudgetedPolicy {
 
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
     CheckSelection(ctx, n_live_);
-    const int32_t sinks = std::clamp(params_.n_sink, 0, ctx.target);
-    const int32_t recent = std::clamp(RecentWindowTokens(params_, ctx.target), 0, ctx.target - sinks);
+    // As KeepSinksRecentAndTop: the newest token first, then the sinks, then the window.
+    const int32_t newest = ctx.target > 0 ? 1 : 0;
+    const int32_t sinks = std::clamp(params_.n_sink, 0, ctx.target - newest);
+    const int32_t recent =
+        std::clamp(std::max(RecentWindowTokens(params_, ctx.target), newest), 0, ctx.target - sinks);
     keep->assign(ctx.n_live, 0);
     for (int32_t t = 0; t < sinks; ++t) (*keep)[t] = 1;
     for (int32_t t = ctx.n_live - recent; t < ctx.n_live; ++t) (*keep)[t] = 1;

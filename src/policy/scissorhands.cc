@@ -2,18 +2,20 @@
 // A. Shrivastava, "Scissorhands: Exploiting the Persistence of Importance Hypothesis for
 // LLM KV Cache Compression at Test Time", NeurIPS 2023, arXiv:2305.17118.
 //
-// Persistence of importance: a token that mattered recently keeps mattering. Over a
-// history window of the latest queries, count how often each token's attention fell
-// below the uniform share 1/n_tokens ("unimportant"); when over budget, drop the tokens
-// with the highest counts, never the recent window. Tokens younger than the history have
-// been judged fewer times and so are favoured, as in the paper's counter.
+// Persistence of importance (the paper's rule, §4): a token that mattered recently keeps
+// mattering. Over the history window of the latest `history_window` queries, count how often
+// each token's attention fell below the average 1 / t, t being the tokens that query saw
+// ("unimportant"); when over budget, drop the tokens with the highest counts (those judged
+// important least persistently), never the recent window. Tokens younger than the history have
+// been judged fewer times and so are favoured, as in the paper's counter. Every query counts,
+// prompt queries included: a prompt chunk contributes its last history_window queries (the
+// observation's window_rows), so the counts after a prompt do not depend on how it was chunked.
 //
 // Defaults (ours; the paper leaves them to the deployment): history_window 32 queries,
 // recent_ratio 0.1 of the budget protected, no sinks, counts averaged over KV heads
-// (head_reduce "max" keeps a token a single head finds important).
-// Per token and head the history is a 64-bit shift register (one bit per query), so the
-// count over the last w queries is a popcount. A prompt chunk contributes one history
-// entry, from its last query: the kernel gathers per-query probabilities only for that one.
+// (head_reduce "max" keeps a token a single head finds important). The newest token is always
+// kept. Per token and head the history is a 64-bit shift register (one bit per query), so the
+// count over the last w queries is a popcount.
 #include <bit>
 #include <limits>
 
@@ -31,20 +33,26 @@ class ScissorhandsPolicy final : public BudgetedPolicy {
         history_mask_(params.history_window >= 64 ? ~uint64_t{0} : (uint64_t{1} << params.history_window) - 1) {}
   std::string_view name() const override { return "scissorhands"; }
   std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<ScissorhandsPolicy>(*this); }
-  uint32_t NeededObservations() const override { return kObserveLast; }
+  uint32_t NeededObservations() const override { return kObserveWindowRows; }
+  int32_t ObservationWindow() const override { return params_.history_window; }
   void OnAppend(int32_t n_new) override { unimportant_.Append(n_new); }
 
   void Observe(const AttentionObservation& obs) override {
-    CheckObservation(obs, unimportant_.size(), obs.last, "last");
+    CheckObservation(obs, unimportant_.size(), obs.window_rows, "window_rows");
     if (obs.n_tokens == 0) return;
     unimportant_.SetHeads(obs.n_kv_heads);
-    const float threshold = 1.f / static_cast<float>(obs.n_tokens);
     const int heads = obs.n_kv_heads;
-    for (int h = 0; h < heads; ++h) {
-      const float* attention = obs.last + static_cast<size_t>(h) * obs.n_tokens;  // [n_tokens]
-      for (int32_t t = 0; t < obs.n_tokens; ++t) {
-        uint64_t& bits = unimportant_.row(t)[h];
-        bits = (bits << 1) | static_cast<uint64_t>(attention[t] < threshold);
+    // The call's queries are its last n_queries tokens, so window query w (oldest first) saw
+    // every token before it in the live list and itself: t = n_tokens - (n_window - 1 - w).
+    for (int32_t w = 0; w < obs.n_window; ++w) {
+      const int32_t visible = obs.n_tokens - (obs.n_window - 1 - w);
+      const float threshold = 1.f / static_cast<float>(visible);
+      for (int h = 0; h < heads; ++h) {
+        const float* attention = obs.window_rows + (static_cast<size_t>(w) * heads + h) * obs.n_tokens;  // [n_tokens]
+        for (int32_t t = 0; t < obs.n_tokens; ++t) {
+          uint64_t& bits = unimportant_.row(t)[h];
+          bits = (bits << 1) | static_cast<uint64_t>(t < visible && attention[t] < threshold);
+        }
       }
     }
   }

@@ -27,24 +27,41 @@ TEST(ScissorhandsTest, DropsTokensMostOftenBelowTheUniformShare) {
 }
 
 TEST(ScissorhandsTest, HistoryWindowForgetsOlderQueries) {
-  Harness h(Config(2, 2, 0));
-  h.Append(4);
-  // t1 was unimportant long ago only; t2 in the latest query only.
-  h.Observe(SameForAllHeads({kHigh, kLow, kHigh, kHigh}));
-  h.Observe(SameForAllHeads({kHigh, kLow, kHigh, kHigh}));
-  h.Observe(SameForAllHeads({kHigh, kHigh, kHigh, kLow}));
-  h.Observe(SameForAllHeads({kHigh, kHigh, kLow, kLow}));
+  Harness h(Config(3, 2, 0));
+  h.Append(5);
+  // t1 was unimportant long ago only; t2 in the latest query only; t4 (the newest) always stays.
+  h.Observe(SameForAllHeads({kHigh, kLow, kHigh, kHigh, kHigh}));
+  h.Observe(SameForAllHeads({kHigh, kLow, kHigh, kHigh, kHigh}));
+  h.Observe(SameForAllHeads({kHigh, kHigh, kHigh, kLow, kHigh}));
+  h.Observe(SameForAllHeads({kHigh, kHigh, kLow, kLow, kHigh}));
   // Last 2 queries: t0 0, t1 0, t2 1, t3 2.
-  EXPECT_EQ(h.Evict(2), (Positions{0, 1}));
+  EXPECT_EQ(h.Evict(3), (Positions{0, 1, 4}));
 }
 
 TEST(ScissorhandsTest, ThresholdIsOneOverTheVisibleTokens) {
-  Harness h(Config(1, 8, 0));
+  Harness h(Config(2, 8, 0));
+  h.Append(5);
+  // 1/5 = 0.2: 0.21 is important, 0.19 is not. Counts: t0 1, t1 0, t2 2, t3 1.
+  h.Observe(SameForAllHeads({0.19f, 0.21f, 0.19f, 0.21f, 0.21f}));
+  h.Observe(SameForAllHeads({0.21f, 0.21f, 0.19f, 0.19f, 0.21f}));
+  EXPECT_EQ(h.Evict(2), (Positions{1, 4}));
+}
+
+// A prompt chunk's queries each judge the tokens they saw, with their own 1/t: query w of a
+// call sees every token up to itself.
+TEST(ScissorhandsTest, EveryQueryOfAChunkJudgesWhatItSaw) {
+  Harness h(Config(3, 8, 0));
   h.Append(4);
-  // 1/4 = 0.25: 0.26 is important, 0.24 is not.
-  h.Observe(SameForAllHeads({0.24f, 0.26f, 0.24f, 0.26f}));
-  h.Observe(SameForAllHeads({0.26f, 0.26f, 0.24f, 0.24f}));
-  EXPECT_EQ(h.Evict(1), (Positions{1}));
+  Observation o;
+  o.n_heads = 1;
+  o.n_tokens = 4;
+  o.n_queries = 2;  // queries at tokens 2 and 3: they see 3 and 4 tokens
+  o.n_window = 2;
+  o.window_rows = {0.30f, 0.40f, 0.30f, 0.00f,   // query 2: 1/3 = 0.333: t0, t2 below; t3 unseen
+                   0.20f, 0.30f, 0.26f, 0.24f};  // query 3: 1/4 = 0.25: t0, t3 below
+  h.Observe(o);
+  // Counts: t0 2, t1 0, t2 1, t3 1 (the newest, kept anyway).
+  EXPECT_EQ(h.Evict(3), (Positions{1, 2, 3}));
 }
 
 TEST(ScissorhandsTest, RecentWindowIsProtected) {

@@ -19,8 +19,11 @@ void KeepSinksRecentAndTop(const float* scores, int32_t n_live, int32_t target, 
                            std::vector<int32_t>* scratch, std::vector<uint8_t>* keep) {
   KVS_CHECK(n_live >= 0 && target >= 0 && target <= n_live);
   keep->assign(n_live, 0);
-  const int32_t sinks = std::clamp(n_sink, 0, target);
-  const int32_t recent = std::clamp(n_recent, 0, target - sinks);
+  // The newest token comes first (the next step's attention needs it), then the sinks, then
+  // the rest of the window: a tiny target keeps the real first tokens and shrinks the window.
+  const int32_t newest = target > 0 ? 1 : 0;
+  const int32_t sinks = std::clamp(n_sink, 0, target - newest);
+  const int32_t recent = std::clamp(std::max(n_recent, newest), 0, target - sinks);
   for (int32_t t = 0; t < sinks; ++t) (*keep)[t] = 1;
   for (int32_t t = n_live - recent; t < n_live; ++t) (*keep)[t] = 1;
 

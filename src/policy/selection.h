@@ -13,10 +13,10 @@ namespace kvsparse::policy {
 // else floor(recent_ratio * target); never more than target.
 int32_t RecentWindowTokens(const KvMethodParams& params, int32_t target);
 
-// Sets *keep ([n_live]) to: the first n_sink tokens, the last n_recent tokens, and the
-// best-scored (highest) of the tokens between them, `target` in all. Sinks, then the
-// window, are clamped so they fit the target. Ties keep the newer token; NaN scores rank
-// lowest. `scratch` is reused index storage. scores: [n_live] (only the middle is read).
+// Sets *keep ([n_live]) to: the newest token (whenever target >= 1: the next step attends to
+// it), the first n_sink tokens, the last n_recent tokens, and the best-scored (highest) of the
+// tokens between them, `target` in all. When they do not all fit, the newest token wins, then
+// the sinks, then the window. Ties keep the newer token; NaN scores rank lowest. `scratch` is reused index storage. scores: [n_live] (only the middle is read).
 void KeepSinksRecentAndTop(const float* scores, int32_t n_live, int32_t target, int32_t n_sink, int32_t n_recent,
                            std::vector<int32_t>* scratch, std::vector<uint8_t>* keep);
 

@@ -29,9 +29,25 @@ TEST(SelectionTest, TiesKeepTheNewerAndNaNRanksLowest) {
   std::vector<int32_t> scratch;
   std::vector<uint8_t> keep;
   KeepSinksRecentAndTop(scores.data(), 6, 2, 0, 0, &scratch, &keep);
-  EXPECT_EQ(Kept(keep), (std::vector<int32_t>{2, 4}));
+  EXPECT_EQ(Kept(keep), (std::vector<int32_t>{4, 5}));  // the newest token, then the newer of the tied
   KeepSinksRecentAndTop(scores.data(), 6, 5, 0, 0, &scratch, &keep);
   EXPECT_EQ(Kept(keep), (std::vector<int32_t>{1, 2, 3, 4, 5}));  // NaNs last, then the newer NaN
+}
+
+// The newest token survives any target >= 1 (the next step attends to it), then the real
+// first tokens as sinks: a tiny target shrinks the window, never promotes later tokens to sinks.
+TEST(SelectionTest, TinyTargetsKeepTheNewestThenTheSinks) {
+  const std::vector<float> scores = {0.f, 0.f, 0.f, 0.f, 9.f, 9.f, 9.f, -1.f};
+  std::vector<int32_t> scratch;
+  std::vector<uint8_t> keep;
+  KeepSinksRecentAndTop(scores.data(), 8, 1, 4, 0, &scratch, &keep);
+  EXPECT_EQ(Kept(keep), (std::vector<int32_t>{7}));
+  KeepSinksRecentAndTop(scores.data(), 8, 3, 4, 0, &scratch, &keep);
+  EXPECT_EQ(Kept(keep), (std::vector<int32_t>{0, 1, 7}));
+  KeepSinksRecentAndTop(scores.data(), 8, 6, 4, 3, &scratch, &keep);
+  EXPECT_EQ(Kept(keep), (std::vector<int32_t>{0, 1, 2, 3, 6, 7}));
+  KeepSinksRecentAndTop(scores.data(), 8, 2, 0, 0, &scratch, &keep);
+  EXPECT_EQ(Kept(keep), (std::vector<int32_t>{6, 7}));  // top score among the rest, and the newest
 }
 
 TEST(SelectionTest, KeepsAllWhenTargetIsEverything) {

@@ -3,20 +3,24 @@
 // arXiv:2404.14469.
 //
 // The last `window` prompt queries (default 32) vote: each earlier token's score is the
-// attention those queries give it, summed (sum_window). Votes are smoothed with a 1-D
-// pooling over neighbouring tokens (default max pooling, kernel 7) so that a selected
-// token brings its neighbours, then folded over KV heads (mean by default). Kept: the
+// attention those queries give it, summed. Votes are smoothed with a 1-D pooling over
+// neighbouring tokens (default max pooling, kernel 7) so that a selected token brings its
+// neighbours. Tokens are chosen per KV head (per_head true by default, as the reference);
+// "per_head": false folds the heads' pooled votes (head_reduce, mean by default). Kept: the
 // window's own tokens plus the top-voted earlier tokens, budget in all.
 //
-// When: the paper compresses once, at the end of the prompt. Here every prompt chunk after
-// which the layer is over budget is compressed with the same rule, the chunk's last
-// `window` queries acting as the window (the prefix read so far is treated as the prompt);
-// for the last chunk that is exactly the paper's rule. A call with at least `window`
-// queries replaces the votes; a shorter call (a short last chunk, a decode step) adds to
-// them, so a window split across two chunks is covered by the union of both windows.
-// Generated tokens are all kept (EvictsDuringDecode false) unless "decode_evict" is set;
-// then decode-time compression uses the votes of the queries since the previous one.
-// Without it decode steps are not observed at all (ObservesDecode false: no scoring pass).
+// The window is exactly the latest `window` queries, whatever the chunking: the policy keeps
+// each token's attention from each of them (the observation's window_rows), so a short last
+// chunk is completed by the previous chunk's last queries. When: the paper compresses once, at
+// the end of the prompt (prefill_eviction "prompt_end" does exactly that); with the default
+// every-chunk eviction each prompt chunk after which the layer is over budget is compressed by
+// the same rule, the prompt read so far acting as the prompt.
+// Small budgets: when the target does not exceed the window (a fraction budget of a short
+// prompt), the window shrinks to half the target, so earlier tokens are still chosen by votes
+// instead of SnapKV silently becoming "keep the last tokens".
+// Generated tokens are all kept (EvictsDuringDecode false) unless "decode_evict" is set; then
+// decode-time compression uses the latest `window` queries the same way. Without it decode
+// steps are not observed at all (ObservesDecode false: no scoring pass).
 #include "policy/snapkv.h"
 
 #include <algorithm>
@@ -43,48 +47,56 @@ void PoolVotes(const float* votes, int32_t n, int kernel, VotePooling pooling, f
   }
 }
 
+int32_t SnapKvPolicy::EffectiveWindow(int32_t obs_window, int32_t target) {
+  return target > obs_window ? obs_window : std::max<int32_t>(1, target / 2);
+}
+
 void SnapKvPolicy::Observe(const AttentionObservation& obs) {
-  CheckObservation(obs, votes_.size(), obs.sum_window, "sum_window");
-  if (obs.n_tokens == 0) return;
-  votes_.SetHeads(obs.n_kv_heads);
-  const bool full_window = obs.n_queries >= params_.obs_window;
-  const int heads = obs.n_kv_heads;
-  for (int h = 0; h < heads; ++h) {
-    const float* window_votes = obs.sum_window + static_cast<size_t>(h) * obs.n_tokens;  // [n_tokens]
-    for (int32_t t = 0; t < obs.n_tokens; ++t) {
-      float& v = votes_.row(t)[h];
-      v = full_window ? window_votes[t] : v + window_votes[t];
+  CheckObservation(obs, rows_.size(), obs.window_rows, "window_rows");
+  if (obs.n_tokens == 0 || obs.n_window == 0) return;
+  const int32_t depth = params_.obs_window;
+  KVS_CHECK_MSG(obs.n_window <= depth, "snapkv: more window rows than the observation window");
+  if (heads_ == 0) heads_ = obs.n_kv_heads;
+  KVS_CHECK_MSG(heads_ == obs.n_kv_heads, "snapkv: observation changed the number of KV heads");
+  rows_.SetHeads(heads_ * depth);
+  const int32_t fresh = obs.n_window;  // queries this call adds to the window
+  for (int32_t t = 0; t < obs.n_tokens; ++t) {
+    for (int h = 0; h < heads_; ++h) {
+      float* ring = rows_.row(t) + static_cast<size_t>(h) * depth;  // [depth] newest first
+      std::copy_backward(ring, ring + depth - fresh, ring + depth);
+      for (int32_t age = 0; age < fresh; ++age) {
+        const int32_t w = fresh - 1 - age;  // window_rows are oldest first
+        ring[age] = obs.window_rows[(static_cast<size_t>(w) * heads_ + h) * obs.n_tokens + t];
+      }
     }
   }
 }
 
 void SnapKvPolicy::SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) {
-  CheckSelection(ctx, votes_.size());
-  last_selection_in_prefill_ = ctx.in_prefill;
-  const int32_t window = std::min(params_.obs_window, ctx.target);
+  CheckSelection(ctx, rows_.size());
+  const int32_t window = std::min(EffectiveWindow(params_.obs_window, ctx.target), ctx.target);
   const int32_t n_candidates = ctx.n_live - window;  // tokens before the window: [0, n_candidates)
+  const int32_t depth = params_.obs_window;
   scores_.assign(ctx.n_live, 0.f);
-  const int heads = votes_.heads();
-  if (heads > 0 && n_candidates > 0) {
+  if (heads_ > 0 && n_candidates > 0) {
     column_.resize(n_candidates);
     pooled_.resize(n_candidates);
     const bool mean = params_.head_reduce == HeadReduce::kMean;
     if (!mean) std::fill(scores_.begin(), scores_.begin() + n_candidates, -std::numeric_limits<float>::infinity());
-    // Pool each head on its own (as the paper), then fold the heads.
-    for (int h = 0; h < heads; ++h) {
-      for (int32_t t = 0; t < n_candidates; ++t) column_[t] = votes_.row(t)[h];
+    // Votes of the latest `window` queries; pool each head on its own (as the paper), then fold the heads.
+    for (int h = 0; h < heads_; ++h) {
+      for (int32_t t = 0; t < n_candidates; ++t) {
+        const float* ring = rows_.row(t) + static_cast<size_t>(h) * depth;
+        float votes = 0.f;
+        for (int32_t age = 0; age < window; ++age) votes += ring[age];
+        column_[t] = votes;
+      }
       PoolVotes(column_.data(), n_candidates, params_.kernel, params_.pooling, pooled_.data());
       for (int32_t t = 0; t < n_candidates; ++t)
-        scores_[t] = mean ? scores_[t] + pooled_[t] / heads : std::max(scores_[t], pooled_[t]);
+        scores_[t] = mean ? scores_[t] + pooled_[t] / heads_ : std::max(scores_[t], pooled_[t]);
     }
   }
   KeepSinksRecentAndTop(scores_.data(), ctx.n_live, ctx.target, /*n_sink=*/0, window, &scratch_, keep);
-}
-
-void SnapKvPolicy::OnEvict(const std::vector<uint8_t>& keep) {
-  votes_.Compact(keep);
-  // A decode-time compression consumed its window; the next one starts a fresh one.
-  if (!last_selection_in_prefill_) votes_.Fill(0.f);
 }
 
 std::unique_ptr<KvPolicy> MakeSnapKvPolicy(const KvBudget& budget, const KvMethodParams& params) {

@@ -20,19 +20,25 @@ class SnapKvPolicy : public BudgetedPolicy {
   std::string_view name() const override { return "snapkv"; }
   // Subclasses (PyramidKV) override Clone so the copy is not sliced to a SnapKvPolicy.
   std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<SnapKvPolicy>(*this); }
-  uint32_t NeededObservations() const override { return kObserveSumWindow; }
+  uint32_t NeededObservations() const override { return kObserveWindowRows; }
   int32_t ObservationWindow() const override { return params_.obs_window; }
   bool EvictsDuringDecode() const override { return params_.decode_evict; }
   // Without decode-time compression the votes of decode queries would never be read.
   bool ObservesDecode() const override { return params_.decode_evict; }
-  void OnAppend(int32_t n_new) override { votes_.Append(n_new); }
+  void OnAppend(int32_t n_new) override { rows_.Append(n_new); }
   void Observe(const AttentionObservation& obs) override;
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override;
-  void OnEvict(const std::vector<uint8_t>& keep) override;
+  void OnEvict(const std::vector<uint8_t>& keep) override { rows_.Compact(keep); }
+
+  // The window a selection keeping `target` tokens uses: the configured one, or, when the target
+  // does not exceed it, half the target (at least 1) so that earlier tokens are still chosen.
+  static int32_t EffectiveWindow(int32_t obs_window, int32_t target);
 
  private:
-  PerTokenHeads<float> votes_{0.f};  // [n_live, n_kv_heads] attention from the observation window
-  bool last_selection_in_prefill_ = true;
+  // [n_live, n_kv_heads, obs_window] attention each token received from the latest obs_window
+  // queries, newest first (age 0 = the latest query; 0 for a query that did not see the token).
+  PerTokenHeads<float> rows_{0.f};
+  int heads_ = 0;                    // n_kv_heads of the observations
   std::vector<float> column_;        // [n_live] one head's votes
   std::vector<float> pooled_;        // [n_live]
   std::vector<float> scores_;        // [n_live]

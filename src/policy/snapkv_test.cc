@@ -61,14 +61,44 @@ TEST(SnapKvTest, AvgPoolingFavoursClusters) {
   EXPECT_EQ(h.Evict(5, true), (Positions{1, 2, 7, 10, 11}));
 }
 
-TEST(SnapKvTest, AFullWindowReplacesVotesAndShortCallsAdd) {
+// window_rows of queries (oldest first), one head.
+Observation Rows(const std::vector<std::vector<float>>& rows) {
+  Observation o;
+  o.n_heads = 1;
+  o.n_tokens = static_cast<int32_t>(rows[0].size());
+  o.n_queries = static_cast<int32_t>(rows.size());
+  o.n_window = o.n_queries;
+  for (const auto& row : rows) o.window_rows.insert(o.window_rows.end(), row.begin(), row.end());
+  return o;
+}
+
+// The votes come from exactly the latest `window` queries, whatever calls delivered them: a
+// short last chunk is completed by the previous chunk's last queries.
+TEST(SnapKvTest, TheWindowIsTheLatestQueriesWhateverTheChunking) {
   Harness h(Config(4, 2, 1));
   h.Append(8);
-  h.Observe(SameForAllHeads({5.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, 2, /*n_queries=*/8));  // chunk 1
-  h.Observe(SameForAllHeads({0.f, 0.3f, 0.f, 0.2f, 0.f, 0.f, 0.f, 0.f}, 2, 8));  // chunk 2: replaces
-  h.Observe(SameForAllHeads({0.f, 0.f, 0.f, 0.f, 0.25f, 0.f, 0.f, 0.f}, 2, 1));  // short: adds
-  // Votes: 1 -> 0.3, 3 -> 0.2, 4 -> 0.25; token 0's old vote is gone.
+  h.Observe(Rows({{5.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f},        // chunk 1's last two queries
+                  {0.f, 0.3f, 0.f, 0.2f, 0.f, 0.f, 0.f, 0.f}}));
+  h.Observe(Rows({{0.f, 0.f, 0.f, 0.f, 0.25f, 0.f, 0.f, 0.f}}));  // a one-query last chunk
+  // Votes: 1 -> 0.3, 3 -> 0.2, 4 -> 0.25; token 0's vote came from a query outside the window.
   EXPECT_EQ(h.Evict(4, true), (Positions{1, 4, 6, 7}));
+}
+
+// A target no larger than the window (a fraction budget of a short prompt) shrinks the window to
+// half the target, so votes still choose earlier tokens.
+TEST(SnapKvTest, SmallBudgetsShrinkTheWindowInsteadOfKeepingOnlyTheLast) {
+  EXPECT_EQ(policy::SnapKvPolicy::EffectiveWindow(32, 33), 32);
+  EXPECT_EQ(policy::SnapKvPolicy::EffectiveWindow(32, 32), 16);
+  EXPECT_EQ(policy::SnapKvPolicy::EffectiveWindow(32, 5), 2);
+  EXPECT_EQ(policy::SnapKvPolicy::EffectiveWindow(32, 1), 1);
+  LayerKvConfig config = Layer(KvMethod::kSnapKv, KvBudget::Fraction(0.25));
+  config.params.kernel = 1;
+  Harness h(config);
+  h.Append(16);  // target 4 <= window 32: window 2, two voted tokens
+  std::vector<float> votes(16, 0.f);
+  votes[3] = 0.9f, votes[8] = 0.5f, votes[12] = 0.1f;
+  h.Observe(Rows({votes, votes}));
+  EXPECT_EQ(h.Evict(h.policy().BudgetTokens(16), true), (Positions{3, 8, 14, 15}));
 }
 
 TEST(SnapKvTest, CompressesThePromptOnlyUnlessAskedToEvictDuringDecode) {
@@ -77,7 +107,7 @@ TEST(SnapKvTest, CompressesThePromptOnlyUnlessAskedToEvictDuringDecode) {
   EXPECT_EQ(prompt_only.policy().EvictionTarget(40, 40, EvictionPoint::kDecodeStep, 1), 40);
   EXPECT_EQ(prompt_only.policy().EvictionTarget(40, 40, EvictionPoint::kPrefillChunk, 1), 8);
   EXPECT_EQ(prompt_only.policy().ObservationWindow(), 4);
-  EXPECT_EQ(prompt_only.policy().NeededObservations(), kObserveSumWindow);
+  EXPECT_EQ(prompt_only.policy().NeededObservations(), kObserveWindowRows);
 
   LayerKvConfig config = Config(8, 4, 1);
   config.params.decode_evict = true;
@@ -95,13 +125,14 @@ TEST(SnapKvTest, VotesStayAlignedAfterPromptCompression) {
   h.Observe(SameForAllHeads(votes, 2, 10));
   ASSERT_EQ(h.Evict(5, true), (Positions{1, 3, 6, 8, 9}));
   h.Append(1);  // decode: live 1 3 6 8 9 10
-  h.Observe(SameForAllHeads({0.f, 0.f, 0.3f, 0.f, 0.f, 0.f}, 2, 1));  // adds to 6's vote: 0.6
+  h.Observe(SameForAllHeads({0.f, 0.f, 0.3f, 0.f, 0.f, 0.f}, 2, 1));  // with the prompt's last query: 6 gets 0.6
   // Window: 9, 10. Votes: 1 0.5, 3 0.4, 6 0.6, 8 0.
   EXPECT_EQ(h.Evict(5, false), (Positions{1, 3, 6, 9, 10}));
-  // A decode-time compression starts a fresh window.
+  // The window stays the latest two queries: this one and the previous decode step's.
   h.Append(1);  // live 1 3 6 9 10 11
   h.Observe(SameForAllHeads({0.f, 0.2f, 0.f, 0.1f, 0.f, 0.f}, 2, 1));
-  EXPECT_EQ(h.Evict(4, false), (Positions{3, 9, 10, 11}));
+  // Votes: 1 0, 3 0.2, 6 0.3 (the previous step's), 9 0.1.
+  EXPECT_EQ(h.Evict(4, false), (Positions{3, 6, 10, 11}));
 }
 
 }  // namespace

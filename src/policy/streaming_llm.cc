@@ -2,7 +2,8 @@
 // Models with Attention Sinks", ICLR 2024, arXiv:2309.17453.
 //
 // Keeps the first n_sink tokens (the "attention sinks"; default 4, as the paper) and the
-// most recent budget - n_sink tokens. Sinks count inside the budget. Needs no attention.
+// most recent budget - n_sink tokens. Sinks count inside the budget; a budget of at most n_sink
+// keeps the newest token and budget - 1 sinks. Needs no attention.
 // Positions: the paper (§3.2) numbers positions inside the rolling cache (the cache holds
 // 0..n-1, a new token gets n). By default keys here keep their original positions (cached
 // after RoPE, never re-rotated); "cache_positions": true reproduces the paper: after each
@@ -24,7 +25,9 @@ class StreamingLlmPolicy final : public BudgetedPolicy {
 
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
     CheckSelection(ctx, n_live_);
-    const int32_t sinks = std::clamp(params_.n_sink, 0, ctx.target);
+    // The newest token always stays (the next step attends to it); a target below n_sink + 1
+    // keeps fewer sinks, never later tokens in their place.
+    const int32_t sinks = std::clamp(params_.n_sink, 0, std::max(ctx.target - 1, 0));
     keep->assign(ctx.n_live, 0);
     for (int32_t t = 0; t < sinks; ++t) (*keep)[t] = 1;
     for (int32_t t = ctx.n_live - (ctx.target - sinks); t < ctx.n_live; ++t) (*keep)[t] = 1;

@@ -32,8 +32,10 @@ TEST(StreamingLlmTest, FractionBudgetResolvesAgainstTokensSeen) {
 
 TEST(StreamingLlmTest, SinksClampToATinyBudget) {
   Harness h(Layer(KvMethod::kStreamingLlm, KvBudget::Fraction(0.1)));
-  h.Append(20);  // budget 2 < 4 sinks
-  EXPECT_EQ(h.Evict(2), (Positions{0, 1}));
+  h.Append(20);  // budget 2 < 4 sinks: the newest token and the first sink
+  EXPECT_EQ(h.Evict(2), (Positions{0, 19}));
+  h.Append(1);
+  EXPECT_EQ(h.Evict(2), (Positions{0, 20}));  // the real first token stays the sink
 }
 
 }  // namespace

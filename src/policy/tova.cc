@@ -5,7 +5,9 @@
 // lowest attention from the current (last) query, averaged over heads (the paper's choice
 // over per-head decisions; head_reduce "max" is offered). With evict_interval N the N
 // lowest under the latest query go at once. Defaults: no sinks, no protected window (the
-// paper protects neither); "n_sink", "recent", "recent_ratio" can add them.
+// paper protects neither); "n_sink", "recent", "recent_ratio" can add them. Deliberate
+// difference: the token just appended is always kept (as kvpress's TOVA; the next step attends
+// to it).
 #include <limits>
 
 #include "policy/per_token_heads.h"

@@ -14,25 +14,26 @@ TEST(TovaTest, DropsTheLowestLastQueryToken) {
 
 TEST(TovaTest, OnlyTheLatestQueryCounts) {
   Harness h(Layer(KvMethod::kTova, KvBudget::Tokens(3)));
-  h.Append(4);
-  h.Observe(SameForAllHeads({0.01f, 0.3f, 0.3f, 0.39f}));
-  h.Observe(SameForAllHeads({0.4f, 0.3f, 0.2f, 0.1f}));  // token 0 recovers, 3 falls
-  EXPECT_EQ(h.Evict(3), (Positions{0, 1, 2}));
+  h.Append(5);
+  h.Observe(SameForAllHeads({0.01f, 0.3f, 0.3f, 0.39f, 0.f}));
+  h.Observe(SameForAllHeads({0.4f, 0.3f, 0.2f, 0.1f, 0.f}));  // token 0 recovers, 3 falls
+  EXPECT_EQ(h.Evict(3), (Positions{0, 1, 4}));  // and the newest token always stays
 }
 
 TEST(TovaTest, AveragesOverHeadsByDefault) {
-  // Token 1: (0.0, 0.5) mean 0.25 max 0.5; token 2: (0.3, 0.3) mean 0.3 max 0.3.
-  const Observation obs = PerHead({{0.7f, 0.0f, 0.3f}, {0.2f, 0.5f, 0.3f}});
-  LayerKvConfig config = Layer(KvMethod::kTova, KvBudget::Tokens(2));
+  // Token 1: (0.0, 0.5) mean 0.25 max 0.5; token 2: (0.3, 0.3) mean 0.3 max 0.3; token 3 is the
+  // newest, always kept.
+  const Observation obs = PerHead({{0.7f, 0.0f, 0.3f, 0.0f}, {0.2f, 0.5f, 0.3f, 0.0f}});
+  LayerKvConfig config = Layer(KvMethod::kTova, KvBudget::Tokens(3));
   Harness mean(config);
-  mean.Append(3);
+  mean.Append(4);
   mean.Observe(obs);
-  EXPECT_EQ(mean.Evict(2), (Positions{0, 2}));
+  EXPECT_EQ(mean.Evict(3), (Positions{0, 2, 3}));
   config.params.head_reduce = HeadReduce::kMax;
   Harness max(config);
-  max.Append(3);
+  max.Append(4);
   max.Observe(obs);
-  EXPECT_EQ(max.Evict(2), (Positions{0, 1}));
+  EXPECT_EQ(max.Evict(3), (Positions{0, 1, 3}));
 }
 
 TEST(TovaTest, EvictsIntervalAtOnceAndStaysAligned) {

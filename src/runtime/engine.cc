@@ -44,12 +44,19 @@ struct Engine::Scratch {
   std::vector<float> row_max_sum;  // [rows, n_heads, 2] softmax statistics (only for observing policies)
   // Decode steps with an observing policy: the attention call's raw scores, which the policy's
   // scores are gathered from instead of a second pass over K. [n_heads, n_live] (per-head
-  // layers: [group, n_live] of one head at a time).
+  // layers: each kv head's [group, n_live of that head], one after another).
   std::vector<float> raw_scores;
-  std::vector<KvSpan> spans;       // live K/V of the current (seq, layer), or of one head
+  std::vector<KvSpan> spans;       // live K/V of the current (seq, layer)
+  // Per-head layers: each kv head's live spans ([n, 1, head_dim] rows). [n_kv_heads]
+  std::vector<std::vector<KvSpan>> head_spans;
+  // Query-aware layers selecting per query head (Quest): the runs each query head reads. [n_heads]
+  std::vector<std::vector<KvSpan>> query_spans;
+  std::vector<AttentionJob> jobs;  // one ops::AttentionBatch call's jobs
+  std::vector<size_t> raw_offset;  // [n_kv_heads + 1] each head's first raw score in raw_scores
+  std::vector<uint8_t> selected_by_query;  // [n_kv_heads] 1: the head's query heads got their own runs
   // Per-head layers, prompt chunks only (a decode step's group rows are contiguous in q / att):
-  std::vector<float> q_head;       // [rows, group, head_dim] the query rows of one kv head
-  std::vector<float> att_head;     // [rows, group, head_dim] their attention output
+  std::vector<float> q_head;       // [n_kv_heads, rows, group, head_dim] the query rows by kv head
+  std::vector<float> att_head;     // [n_kv_heads, rows, group, head_dim] their attention output
   // Logits of several sequences: the wanted rows' normed states and their logits.
   std::vector<float> logit_in;     // [wanted rows, dim]
   std::vector<float> logit_out;    // [wanted rows, n_vocab]
@@ -92,6 +99,8 @@ Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvContro
   // Decode needs one row; prefill grows the scratch on first use.
   scratch_->Reserve(c, 1);
   scratch_->spans.reserve(16);
+  scratch_->head_spans.resize(static_cast<size_t>(c.n_kv_heads));
+  scratch_->query_spans.resize(static_cast<size_t>(c.n_heads));
   scratch_->relative_positions.assign(static_cast<size_t>(c.n_layers), 0);
   if (controller != nullptr) {
     for (int layer = 0; layer < c.n_layers; ++layer) {
@@ -344,13 +353,27 @@ Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& 
   const int32_t* q_pos = s.positions.data() + e.row0;  // [n]
   const EvictionPoint point = e.phase;
   controller_->OnAppend(e.seq, layer, n, e.pos0 + n - 1);
-  // Query-aware methods (Quest) narrow a decode step's spans to the pages its query needs;
-  // prompt chunks stay dense.
-  if (point == EvictionPoint::kDecodeStep && n == 1) {
-    controller_->SelectSpans(e.seq, layer, /*kv_head=*/-1, shape, q, &s.spans);
+  const bool scores = controller_->WantsScores(e.seq, layer, point);
+  // Query-aware methods (Quest) narrow a decode step's spans to the pages its query needs, for
+  // all heads or per query head; prompt chunks stay dense.
+  if (point == EvictionPoint::kDecodeStep && n == 1 &&
+      controller_->SelectSpans(e.seq, layer, /*kv_head=*/-1, shape, q, &s.spans, s.query_spans.data())) {
+    KVS_CHECK_MSG(!scores, "a policy that selects pages per query head cannot also observe attention");
+    // Each query head over its own runs of the shared rows ([n, n_kv_heads, head_dim]).
+    const int group = shape.n_heads / shape.n_kv_heads;
+    s.jobs.resize(static_cast<size_t>(shape.n_heads));
+    for (int h = 0; h < shape.n_heads; ++h) {
+      const std::vector<KvSpan>& runs = s.query_spans[static_cast<size_t>(h)];
+      s.jobs[h] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), h / group,
+                               q + static_cast<size_t>(h) * shape.head_dim, att + static_cast<size_t>(h) * shape.head_dim};
+    }
+    ops::AttentionBatch(AttentionShape{1, 1, shape.head_dim, shape.scale}, shape.n_kv_heads, storage, q_pos, 1,
+                        s.jobs.data(), shape.n_heads, n_threads_);
+    return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),
+                                       /*current_position=*/e.pos0 + n - 1);
   }
   const int32_t n_spans = static_cast<int32_t>(s.spans.size());
-  if (controller_->WantsScores(e.seq, layer, point)) {
+  if (scores) {
     s.row_max_sum.resize(static_cast<size_t>(n) * shape.n_heads * 2);
     // A decode step keeps its raw scores ([1, n_heads, n_live], small); a prompt chunk's would be
     // [chunk, n_heads, n_live], so chunks take the separate gathering pass.
@@ -372,16 +395,18 @@ Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& 
                                      /*current_position=*/e.pos0 + n - 1);
 }
 
-// Attention of a per-head layer, whose kv heads keep different tokens: one call per kv head
-// over that head's spans ([n, 1, head_dim]) with the head's group of query heads, shape
-// {group, 1, head_dim}. Every (query, head) row is computed exactly as in the shared call,
-// so with the same tokens per head the output is bit-identical. With a controller, each
-// head's policy observes its own head and evicts its own head table.
+// Attention of a per-head layer, whose kv heads keep different tokens: each kv head's group of
+// query heads (shape {group, 1, head_dim}) over that head's spans ([n, 1, head_dim]), all heads
+// in one ops::AttentionBatch call, so the heads' token chunks share one parallel region. Every
+// (query, head) row is computed exactly as in the shared call, so with the same tokens per
+// head the output is bit-identical. With a controller, each head's policy observes its own head
+// and evicts its own head table.
 Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape& shape) {
   Scratch& s = *scratch_;
   const KvStorage storage = cache_->sequence_storage(e.seq, layer);
   const int32_t n = e.n;
-  const int group = shape.n_heads / shape.n_kv_heads;
+  const int n_kv = shape.n_kv_heads;
+  const int group = shape.n_heads / n_kv;
   const int d = shape.head_dim;
   const AttentionShape head_shape{group, 1, d, shape.scale};
   const size_t row = static_cast<size_t>(shape.n_heads) * d;   // one token's q / att: [n_heads, head_dim]
@@ -395,45 +420,95 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
     controller_->OnAppend(e.seq, layer, n, e.pos0 + n - 1);
     scores = controller_->WantsScores(e.seq, layer, point);
   }
-  // A decode step's group rows are contiguous in q and att; a chunk's are gathered.
-  const bool gather = n > 1;
-  if (gather) {
-    s.q_head.resize(static_cast<size_t>(n) * group_values);
-    s.att_head.resize(static_cast<size_t>(n) * group_values);
-  }
-  if (scores) s.row_max_sum.resize(static_cast<size_t>(n) * group * 2);
-  for (int h = 0; h < shape.n_kv_heads; ++h) {
-    cache_->HeadSpans(e.seq, layer, h, &s.spans);
-    const float* q = q_rows + h * group_values;  // [1, group, head_dim] when not gathered
-    if (controller_ != nullptr && point == EvictionPoint::kDecodeStep && n == 1) {
-      controller_->SelectSpans(e.seq, layer, h, head_shape, q, &s.spans);  // q: [1, group, head_dim]
-    }
-    const int32_t n_spans = static_cast<int32_t>(s.spans.size());
-    float* out = att_rows + h * group_values;
-    if (gather) {
-      for (int32_t i = 0; i < n; ++i) {
-        std::copy_n(q_rows + i * row + h * group_values, group_values, s.q_head.data() + i * group_values);
+  for (int h = 0; h < n_kv; ++h) cache_->HeadSpans(e.seq, layer, h, &s.head_spans[static_cast<size_t>(h)]);
+  const bool decode = n == 1;  // a decode step's group rows are contiguous in q and att; a chunk's are gathered
+
+  // Query-aware layers (Quest) narrow each head's spans for a decode step, or pick runs per query head.
+  bool per_query = false;
+  if (controller_ != nullptr && point == EvictionPoint::kDecodeStep && decode) {
+    s.selected_by_query.assign(static_cast<size_t>(n_kv), 0);
+    for (int h = 0; h < n_kv; ++h) {
+      const float* q = q_rows + h * group_values;  // [1, group, head_dim]
+      if (controller_->SelectSpans(e.seq, layer, h, head_shape, q, &s.head_spans[static_cast<size_t>(h)],
+                                   s.query_spans.data() + static_cast<size_t>(h) * group)) {
+        s.selected_by_query[h] = 1;
+        per_query = true;
       }
-      q = s.q_head.data();  // [n, group, head_dim]
-      out = s.att_head.data();
     }
-    float* row_max_sum = scores ? s.row_max_sum.data() : nullptr;  // [n, group, 2]
-    float* raw_scores = nullptr;  // decode steps: [1, group, n_live of this head]
-    if (scores && !gather) {
-      int64_t n_live = 0;
-      for (const KvSpan& span : s.spans) n_live += span.n;
-      s.raw_scores.resize(static_cast<size_t>(group) * n_live);
-      raw_scores = s.raw_scores.data();
+    if (per_query) {
+      KVS_CHECK_MSG(!scores, "a policy that selects pages per query head cannot also observe attention");
+      // A head whose table was not narrowed (budget covers it) reads all of it for each query head.
+      for (int h = 0; h < n_kv; ++h) {
+        if (s.selected_by_query[h]) continue;
+        for (int g = 0; g < group; ++g) s.query_spans[static_cast<size_t>(h) * group + g] = s.head_spans[h];
+      }
+      s.jobs.resize(static_cast<size_t>(shape.n_heads));
+      for (int qh = 0; qh < shape.n_heads; ++qh) {
+        const std::vector<KvSpan>& runs = s.query_spans[static_cast<size_t>(qh)];
+        s.jobs[qh] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), 0,
+                                  q_rows + static_cast<size_t>(qh) * d, att_rows + static_cast<size_t>(qh) * d};
+      }
+      ops::AttentionBatch(AttentionShape{1, 1, d, shape.scale}, 1, storage, q_pos, 1, s.jobs.data(), shape.n_heads,
+                          n_threads_);
     }
-    ops::Attention(head_shape, storage, q, q_pos, n, s.spans.data(), n_spans, out, n_threads_, row_max_sum,
-                   raw_scores);
+  }
+
+  if (!per_query) {
+    const float* q_all = q_rows;  // [n_kv, n, group, head_dim] once gathered
+    float* att_all = att_rows;
+    if (!decode) {
+      s.q_head.resize(static_cast<size_t>(n_kv) * n * group_values);
+      s.att_head.resize(s.q_head.size());
+      for (int h = 0; h < n_kv; ++h) {
+        for (int32_t i = 0; i < n; ++i) {
+          std::copy_n(q_rows + i * row + h * group_values, group_values,
+                      s.q_head.data() + (static_cast<size_t>(h) * n + i) * group_values);
+        }
+      }
+      q_all = s.q_head.data();
+      att_all = s.att_head.data();
+    }
+    // Decode: kv head h's rows are at h * group_values of the one token's row; a chunk's at h * n * group_values.
+    const size_t head_stride = static_cast<size_t>(n) * group_values;
+    if (scores) s.row_max_sum.resize(static_cast<size_t>(n_kv) * n * group * 2);  // [n_kv, n, group, 2]
+    if (scores && decode) {
+      // Raw scores [group, n_live of head h] for each head, one after another.
+      s.raw_offset.resize(static_cast<size_t>(n_kv) + 1);
+      size_t total = 0;
+      for (int h = 0; h < n_kv; ++h) {
+        s.raw_offset[h] = total;
+        for (const KvSpan& span : s.head_spans[h]) total += static_cast<size_t>(group) * span.n;
+      }
+      s.raw_offset[n_kv] = total;
+      s.raw_scores.resize(total);
+    }
+    s.jobs.resize(static_cast<size_t>(n_kv));
+    for (int h = 0; h < n_kv; ++h) {
+      const std::vector<KvSpan>& spans = s.head_spans[static_cast<size_t>(h)];
+      AttentionJob& job = s.jobs[h];
+      job = AttentionJob{spans.data(), static_cast<int32_t>(spans.size()), 0, q_all + h * head_stride,
+                         att_all + h * head_stride};
+      if (scores) job.row_max_sum = s.row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
+      if (scores && decode) job.raw_scores = s.raw_scores.data() + s.raw_offset[h];
+    }
+    ops::AttentionBatch(head_shape, 1, storage, q_pos, n, s.jobs.data(), n_kv, n_threads_);
     if (scores) {
-      controller_->ObserveHeadAttention(e.seq, layer, h, head_shape, q, q_pos, n, s.spans.data(), n_spans,
-                                        row_max_sum, n_threads_, raw_scores);
+      // A decode step gathers each head's [group, n_live] raw scores on this thread: the work is
+      // small, and a fork/join per head cost more than it saved (on a loaded machine each one can
+      // wait a scheduler tick for a preempted thread). Chunks take the parallel QK pass.
+      const int observe_threads = decode ? 1 : n_threads_;
+      for (int h = 0; h < n_kv; ++h) {
+        const AttentionJob& job = s.jobs[h];
+        controller_->ObserveHeadAttention(e.seq, layer, h, head_shape, job.q, q_pos, n, job.spans, job.n_spans,
+                                          job.row_max_sum, observe_threads, job.raw_scores);
+      }
     }
-    if (gather) {
-      for (int32_t i = 0; i < n; ++i) {
-        std::copy_n(s.att_head.data() + i * group_values, group_values, att_rows + i * row + h * group_values);
+    if (!decode) {
+      for (int h = 0; h < n_kv; ++h) {
+        for (int32_t i = 0; i < n; ++i) {
+          std::copy_n(s.att_head.data() + (static_cast<size_t>(h) * n + i) * group_values, group_values,
+                      att_rows + i * row + h * group_values);
+        }
       }
     }
   }
