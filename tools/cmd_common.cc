@@ -18,14 +18,7 @@ int Fail(const Status& status) {
 StatusOr<std::string> ResolveModelPath(const std::string& path) {
   if (!path.empty()) return path;
   namespace fs = std::filesystem;
-  fs::path dir;
-  if (const char* env = std::getenv("KVSPARSE_CACHE")) {
-    dir = env;
-  } else if (const char* home = std::getenv("HOME")) {
-    dir = fs::path(home) / ".cache" / "kvsparse";
-  } else {
-    dir = fs::temp_directory_path() / "kvsparse";
-  }
+  const fs::path dir = ModelCacheDir();
   const fs::path file = dir / "synth-tinyllama-1.1b-q8_0.gguf";
   if (fs::exists(file)) return file.string();
   std::error_code ec;

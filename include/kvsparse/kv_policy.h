@@ -120,6 +120,19 @@ class KvPolicy {
   // Filters *spans (every live span of the table, ascending) in place, keeping order, to the
   // runs a decode step's attention reads for the query ctx.q. Called before decode attention only.
   virtual void SelectSpans(const SpanSelectionContext& ctx, std::vector<KvSpan>* spans) {}
+  // Per-query-head span selection (Quest with head_reduce "none", the reference's
+  // granularity): true when SelectQueryHeadSpans is the policy's selection instead of
+  // SelectSpans, so each query head attends only its own pages.
+  virtual bool SelectsPerQueryHead() const { return false; }
+  // spans: every live span of the table, ascending; ctx as for SelectSpans (q
+  // [n_q_heads, head_dim]; query head i belongs to kv head i / (n_q_heads / n_kv_heads) of the
+  // span rows). Returns false when every query head reads the whole table (the budget covers
+  // it), leaving head_spans alone; else head_spans[i] (an array of ctx.n_q_heads lists) gets
+  // the runs query head i reads, pointing into the spans' storage.
+  virtual bool SelectQueryHeadSpans(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans,
+                                    std::vector<KvSpan>* head_spans) {
+    return false;
+  }
   // Bytes of per-page metadata the policy keeps (Quest's key bounds), allocated.
   virtual size_t MetadataBytes() const { return 0; }
 

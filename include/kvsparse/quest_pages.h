@@ -100,24 +100,6 @@ void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std
 void QuestFilterSpans(KvStorage storage, int n_kv_heads, int head_dim, const std::vector<int32_t>& pages,
                       int32_t page_tokens, std::vector<KvSpan>* spans, std::vector<KvSpan>* scratch);
 
-// Per-query-head span selection (Quest with head_reduce "none", the reference's granularity):
-// a KvPolicy that also implements this interface gives every query head its own runs, so each
-// query head attends only its own pages. SparseKvController::SelectSpans reaches it through
-// dynamic_cast, which keeps KvPolicy (kv_policy.h) at one span list per table.
-class QueryHeadSpanSelector {
- public:
-  virtual ~QueryHeadSpanSelector() = default;
-  // True when SelectQueryHeadSpans is the policy's selection (else KvPolicy::SelectSpans).
-  virtual bool SelectsPerQueryHead() const = 0;
-  // spans: every live span of the table, ascending; ctx as for KvPolicy::SelectSpans (q
-  // [n_q_heads, head_dim]; query head i belongs to kv head i / (n_q_heads / n_kv_heads) of the
-  // span rows). Returns false when every query head reads the whole table (the budget covers
-  // it), leaving head_spans alone; else head_spans[i] (an array of ctx.n_q_heads lists) gets
-  // the runs query head i reads, pointing into the spans' storage.
-  virtual bool SelectQueryHeadSpans(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans,
-                                    std::vector<KvSpan>* head_spans) = 0;
-};
-
 namespace ref {
 // Scalar twin of QuestBound: double accumulation, in order.
 double QuestBound(const float* q, const float* key_min, const float* key_max, int head_dim);

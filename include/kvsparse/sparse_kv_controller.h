@@ -12,9 +12,9 @@
 // during prefill (and budget + evict_interval while decoding).
 //
 // Per-head layers (LayerKvConfig::per_head): one KvPolicy per (sequence, layer, kv head). The
-// engine attends each head on its own (KvCache::HeadSpans) and calls ObserveHeadAttention per
-// head; each policy sees observations with n_kv_heads = 1 and evicts its own head table, so
-// heads keep different tokens. Layer statistics sum over the heads.
+// engine attends every head over its own spans (KvCache::HeadSpans) in one AttentionBatch and
+// calls ObserveHeadsAttention; each policy sees observations with n_kv_heads = 1 and evicts its
+// own head table, so heads keep different tokens. Layer statistics sum over the heads.
 //
 // Policies whose decode observations are never used (KvPolicy::ObservesDecode false: SnapKV,
 // PyramidKV without decode_evict) are not scored on decode steps: WantsScores says no.
@@ -100,7 +100,7 @@ class SparseKvController {
   // newest at position `last_position` (layer 0's call counts them in SeenTokens).
   void OnAppend(int seq, int layer, int32_t n_new, int32_t last_position = -1);
   // True when this layer's policy reads attention at this point (the caller then asks
-  // ops::Attention for row_max_sum and calls ObserveAttention / ObserveHeadAttention).
+  // ops::Attention for row_max_sum and calls ObserveAttention / ObserveHeadsAttention).
   // False on decode steps for policies that do not observe them (ObservesDecode).
   bool WantsScores(int seq, int layer, EvictionPoint point) const;
   // Runs the gathering pass over the same inputs as the attention call and feeds the policy
@@ -110,12 +110,14 @@ class SparseKvController {
   void ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
                         int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
                         const float* raw_scores = nullptr);
-  // The same for one kv head of a per-head layer: shape has n_kv_heads 1 (n_heads = the
-  // group), q is [n_q, group, head_dim], spans are that head's (HeadSpans), row_max_sum
-  // [n_q, group, 2] from the head's attention call (and raw_scores, when given, [n_q, group, n_tokens]).
-  void ObserveHeadAttention(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
-                            const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
-                            const float* row_max_sum, int n_threads, const float* raw_scores = nullptr);
+  // The same for every kv head of a per-head layer, after its ops::AttentionBatch call:
+  // jobs[h] is head h's job (q [n_q, group, head_dim], its HeadSpans, row_max_sum
+  // [n_q, group, 2] and, on decode steps, raw_scores [n_q, group, n_tokens of the head]);
+  // head_shape has n_kv_heads 1 (n_heads = the group). When every job has raw_scores (decode)
+  // the heads are gathered in one parallel region, one head per thread (each is small);
+  // otherwise one after another, each with n_threads.
+  void ObserveHeadsAttention(int seq, int layer, const AttentionShape& head_shape, const AttentionJob* jobs,
+                             int n_kv_heads, const int32_t* q_pos, int32_t n_q, int n_threads);
   // Evicts when the policy's schedule says so (each head on its own in a per-head layer).
   // n_seen: tokens of the sequence processed so far (prompt + generated), which sizes
   // fraction budgets.
@@ -125,7 +127,7 @@ class SparseKvController {
   // kv_head -1 with the layer's Spans and the model's shape and q [n_heads, head_dim]; for a
   // per-head layer the head's index, its HeadSpans, shape {group, 1, head_dim} and q
   // [group, head_dim]. The spans must be every live token of the table.
-  // Per-query-head selection (Quest's head_reduce "none", quest_pages.h QueryHeadSpanSelector):
+  // Per-query-head selection (Quest's head_reduce "none", KvPolicy::SelectQueryHeadSpans):
   // given query_head_spans (an array of shape.n_heads lists), such a policy fills list i with
   // the runs query head i reads, leaves *spans as it is and the call returns true; false
   // otherwise (also when the budget covers the table: every head reads *spans). Without
@@ -190,14 +192,20 @@ class SparseKvController {
   }
   int n_policies(int layer) const { return per_head(layer) ? cache_->geometry().n_kv_heads : 1; }
   Status BuildPolicies(int seq);
-  // The gathering pass and Observe for one policy; `shape` as the attention call's.
   // The policy that sizes a reservation: the layer's template, or (layers given) *own, made
   // from the override's config.
   const KvPolicy& ReservePolicy(int layer, const std::vector<LayerKvConfig>* layers,
                                 std::unique_ptr<KvPolicy>* own) const;
-  void Observe(KvPolicy& p, KvStorage storage, int layer, const AttentionShape& shape, const float* q, const int32_t* q_pos,
-               int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
-               const float* raw_scores);
+  // Reused gathering outputs of one Observe (no allocation in steady-state decode).
+  struct ObserveScratch {
+    std::vector<float> sum_all, sum_window, last;  // each [n_kv_heads, n_tokens]
+    std::vector<float> window_rows;                // [n_window, n_kv_heads, n_tokens]
+  };
+  // The gathering pass and Observe for one policy, into `scratch`; touches nothing else of
+  // the controller, so policies of different heads may observe concurrently.
+  static void Observe(KvPolicy& p, KvStorage storage, GqaAggregation aggregation, const AttentionShape& shape,
+                      const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
+                      const float* row_max_sum, int n_threads, const float* raw_scores, ObserveScratch* scratch);
   // RenumberPositions of the layer's table(s) (kv_head < 0: all) with rotate_.
   Status RenumberPositions(int seq, int layer, int kv_head);
   // Eviction of one table: the layer's (kv_head < 0) or one head's.
@@ -222,8 +230,7 @@ class SparseKvController {
   KeyRotateFn rotate_;                                // RoPE by a position delta (cache-position layers)
 
   // Reused buffers (no allocation in steady-state decode).
-  std::vector<float> sum_all_, sum_window_, last_;  // each [n_kv_heads, n_tokens]
-  std::vector<float> window_rows_;                  // [n_window, n_kv_heads, n_tokens]
+  std::vector<ObserveScratch> observe_scratch_;     // [max(1, n_kv_heads)]: one per head observed at once
   std::vector<KvSpan> spans_;
   std::vector<int32_t> positions_;                  // [n_live]
   std::vector<uint8_t> keep_;                       // [n_live]

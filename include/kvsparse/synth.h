@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,5 +46,9 @@ struct SynthOptions {
 
 // Writes a GGUF v3 model with random weights scaled so activations stay finite.
 Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, const std::string& out_path);
+
+// The folder built-in models are cached in: $KVSPARSE_CACHE, else ~/.cache/kvsparse, else the
+// temp folder's kvsparse/ (not created here).
+std::filesystem::path ModelCacheDir();
 
 }  // namespace kvsparse

@@ -309,29 +309,55 @@ bool SparseKvController::WantsScores(int seq, int layer, EvictionPoint point) co
 void SparseKvController::ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q,
                                           const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
                                           const float* row_max_sum, int n_threads, const float* raw_scores) {
-  KVS_CHECK_MSG(!per_head(layer), fmt::format("ObserveAttention: layer {} is per-head; observe each head with "
-                                              "ObserveHeadAttention",
+  KVS_CHECK_MSG(!per_head(layer), fmt::format("ObserveAttention: layer {} is per-head; observe its heads with "
+                                              "ObserveHeadsAttention",
                                               layer));
-  Observe(policy(seq, layer), cache_->sequence_storage(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads, raw_scores);
+  const auto t0 = Clock::now();
+  if (observe_scratch_.empty()) observe_scratch_.resize(1);
+  Observe(policy(seq, layer), cache_->sequence_storage(seq, layer), config_.agg, shape, q, q_pos, n_q, spans, n_spans,
+          row_max_sum, n_threads, raw_scores, &observe_scratch_[0]);
+  SparseKvLayerStats& st = stats_[layer];
+  ++st.observations;
+  st.score_s += Seconds(t0, Clock::now());
 }
 
-void SparseKvController::ObserveHeadAttention(int seq, int layer, int kv_head, const AttentionShape& shape,
-                                              const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans,
-                                              int32_t n_spans, const float* row_max_sum, int n_threads,
-                                              const float* raw_scores) {
-  KVS_CHECK_MSG(per_head(layer), fmt::format("ObserveHeadAttention: layer {} keeps the same tokens for every kv "
+void SparseKvController::ObserveHeadsAttention(int seq, int layer, const AttentionShape& head_shape,
+                                               const AttentionJob* jobs, int n_kv_heads, const int32_t* q_pos,
+                                               int32_t n_q, int n_threads) {
+  KVS_CHECK_MSG(per_head(layer), fmt::format("ObserveHeadsAttention: layer {} keeps the same tokens for every kv "
                                              "head; use ObserveAttention",
                                              layer));
-  KVS_CHECK_MSG(kv_head >= 0 && kv_head < n_policies(layer) && shape.n_kv_heads == 1,
-                fmt::format("ObserveHeadAttention: kv head {} with a {}-kv-head shape", kv_head, shape.n_kv_heads));
-  Observe(policy(seq, layer, kv_head), cache_->sequence_storage(seq, layer), layer, shape, q, q_pos, n_q, spans, n_spans, row_max_sum, n_threads,
-          raw_scores);
+  KVS_CHECK_MSG(n_kv_heads == n_policies(layer) && head_shape.n_kv_heads == 1,
+                fmt::format("ObserveHeadsAttention: {} heads with a {}-kv-head shape on layer {} of {} heads",
+                            n_kv_heads, head_shape.n_kv_heads, layer, n_policies(layer)));
+  const auto t0 = Clock::now();
+  const KvStorage storage = cache_->sequence_storage(seq, layer);
+  if (observe_scratch_.size() < static_cast<size_t>(n_kv_heads)) observe_scratch_.resize(n_kv_heads);
+  bool all_raw = true;
+  for (int h = 0; h < n_kv_heads; ++h) all_raw = all_raw && jobs[h].raw_scores != nullptr;
+  auto observe = [&](int h, int threads) {
+    const AttentionJob& job = jobs[h];
+    Observe(policy(seq, layer, h), storage, config_.agg, head_shape, job.q, q_pos, n_q, job.spans, job.n_spans,
+            job.row_max_sum, threads, job.raw_scores, &observe_scratch_[h]);
+  };
+  if (all_raw) {
+    // Decode: each head's gathering is small ([group, n_tokens]), so the heads share one
+    // parallel region instead of running one after another on one thread.
+    const int threads = std::max(1, std::min(n_threads, n_kv_heads));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int h = 0; h < n_kv_heads; ++h) observe(h, 1);
+  } else {
+    for (int h = 0; h < n_kv_heads; ++h) observe(h, n_threads);
+  }
+  SparseKvLayerStats& st = stats_[layer];
+  st.observations += n_kv_heads;
+  st.score_s += Seconds(t0, Clock::now());
 }
 
-void SparseKvController::Observe(KvPolicy& p, KvStorage storage, int layer, const AttentionShape& shape, const float* q,
-                                 const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
-                                 const float* row_max_sum, int n_threads, const float* raw_scores) {
-  const auto t0 = Clock::now();
+void SparseKvController::Observe(KvPolicy& p, KvStorage storage, GqaAggregation aggregation,
+                                 const AttentionShape& shape, const float* q, const int32_t* q_pos, int32_t n_q,
+                                 const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
+                                 const float* raw_scores, ObserveScratch* scratch) {
   int64_t n_tokens = 0;
   for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
   const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
@@ -339,25 +365,25 @@ void SparseKvController::Observe(KvPolicy& p, KvStorage storage, int layer, cons
   const int32_t window = std::min(p.ObservationWindow(), n_q);
   ScoreOutputs outputs;
   if (needed & kObserveSumAll) {
-    sum_all_.resize(n_out);
-    outputs.sum_all = sum_all_.data();
+    scratch->sum_all.resize(n_out);
+    outputs.sum_all = scratch->sum_all.data();
   }
   if ((needed & kObserveSumWindow) && window > 0) {
-    sum_window_.resize(n_out);
-    outputs.sum_window = sum_window_.data();
+    scratch->sum_window.resize(n_out);
+    outputs.sum_window = scratch->sum_window.data();
   }
   // A single query's window row is its `last` row (decode steps gather no rows of their own).
   const bool rows_from_last = (needed & kObserveWindowRows) && window > 0 && n_q == 1;
   if ((needed & kObserveLast) || rows_from_last) {
-    last_.resize(n_out);
-    outputs.last = last_.data();
+    scratch->last.resize(n_out);
+    outputs.last = scratch->last.data();
   }
   if ((needed & kObserveWindowRows) && window > 0 && !rows_from_last) {
-    window_rows_.resize(static_cast<size_t>(window) * n_out);
-    outputs.window_rows = window_rows_.data();
+    scratch->window_rows.resize(static_cast<size_t>(window) * n_out);
+    outputs.window_rows = scratch->window_rows.data();
   }
   ScoreGathering gathering;
-  gathering.aggregation = config_.agg;
+  gathering.aggregation = aggregation;
   // The window is the call's last `window` queries; positions ascend within a call.
   gathering.window_start = window > 0 ? q_pos[n_q - window] : INT32_MAX;
   if (raw_scores != nullptr) {
@@ -380,9 +406,6 @@ void SparseKvController::Observe(KvPolicy& p, KvStorage storage, int layer, cons
     obs.window_rows = rows_from_last ? outputs.last : outputs.window_rows;
   }
   p.Observe(obs);
-  SparseKvLayerStats& st = stats_[layer];
-  ++st.observations;
-  st.score_s += Seconds(t0, Clock::now());
 }
 
 Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint point, int32_t n_seen,
@@ -516,12 +539,10 @@ bool SparseKvController::SelectSpans(int seq, int layer, int kv_head, const Atte
   ctx.storage = cache_->sequence_storage(seq, layer);
   ctx.cache_page_size = cache_->page_size();
   const size_t bytes_before = p.MetadataBytes();
-  // Quest's per-query-head mode lives outside KvPolicy's one-list interface (quest_pages.h).
-  auto* by_query = query_head_spans != nullptr ? dynamic_cast<QueryHeadSpanSelector*>(&p) : nullptr;
   bool per_query = false;
   int64_t read = 0;
-  if (by_query != nullptr && by_query->SelectsPerQueryHead()) {
-    per_query = by_query->SelectQueryHeadSpans(ctx, *spans, query_head_spans);
+  if (query_head_spans != nullptr && p.SelectsPerQueryHead()) {
+    per_query = p.SelectQueryHeadSpans(ctx, *spans, query_head_spans);
     if (per_query) {
       int64_t sum = 0;
       for (int h = 0; h < shape.n_heads; ++h)

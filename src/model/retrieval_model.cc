@@ -15,6 +15,7 @@
 
 #include "kvsparse/gguf.h"
 #include "kvsparse/ops.h"
+#include "kvsparse/synth.h"
 #include "model/model_loader.h"
 
 namespace kvsparse {
@@ -100,13 +101,6 @@ void AddOnes(GgufWriter* writer, const std::string& name, int64_t n) {
     float* out = static_cast<float*>(dst);
     for (int64_t i = 0; i < n; ++i) out[i] = 1.f;
   });
-}
-
-std::filesystem::path CacheDir() {
-  namespace fs = std::filesystem;
-  if (const char* env = std::getenv("KVSPARSE_CACHE")) return env;
-  if (const char* home = std::getenv("HOME")) return fs::path(home) / ".cache" / "kvsparse";
-  return fs::temp_directory_path() / "kvsparse";
 }
 
 }  // namespace
@@ -218,7 +212,7 @@ Status WriteRetrievalModel(const RetrievalModelOptions& options, const std::stri
 
 StatusOr<std::string> BuiltinRetrievalModelPath() {
   namespace fs = std::filesystem;
-  const fs::path dir = CacheDir();
+  const fs::path dir = ModelCacheDir();
   // The version in the name retires old files when the construction changes.
   const fs::path file = dir / "retrieval-v1.gguf";
   std::error_code ec;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <memory>
 #include <numbers>
 #include <string>
@@ -333,6 +334,13 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     add_matrix(b + "ffn_down.weight", dim, hidden);
   }
   return w.Write(out_path);
+}
+
+std::filesystem::path ModelCacheDir() {
+  namespace fs = std::filesystem;
+  if (const char* env = std::getenv("KVSPARSE_CACHE")) return env;
+  if (const char* home = std::getenv("HOME")) return fs::path(home) / ".cache" / "kvsparse";
+  return fs::temp_directory_path() / "kvsparse";
 }
 
 }  // namespace kvsparse

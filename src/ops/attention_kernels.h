@@ -76,6 +76,14 @@ struct TokenSequence {
 
   // Tokens with position <= pos: a prefix, because positions ascend across spans.
   int64_t VisibleCount(int32_t pos) const {
+    // A decode query sees every token: one read of the last position settles it, instead of
+    // one read per span (each in its own page, so a cache miss apiece).
+    for (int32_t i = n_spans - 1; i >= 0; --i) {
+      const KvSpan& s = spans[i];
+      if (s.n == 0) continue;
+      if (s.positions[s.n - 1] <= pos) return n_tokens;
+      break;
+    }
     int64_t count = 0;
     for (int32_t i = 0; i < n_spans; ++i) {
       const KvSpan& s = spans[i];

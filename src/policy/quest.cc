@@ -33,7 +33,7 @@
 namespace kvsparse::policy {
 namespace {
 
-class QuestPolicy final : public BudgetedPolicy, public QueryHeadSpanSelector {
+class QuestPolicy final : public BudgetedPolicy {
  public:
   using BudgetedPolicy::BudgetedPolicy;
   std::string_view name() const override { return "quest"; }

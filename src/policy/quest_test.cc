@@ -271,8 +271,7 @@ TEST(QuestPolicyTest, NeverEvictsAndSelectsSpans) {
   EXPECT_EQ(p.name(), "quest");
   EXPECT_EQ(p.NeededObservations(), 0u);
   EXPECT_TRUE(p.SelectsSpans());
-  auto* by_query = dynamic_cast<QueryHeadSpanSelector*>(&p);
-  ASSERT_NE(by_query, nullptr);
+  KvPolicy* by_query = &p;
   EXPECT_TRUE(by_query->SelectsPerQueryHead());
   p.OnAppend(100);
   EXPECT_EQ(p.EvictionTarget(100, 100, EvictionPoint::kPrefillChunk, 1), 100);
@@ -314,7 +313,7 @@ TEST(QuestPolicyTest, NeverEvictsAndSelectsSpans) {
   config.params.head_reduce = HeadReduce::kMax;
   auto folded = CreatePolicy(config, 0, 1, 0);
   (*folded)->OnAppend(100);
-  EXPECT_FALSE(dynamic_cast<QueryHeadSpanSelector*>(folded->get())->SelectsPerQueryHead());
+  EXPECT_FALSE((*folded)->SelectsPerQueryHead());
   spans = pages.spans;
   (*folded)->SelectSpans(ctx, &spans);
   EXPECT_EQ(Tokens(spans), 16 + 16 + 4);
@@ -330,7 +329,7 @@ TEST(QuestPolicyTest, NeverEvictsAndSelectsSpans) {
     (*whole)->SelectSpans(ctx, &spans);
     ASSERT_EQ(spans.size(), pages.spans.size());
     for (size_t i = 0; i < spans.size(); ++i) EXPECT_EQ(spans[i].k, pages.spans[i].k);
-    EXPECT_FALSE(dynamic_cast<QueryHeadSpanSelector*>(whole->get())->SelectQueryHeadSpans(ctx, pages.spans, per_query));
+    EXPECT_FALSE((*whole)->SelectQueryHeadSpans(ctx, pages.spans, per_query));
     EXPECT_EQ((*whole)->MetadataBytes(), 0u);
   }
   // 3 pages of 40 tokens: the minimum of 3 pages is the whole table.
@@ -339,7 +338,7 @@ TEST(QuestPolicyTest, NeverEvictsAndSelectsSpans) {
   (*small)->OnAppend(40);
   std::vector<KvSpan> three(pages.spans.begin(), pages.spans.begin() + 3);
   three.back().n = 8;
-  EXPECT_FALSE(dynamic_cast<QueryHeadSpanSelector*>(small->get())->SelectQueryHeadSpans(ctx, three, per_query));
+  EXPECT_FALSE((*small)->SelectQueryHeadSpans(ctx, three, per_query));
 }
 
 // Per-query-head selection through the paged cache (shared rows, and a per-head layer's head
@@ -396,7 +395,7 @@ TEST(QuestQueryHeadTest, SelectionAndAttentionEqualPlainReference) {
             ctx.head_dim = d;
             ctx.storage = storage;
             ctx.cache_page_size = 16;
-            auto* by_query = dynamic_cast<QueryHeadSpanSelector*>(policy->get());
+            KvPolicy* by_query = policy->get();
             ASSERT_TRUE(by_query->SelectQueryHeadSpans(ctx, table_spans[t], &runs[static_cast<size_t>(t) * (per_head ? group : 0)]));
           }
           std::vector<AttentionJob> jobs(n_heads);

@@ -493,15 +493,9 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
     }
     ops::AttentionBatch(head_shape, 1, storage, q_pos, n, s.jobs.data(), n_kv, n_threads_);
     if (scores) {
-      // A decode step gathers each head's [group, n_live] raw scores on this thread: the work is
-      // small, and a fork/join per head cost more than it saved (on a loaded machine each one can
-      // wait a scheduler tick for a preempted thread). Chunks take the parallel QK pass.
-      const int observe_threads = decode ? 1 : n_threads_;
-      for (int h = 0; h < n_kv; ++h) {
-        const AttentionJob& job = s.jobs[h];
-        controller_->ObserveHeadAttention(e.seq, layer, h, head_shape, job.q, q_pos, n, job.spans, job.n_spans,
-                                          job.row_max_sum, observe_threads, job.raw_scores);
-      }
+      // Decode: the heads' raw scores are gathered in one parallel region; chunks take the
+      // parallel QK pass head after head.
+      controller_->ObserveHeadsAttention(e.seq, layer, head_shape, s.jobs.data(), n_kv, q_pos, n, n_threads_);
     }
     if (!decode) {
       for (int h = 0; h < n_kv; ++h) {
