@@ -1,9 +1,12 @@
-// Quest through the engine (SparseKvController::SelectSpans before decode attention):
-// - a budget of the whole context reads everything: bit-identical to Full, shared and per-head;
+// Quest and the oracle through the engine (SparseKvController::SelectSpans before decode
+// attention):
+// - a budget of the whole context reads everything: bit-identical to Full, shared and per-head
+//   (both methods);
+// - the oracle at a small budget reads exactly the budget per KV head and step, keeps every token;
 // - a small budget reads at most budget + one page per decode step, keeps every token, never
 //   evicts, and accounts its page metadata;
 // - on the built-in retrieval model a deep needle at 1024 tokens, asked as a separate decode
-//   step, is answered by Quest at a 64-token budget and missed by StreamingLLM at 64.
+//   step, is answered by Quest and the oracle at a 64-token budget and missed by StreamingLLM.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -89,29 +92,55 @@ TEST_F(QuestSynthTest, WholeContextBudgetIsBitIdenticalToFull) {
   const std::vector<int32_t> prompt = Prompt(70);
   const int n_decode = 40;
   const int32_t context = 70 + n_decode + 1;
-  for (const std::string kv_type : {"f32", "int8"}) {
+  for (const std::string method : {"quest", "oracle"}) {
+    for (const std::string kv_type : {"f32", "int8"}) {
+      for (bool per_head : {false, true}) {
+        KvSparsityConfig full = FlagsConfig(*model_, "full", "", kv_type);
+        KvSparsityConfig sparse = FlagsConfig(*model_, method, std::to_string(context), kv_type);
+        for (LayerKvConfig& l : full.layers) l.per_head = per_head;
+        for (LayerKvConfig& l : sparse.layers) {
+          l.per_head = per_head;
+          l.params.dense_layers = 0;  // every layer selects (the paper's default leaves layers 0-1 dense)
+        }
+        auto full_kv = CreateSparseKv(Geometry(*model_), full, 1, context);
+        auto sparse_kv = CreateSparseKv(Geometry(*model_), sparse, 1, context);
+        ASSERT_TRUE(full_kv.ok() && sparse_kv.ok());
+        const auto want = RunGreedy(*model_, *full_kv, prompt, n_decode);
+        const auto got = RunGreedy(*model_, *sparse_kv, prompt, n_decode);
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t call = 0; call < want.size(); ++call) {
+          ASSERT_EQ(std::memcmp(got[call].data(), want[call].data(), want[call].size() * sizeof(float)), 0)
+              << method << " " << kv_type << (per_head ? " per-head" : "") << ": logits differ after call " << call;
+        }
+        for (const SparseKvLayerStats& s : sparse_kv->controller->layer_stats()) {
+          EXPECT_EQ(s.span_selections, n_decode * (per_head ? 2 : 1));
+          EXPECT_EQ(s.selected_tokens, s.selectable_tokens);
+          EXPECT_EQ(s.evictions, 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(QuestSynthTest, OracleReadsExactlyTheBudgetAndKeepsEverything) {
+  const std::vector<int32_t> prompt = Prompt(150);
+  const int n_decode = 20;
+  const int32_t context = 150 + n_decode + 1;
+  for (const std::string kv_type : {"f16", "int8_kivi"}) {
     for (bool per_head : {false, true}) {
-      KvSparsityConfig full = FlagsConfig(*model_, "full", "", kv_type);
-      KvSparsityConfig quest = FlagsConfig(*model_, "quest", std::to_string(context), kv_type);
-      for (LayerKvConfig& l : full.layers) l.per_head = per_head;
-      for (LayerKvConfig& l : quest.layers) {
-        l.per_head = per_head;
-        l.params.dense_layers = 0;  // every layer selects (the paper's default leaves layers 0-1 dense)
-      }
-      auto full_kv = CreateSparseKv(Geometry(*model_), full, 1, context);
-      auto quest_kv = CreateSparseKv(Geometry(*model_), quest, 1, context);
-      ASSERT_TRUE(full_kv.ok() && quest_kv.ok());
-      const auto want = RunGreedy(*model_, *full_kv, prompt, n_decode);
-      const auto got = RunGreedy(*model_, *quest_kv, prompt, n_decode);
-      ASSERT_EQ(got.size(), want.size());
-      for (size_t call = 0; call < want.size(); ++call) {
-        ASSERT_EQ(std::memcmp(got[call].data(), want[call].data(), want[call].size() * sizeof(float)), 0)
-            << kv_type << (per_head ? " per-head" : "") << ": logits differ after call " << call;
-      }
-      for (const SparseKvLayerStats& s : quest_kv->controller->layer_stats()) {
-        EXPECT_EQ(s.span_selections, n_decode * (per_head ? 2 : 1));
-        EXPECT_EQ(s.selected_tokens, s.selectable_tokens);
+      KvSparsityConfig config = FlagsConfig(*model_, "oracle", "40", kv_type);
+      for (LayerKvConfig& l : config.layers) l.per_head = per_head;
+      auto kv = CreateSparseKv(Geometry(*model_), config, 1, context);
+      ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+      const auto out = RunGreedy(*model_, *kv, prompt, n_decode);
+      ASSERT_EQ(out.size(), static_cast<size_t>(n_decode) + 1);
+      for (int layer = 0; layer < model_->config().n_layers; ++layer) {
+        const SparseKvLayerStats& s = kv->controller->layer_stats()[layer];
+        const int tables = per_head ? model_->config().n_kv_heads : 1;
+        EXPECT_EQ(s.span_selections, n_decode * tables);
+        EXPECT_EQ(s.selected_tokens, s.span_selections * 40) << kv_type << " layer " << layer;
         EXPECT_EQ(s.evictions, 0);
+        EXPECT_EQ(kv->cache->NumTokens(0, layer), 150 + n_decode);  // the oracle keeps every token
       }
     }
   }
@@ -199,10 +228,11 @@ class QuestRetrievalTest : public ::testing::Test {
   static inline Model* model_ = nullptr;
 };
 
-TEST_F(QuestRetrievalTest, DeepNeedleAt1024QuestAnswersWhereStreamingLlmFails) {
+TEST_F(QuestRetrievalTest, DeepNeedleAt1024QuestAndOracleAnswerWhereStreamingLlmFails) {
   constexpr int kTasks = 6;
   EXPECT_EQ(Solved("quest", "64", "f32", kTasks), kTasks);
   EXPECT_EQ(Solved("quest", "64", "int8", kTasks), kTasks);
+  EXPECT_EQ(Solved("oracle", "64", "f32", kTasks), kTasks);
   EXPECT_EQ(Solved("streaming_llm", "64", "f32", kTasks), 0);
 }
 

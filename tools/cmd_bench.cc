@@ -228,7 +228,7 @@ void RegisterBench(CLI::App& app, int* exit_code) {
       ->capture_default_str()
       ->check(CLI::IsMember({"all", "accuracy", "speed"}));
   cmd->add_option("--methods", a->methods,
-                  "e.g. full,streaming_llm,h2o,tova,scissorhands,snapkv,pyramidkv,quest,knorm,random")
+                  "e.g. full,streaming_llm,h2o,tova,scissorhands,snapkv,pyramidkv,quest,knorm,random,oracle")
       ->delimiter(',');
   cmd->add_option("--budgets", a->budgets, "fractions of the context (0.1) or token counts (512)")->delimiter(',');
   cmd->add_option("--lengths", a->lengths, "context lengths in tokens: 1024,2k,32k")->delimiter(',');

@@ -12,6 +12,8 @@
 //   random         uniform random subset, seeded                         (recent_ratio 0.5)
 //   quest          never evicts; each decode step reads the pages whose  (page_tokens = cache page,
 //                  key min/max bound q·k highest, within the budget       layers 0-1 dense)
+//   oracle         never evicts; each decode step each KV head reads its  (head_reduce mean, every layer)
+//                  exact top-budget tokens by attention (the upper bound)
 // Every selection keeps the token just appended (see selection.h).
 #pragma once
 
@@ -31,7 +33,19 @@
 
 namespace kvsparse {
 
-enum class KvMethod { kFull, kStreamingLlm, kH2O, kTova, kScissorhands, kSnapKv, kPyramidKv, kKNorm, kRandom, kQuest };
+enum class KvMethod {
+  kFull,
+  kStreamingLlm,
+  kH2O,
+  kTova,
+  kScissorhands,
+  kSnapKv,
+  kPyramidKv,
+  kKNorm,
+  kRandom,
+  kQuest,
+  kOracle,
+};
 
 std::string_view KvMethodName(KvMethod method);                  // "h2o"
 std::optional<KvMethod> KvMethodFromName(std::string_view name);  // exact, lower case
@@ -72,7 +86,7 @@ struct KvMethodParams {
 KvMethodParams DefaultMethodParams(KvMethod method);
 // The decode eviction cadence of the method's paper, in steps: 1 for methods that evict at every
 // generated token (H2O, TOVA, StreamingLLM, Scissorhands, Random), 0 for methods that never
-// evict while decoding by default (Full, SnapKV, PyramidKV, KNorm, Quest). `bench` accuracy runs
+// evict while decoding by default (Full, SnapKV, PyramidKV, KNorm, Quest, Oracle). `bench` accuracy runs
 // use it unless --evict-interval is given; serving keeps KvSparsityConfig::evict_interval.
 int PaperEvictInterval(KvMethod method);
 // The granularity of the method's reference code: true where it selects tokens per KV head

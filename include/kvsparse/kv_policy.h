@@ -81,6 +81,7 @@ struct SpanSelectionContext {
   int head_dim = 0;
   KvStorage storage = KvStorage::kF32;  // the layer's storage type
   int32_t cache_page_size = 0;          // tokens per page of the paged cache
+  float scale = 0.f;                    // the attention's softmax scale (0: 1 / sqrt(head_dim))
 };
 
 // Where in the forward pass an eviction decision is taken.

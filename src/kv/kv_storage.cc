@@ -1,5 +1,9 @@
 #include "kvsparse/kv_cache.h"
 
+#include <cstring>
+
+#include "kvsparse/dtype.h"
+
 namespace kvsparse {
 
 const char* KvStorageName(KvStorage s) {
@@ -20,6 +24,50 @@ size_t KvStorageValueBytes(KvStorage s) {
     case KvStorage::kInt8Kivi: return 1;
   }
   return 0;
+}
+
+// Token t of `span` as stored, dequantized to f32: out [n_kv_heads, head_dim]. `type` is the
+// span's own storage (SpanStorage). Scales are applied per element, as attention does.
+void LoadSpanKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_heads, int head_dim, float* out) {
+  const size_t row = static_cast<size_t>(n_kv_heads) * head_dim;
+  const size_t at = static_cast<size_t>(t) * row;  // k: [n, n_kv_heads, head_dim]
+  switch (type) {
+    case KvStorage::kF32: std::memcpy(out, static_cast<const float*>(span.k) + at, row * sizeof(float)); return;
+    case KvStorage::kF16: {
+      const f16_bits* k = static_cast<const f16_bits*>(span.k) + at;
+      for (size_t i = 0; i < row; ++i) out[i] = F16ToF32(k[i]);
+      return;
+    }
+    case KvStorage::kInt8: {
+      const int8_t* k = static_cast<const int8_t*>(span.k) + at;
+      for (int h = 0; h < n_kv_heads; ++h) {
+        const float scale = span.k_scale[static_cast<size_t>(t) * n_kv_heads + h];  // [n, n_kv_heads]
+        for (int c = 0; c < head_dim; ++c) out[h * head_dim + c] = scale * k[h * head_dim + c];
+      }
+      return;
+    }
+    case KvStorage::kInt8Kivi: {  // one scale per (page, kv head, channel)
+      const int8_t* k = static_cast<const int8_t*>(span.k) + at;
+      for (size_t i = 0; i < row; ++i) out[i] = span.k_channel_scale[i] * k[i];
+      return;
+    }
+  }
+}
+
+// `count` tokens of `span` from token `offset`, as a span of their own.
+KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int32_t count, int n_kv_heads,
+               int head_dim) {
+  const size_t value_bytes = KvStorageValueBytes(SpanStorage(layer_storage, span));  // K and V alike
+  const size_t skip_rows = static_cast<size_t>(offset) * n_kv_heads;
+  KvSpan out = span;
+  out.k = static_cast<const uint8_t*>(span.k) + skip_rows * head_dim * value_bytes;
+  out.v = static_cast<const uint8_t*>(span.v) + skip_rows * head_dim * value_bytes;
+  out.positions = span.positions + offset;
+  if (span.k_scale != nullptr) out.k_scale = span.k_scale + skip_rows;
+  if (span.v_scale != nullptr) out.v_scale = span.v_scale + skip_rows;
+  // k_channel_scale belongs to the whole page: unchanged.
+  out.n = count;
+  return out;
 }
 
 }  // namespace kvsparse

@@ -538,6 +538,7 @@ bool SparseKvController::SelectSpans(int seq, int layer, int kv_head, const Atte
   ctx.head_dim = shape.head_dim;
   ctx.storage = cache_->sequence_storage(seq, layer);
   ctx.cache_page_size = cache_->page_size();
+  ctx.scale = shape.scale;
   const size_t bytes_before = p.MetadataBytes();
   bool per_query = false;
   int64_t read = 0;

@@ -144,7 +144,8 @@ Status ReadBudget(const json& v, const Where& where, KvBudget* out) {
 std::vector<std::string_view> MethodNameList() {
   std::vector<std::string_view> names;
   for (KvMethod m : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova, KvMethod::kScissorhands,
-                     KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom, KvMethod::kQuest})
+                     KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom, KvMethod::kQuest,
+                     KvMethod::kOracle})
     names.push_back(KvMethodName(m));
   return names;
 }

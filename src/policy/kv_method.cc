@@ -22,10 +22,11 @@ constexpr std::string_view kSnapKvKeys[] = {"window", "kernel", "pooling", "head
 constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict", "beta"};
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
+constexpr std::string_view kOracleKeys[] = {"head_reduce"};
 constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "decode_evict",
                                            "dense_layers"};
 
-constexpr std::array<MethodInfo, 10> kMethods = {{
+constexpr std::array<MethodInfo, 11> kMethods = {{
     {KvMethod::kFull, "full", {}},
     {KvMethod::kStreamingLlm, "streaming_llm", kStreamingKeys},
     {KvMethod::kH2O, "h2o", kWindowedKeys},
@@ -36,6 +37,7 @@ constexpr std::array<MethodInfo, 10> kMethods = {{
     {KvMethod::kKNorm, "knorm", kKNormKeys},
     {KvMethod::kRandom, "random", kRandomKeys},
     {KvMethod::kQuest, "quest", kQuestKeys},
+    {KvMethod::kOracle, "oracle", kOracleKeys},
 }};
 
 const MethodInfo& Info(KvMethod method) {
@@ -89,7 +91,8 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
     case KvMethod::kPyramidKv: p.obs_window = 8; break;  // KVCache-Factory's runs: window 8
     case KvMethod::kFull:
     case KvMethod::kTova:
-    case KvMethod::kSnapKv: break;
+    case KvMethod::kSnapKv:
+    case KvMethod::kOracle: break;
   }
   return p;
 }
@@ -105,7 +108,8 @@ bool DefaultPerHead(KvMethod method) {
     case KvMethod::kTova:
     case KvMethod::kScissorhands:
     case KvMethod::kRandom:
-    case KvMethod::kQuest: return false;
+    case KvMethod::kQuest:
+    case KvMethod::kOracle: return false;
   }
   return false;
 }
@@ -121,7 +125,8 @@ int PaperEvictInterval(KvMethod method) {
     case KvMethod::kSnapKv:
     case KvMethod::kPyramidKv:
     case KvMethod::kKNorm:
-    case KvMethod::kQuest: return 0;
+    case KvMethod::kQuest:
+    case KvMethod::kOracle: return 0;
   }
   return 0;
 }

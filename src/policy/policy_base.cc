@@ -23,4 +23,21 @@ void BudgetedPolicy::CheckObservation(const AttentionObservation& obs, int32_t n
                 fmt::format("observation lacks '{}', which this policy reads", field_name));
 }
 
+void ReadSparsePolicy::SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) {
+  KVS_CHECK_MSG(ctx.target == ctx.n_live, fmt::format("{} never evicts: target must equal n_live", name()));
+  keep->assign(ctx.n_live, 1);
+}
+
+void ReadSparsePolicy::OnEvict(const std::vector<uint8_t>& keep) {
+  for (uint8_t k : keep) KVS_CHECK_MSG(k, fmt::format("{} never evicts", name()));
+}
+
+int32_t ReadSparsePolicy::CheckedLiveTokens(const std::vector<KvSpan>& spans) const {
+  int32_t n_live = 0;
+  for (const KvSpan& s : spans) n_live += s.n;
+  KVS_CHECK_MSG(n_live == n_live_, fmt::format("{}: the spans hold {} tokens but {} were appended", name(), n_live,
+                                               n_live_));
+  return n_live;
+}
+
 }  // namespace kvsparse::policy

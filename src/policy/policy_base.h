@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -29,6 +30,24 @@ class BudgetedPolicy : public KvPolicy {
   KvMethodParams params_;
 };
 
+// A read-sparsity policy (Quest, the oracle): it keeps every token and never evicts; the
+// budget bounds the tokens a decode step reads (SelectSpans / SelectQueryHeadSpans).
+class ReadSparsePolicy : public BudgetedPolicy {
+ public:
+  using BudgetedPolicy::BudgetedPolicy;
+  int32_t BudgetTokens(int32_t) const override { return std::numeric_limits<int32_t>::max(); }
+  void OnAppend(int32_t n_new) override { n_live_ += n_new; }
+  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override;
+  void OnEvict(const std::vector<uint8_t>& keep) override;
+  bool SelectsSpans() const override { return true; }
+
+ protected:
+  // Aborts unless the spans hold the tokens appended; returns their count.
+  int32_t CheckedLiveTokens(const std::vector<KvSpan>& spans) const;
+
+  int32_t n_live_ = 0;
+};
+
 std::unique_ptr<KvPolicy> MakeFullPolicy();
 std::unique_ptr<KvPolicy> MakeStreamingLlmPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeH2OPolicy(const KvBudget& budget, const KvMethodParams& params);
@@ -40,5 +59,6 @@ std::unique_ptr<KvPolicy> MakePyramidKvPolicy(const KvBudget& average_budget, co
 std::unique_ptr<KvPolicy> MakeKNormPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeRandomPolicy(const KvBudget& budget, const KvMethodParams& params, uint64_t seed);
 std::unique_ptr<KvPolicy> MakeQuestPolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeOraclePolicy(const KvBudget& budget, const KvMethodParams& params);
 
 }  // namespace kvsparse::policy

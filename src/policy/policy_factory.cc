@@ -26,6 +26,7 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
     case KvMethod::kKNorm: return policy::MakeKNormPolicy(b, p);
     case KvMethod::kRandom: return policy::MakeRandomPolicy(b, p, seed);
     case KvMethod::kQuest: return policy::MakeQuestPolicy(b, p);
+    case KvMethod::kOracle: return policy::MakeOraclePolicy(b, p);
   }
   return InternalError(fmt::format("layer {}: unhandled method", layer));
 }

@@ -24,7 +24,6 @@
 // force the last page into the top-k (its kernels do, as here); ties between equal bounds go to
 // the earlier page (torch.topk leaves their order open).
 #include <algorithm>
-#include <limits>
 #include <optional>
 
 #include "kvsparse/quest_pages.h"
@@ -33,9 +32,9 @@
 namespace kvsparse::policy {
 namespace {
 
-class QuestPolicy final : public BudgetedPolicy {
+class QuestPolicy final : public ReadSparsePolicy {
  public:
-  using BudgetedPolicy::BudgetedPolicy;
+  using ReadSparsePolicy::ReadSparsePolicy;
   std::string_view name() const override { return "quest"; }
   // The page index (bounds by value) is copied; scratch_ is dropped because after a selection
   // it holds the caller's input spans, pointers into the original sequence's cache pages.
@@ -44,18 +43,6 @@ class QuestPolicy final : public BudgetedPolicy {
     copy->scratch_.clear();
     return copy;
   }
-  // Never evicts: the budget bounds the tokens a decode step reads, not the tokens kept.
-  int32_t BudgetTokens(int32_t) const override { return std::numeric_limits<int32_t>::max(); }
-  void OnAppend(int32_t n_new) override { n_live_ += n_new; }
-  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
-    KVS_CHECK_MSG(ctx.target == ctx.n_live, "quest never evicts: target must equal n_live");
-    keep->assign(ctx.n_live, 1);
-  }
-  void OnEvict(const std::vector<uint8_t>& keep) override {
-    for (uint8_t k : keep) KVS_CHECK_MSG(k, "quest never evicts");
-  }
-
-  bool SelectsSpans() const override { return true; }
   bool SelectsPerQueryHead() const override { return params_.head_reduce == HeadReduce::kNone; }
   // The page bounds and every buffer selection uses, allocated.
   size_t MetadataBytes() const override {
@@ -106,9 +93,7 @@ class QuestPolicy final : public BudgetedPolicy {
   // Pages a decode step reads, with the index brought up to date; 0 when the whole table is
   // read (nothing to select, and no index is built for it).
   int32_t Prepare(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
-    int32_t n_live = 0;
-    for (const KvSpan& s : spans) n_live += s.n;
-    KVS_CHECK_MSG(n_live == n_live_, "quest: the spans hold a different number of tokens than were appended");
+    const int32_t n_live = CheckedLiveTokens(spans);
     const int32_t budget = ResolveBudget(budget_, n_live);
     if (budget >= n_live) return 0;  // everything fits: read it all (bit-identical to Full)
     const int32_t page = params_.page_tokens > 0 ? params_.page_tokens : ctx.cache_page_size;
@@ -129,7 +114,6 @@ class QuestPolicy final : public BudgetedPolicy {
     QuestQueryHeadScores(*index_, ctx.q, ctx.n_q_heads, scores_.data());
   }
 
-  int32_t n_live_ = 0;
   std::optional<QuestPageIndex> index_;  // built at the first decode step that selects
   std::vector<float> scores_;            // [n_pages] folded, or [n_q_heads, n_pages] per query head
   std::vector<int32_t> order_, pages_;

@@ -13,50 +13,6 @@
 namespace kvsparse {
 namespace {
 
-// Token t of `span` as stored, dequantized to f32: out [n_kv_heads, head_dim]. `type` is the
-// span's own storage (SpanStorage). Scales are applied per element, as attention does.
-void LoadKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_heads, int head_dim, float* out) {
-  const size_t row = static_cast<size_t>(n_kv_heads) * head_dim;
-  const size_t at = static_cast<size_t>(t) * row;  // k: [n, n_kv_heads, head_dim]
-  switch (type) {
-    case KvStorage::kF32: std::memcpy(out, static_cast<const float*>(span.k) + at, row * sizeof(float)); return;
-    case KvStorage::kF16: {
-      const f16_bits* k = static_cast<const f16_bits*>(span.k) + at;
-      for (size_t i = 0; i < row; ++i) out[i] = F16ToF32(k[i]);
-      return;
-    }
-    case KvStorage::kInt8: {
-      const int8_t* k = static_cast<const int8_t*>(span.k) + at;
-      for (int h = 0; h < n_kv_heads; ++h) {
-        const float scale = span.k_scale[static_cast<size_t>(t) * n_kv_heads + h];  // [n, n_kv_heads]
-        for (int c = 0; c < head_dim; ++c) out[h * head_dim + c] = scale * k[h * head_dim + c];
-      }
-      return;
-    }
-    case KvStorage::kInt8Kivi: {  // one scale per (page, kv head, channel)
-      const int8_t* k = static_cast<const int8_t*>(span.k) + at;
-      for (size_t i = 0; i < row; ++i) out[i] = span.k_channel_scale[i] * k[i];
-      return;
-    }
-  }
-}
-
-// `count` tokens of `span` from token `offset`, as a span of their own.
-KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int32_t count, int n_kv_heads,
-               int head_dim) {
-  const size_t value_bytes = KvStorageValueBytes(SpanStorage(layer_storage, span));  // K and V alike
-  const size_t skip_rows = static_cast<size_t>(offset) * n_kv_heads;
-  KvSpan out = span;
-  out.k = static_cast<const uint8_t*>(span.k) + skip_rows * head_dim * value_bytes;
-  out.v = static_cast<const uint8_t*>(span.v) + skip_rows * head_dim * value_bytes;
-  out.positions = span.positions + offset;
-  if (span.k_scale != nullptr) out.k_scale = span.k_scale + skip_rows;
-  if (span.v_scale != nullptr) out.v_scale = span.v_scale + skip_rows;
-  // k_channel_scale belongs to the whole page: unchanged.
-  out.n = count;
-  return out;
-}
-
 }  // namespace
 
 QuestPageIndex::QuestPageIndex(int32_t page_tokens, int n_kv_heads, int head_dim)
@@ -129,7 +85,7 @@ void QuestPageIndex::Update(KvStorage storage, const KvSpan* spans, int32_t n_sp
     for (int32_t i = std::max(0, from - index); i < span.n; ++i) {
       const int32_t token = index + i;
       if (type != storage) unstable_from_ = std::min(unstable_from_, token);
-      LoadKeyRow(type, span, i, n_kv_heads_, head_dim_, key_row_.data());
+      LoadSpanKeyRow(type, span, i, n_kv_heads_, head_dim_, key_row_.data());
       float* mn = &min_[static_cast<size_t>(token / page_tokens_) * row_];
       float* mx = &max_[static_cast<size_t>(token / page_tokens_) * row_];
       for (size_t e = 0; e < row_; ++e) {

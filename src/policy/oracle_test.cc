@@ -1,0 +1,169 @@
+// Oracle (oracle.cc): the tokens each KV head reads equal a plainly written exact top-k of the
+// group-folded softmax (mean and max) over ragged f32 spans (other storage types reach the
+// oracle through LoadSpanKeyRow, Quest's tested key reader), the newest token among them; a
+// budget covering the table reads it whole; the policy never evicts; its configuration.
+// Through the engine: tests/quest_engine_test.cc.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "kvsparse/kv_config.h"
+#include "kvsparse/kv_policies.h"
+#include "support/random_data.h"
+
+namespace kvsparse {
+namespace {
+
+using testing::RandomNonZeroFloats;
+
+// f32 keys [n_tokens, heads, d] cut into spans of ragged lengths.
+struct RaggedSpans {
+  std::vector<float> keys, values;
+  std::vector<int32_t> positions;
+  std::vector<KvSpan> spans;
+  RaggedSpans(int32_t n_tokens, int heads, int d, const std::vector<int32_t>& lengths, std::mt19937& rng) {
+    keys = RandomNonZeroFloats(static_cast<size_t>(n_tokens) * heads * d, rng, 2.f);
+    values = RandomNonZeroFloats(keys.size(), rng);
+    for (int32_t t = 0; t < n_tokens; ++t) positions.push_back(2 * t);
+    for (int32_t t = 0, i = 0; t < n_tokens; ++i) {
+      KvSpan s;
+      s.k = keys.data() + static_cast<size_t>(t) * heads * d;
+      s.v = values.data() + static_cast<size_t>(t) * heads * d;
+      s.positions = positions.data() + t;
+      s.n = std::min(lengths[i % lengths.size()], n_tokens - t);
+      spans.push_back(s);
+      t += s.n;
+    }
+  }
+};
+
+// The positions a list of runs covers, ascending.
+std::vector<int32_t> Positions(const std::vector<KvSpan>& runs) {
+  std::vector<int32_t> out;
+  for (const KvSpan& s : runs)
+    for (int32_t j = 0; j < s.n; ++j) out.push_back(s.positions[j]);
+  return out;
+}
+
+// The reference: per KV head, softmax(q·k * scale) per query head, averaged (or maxed) over the
+// group; the newest token plus the best (budget - 1) of the others, ties to the earlier token.
+std::vector<int32_t> ReferenceTopK(const RaggedSpans& data, const std::vector<float>& q, int n_q, int n_kv, int d,
+                                   int kv_head, int32_t budget, bool max_fold) {
+  const int32_t n = static_cast<int32_t>(data.positions.size());
+  const int group = n_q / n_kv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> score(n, 0.0);
+  for (int g = 0; g < group; ++g) {
+    const int i = kv_head * group + g;
+    std::vector<double> logit(n);
+    for (int32_t t = 0; t < n; ++t) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += double{q[i * d + c]} * data.keys[(static_cast<size_t>(t) * n_kv + kv_head) * d + c];
+      logit[t] = dot * scale;
+    }
+    const double m = *std::max_element(logit.begin(), logit.end());
+    double sum = 0;
+    for (double l : logit) sum += std::exp(l - m);
+    for (int32_t t = 0; t < n; ++t) {
+      const double p = std::exp(logit[t] - m) / sum;
+      score[t] = max_fold ? std::max(score[t], p) : score[t] + p / group;
+    }
+  }
+  std::vector<int32_t> order(n - 1);
+  for (int32_t t = 0; t < n - 1; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return score[a] > score[b]; });
+  std::vector<int32_t> kept(order.begin(), order.begin() + std::min(budget - 1, n - 1));
+  kept.push_back(n - 1);
+  std::sort(kept.begin(), kept.end());
+  std::vector<int32_t> positions;
+  for (int32_t t : kept) positions.push_back(data.positions[t]);
+  return positions;
+}
+
+std::unique_ptr<KvPolicy> MakeOracle(KvBudget budget, HeadReduce reduce = HeadReduce::kMean) {
+  LayerKvConfig config;
+  config.method = KvMethod::kOracle;
+  config.budget = budget;
+  config.params = DefaultMethodParams(KvMethod::kOracle);
+  config.params.head_reduce = reduce;
+  auto policy = CreatePolicy(config, 0, 1, 0);
+  KVS_CHECK_MSG(policy.ok(), policy.status().ToString());
+  return std::move(*policy);
+}
+
+TEST(OraclePolicyTest, EachKvHeadReadsItsExactTopK) {
+  const int n_kv = 2, group = 3, n_q = n_kv * group, d = 8;
+  std::mt19937 rng(7);
+  for (const int32_t n : {5, 37, 100}) {
+    for (const int32_t budget : {1, 2, 9, n - 1}) {
+      if (budget >= n) continue;  // covering: the whole table (the next test)
+      for (const HeadReduce reduce : {HeadReduce::kMean, HeadReduce::kMax}) {
+        RaggedSpans data(n, n_kv, d, {7, 1, 16, 3}, rng);
+        const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
+        auto policy = MakeOracle(KvBudget::Tokens(budget), reduce);
+        policy->OnAppend(n);
+        SpanSelectionContext ctx;
+        ctx.q = q.data();
+        ctx.n_q_heads = n_q;
+        ctx.n_kv_heads = n_kv;
+        ctx.head_dim = d;
+        ctx.cache_page_size = 16;
+        std::vector<std::vector<KvSpan>> per_query(n_q);
+        ASSERT_TRUE(policy->SelectQueryHeadSpans(ctx, data.spans, per_query.data())) << n << " " << budget;
+        std::set<int32_t> all;
+        for (int h = 0; h < n_kv; ++h) {
+          const std::vector<int32_t> want = ReferenceTopK(data, q, n_q, n_kv, d, h, budget, reduce == HeadReduce::kMax);
+          for (int g = 0; g < group; ++g) {
+            EXPECT_EQ(Positions(per_query[h * group + g]), want) << "n " << n << " budget " << budget << " head " << h;
+          }
+          all.insert(want.begin(), want.end());
+        }
+        // One list for all heads: the union of the KV heads' tokens.
+        std::vector<KvSpan> spans = data.spans;
+        policy->SelectSpans(ctx, &spans);
+        EXPECT_EQ(Positions(spans), std::vector<int32_t>(all.begin(), all.end()));
+      }
+    }
+  }
+}
+
+TEST(OraclePolicyTest, CoveringBudgetReadsEverythingAndNothingIsEvicted) {
+  std::mt19937 rng(3);
+  RaggedSpans data(20, 1, 4, {6}, rng);
+  const std::vector<float> q = RandomNonZeroFloats(2 * 4, rng);
+  SpanSelectionContext ctx;
+  ctx.q = q.data();
+  ctx.n_q_heads = 2;
+  ctx.n_kv_heads = 1;
+  ctx.head_dim = 4;
+  for (const KvBudget budget : {KvBudget::Tokens(20), KvBudget::Tokens(64), KvBudget::Fraction(1.0)}) {
+    auto policy = MakeOracle(budget);
+    EXPECT_EQ(policy->name(), "oracle");
+    EXPECT_TRUE(policy->SelectsSpans());
+    EXPECT_TRUE(policy->SelectsPerQueryHead());
+    policy->OnAppend(20);
+    EXPECT_EQ(policy->EvictionTarget(20, 20, EvictionPoint::kDecodeStep, 1), 20);
+    std::vector<KvSpan> per_query[2];
+    EXPECT_FALSE(policy->SelectQueryHeadSpans(ctx, data.spans, per_query));
+    std::vector<KvSpan> spans = data.spans;
+    policy->SelectSpans(ctx, &spans);
+    EXPECT_EQ(spans.size(), data.spans.size());
+  }
+}
+
+TEST(OraclePolicyTest, ConfigRejectsPerQueryHeadReduce) {
+  auto config = ParseKvSparsityConfig(R"({"default": {"method": "oracle", "budget": 64, "head_reduce": "none"}})", 1);
+  ASSERT_FALSE(config.ok());
+  EXPECT_NE(config.status().message().find("head_reduce"), std::string::npos) << config.status().ToString();
+  auto fine = ParseKvSparsityConfig(R"({"default": {"method": "oracle", "budget": 0.1, "head_reduce": "max"}})", 1);
+  ASSERT_TRUE(fine.ok()) << fine.status().ToString();
+  EXPECT_EQ(fine->layers[0].method, KvMethod::kOracle);
+  EXPECT_FALSE(fine->layers[0].per_head);
+}
+
+}  // namespace
+}  // namespace kvsparse
