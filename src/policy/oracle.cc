@@ -28,27 +28,33 @@ class OraclePolicy final : public ReadSparsePolicy {
  public:
   using ReadSparsePolicy::ReadSparsePolicy;
   std::string_view name() const override { return "oracle"; }
-  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<OraclePolicy>(*this); }
+  // all_spans_ is dropped: after a selection it points into the original sequence's pages.
+  std::unique_ptr<KvPolicy> Clone() const override {
+    auto copy = std::make_unique<OraclePolicy>(*this);
+    copy->all_spans_.clear();
+    return copy;
+  }
   bool SelectsPerQueryHead() const override { return true; }
   size_t MetadataBytes() const override {
     return (scores_.capacity() + logits_.capacity() + key_row_.capacity()) * sizeof(float) +
-           (order_.capacity() + chosen_.capacity()) * sizeof(int32_t);
+           (order_.capacity() + chosen_.capacity()) * sizeof(int32_t) + in_union_.capacity() +
+           all_spans_.capacity() * sizeof(KvSpan);
   }
 
   // One list for every head: the union of the KV heads' tokens.
   void SelectSpans(const SpanSelectionContext& ctx, std::vector<KvSpan>* spans) override {
     const int32_t n_read = Prepare(ctx, *spans);
     if (n_read == 0) return;
-    std::vector<uint8_t> in_union(static_cast<size_t>(n_live_), 0);
+    in_union_.assign(static_cast<size_t>(n_live_), 0);
     for (int h = 0; h < ctx.n_kv_heads; ++h) {
       SelectHead(h, n_read);
-      for (int32_t t : chosen_) in_union[t] = 1;
+      for (int32_t t : chosen_) in_union_[t] = 1;
     }
     chosen_.clear();
     for (int32_t t = 0; t < n_live_; ++t)
-      if (in_union[t]) chosen_.push_back(t);
-    const std::vector<KvSpan> all = *spans;
-    Runs(ctx, all, spans);
+      if (in_union_[t]) chosen_.push_back(t);
+    all_spans_ = *spans;
+    Runs(ctx, all_spans_, spans);
   }
 
   bool SelectQueryHeadSpans(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans,
@@ -101,10 +107,13 @@ class OraclePolicy final : public ReadSparsePolicy {
       float* row = logits_.data() + static_cast<size_t>(i) * n_live_;
       const float m = *std::max_element(row, row + n_live_);
       double sum = 0;
-      for (int32_t u = 0; u < n_live_; ++u) sum += std::exp(static_cast<double>(row[u]) - m);
+      for (int32_t u = 0; u < n_live_; ++u) {
+        row[u] = std::exp(row[u] - m);  // the logit row becomes unnormalized probabilities
+        sum += row[u];
+      }
       float* out = scores_.data() + static_cast<size_t>(i / group) * n_live_;
       for (int32_t u = 0; u < n_live_; ++u) {
-        const float p = static_cast<float>(std::exp(static_cast<double>(row[u]) - m) / sum);
+        const float p = static_cast<float>(row[u] / sum);
         out[u] = max_fold ? std::max(out[u], p) : out[u] + p / static_cast<float>(group);
       }
     }
@@ -149,6 +158,9 @@ class OraclePolicy final : public ReadSparsePolicy {
   std::vector<float> key_row_;   // [n_kv_heads, head_dim]
   std::vector<int32_t> order_;   // [n_live - 1] candidates
   std::vector<int32_t> chosen_;  // tokens read, ascending
+  // SelectSpans only: [n_live] tokens some KV head reads; its input spans, copied (they are rewritten).
+  std::vector<uint8_t> in_union_;
+  std::vector<KvSpan> all_spans_;
 };
 
 }  // namespace
