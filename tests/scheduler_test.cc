@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "kvsparse/engine.h"
 #include "kvsparse/kv_config.h"
@@ -204,9 +207,12 @@ TEST(EngineBatch, StepsAreAllOrNothing) {
 }
 
 // Fork shares pages and clones the policies: both copies then continue exactly as the original.
-TEST(EngineBatch, ForkedSequenceContinuesLikeTheOriginal) {
+// For cumulative the fork's layers share one copy of the ranking (LinkSequencePolicies).
+class EngineBatchFork : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+TEST_P(EngineBatchFork, ForkedSequenceContinuesLikeTheOriginal) {
   KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
-  Runtime r = MakeRuntime(path, "h2o", "24", "f16", 0);
+  Runtime r = MakeRuntime(path, GetParam().first, GetParam().second, "f16", 0);
   SparseKvController& kv = *r.kv.controller;
   const int vocab = r.model->config().n_vocab;
   const int src = *kv.AcquireSequence(), dst = *kv.AcquireSequence();
@@ -235,6 +241,11 @@ TEST(EngineBatch, ForkedSequenceContinuesLikeTheOriginal) {
   EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
   EXPECT_EQ(*kv.AcquireSequence(), src) << "released ids are reused";
 }
+
+INSTANTIATE_TEST_SUITE_P(Methods, EngineBatchFork,
+                         ::testing::Values(std::pair<const char*, const char*>{"h2o", "24"},
+                                           std::pair<const char*, const char*>{"cumulative", "0.3"}),
+                         [](const auto& info) { return std::string(info.param.first); });
 
 // Admission reserves each request's pages under its sparsity budget: a long request at a 20%
 // budget reserves about a fifth of what a dense one does, and int8 pages less again.

@@ -14,6 +14,8 @@
 //                  key min/max bound q·k highest, within the budget       layers 0-1 dense)
 //   oracle         never evicts; each decode step each KV head reads its  (head_reduce mean, every layer)
 //                  exact top-budget tokens by attention (the upper bound)
+//   cumulative     one ranking per sequence by attention summed over     (decay 0.99, re-rank every 16,
+//                  layers; each layer keeps a share, nested by depth      linear 3:1 schedule, evict)
 // Every selection keeps the token just appended (see selection.h).
 #pragma once
 
@@ -45,6 +47,7 @@ enum class KvMethod {
   kRandom,
   kQuest,
   kOracle,
+  kCumulative,
 };
 
 std::string_view KvMethodName(KvMethod method);                  // "h2o"
@@ -58,6 +61,12 @@ std::string ValidKvMethodNames();                                 // "full, stre
 enum class HeadReduce { kMean, kMax, kNone };
 // SnapKV's smoothing of the votes over neighbouring tokens.
 enum class VotePooling { kMax, kAvg };
+// How `cumulative` spreads its mean retention over depth (cumulative.cc): linearly or along a
+// half cosine from the first layer's share down to the last's, or each layer's budget as given.
+enum class RetentionSchedule { kLinear, kCosine, kNone };
+// What `cumulative` does with the tokens a layer stops keeping: free them (evict), or keep them
+// in memory and skip reading them, so a re-rank can bring them back (mask).
+enum class CumulativeMode { kEvict, kMask };
 
 // Parameters of every method in one flat struct; each method reads the fields named in
 // KvMethodParamKeys (which are also its JSON keys) and ignores the rest.
@@ -80,6 +89,14 @@ struct KvMethodParams {
   // token gets n) instead of places in the text; survivors are renumbered and their keys
   // re-rotated after every eviction (the paper's setting; see docs/DESIGN.md "Positions").
   bool cache_positions = false;
+  // cumulative (cumulative.cc). Every cumulative layer of a config must agree on decay,
+  // rerank_period and mode: they describe the one ranking the layers share.
+  double decay = 0.99;          // "decay": per-token smoothing of the importance, in (0, 1] (1: a plain sum)
+  int32_t rerank_period = 16;   // "rerank_period": tokens between two global re-ranks (>= 1)
+  CumulativeMode mode = CumulativeMode::kEvict;  // "mode": "evict" | "mask"
+  RetentionSchedule schedule = RetentionSchedule::kLinear;  // "schedule": "linear" | "cosine" | "none"
+  double spread = 3.0;          // "spread": first layer's retention / last layer's (>= 1)
+  double layer_weight = -1.0;   // "layer_weight": the layer's weight in the importance; -1: 1 + depth (1 to 2)
 };
 
 // The paper defaults of `method` (see the table above).
@@ -99,6 +116,8 @@ std::span<const std::string_view> KvMethodParamKeys(KvMethod method);
 
 std::string_view HeadReduceName(HeadReduce r);
 std::string_view VotePoolingName(VotePooling p);
+std::string_view RetentionScheduleName(RetentionSchedule s);
+std::string_view CumulativeModeName(CumulativeMode m);
 
 // Everything that configures one layer.
 struct LayerKvConfig {
@@ -119,6 +138,15 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer);
 // `seed` feeds the Random method; pass a different one per (sequence, layer).
 StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, int layer, int n_layers,
                                                  uint64_t seed);
+
+// Cross-layer methods (cumulative): the layers of one sequence share state. After building or
+// cloning the policies of a sequence, the controller passes them here, one per layer in depth
+// order (head 0 of a per-head layer); methods without cross-layer state ignore the call.
+void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies);
+
+// `cumulative`'s budget for `layer`: the config's budget is the mean over the model's layers;
+// the schedule spreads it from spread:1 (first layer : last), clamped to the whole context.
+KvBudget CumulativeLayerBudget(const KvBudget& mean_budget, const KvMethodParams& params, int layer, int n_layers);
 
 // PyramidKV (Cai et al., 2024): per-layer budgets (window included) that decrease
 // linearly with depth and sum to n_layers * average_budget. Of the share above the window,

@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvsparse/kv_types.h"
@@ -112,6 +113,9 @@ class KvPolicy {
   // False for methods that compress the prompt only (SnapKV, PyramidKV by default):
   // generated tokens are then all kept.
   virtual bool EvictsDuringDecode() const { return true; }
+  // True when a decode step must evict now whatever evict_interval says: cumulative, when a
+  // shallower layer dropped tokens this layer still caches (so the cached sets stay nested).
+  virtual bool MustEvictNow(int32_t n_live) const { return false; }
   // False when observations of decode steps are never used (SnapKV, PyramidKV without
   // decode_evict): the controller then skips the scoring pass on decode steps.
   virtual bool ObservesDecode() const { return true; }
@@ -136,6 +140,9 @@ class KvPolicy {
   }
   // Bytes of per-page metadata the policy keeps (Quest's key bounds), allocated.
   virtual size_t MetadataBytes() const { return 0; }
+  // Global re-ranks (count, seconds) the policy ran inside its calls since the last call, which
+  // the controller reports apart from the incremental work (cumulative); resets them.
+  virtual std::pair<int64_t, double> TakeRerankWork() { return {0, 0.0}; }
 
   virtual void OnAppend(int32_t n_new) = 0;
   virtual void Observe(const AttentionObservation& obs) {}
@@ -147,8 +154,8 @@ class KvPolicy {
 
   // How many tokens to keep now: n_live when nothing is to be evicted, else the budget.
   // Prefill chunks trim to the budget whenever it is exceeded; decode steps wait until the
-  // layer holds budget + evict_interval tokens (evict_interval = 1: every step), and never
-  // evict when EvictsDuringDecode() is false.
+  // layer holds budget + evict_interval tokens (evict_interval = 1: every step) unless
+  // MustEvictNow, and never evict when EvictsDuringDecode() is false.
   int32_t EvictionTarget(int32_t n_live, int32_t n_seen, EvictionPoint point, int evict_interval) const;
 };
 

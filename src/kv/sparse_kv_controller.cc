@@ -99,7 +99,14 @@ Status SparseKvController::BuildPolicies(int seq) {
       policies_[Index(seq, layer, head)] = std::move(*policy);
     }
   }
+  LinkSequence(seq);
   return Status::Ok();
+}
+
+void SparseKvController::LinkSequence(int seq) {
+  std::vector<KvPolicy*> layers(static_cast<size_t>(n_layers_));
+  for (int layer = 0; layer < n_layers_; ++layer) layers[layer] = policies_[Index(seq, layer)].get();
+  LinkSequencePolicies(layers);
 }
 
 Status SparseKvController::ResetSequence(int seq) {
@@ -192,6 +199,7 @@ Status SparseKvController::Fork(int src, int dst) {
       stats_[layer].metadata_bytes += slot->MetadataBytes();
     }
   }
+  LinkSequence(dst);
   seen_[dst] = seen_[src];
   last_position_[dst] = last_position_[src];
   seq_layers_[dst] = seq_layers_[src];
@@ -458,6 +466,7 @@ Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionP
   ctx.n_kv_heads = one_head ? 1 : g.n_kv_heads;  // head spans are [n, 1, head_dim]
   ctx.head_dim = g.head_dim;
   p.SelectKeep(ctx, &keep_);
+  AddRerankWork(p, &st);
   const auto t1 = Clock::now();
   KVS_CHECK_MSG(static_cast<int32_t>(keep_.size()) == n_live,
                 fmt::format("policy '{}' returned a keep mask of {} entries for {} live tokens", p.name(), keep_.size(),
@@ -557,6 +566,7 @@ bool SparseKvController::SelectSpans(int seq, int layer, int kv_head, const Atte
     for (const KvSpan& s : *spans) read += s.n;
   }
   SparseKvLayerStats& st = stats_[layer];
+  AddRerankWork(p, &st);
   st.metadata_bytes = st.metadata_bytes - bytes_before + p.MetadataBytes();
   ++st.span_selections;
   st.selected_tokens += read;
@@ -602,6 +612,8 @@ std::string SparseKvController::FormatStats() const {
     total.score_s += s.score_s;
     total.select_s += s.select_s;
     total.compact_s += s.compact_s;
+    total.reranks += s.reranks;
+    total.rerank_s += s.rerank_s;
     total_live += live;
   }
   out += fmt::format("| all | | | {} | {} | {} | | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n",
@@ -611,6 +623,11 @@ std::string SparseKvController::FormatStats() const {
                      "peak KV allocated {} MiB\n",
                      total.policy_s() * 1e3, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3,
                      MiB(cache_->Stats().peak_allocated_bytes));
+  // Cross-layer rankings (cumulative): the periodic re-ranks apart from the incremental updates.
+  if (total.reranks > 0) {
+    out += fmt::format("global re-ranks: {} in {:.2f} ms (part of selection); incremental policy work {:.2f} ms\n",
+                       total.reranks, total.rerank_s * 1e3, (total.policy_s() - total.rerank_s) * 1e3);
+  }
   // Query-aware layers keep every token; what they save is reads, and their page metadata
   // is memory on top of the KV pages.
   int64_t selections = 0, selected = 0, selectable = 0;

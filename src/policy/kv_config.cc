@@ -145,7 +145,7 @@ std::vector<std::string_view> MethodNameList() {
   std::vector<std::string_view> names;
   for (KvMethod m : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova, KvMethod::kScissorhands,
                      KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom, KvMethod::kQuest,
-                     KvMethod::kOracle})
+                     KvMethod::kOracle, KvMethod::kCumulative})
     names.push_back(KvMethodName(m));
   return names;
 }
@@ -195,6 +195,22 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   if (key == "page_tokens") return ReadInt(v, where, key, &p->page_tokens);
   if (key == "dense_layers") return ReadInt(v, where, key, &p->dense_layers);
   if (key == "cache_positions") return ReadBool(v, where, key, &p->cache_positions);
+  if (key == "decay") return ReadNumber(v, where, key, &p->decay);
+  if (key == "rerank_period") return ReadInt(v, where, key, &p->rerank_period);
+  if (key == "mode") {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"evict", "mask"}, &i));
+    p->mode = i == 0 ? CumulativeMode::kEvict : CumulativeMode::kMask;
+    return Status::Ok();
+  }
+  if (key == "schedule") {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"linear", "cosine", "none"}, &i));
+    p->schedule = i == 0 ? RetentionSchedule::kLinear : i == 1 ? RetentionSchedule::kCosine : RetentionSchedule::kNone;
+    return Status::Ok();
+  }
+  if (key == "spread") return ReadNumber(v, where, key, &p->spread);
+  if (key == "layer_weight") return ReadNumber(v, where, key, &p->layer_weight);
   return where.Error(key, "internal: parameter without a reader");
 }
 
@@ -297,6 +313,34 @@ std::pair<size_t, size_t> LineColumn(std::string_view text, size_t byte) {
   return {line, column};
 }
 
+// The cumulative layers of a config share one ranking per sequence: its parameters must agree.
+Status CheckSharedRankingParams(const std::vector<LayerKvConfig>& layers) {
+  const LayerKvConfig* first_cumulative = nullptr;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerKvConfig& layer = layers[l];
+    if (layer.method != KvMethod::kCumulative) continue;
+    // The cumulative layers share one ranking: its parameters must agree.
+    if (first_cumulative == nullptr) {
+      first_cumulative = &layer;
+      continue;
+    }
+    const KvMethodParams& a = first_cumulative->params;
+    const KvMethodParams& b = layer.params;
+    const auto mismatch = [&](std::string_view field, const std::string& here, const std::string& first) {
+      return InvalidArgumentError(fmt::format("layer {} (cumulative): field '{}': {} differs from {} in the first "
+                                              "cumulative layer; the cumulative layers share one ranking, so decay, "
+                                              "rerank_period and mode must be the same in all of them",
+                                              l, field, here, first));
+    };
+    if (a.decay != b.decay) return mismatch("decay", fmt::format("{:g}", b.decay), fmt::format("{:g}", a.decay));
+    if (a.rerank_period != b.rerank_period)
+      return mismatch("rerank_period", fmt::format("{}", b.rerank_period), fmt::format("{}", a.rerank_period));
+    if (a.mode != b.mode)
+      return mismatch("mode", std::string(CumulativeModeName(b.mode)), std::string(CumulativeModeName(a.mode)));
+  }
+  return Status::Ok();
+}
+
 std::string DescribeLayer(const LayerKvConfig& l) {
   std::string s(KvMethodName(l.method));
   if (l.method != KvMethod::kFull) s += " budget=" + KvBudgetToString(l.budget);
@@ -317,6 +361,12 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "page_tokens" && p.page_tokens > 0) s += fmt::format(" page_tokens={}", p.page_tokens);
     if (key == "dense_layers") s += fmt::format(" dense_layers={}", p.dense_layers);
     if (key == "cache_positions" && p.cache_positions) s += " cache_positions";
+    if (key == "decay") s += fmt::format(" decay={:g}", p.decay);
+    if (key == "rerank_period") s += fmt::format(" rerank_period={}", p.rerank_period);
+    if (key == "mode") s += fmt::format(" mode={}", CumulativeModeName(p.mode));
+    if (key == "schedule") s += fmt::format(" schedule={}", RetentionScheduleName(p.schedule));
+    if (key == "spread") s += fmt::format(" spread={:g}", p.spread);
+    if (key == "layer_weight" && p.layer_weight >= 0) s += fmt::format(" layer_weight={:g}", p.layer_weight);
   }
   return s;
 }
@@ -453,6 +503,8 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
     if (!status.ok())
       return InvalidArgumentError(fmt::format("{}: {} [set by {}]", source, status.message(), origin));
   }
+  if (const Status status = CheckSharedRankingParams(config.layers); !status.ok())
+    return InvalidArgumentError(fmt::format("{}: {}", source, status.message()));
   return config;
 }
 
@@ -556,6 +608,7 @@ Status ValidateKvSparsityConfig(const KvSparsityConfig& config) {
     return InvalidArgumentError(fmt::format("kv config: prefill_chunk must be >= 1; found {}", config.prefill_chunk));
   for (size_t l = 0; l < config.layers.size(); ++l)
     KVS_RETURN_IF_ERROR(ValidateLayerKvConfig(config.layers[l], static_cast<int>(l)));
+  KVS_RETURN_IF_ERROR(CheckSharedRankingParams(config.layers));
   return Status::Ok();
 }
 

@@ -23,10 +23,11 @@ constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling", "h
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
+constexpr std::string_view kCumulativeKeys[] = {"decay", "rerank_period", "mode", "schedule", "spread", "layer_weight"};
 constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "decode_evict",
                                            "dense_layers"};
 
-constexpr std::array<MethodInfo, 11> kMethods = {{
+constexpr std::array<MethodInfo, 12> kMethods = {{
     {KvMethod::kFull, "full", {}},
     {KvMethod::kStreamingLlm, "streaming_llm", kStreamingKeys},
     {KvMethod::kH2O, "h2o", kWindowedKeys},
@@ -38,6 +39,7 @@ constexpr std::array<MethodInfo, 11> kMethods = {{
     {KvMethod::kRandom, "random", kRandomKeys},
     {KvMethod::kQuest, "quest", kQuestKeys},
     {KvMethod::kOracle, "oracle", kOracleKeys},
+    {KvMethod::kCumulative, "cumulative", kCumulativeKeys},
 }};
 
 const MethodInfo& Info(KvMethod method) {
@@ -75,6 +77,10 @@ std::string_view HeadReduceName(HeadReduce r) {
   return r == HeadReduce::kMean ? "mean" : r == HeadReduce::kMax ? "max" : "none";
 }
 std::string_view VotePoolingName(VotePooling p) { return p == VotePooling::kMax ? "max" : "avg"; }
+std::string_view RetentionScheduleName(RetentionSchedule s) {
+  return s == RetentionSchedule::kLinear ? "linear" : s == RetentionSchedule::kCosine ? "cosine" : "none";
+}
+std::string_view CumulativeModeName(CumulativeMode m) { return m == CumulativeMode::kEvict ? "evict" : "mask"; }
 
 KvMethodParams DefaultMethodParams(KvMethod method) {
   KvMethodParams p;
@@ -92,7 +98,8 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
     case KvMethod::kFull:
     case KvMethod::kTova:
     case KvMethod::kSnapKv:
-    case KvMethod::kOracle: break;
+    case KvMethod::kOracle:
+    case KvMethod::kCumulative: break;  // the defaults are KvMethodParams' (cumulative.cc)
   }
   return p;
 }
@@ -109,7 +116,8 @@ bool DefaultPerHead(KvMethod method) {
     case KvMethod::kScissorhands:
     case KvMethod::kRandom:
     case KvMethod::kQuest:
-    case KvMethod::kOracle: return false;
+    case KvMethod::kOracle:
+    case KvMethod::kCumulative: return false;
   }
   return false;
 }
@@ -120,7 +128,8 @@ int PaperEvictInterval(KvMethod method) {
     case KvMethod::kH2O:
     case KvMethod::kTova:
     case KvMethod::kScissorhands:
-    case KvMethod::kRandom: return 1;
+    case KvMethod::kRandom:
+    case KvMethod::kCumulative: return 1;
     case KvMethod::kFull:
     case KvMethod::kSnapKv:
     case KvMethod::kPyramidKv:
@@ -164,6 +173,16 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
     return error("head_reduce", "\"none\" (per query head) is Quest's page selection; use mean or max");
   if (Uses(method, "dense_layers") && p.dense_layers < 0)
     return error("dense_layers", fmt::format("must be >= 0 layers; found {}", p.dense_layers));
+  if (Uses(method, "decay") && !(p.decay > 0.0 && p.decay <= 1.0))
+    return error("decay", fmt::format("must lie in (0, 1] (1: a plain sum); found {:g}", p.decay));
+  if (Uses(method, "rerank_period") && p.rerank_period < 1)
+    return error("rerank_period", fmt::format("must be >= 1 token; found {}", p.rerank_period));
+  if (Uses(method, "spread") && !(p.spread >= 1.0 && std::isfinite(p.spread)))
+    return error("spread", fmt::format("must be >= 1 (the first layer's share over the last's); found {:g}", p.spread));
+  if (Uses(method, "layer_weight") && !(std::isfinite(p.layer_weight) && (p.layer_weight >= 0.0 || p.layer_weight == -1.0)))
+    return error("layer_weight", fmt::format("must be >= 0 (or -1 for 1 + depth); found {:g}", p.layer_weight));
+  if (method == KvMethod::kCumulative && config.per_head)
+    return error("per_head", "cumulative ranks a sequence's tokens once for all its layers and heads; set per_head false");
   if (Uses(method, "beta") && !(p.beta >= 1.0 && std::isfinite(p.beta)))
     return error("beta", fmt::format("must be >= 1 (the last layer gets 1/beta of the mean share); found {:g}", p.beta));
 

@@ -8,6 +8,7 @@ int32_t KvPolicy::EvictionTarget(int32_t n_live, int32_t n_seen, EvictionPoint p
   if (n_live <= budget) return n_live;
   if (point != EvictionPoint::kDecodeStep) return budget;
   if (!EvictsDuringDecode()) return n_live;
+  if (MustEvictNow(n_live)) return budget;
   // Evicting evict_interval tokens at once amortizes selection and compaction.
   if (static_cast<int64_t>(n_live) - budget >= evict_interval) return budget;
   return n_live;

@@ -60,5 +60,7 @@ std::unique_ptr<KvPolicy> MakeKNormPolicy(const KvBudget& budget, const KvMethod
 std::unique_ptr<KvPolicy> MakeRandomPolicy(const KvBudget& budget, const KvMethodParams& params, uint64_t seed);
 std::unique_ptr<KvPolicy> MakeQuestPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeOraclePolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeCumulativePolicy(const KvBudget& mean_budget, const KvMethodParams& params, int layer,
+                                               int n_layers);
 
 }  // namespace kvsparse::policy

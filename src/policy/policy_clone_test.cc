@@ -37,7 +37,7 @@ constexpr uint64_t kSeed = 12345;
 constexpr KvMethod kAllMethods[] = {KvMethod::kFull,         KvMethod::kStreamingLlm, KvMethod::kH2O,
                                     KvMethod::kTova,         KvMethod::kScissorhands, KvMethod::kSnapKv,
                                     KvMethod::kPyramidKv,    KvMethod::kKNorm,        KvMethod::kRandom,
-                                    KvMethod::kQuest};
+                                    KvMethod::kQuest,        KvMethod::kCumulative};
 
 // A budget small enough to evict, and parameters that exercise each method's state: sinks,
 // a short Scissorhands history (bits shift out during the run), a SnapKV/PyramidKV window
