@@ -145,10 +145,9 @@ TEST_F(CumulativeEngineTest, EvictModeKeepsNestedSharesAndFreesPages) {
     EXPECT_LT(last * 3, first * 2) << kv_type << ": first layer " << first << " B, last " << last << " B";
     int64_t reranks = 0;
     for (const SparseKvLayerStats& s : kv->controller->layer_stats()) reranks += s.reranks;
-    // A re-rank is due every 16 appended tokens and runs at the next trim: one per prompt chunk
-    // of 32, then at most one per 16 decode steps (trims come every evict_interval steps).
-    EXPECT_GE(reranks, 8 + 1) << kv_type;
-    EXPECT_LE(reranks, 8 + 64 / 16) << kv_type;
+    // A re-rank runs at the first append after 16 tokens were appended since the last: before
+    // prompt chunks 2-8 of 32 tokens (7), the first decode step (1), then every 16 steps (3).
+    EXPECT_EQ(reranks, 7 + 1 + 3) << kv_type;
     EXPECT_NE(kv->controller->FormatStats().find("global re-ranks"), std::string::npos);
   }
 }

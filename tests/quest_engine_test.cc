@@ -1,8 +1,9 @@
-// Quest and the oracle through the engine (SparseKvController::SelectSpans before decode
+// Quest, the oracle and reuse through the engine (SparseKvController::SelectSpans before decode
 // attention):
 // - a budget of the whole context reads everything: bit-identical to Full, shared and per-head
 //   (both methods);
-// - the oracle at a small budget reads exactly the budget per KV head and step, keeps every token;
+// - the oracle at a small budget reads exactly the budget per KV head and step, keeps every token,
+//   and so do reuse's selection layers and the layers that reuse their choice;
 // - a small budget reads at most budget + one page per decode step, keeps every token, never
 //   evicts, and accounts its page metadata;
 // - on the built-in retrieval model a deep needle at 1024 tokens, asked as a separate decode
@@ -92,9 +93,10 @@ TEST_F(QuestSynthTest, WholeContextBudgetIsBitIdenticalToFull) {
   const std::vector<int32_t> prompt = Prompt(70);
   const int n_decode = 40;
   const int32_t context = 70 + n_decode + 1;
-  for (const std::string method : {"quest", "oracle"}) {
+  for (const std::string method : {"quest", "oracle", "reuse"}) {
     for (const std::string kv_type : {"f32", "int8"}) {
       for (bool per_head : {false, true}) {
+        if (method == "reuse" && per_head) continue;  // reuse shares a selection per KV head across layers
         KvSparsityConfig full = FlagsConfig(*model_, "full", "", kv_type);
         KvSparsityConfig sparse = FlagsConfig(*model_, method, std::to_string(context), kv_type);
         for (LayerKvConfig& l : full.layers) l.per_head = per_head;
@@ -122,25 +124,32 @@ TEST_F(QuestSynthTest, WholeContextBudgetIsBitIdenticalToFull) {
   }
 }
 
-TEST_F(QuestSynthTest, OracleReadsExactlyTheBudgetAndKeepsEverything) {
+// Reuse's selection layers choose as the oracle does and the layers after them read as many.
+TEST_F(QuestSynthTest, OracleAndReuseReadExactlyTheBudgetAndKeepEverything) {
   const std::vector<int32_t> prompt = Prompt(150);
   const int n_decode = 20;
   const int32_t context = 150 + n_decode + 1;
-  for (const std::string kv_type : {"f16", "int8_kivi"}) {
-    for (bool per_head : {false, true}) {
-      KvSparsityConfig config = FlagsConfig(*model_, "oracle", "40", kv_type);
-      for (LayerKvConfig& l : config.layers) l.per_head = per_head;
-      auto kv = CreateSparseKv(Geometry(*model_), config, 1, context);
-      ASSERT_TRUE(kv.ok()) << kv.status().ToString();
-      const auto out = RunGreedy(*model_, *kv, prompt, n_decode);
-      ASSERT_EQ(out.size(), static_cast<size_t>(n_decode) + 1);
-      for (int layer = 0; layer < model_->config().n_layers; ++layer) {
-        const SparseKvLayerStats& s = kv->controller->layer_stats()[layer];
-        const int tables = per_head ? model_->config().n_kv_heads : 1;
-        EXPECT_EQ(s.span_selections, n_decode * tables);
-        EXPECT_EQ(s.selected_tokens, s.span_selections * 40) << kv_type << " layer " << layer;
-        EXPECT_EQ(s.evictions, 0);
-        EXPECT_EQ(kv->cache->NumTokens(0, layer), 150 + n_decode);  // the oracle keeps every token
+  for (const std::string method : {"oracle", "reuse"}) {
+    for (const std::string kv_type : {"f16", "int8_kivi"}) {
+      for (bool per_head : {false, true}) {
+        if (method == "reuse" && per_head) continue;
+        KvSparsityConfig config = FlagsConfig(*model_, method, "40", kv_type);
+        for (LayerKvConfig& l : config.layers) {
+          l.per_head = per_head;
+          l.params.dense_layers = 0;
+        }
+        auto kv = CreateSparseKv(Geometry(*model_), config, 1, context);
+        ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+        const auto out = RunGreedy(*model_, *kv, prompt, n_decode);
+        ASSERT_EQ(out.size(), static_cast<size_t>(n_decode) + 1);
+        for (int layer = 0; layer < model_->config().n_layers; ++layer) {
+          const SparseKvLayerStats& s = kv->controller->layer_stats()[layer];
+          const int tables = per_head ? model_->config().n_kv_heads : 1;
+          EXPECT_EQ(s.span_selections, n_decode * tables);
+          EXPECT_EQ(s.selected_tokens, s.span_selections * 40) << method << " " << kv_type << " layer " << layer;
+          EXPECT_EQ(s.evictions, 0);
+          EXPECT_EQ(kv->cache->NumTokens(0, layer), 150 + n_decode);  // the oracle keeps every token
+        }
       }
     }
   }

@@ -113,8 +113,8 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
   BenchSpec accuracy;
   KVS_ASSIGN_OR_RETURN(accuracy.model_path, BuiltinRetrievalModelPath());
   accuracy.model_name = "builtin-retrieval";
-  accuracy.methods = {"full",   "streaming_llm", "h2o",   "tova",  "scissorhands",
-                      "snapkv", "pyramidkv",     "quest", "knorm", "random"};
+  accuracy.methods = {"full",   "streaming_llm", "h2o",   "tova",   "scissorhands", "snapkv", "pyramidkv",
+                      "quest",  "knorm",         "random", "cumulative", "reuse",   "oracle"};
   accuracy.budgets = {"0.1", "0.2"};
   accuracy.lengths = {1024, 2048};
   accuracy.tasks = {"niah_single", "niah_multikey", "kv_retrieval", "copy"};

@@ -14,6 +14,8 @@
 //                  key min/max bound q·k highest, within the budget       layers 0-1 dense)
 //   oracle         never evicts; each decode step each KV head reads its  (head_reduce mean, every layer)
 //                  exact top-budget tokens by attention (the upper bound)
+//   reuse          never evicts; exact top-budget per KV head at selection (layers 0-1 dense,
+//                  layers, reused by the layers after them (TidalDecode)   reselect at 13/32 depth)
 //   cumulative     one ranking per sequence by attention summed over     (decay 0.99, re-rank every 16,
 //                  layers; each layer keeps a share, nested by depth      linear 3:1 schedule, evict)
 // Every selection keeps the token just appended (see selection.h).
@@ -48,6 +50,7 @@ enum class KvMethod {
   kQuest,
   kOracle,
   kCumulative,
+  kReuse,
 };
 
 std::string_view KvMethodName(KvMethod method);                  // "h2o"
@@ -97,6 +100,8 @@ struct KvMethodParams {
   RetentionSchedule schedule = RetentionSchedule::kLinear;  // "schedule": "linear" | "cosine" | "none"
   double spread = 3.0;          // "spread": first layer's retention / last layer's (>= 1)
   double layer_weight = -1.0;   // "layer_weight": the layer's weight in the importance; -1: 1 + depth (1 to 2)
+  // reuse (oracle.cc): the second token-selection layer; -1: 13/32 of the depth (TidalDecode's 13 of 32).
+  int32_t reselect_layer = -1;  // "reselect_layer"
 };
 
 // The paper defaults of `method` (see the table above).

@@ -141,7 +141,8 @@ class KvPolicy {
   // Bytes of per-page metadata the policy keeps (Quest's key bounds), allocated.
   virtual size_t MetadataBytes() const { return 0; }
   // Global re-ranks (count, seconds) the policy ran inside its calls since the last call, which
-  // the controller reports apart from the incremental work (cumulative); resets them.
+  // the controller reports apart from the incremental work (cumulative's run in OnAppend);
+  // resets them.
   virtual std::pair<int64_t, double> TakeRerankWork() { return {0, 0.0}; }
 
   virtual void OnAppend(int32_t n_new) = 0;

@@ -61,8 +61,8 @@ struct SparseKvLayerStats {
   // shared pages, int8_kivi rewrites); the tokens stay until the next eviction point, so a
   // forward step never fails half-way for want of pages.
   int64_t deferred_evictions = 0;
-  // Global re-ranks of cross-layer rankings (cumulative), counted at the layer whose selection
-  // ran them; their time is part of select_s.
+  // Global re-ranks of cross-layer rankings (cumulative), counted at the layer whose OnAppend
+  // ran them (the shallowest cumulative layer); their time is part of select_s.
   int64_t reranks = 0;
   double rerank_s = 0;
   double policy_s() const { return score_s + select_s + compact_s; }
@@ -198,11 +198,7 @@ class SparseKvController {
   Status BuildPolicies(int seq);
   // Lets cross-layer policies of seq share their state (LinkSequencePolicies).
   void LinkSequence(int seq);
-  static void AddRerankWork(KvPolicy& p, SparseKvLayerStats* st) {
-    const auto [reranks, seconds] = p.TakeRerankWork();
-    st->reranks += reranks;
-    st->rerank_s += seconds;
-  }
+
   // The policy that sizes a reservation: the layer's template, or (layers given) *own, made
   // from the override's config.
   const KvPolicy& ReservePolicy(int layer, const std::vector<LayerKvConfig>* layers,

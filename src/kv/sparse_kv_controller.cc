@@ -305,7 +305,16 @@ void SparseKvController::OnAppend(int seq, int layer, int32_t n_new, int32_t las
     seen_[seq] += n_new;
     last_position_[seq] = std::max(last_position_[seq], last_position);
   }
-  for (int head = 0; head < n_policies(layer); ++head) policy(seq, layer, head).OnAppend(n_new);
+  for (int head = 0; head < n_policies(layer); ++head) {
+    KvPolicy& p = policy(seq, layer, head);
+    p.OnAppend(n_new);
+    // A cross-layer ranking's due global re-rank runs in OnAppend: selection time, reported apart.
+    const auto [reranks, seconds] = p.TakeRerankWork();
+    SparseKvLayerStats& st = stats_[layer];
+    st.reranks += reranks;
+    st.rerank_s += seconds;
+    st.select_s += seconds;
+  }
 }
 
 bool SparseKvController::WantsScores(int seq, int layer, EvictionPoint point) const {
@@ -466,7 +475,6 @@ Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionP
   ctx.n_kv_heads = one_head ? 1 : g.n_kv_heads;  // head spans are [n, 1, head_dim]
   ctx.head_dim = g.head_dim;
   p.SelectKeep(ctx, &keep_);
-  AddRerankWork(p, &st);
   const auto t1 = Clock::now();
   KVS_CHECK_MSG(static_cast<int32_t>(keep_.size()) == n_live,
                 fmt::format("policy '{}' returned a keep mask of {} entries for {} live tokens", p.name(), keep_.size(),
@@ -566,7 +574,6 @@ bool SparseKvController::SelectSpans(int seq, int layer, int kv_head, const Atte
     for (const KvSpan& s : *spans) read += s.n;
   }
   SparseKvLayerStats& st = stats_[layer];
-  AddRerankWork(p, &st);
   st.metadata_bytes = st.metadata_bytes - bytes_before + p.MetadataBytes();
   ++st.span_selections;
   st.selected_tokens += read;
@@ -640,12 +647,16 @@ std::string SparseKvController::FormatStats() const {
     selectable += s.selectable_tokens;
     metadata += s.metadata_bytes;
     if (s.metadata_bytes > 0 || s.span_selections > 0) {
-      per_layer += fmt::format("{}{}: {} B", per_layer.empty() ? "" : ", ", layer, s.metadata_bytes);
+      const double read = s.selectable_tokens > 0 ? 100.0 * static_cast<double>(s.selected_tokens) /
+                                                        static_cast<double>(s.selectable_tokens)
+                                                  : 0.0;
+      per_layer += fmt::format("{}{}: {:.1f}% read, {} B", per_layer.empty() ? "" : ", ", layer, read,
+                               s.metadata_bytes);
     }
   }
   if (selections > 0 || metadata > 0) {
     out += fmt::format("query-aware selection: {} decode attention calls read {} of {} live tokens ({:.1f}%); "
-                       "page metadata {} MiB (per layer: {})\n",
+                       "page metadata {} MiB (per layer: tokens read of the live ones, metadata: {})\n",
                        selections, selected, selectable,
                        selectable > 0 ? 100.0 * static_cast<double>(selected) / static_cast<double>(selectable) : 0.0,
                        MiB(metadata), per_layer);

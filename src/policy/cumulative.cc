@@ -7,7 +7,9 @@
 //   importance is the attention it receives, summed over layers with weights ("layer_weight",
 //   default 1 + depth / (n_layers - 1): 1 at the first layer, 2 at the last, since deep layers'
 //   attention is the more selective) and smoothed over steps ("decay" per appended token,
-//   default 0.99: a half-life of ~69 tokens).
+//   default 0.99: a half-life of ~69 tokens). A prompt chunk of n tokens decays the scores by
+//   decay^n once and then adds the attention of all its queries undecayed (the kernel gives their
+//   sum, not each query's row): within a chunk, early and late queries weigh the same.
 // - Layer l keeps its share r_l of the tokens seen: the config's budget is the mean share, and
 //   "schedule" spreads it over depth, "linear" (default) or "cosine", from spread:1 (default 3)
 //   at the first layer down to the last; "none" takes each layer's budget as given. The sets are
@@ -59,10 +61,6 @@ class CumulativePolicy final : public BudgetedPolicy {
   // Shallower layers dropped tokens this layer still caches: free them in this forward call.
   bool MustEvictNow(int32_t n_live) const override {
     return !mask() && ranking_ && ranking_->HeldBy(index_) < n_live;
-  }
-  size_t MetadataBytes() const override {
-    return ids_.capacity() * sizeof(int32_t) + selected_rows_.capacity() * sizeof(int32_t) +
-           mass_.capacity() * sizeof(float);
   }
   std::pair<int64_t, double> TakeRerankWork() override {
     return ranking_ && index_ == 0 ? ranking_->TakeRerankWork() : std::pair<int64_t, double>{0, 0.0};
@@ -203,7 +201,9 @@ KvBudget CumulativeLayerBudget(const KvBudget& mean_budget, const KvMethodParams
   return KvBudget::Tokens(std::max<int32_t>(1, static_cast<int32_t>(std::lround(mean_budget.tokens * factor))));
 }
 
-void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies) {
+namespace policy {
+
+void LinkCumulativeLayers(std::span<KvPolicy* const> layer_policies) {
   std::vector<policy::CumulativePolicy*> layers;
   for (KvPolicy* p : layer_policies)
     if (auto* c = dynamic_cast<policy::CumulativePolicy*>(p)) layers.push_back(c);
@@ -220,4 +220,5 @@ void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies) {
   for (size_t i = 0; i < layers.size(); ++i) layers[i]->Bind(ranking, static_cast<int>(i));
 }
 
+}  // namespace policy
 }  // namespace kvsparse

@@ -30,6 +30,8 @@ CumulativeRanking::CumulativeRanking(std::vector<Layer> layers, double decay, in
 
 void CumulativeRanking::Append(int32_t n_new) {
   KVS_CHECK(n_new >= 0);
+  // A due re-rank runs first, on the scores of every step so far (new tokens have none yet).
+  if (since_rerank_ >= rerank_period_) Rerank();
   inv_scale_ /= std::pow(decay_, n_new);
   if (inv_scale_ > kMaxInvScale) {
     // S~ = S / g: bring g back to 1 (a positive factor keeps every heap's order).
@@ -84,7 +86,6 @@ void CumulativeRanking::FlushPending() {
 
 int32_t CumulativeRanking::Trim(int layer, int32_t target) {
   KVS_CHECK(layer >= 0 && layer < n_layers() && target >= 1);
-  if (!ever_ranked_ || since_rerank_ >= rerank_period_) Rerank();
   FlushPending();
   int32_t held = HeldBy(layer);
   std::vector<Entry>& heap = heaps_[static_cast<size_t>(layer)];
@@ -152,7 +153,6 @@ void CumulativeRanking::Rerank() {
   }
   for (std::vector<Entry>& heap : heaps_) std::make_heap(heap.begin(), heap.end(), kMinHeap);
   since_rerank_ = 0;
-  ever_ranked_ = true;
   ++reranks_;
   rerank_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

@@ -21,9 +21,10 @@
 // tokens enter every heap with their S~ at the next trim of any layer, after the layers that
 // trim before it observed them). Entering and leaving are O(log n) per layer; entries of tokens
 // that a shallower layer dropped stay behind and are skipped when they surface. A global re-rank
-// (every rerank_period appended tokens, run at the next trim) refreshes every key from S~ and
-// rebuilds the heaps: O(n) per layer in evict mode; in mask mode it also re-assigns every depth
-// from the new order, O(n log n), so a masked token can come back.
+// (when rerank_period tokens were appended since the last, at the next Append, before the new
+// tokens enter) refreshes every key from S~ and rebuilds the heaps: O(n) per layer in evict mode;
+// in mask mode it also re-assigns every depth from the new order, O(n log n), so a masked token
+// can come back.
 #pragma once
 
 #include <cstdint>
@@ -50,7 +51,8 @@ class CumulativeRanking {
   // Tokens of the sequence (appended less removed): what fraction budgets are a fraction of.
   int32_t n_present() const { return n_present_; }
 
-  // n_new tokens enter at full depth (held by every layer); their ids follow the last ones.
+  // Runs a due global re-rank, then n_new tokens enter at full depth (held by every layer); their
+  // ids follow the last ones.
   void Append(int32_t n_new);
   // Layer `layer`'s attention: mass[i] to token ids[i].
   void AddAttention(int layer, const int32_t* ids, const float* mass, int32_t n);
@@ -58,8 +60,7 @@ class CumulativeRanking {
   int32_t HeldBy(int layer) const;
   bool Held(int layer, int32_t id) const { return depth_[static_cast<size_t>(id)] > layer; }
   // Drops layer `layer`'s lowest-ranked tokens (never the newest token), and with them every
-  // deeper layer's, until the layer holds at most `target` (>= 1). Runs a due global re-rank
-  // first. Returns the tokens dropped.
+  // deeper layer's, until the layer holds at most `target` (>= 1). Returns the tokens dropped.
   int32_t Trim(int layer, int32_t target);
   // The token left the sequence (RemoveRange): no layer holds it and no re-rank brings it back.
   void Remove(int32_t id);
@@ -89,7 +90,6 @@ class CumulativeRanking {
   std::vector<int32_t> pending_;        // ids appended since the last trim (not in the heaps yet)
   int32_t n_present_ = 0;
   int32_t since_rerank_ = 0;            // tokens appended since the last global re-rank
-  bool ever_ranked_ = false;
   int64_t reranks_ = 0;
   double rerank_s_ = 0;
   std::vector<int32_t> order_;          // mask-mode re-rank scratch

@@ -145,7 +145,7 @@ std::vector<std::string_view> MethodNameList() {
   std::vector<std::string_view> names;
   for (KvMethod m : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova, KvMethod::kScissorhands,
                      KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom, KvMethod::kQuest,
-                     KvMethod::kOracle, KvMethod::kCumulative})
+                     KvMethod::kOracle, KvMethod::kCumulative, KvMethod::kReuse})
     names.push_back(KvMethodName(m));
   return names;
 }
@@ -211,6 +211,7 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   }
   if (key == "spread") return ReadNumber(v, where, key, &p->spread);
   if (key == "layer_weight") return ReadNumber(v, where, key, &p->layer_weight);
+  if (key == "reselect_layer") return ReadInt(v, where, key, &p->reselect_layer);
   return where.Error(key, "internal: parameter without a reader");
 }
 
@@ -319,7 +320,6 @@ Status CheckSharedRankingParams(const std::vector<LayerKvConfig>& layers) {
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerKvConfig& layer = layers[l];
     if (layer.method != KvMethod::kCumulative) continue;
-    // The cumulative layers share one ranking: its parameters must agree.
     if (first_cumulative == nullptr) {
       first_cumulative = &layer;
       continue;
@@ -367,6 +367,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "schedule") s += fmt::format(" schedule={}", RetentionScheduleName(p.schedule));
     if (key == "spread") s += fmt::format(" spread={:g}", p.spread);
     if (key == "layer_weight" && p.layer_weight >= 0) s += fmt::format(" layer_weight={:g}", p.layer_weight);
+    if (key == "reselect_layer" && p.reselect_layer >= 0) s += fmt::format(" reselect_layer={}", p.reselect_layer);
   }
   return s;
 }

@@ -23,11 +23,12 @@ constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling", "h
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
+constexpr std::string_view kReuseKeys[] = {"head_reduce", "dense_layers", "reselect_layer"};
 constexpr std::string_view kCumulativeKeys[] = {"decay", "rerank_period", "mode", "schedule", "spread", "layer_weight"};
 constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "decode_evict",
                                            "dense_layers"};
 
-constexpr std::array<MethodInfo, 12> kMethods = {{
+constexpr std::array<MethodInfo, 13> kMethods = {{
     {KvMethod::kFull, "full", {}},
     {KvMethod::kStreamingLlm, "streaming_llm", kStreamingKeys},
     {KvMethod::kH2O, "h2o", kWindowedKeys},
@@ -40,6 +41,7 @@ constexpr std::array<MethodInfo, 12> kMethods = {{
     {KvMethod::kQuest, "quest", kQuestKeys},
     {KvMethod::kOracle, "oracle", kOracleKeys},
     {KvMethod::kCumulative, "cumulative", kCumulativeKeys},
+    {KvMethod::kReuse, "reuse", kReuseKeys},
 }};
 
 const MethodInfo& Info(KvMethod method) {
@@ -94,6 +96,7 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
       p.dense_layers = 2;
       break;
     case KvMethod::kKNorm: p.dense_layers = 2; break;  // Devoto et al.: the first two layers kept whole
+    case KvMethod::kReuse: p.dense_layers = 2; break;  // TidalDecode: sparse attention from layer 2
     case KvMethod::kPyramidKv: p.obs_window = 8; break;  // KVCache-Factory's runs: window 8
     case KvMethod::kFull:
     case KvMethod::kTova:
@@ -117,7 +120,8 @@ bool DefaultPerHead(KvMethod method) {
     case KvMethod::kRandom:
     case KvMethod::kQuest:
     case KvMethod::kOracle:
-    case KvMethod::kCumulative: return false;
+    case KvMethod::kCumulative:
+    case KvMethod::kReuse: return false;
   }
   return false;
 }
@@ -135,7 +139,8 @@ int PaperEvictInterval(KvMethod method) {
     case KvMethod::kPyramidKv:
     case KvMethod::kKNorm:
     case KvMethod::kQuest:
-    case KvMethod::kOracle: return 0;
+    case KvMethod::kOracle:
+    case KvMethod::kReuse: return 0;
   }
   return 0;
 }
@@ -181,6 +186,11 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
     return error("spread", fmt::format("must be >= 1 (the first layer's share over the last's); found {:g}", p.spread));
   if (Uses(method, "layer_weight") && !(std::isfinite(p.layer_weight) && (p.layer_weight >= 0.0 || p.layer_weight == -1.0)))
     return error("layer_weight", fmt::format("must be >= 0 (or -1 for 1 + depth); found {:g}", p.layer_weight));
+  if (Uses(method, "reselect_layer") && p.reselect_layer < -1)
+    return error("reselect_layer", fmt::format("must be a layer index (or -1 for 13/32 of the depth); found {}",
+                                               p.reselect_layer));
+  if (method == KvMethod::kReuse && config.per_head)
+    return error("per_head", "reuse shares each KV head's selection across a sequence's layers; set per_head false");
   if (method == KvMethod::kCumulative && config.per_head)
     return error("per_head", "cumulative ranks a sequence's tokens once for all its layers and heads; set per_head false");
   if (Uses(method, "beta") && !(p.beta >= 1.0 && std::isfinite(p.beta)))

@@ -15,25 +15,60 @@
 // reads the whole table, bit-identical to Full.
 // Cost: one scalar pass over every key per step and layer. It is an instrument for measuring how
 // far a method's selection is from the best one, not a fast path.
+//
+// Reuse: cross-layer selection reuse, TidalDecode's position-persistent sparse attention (Yang et
+// al., ICLR 2025; OmniKV, Hao et al., ICLR 2025, reuses selections across layers the same way).
+// The first `dense_layers` (2) layers attend densely; a token-selection layer (the first layer
+// after them, and the re-selection layer, "reselect_layer", default 13/32 of the depth: layer 13
+// of Llama's 32, as the reference) makes the oracle's exact top-budget choice per KV head, and
+// every later layer reads the same tokens per KV head, without scoring, until the next selection
+// layer. Nothing is evicted; decode steps save reads and the scoring of the reusing layers.
+// LinkSequencePolicies gives a sequence's reuse layers one ReuseSelection and their roles.
 #include <algorithm>
 #include <cmath>
+
+#include <fmt/format.h>
 
 #include "kvsparse/kv_types.h"
 #include "policy/policy_base.h"
 
 namespace kvsparse::policy {
+
+// The tokens the last selection layer of the current decode step chose, per KV head.
+struct ReuseSelection {
+  int32_t n_live = -1;  // live tokens then (the reusing layers of the same step hold as many)
+  bool whole = false;   // the budget covered every token: read everything
+  std::vector<std::vector<int32_t>> heads;  // [n_kv_heads] live indices, ascending
+};
+
 namespace {
+
+enum class TopKRole {
+  kOracle,  // selects at every step, for itself
+  kSelect,  // selects and publishes the choice (reuse's selection layers)
+  kReuse,   // reads the published choice
+};
 
 class OraclePolicy final : public ReadSparsePolicy {
  public:
-  using ReadSparsePolicy::ReadSparsePolicy;
-  std::string_view name() const override { return "oracle"; }
-  // all_spans_ is dropped: after a selection it points into the original sequence's pages.
+  OraclePolicy(const KvBudget& budget, const KvMethodParams& params, TopKRole role)
+      : ReadSparsePolicy(budget, params), role_(role) {}
+  std::string_view name() const override { return role_ == TopKRole::kOracle ? "oracle" : "reuse"; }
+  // all_spans_ is dropped: after a selection it points into the original sequence's pages. The
+  // selection a reuse layer shares is per step: the copy gets its own (LinkSequencePolicies
+  // shares it again).
   std::unique_ptr<KvPolicy> Clone() const override {
     auto copy = std::make_unique<OraclePolicy>(*this);
     copy->all_spans_.clear();
+    if (shared_) copy->shared_ = std::make_shared<ReuseSelection>();
     return copy;
   }
+  bool reuses() const { return role_ != TopKRole::kOracle; }
+  void Bind(std::shared_ptr<ReuseSelection> shared, bool selects) {
+    shared_ = std::move(shared);
+    role_ = selects ? TopKRole::kSelect : TopKRole::kReuse;
+  }
+  const KvMethodParams& params() const { return params_; }
   bool SelectsPerQueryHead() const override { return true; }
   size_t MetadataBytes() const override {
     return (scores_.capacity() + logits_.capacity() + key_row_.capacity()) * sizeof(float) +
@@ -43,11 +78,11 @@ class OraclePolicy final : public ReadSparsePolicy {
 
   // One list for every head: the union of the KV heads' tokens.
   void SelectSpans(const SpanSelectionContext& ctx, std::vector<KvSpan>* spans) override {
-    const int32_t n_read = Prepare(ctx, *spans);
+    const int32_t n_read = Begin(ctx, *spans);
     if (n_read == 0) return;
     in_union_.assign(static_cast<size_t>(n_live_), 0);
     for (int h = 0; h < ctx.n_kv_heads; ++h) {
-      SelectHead(h, n_read);
+      ChooseHead(h, n_read);
       for (int32_t t : chosen_) in_union_[t] = 1;
     }
     chosen_.clear();
@@ -59,11 +94,11 @@ class OraclePolicy final : public ReadSparsePolicy {
 
   bool SelectQueryHeadSpans(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans,
                             std::vector<KvSpan>* head_spans) override {
-    const int32_t n_read = Prepare(ctx, spans);
+    const int32_t n_read = Begin(ctx, spans);
     if (n_read == 0) return false;
     const int group = ctx.n_q_heads / ctx.n_kv_heads;
     for (int h = 0; h < ctx.n_kv_heads; ++h) {
-      SelectHead(h, n_read);
+      ChooseHead(h, n_read);
       Runs(ctx, spans, &head_spans[h * group]);
       for (int g = 1; g < group; ++g) head_spans[h * group + g] = head_spans[h * group];
     }
@@ -71,6 +106,37 @@ class OraclePolicy final : public ReadSparsePolicy {
   }
 
  private:
+  // Tokens each KV head reads (0: the whole table). A selecting layer scores (Prepare) and
+  // publishes; a reusing one takes the published choice of this step.
+  int32_t Begin(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
+    if (role_ == TopKRole::kReuse) {
+      const int32_t n_live = CheckedLiveTokens(spans);
+      KVS_CHECK_MSG(shared_ && shared_->n_live == n_live,
+                    fmt::format("reuse: layer {} reuses a selection of {} tokens but holds {} (a selection layer "
+                                "must come first in each step)",
+                                ctx.layer, shared_ ? shared_->n_live : -1, n_live));
+      return shared_->whole ? 0 : 1;
+    }
+    const int32_t n_read = Prepare(ctx, spans);
+    if (role_ == TopKRole::kSelect) {
+      if (!shared_) shared_ = std::make_shared<ReuseSelection>();  // used on its own
+      shared_->n_live = n_live_;
+      shared_->whole = n_read == 0;
+      shared_->heads.resize(static_cast<size_t>(ctx.n_kv_heads));
+    }
+    return n_read;
+  }
+
+  // chosen_ = KV head h's tokens, selected (n_read of them) or reused.
+  void ChooseHead(int h, int32_t n_read) {
+    if (role_ == TopKRole::kReuse) {
+      chosen_ = shared_->heads[static_cast<size_t>(h)];
+      return;
+    }
+    SelectHead(h, n_read);
+    if (role_ == TopKRole::kSelect) shared_->heads[static_cast<size_t>(h)] = chosen_;
+  }
+
   // Tokens each KV head reads (0: the whole table), with scores_ [n_kv_heads, n_live] filled.
   int32_t Prepare(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
     const int32_t n_live = CheckedLiveTokens(spans);
@@ -161,12 +227,35 @@ class OraclePolicy final : public ReadSparsePolicy {
   // SelectSpans only: [n_live] tokens some KV head reads; its input spans, copied (they are rewritten).
   std::vector<uint8_t> in_union_;
   std::vector<KvSpan> all_spans_;
+  TopKRole role_;
+  std::shared_ptr<ReuseSelection> shared_;  // reuse layers of one sequence: one object
 };
 
 }  // namespace
 
 std::unique_ptr<KvPolicy> MakeOraclePolicy(const KvBudget& budget, const KvMethodParams& params) {
-  return std::make_unique<OraclePolicy>(budget, params);
+  return std::make_unique<OraclePolicy>(budget, params, TopKRole::kOracle);
+}
+
+std::unique_ptr<KvPolicy> MakeReusePolicy(const KvBudget& budget, const KvMethodParams& params) {
+  return std::make_unique<OraclePolicy>(budget, params, TopKRole::kSelect);  // LinkReuseLayers assigns the roles
+}
+
+int32_t ReuseReselectLayer(const KvMethodParams& params, int n_layers) {
+  return params.reselect_layer >= 0 ? params.reselect_layer
+                                    : static_cast<int32_t>(std::lround(n_layers * 13.0 / 32.0));
+}
+
+void LinkReuseLayers(std::span<KvPolicy* const> layer_policies) {
+  std::shared_ptr<ReuseSelection> shared;
+  const int n_layers = static_cast<int>(layer_policies.size());
+  for (int layer = 0; layer < n_layers; ++layer) {
+    auto* p = dynamic_cast<OraclePolicy*>(layer_policies[static_cast<size_t>(layer)]);
+    if (p == nullptr || !p->reuses()) continue;
+    const bool first = shared == nullptr;
+    if (first) shared = std::make_shared<ReuseSelection>();
+    p->Bind(shared, first || layer == ReuseReselectLayer(p->params(), n_layers));
+  }
 }
 
 }  // namespace kvsparse::policy

@@ -2,11 +2,13 @@
 // group-folded softmax (mean and max) over ragged f32 spans (other storage types reach the
 // oracle through LoadSpanKeyRow, Quest's tested key reader), the newest token among them; a
 // budget covering the table reads it whole; the policy never evicts; its configuration.
+// Reuse: linked layers' roles, and the reusing layers read the selection layer's tokens.
 // Through the engine: tests/quest_engine_test.cc.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <set>
 #include <vector>
@@ -163,6 +165,79 @@ TEST(OraclePolicyTest, ConfigRejectsPerQueryHeadReduce) {
   ASSERT_TRUE(fine.ok()) << fine.status().ToString();
   EXPECT_EQ(fine->layers[0].method, KvMethod::kOracle);
   EXPECT_FALSE(fine->layers[0].per_head);
+}
+
+// A sequence's reuse layers, linked: layers 0-1 dense (Full), 2 selects, then reuse up to the
+// re-selection layer, which selects again for the layers after it.
+TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
+  const int n_layers = 8, n_kv = 2, group = 2, n_q = n_kv * group, d = 8;
+  LayerKvConfig config;
+  config.method = KvMethod::kReuse;
+  config.budget = KvBudget::Tokens(9);
+  config.params = DefaultMethodParams(KvMethod::kReuse);
+  config.params.reselect_layer = 5;
+  std::vector<std::unique_ptr<KvPolicy>> layers;
+  std::vector<KvPolicy*> links;
+  for (int l = 0; l < n_layers; ++l) {
+    auto p = CreatePolicy(config, l, n_layers, 0);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    layers.push_back(std::move(*p));
+    links.push_back(layers.back().get());
+  }
+  LinkSequencePolicies(links);
+  EXPECT_EQ(layers[1]->name(), "full");
+  EXPECT_EQ(layers[2]->name(), "reuse");
+  std::mt19937 rng(17);
+  const int32_t n = 40;
+  RaggedSpans data(n, n_kv, d, {5, 16, 3}, rng);
+  for (auto& p : layers) p->OnAppend(n);
+  SpanSelectionContext ctx;
+  ctx.n_q_heads = n_q;
+  ctx.n_kv_heads = n_kv;
+  ctx.head_dim = d;
+  // Each layer gets its own query; a selecting layer chooses with it, a reusing one ignores it.
+  std::vector<std::vector<int32_t>> selected(n_kv);
+  for (int l = 2; l < n_layers; ++l) {
+    const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
+    ctx.q = q.data();
+    ctx.layer = l;
+    std::vector<std::vector<KvSpan>> per_query(n_q);
+    ASSERT_TRUE(layers[l]->SelectQueryHeadSpans(ctx, data.spans, per_query.data())) << "layer " << l;
+    const bool selects = l == 2 || l == 5;
+    for (int h = 0; h < n_kv; ++h) {
+      const std::vector<int32_t> got = Positions(per_query[h * group]);
+      EXPECT_EQ(got.size(), 9u);
+      if (selects) {
+        EXPECT_EQ(got, ReferenceTopK(data, q, n_q, n_kv, d, h, 9, false)) << "layer " << l << " head " << h;
+        selected[h] = got;
+      } else {
+        EXPECT_EQ(got, selected[h]) << "layer " << l << " head " << h << " reuses the last selection";
+      }
+    }
+  }
+  // A fork's layers (clones, linked again) keep working on their own.
+  std::vector<std::unique_ptr<KvPolicy>> clones;
+  std::vector<KvPolicy*> clone_links;
+  for (auto& p : layers) {
+    clones.push_back(p->Clone());
+    clone_links.push_back(clones.back().get());
+  }
+  LinkSequencePolicies(clone_links);
+  const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
+  ctx.q = q.data();
+  std::vector<std::vector<KvSpan>> a(n_q), b(n_q);
+  ASSERT_TRUE(clones[2]->SelectQueryHeadSpans(ctx, data.spans, a.data()));
+  ASSERT_TRUE(clones[3]->SelectQueryHeadSpans(ctx, data.spans, b.data()));
+  for (int i = 0; i < n_q; ++i) EXPECT_EQ(Positions(a[i]), Positions(b[i]));
+}
+
+TEST(ReusePolicyTest, ConfigDefaultsAndChecks) {
+  EXPECT_EQ(DefaultMethodParams(KvMethod::kReuse).dense_layers, 2);
+  EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "reuse", "budget": 64, "per_head": true}})", 4).ok());
+  EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "reuse", "budget": 64, "reselect_layer": -2}})", 4).ok());
+  auto fine = ParseKvSparsityConfig(R"({"default": {"method": "reuse", "budget": 0.1, "reselect_layer": 3}})", 4);
+  ASSERT_TRUE(fine.ok()) << fine.status().ToString();
+  EXPECT_EQ(fine->layers[0].params.reselect_layer, 3);
 }
 
 }  // namespace

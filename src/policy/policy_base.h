@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kvsparse/kv_budget.h"
@@ -48,6 +49,10 @@ class ReadSparsePolicy : public BudgetedPolicy {
   int32_t n_live_ = 0;
 };
 
+// The cross-layer linkers LinkSequencePolicies runs (cumulative.cc, oracle.cc).
+void LinkCumulativeLayers(std::span<KvPolicy* const> layer_policies);
+void LinkReuseLayers(std::span<KvPolicy* const> layer_policies);
+
 std::unique_ptr<KvPolicy> MakeFullPolicy();
 std::unique_ptr<KvPolicy> MakeStreamingLlmPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeH2OPolicy(const KvBudget& budget, const KvMethodParams& params);
@@ -60,6 +65,9 @@ std::unique_ptr<KvPolicy> MakeKNormPolicy(const KvBudget& budget, const KvMethod
 std::unique_ptr<KvPolicy> MakeRandomPolicy(const KvBudget& budget, const KvMethodParams& params, uint64_t seed);
 std::unique_ptr<KvPolicy> MakeQuestPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeOraclePolicy(const KvBudget& budget, const KvMethodParams& params);
+std::unique_ptr<KvPolicy> MakeReusePolicy(const KvBudget& budget, const KvMethodParams& params);
+// The re-selection layer of `reuse` (params.reselect_layer, or 13/32 of n_layers).
+int32_t ReuseReselectLayer(const KvMethodParams& params, int n_layers);
 std::unique_ptr<KvPolicy> MakeCumulativePolicy(const KvBudget& mean_budget, const KvMethodParams& params, int layer,
                                                int n_layers);
 

@@ -37,7 +37,7 @@ constexpr uint64_t kSeed = 12345;
 constexpr KvMethod kAllMethods[] = {KvMethod::kFull,         KvMethod::kStreamingLlm, KvMethod::kH2O,
                                     KvMethod::kTova,         KvMethod::kScissorhands, KvMethod::kSnapKv,
                                     KvMethod::kPyramidKv,    KvMethod::kKNorm,        KvMethod::kRandom,
-                                    KvMethod::kQuest,        KvMethod::kCumulative};
+                                    KvMethod::kQuest,        KvMethod::kCumulative,   KvMethod::kReuse};
 
 // A budget small enough to evict, and parameters that exercise each method's state: sinks,
 // a short Scissorhands history (bits shift out during the run), a SnapKV/PyramidKV window
@@ -54,7 +54,8 @@ LayerKvConfig ConfigFor(KvMethod method) {
       p.decode_evict = true;
       p.dense_layers = 0;  // the test's layer 1 would otherwise run Full
       break;
-    case KvMethod::kQuest: p.dense_layers = 0; break;
+    case KvMethod::kQuest:
+    case KvMethod::kReuse: p.dense_layers = 0; break;
     case KvMethod::kScissorhands:
       p.n_sink = 1;
       p.history_window = 8;
@@ -68,6 +69,11 @@ LayerKvConfig ConfigFor(KvMethod method) {
     default: break;
   }
   return config;
+}
+
+// Methods that keep every token (Quest and reuse narrow their reads instead).
+bool NeverEvicts(KvMethod method) {
+  return method == KvMethod::kFull || method == KvMethod::kQuest || method == KvMethod::kReuse;
 }
 
 // What one forward call feeds a (sequence, layer): new keys, then (after the append) the
@@ -162,9 +168,9 @@ class Driver {
       policy_->Observe(in.obs.view());
       r.observed = true;
     }
-    // 3. Eviction. Full and Quest never evict; they are still asked for their (all-ones) mask.
+    // 3. Eviction. Full, Quest and reuse never evict; they are still asked for their (all-ones) mask.
     r.target = policy_->EvictionTarget(n_live(), n_seen_, in.point, kEvictInterval);
-    const bool never_evicts = method_ == KvMethod::kFull || method_ == KvMethod::kQuest;
+    const bool never_evicts = NeverEvicts(method_);
     if (r.target < n_live() || never_evicts) {
       const std::vector<KvSpan> spans = Spans();
       SelectionContext ctx;
@@ -287,7 +293,7 @@ class PolicyCloneTest : public ::testing::TestWithParam<KvMethod> {};
 
 TEST_P(PolicyCloneTest, CloneContinuesLikeTheOriginalAndIsIndependent) {
   const KvMethod method = GetParam();
-  const bool never_evicts = method == KvMethod::kFull || method == KvMethod::kQuest;
+  const bool never_evicts = NeverEvicts(method);
   constexpr int kLayer = 1, kLayers = 4;  // PyramidKV's budget depends on both
   // Fork before anything, after one prompt chunk, at the prompt's end, and mid-decode.
   for (int fork_at : {0, 1, kPromptChunks, kPromptChunks + 7}) {
@@ -347,7 +353,7 @@ TEST_P(PolicyCloneTest, CloneContinuesLikeTheOriginalAndIsIndependent) {
     if (!never_evicts) {
       EXPECT_GT(evictions, 2);
     }
-    if (method == KvMethod::kQuest) {
+    if (method == KvMethod::kQuest || method == KvMethod::kReuse) {
       EXPECT_GT(narrowed, 2);
     }
   }

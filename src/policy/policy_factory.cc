@@ -27,6 +27,7 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
     case KvMethod::kRandom: return policy::MakeRandomPolicy(b, p, seed);
     case KvMethod::kQuest: return policy::MakeQuestPolicy(b, p);
     case KvMethod::kOracle: return policy::MakeOraclePolicy(b, p);
+    case KvMethod::kReuse: return policy::MakeReusePolicy(b, p);
     case KvMethod::kCumulative: return policy::MakeCumulativePolicy(b, p, layer, n_layers);
   }
   return InternalError(fmt::format("layer {}: unhandled method", layer));
