@@ -16,6 +16,7 @@
 //                  exact top-budget tokens by attention (the upper bound)
 //   reuse          never evicts; exact top-budget per KV head at selection (layers 0-1 dense,
 //                  layers, reused by the layers after them (TidalDecode)   reselect at 13/32 depth)
+//   (h2o, snapkv and pyramidkv per-head layers take "head_budgets": "adaptive": AdaKV, floor 0.5)
 //   cumulative     one ranking per sequence by attention summed over     (decay 0.99, re-rank every 16,
 //                  layers; each layer keeps a share, nested by depth      linear 3:1 schedule, evict)
 // Every selection keeps the token just appended (see selection.h).
@@ -70,6 +71,9 @@ enum class RetentionSchedule { kLinear, kCosine, kNone };
 // What `cumulative` does with the tokens a layer stops keeping: free them (evict), or keep them
 // in memory and skip reading them, so a re-rank can bring them back (mask).
 enum class CumulativeMode { kEvict, kMask };
+// How a per-head layer splits its budget over its KV heads: the same budget each, or AdaKV's
+// adaptive split (adakv.h): one top over every head's scores, each head kept a floor.
+enum class HeadBudgets { kUniform, kAdaptive };
 
 // Parameters of every method in one flat struct; each method reads the fields named in
 // KvMethodParamKeys (which are also its JSON keys) and ignores the rest.
@@ -100,6 +104,11 @@ struct KvMethodParams {
   RetentionSchedule schedule = RetentionSchedule::kLinear;  // "schedule": "linear" | "cosine" | "none"
   double spread = 3.0;          // "spread": first layer's retention / last layer's (>= 1)
   double layer_weight = -1.0;   // "layer_weight": the layer's weight in the importance; -1: 1 + depth (1 to 2)
+  // AdaKV (adakv.h) for H2O, SnapKV and PyramidKV per-head layers: "head_budgets" "adaptive"
+  // gives the heads budgets that differ and sum to the layer's; each head keeps at least
+  // "floor" (default 0.5) of its uniform share of the scored tokens.
+  HeadBudgets head_budgets = HeadBudgets::kUniform;
+  double floor = 0.5;
   // reuse (oracle.cc): the second token-selection layer; -1: 13/32 of the depth (TidalDecode's 13 of 32).
   int32_t reselect_layer = -1;  // "reselect_layer"
 };
@@ -123,6 +132,7 @@ std::string_view HeadReduceName(HeadReduce r);
 std::string_view VotePoolingName(VotePooling p);
 std::string_view RetentionScheduleName(RetentionSchedule s);
 std::string_view CumulativeModeName(CumulativeMode m);
+std::string_view HeadBudgetsName(HeadBudgets b);
 
 // Everything that configures one layer.
 struct LayerKvConfig {

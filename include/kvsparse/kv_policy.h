@@ -85,6 +85,15 @@ struct SpanSelectionContext {
   float scale = 0.f;                    // the attention's softmax scale (0: 1 / sqrt(head_dim))
 };
 
+// What a selection ranks, for AdaKV's allocation over the heads of a layer (adakv.h): per-token
+// scores (higher kept first), and the tokens a selection keeping ctx.target protects whatever
+// their score: the newest, the first n_sink and the last n_recent (KeepSinksRecentAndTop's rule).
+struct SelectionScoring {
+  const float* scores = nullptr;  // [n_live], valid until the policy's next call
+  int32_t n_sink = 0;
+  int32_t n_recent = 0;
+};
+
 // Where in the forward pass an eviction decision is taken.
 enum class EvictionPoint {
   kPrefillChunk,  // after a prompt chunk that more chunks of the same prompt follow: trim to budget
@@ -150,6 +159,9 @@ class KvPolicy {
   // Resizes *keep to ctx.n_live and sets keep[i] = 1 for exactly ctx.target tokens, 0 for
   // the rest. Reuses *keep's storage (no allocation once it has grown).
   virtual void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) = 0;
+  // The scores and protected tokens SelectKeep would use for ctx (H2O, SnapKV, PyramidKV); false
+  // for methods whose selection is not a top over per-token scores.
+  virtual bool ScoreForSelection(const SelectionContext& ctx, SelectionScoring* out) { return false; }
   // Compacts per-token state after the cache applied `keep` (size = old n_live).
   virtual void OnEvict(const std::vector<uint8_t>& keep) = 0;
 

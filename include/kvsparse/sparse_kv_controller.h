@@ -14,7 +14,10 @@
 // Per-head layers (LayerKvConfig::per_head): one KvPolicy per (sequence, layer, kv head). The
 // engine attends every head over its own spans (KvCache::HeadSpans) in one AttentionBatch and
 // calls ObserveHeadsAttention; each policy sees observations with n_kv_heads = 1 and evicts its
-// own head table, so heads keep different tokens. Layer statistics sum over the heads.
+// own head table, so heads keep different tokens. Layer statistics sum over the heads. With
+// "head_budgets": "adaptive" (AdaKV, policy/adakv.h) the heads evict together: the controller
+// asks each head's policy for its scores (ScoreForSelection), splits the layer's H·B tokens over
+// the heads and evicts each table with its mask (OnEvict tells each policy).
 //
 // Policies whose decode observations are never used (KvPolicy::ObservesDecode false: SnapKV,
 // PyramidKV without decode_evict) are not scored on decode steps: WantsScores says no.
@@ -198,6 +201,11 @@ class SparseKvController {
   Status BuildPolicies(int seq);
   // Lets cross-layer policies of seq share their state (LinkSequencePolicies).
   void LinkSequence(int seq);
+  // The config of seq's layer: its own (AcquireSequence with layers) or the controller's.
+  const LayerKvConfig& LayerConfig(int seq, int layer) const {
+    return seq_layers_[static_cast<size_t>(seq)] ? (*seq_layers_[static_cast<size_t>(seq)])[layer]
+                                                 : config_.layers[layer];
+  }
 
   // The policy that sizes a reservation: the layer's template, or (layers given) *own, made
   // from the override's config.
@@ -218,6 +226,8 @@ class SparseKvController {
   // Eviction of one table: the layer's (kv_head < 0) or one head's.
   Status EvictTable(int seq, int layer, int kv_head, EvictionPoint point, int32_t n_seen,
                     int32_t current_position);
+  // A per-head layer with adaptive head budgets (AdaKV): every head's table at once.
+  Status EvictHeadsAdaptively(int seq, int layer, EvictionPoint point, int32_t n_seen, int32_t current_position);
 
   KvSparsityConfig config_;
   PagedKvCache* cache_;
@@ -241,6 +251,9 @@ class SparseKvController {
   std::vector<KvSpan> spans_;
   std::vector<int32_t> positions_;                  // [n_live]
   std::vector<uint8_t> keep_;                       // [n_live]
+  std::vector<std::vector<KvSpan>> head_spans_;     // [n_kv_heads] adaptive head budgets: each head's spans,
+  std::vector<std::vector<int32_t>> head_positions_;  // its positions [n_live of the head]
+  std::vector<std::vector<uint8_t>> head_keeps_;    // and its keep mask
 };
 
 // A paged cache sized for max_tokens per sequence in every table (storage and per-head tables

@@ -9,6 +9,7 @@
 #include "kvsparse/attention_scores.h"
 #include "kvsparse/kv_policies.h"
 #include "kvsparse/quest_pages.h"
+#include "policy/adakv.h"
 
 namespace kvsparse {
 
@@ -78,7 +79,7 @@ Status SparseKvController::BuildPolicies(int seq) {
   std::vector<KvStorage> storage(static_cast<size_t>(n_layers_));
   bool same_storage = true;
   for (int layer = 0; layer < n_layers_; ++layer) {
-    storage[layer] = (seq_layers_[seq] ? (*seq_layers_[seq])[layer] : config_.layers[layer]).kv_type;
+    storage[layer] = LayerConfig(seq, layer).kv_type;
     same_storage = same_storage && storage[layer] == cache_->sequence_storage(seq, layer);
   }
   if (!same_storage) KVS_RETURN_IF_ERROR(cache_->SetSequenceStorage(seq, storage));
@@ -89,7 +90,7 @@ Status SparseKvController::BuildPolicies(int seq) {
       const uint64_t seed = seed_ * 0x9E3779B97F4A7C15ull +
                             (generation_[seq] * cache_->n_seqs() + seq) * 1000003ull + static_cast<uint64_t>(layer) +
                             static_cast<uint64_t>(head) * 0xD1B54A32D192ED03ull;
-      const LayerKvConfig& layer_config = seq_layers_[seq] ? (*seq_layers_[seq])[layer] : config_.layers[layer];
+      const LayerKvConfig& layer_config = LayerConfig(seq, layer);
       auto policy = CreatePolicy(layer_config, layer, n_layers_, seed);
       if (!policy.ok()) {
         return Status(policy.status().code(),
@@ -432,6 +433,8 @@ Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint poin
     return Status::Ok();
   }
   if (!per_head(layer)) return EvictTable(seq, layer, -1, point, n_seen, current_position);
+  if (LayerConfig(seq, layer).params.head_budgets == HeadBudgets::kAdaptive)
+    return EvictHeadsAdaptively(seq, layer, point, n_seen, current_position);
   for (int head = 0; head < n_policies(layer); ++head) {
     KVS_RETURN_IF_ERROR(EvictTable(seq, layer, head, point, n_seen, current_position));
   }
@@ -502,6 +505,80 @@ Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionP
   st.evicted_tokens += n_live - target;
   st.select_s += Seconds(t0, t1);
   st.compact_s += Seconds(t1, t2);
+  return Status::Ok();
+}
+
+// AdaKV (policy/adakv.h): the layer's heads evict together, H·B tokens in all, split by their scores.
+Status SparseKvController::EvictHeadsAdaptively(int seq, int layer, EvictionPoint point, int32_t n_seen,
+                                                int32_t current_position) {
+  const int n_heads = n_policies(layer);
+  SparseKvLayerStats& st = stats_[layer];
+  KvPolicy& first = policy(seq, layer, 0);
+  const int32_t budget = first.BudgetTokens(n_seen);  // per head
+  int64_t live = 0;
+  for (int head = 0; head < n_heads; ++head) {
+    const int32_t n = cache_->NumHeadTokens(seq, layer, head);
+    st.peak_live_tokens = std::max(st.peak_live_tokens, n);
+    live += n;
+  }
+  // The layer's schedule, as EvictionTarget's for one table of H·B tokens.
+  const int64_t layer_budget = static_cast<int64_t>(budget) * n_heads;
+  if (live <= layer_budget) return Status::Ok();
+  if (point == EvictionPoint::kDecodeStep &&
+      (!first.EvictsDuringDecode() || live - layer_budget < static_cast<int64_t>(config_.evict_interval) * n_heads)) {
+    return Status::Ok();
+  }
+  const auto t0 = Clock::now();
+  const KvGeometry& g = cache_->geometry();
+  head_spans_.resize(static_cast<size_t>(n_heads));
+  head_positions_.resize(static_cast<size_t>(n_heads));
+  std::vector<policy::HeadTokens> heads(static_cast<size_t>(n_heads));
+  for (int head = 0; head < n_heads; ++head) {
+    std::vector<KvSpan>& spans = head_spans_[head];
+    std::vector<int32_t>& positions = head_positions_[head];
+    cache_->HeadSpans(seq, layer, head, &spans);
+    positions.clear();
+    for (const KvSpan& s : spans) positions.insert(positions.end(), s.positions, s.positions + s.n);
+    SelectionContext ctx;
+    ctx.layer = layer;
+    ctx.n_live = static_cast<int32_t>(positions.size());
+    ctx.target = std::min(budget, ctx.n_live);
+    ctx.positions = positions.data();
+    ctx.current_position = current_position;
+    ctx.in_prefill = point != EvictionPoint::kDecodeStep;
+    ctx.spans = spans.data();
+    ctx.n_spans = static_cast<int32_t>(spans.size());
+    ctx.storage = cache_->sequence_storage(seq, layer);
+    ctx.n_kv_heads = 1;
+    ctx.head_dim = g.head_dim;
+    heads[head].n_live = ctx.n_live;
+    KvPolicy& p = policy(seq, layer, head);
+    KVS_CHECK_MSG(p.ScoreForSelection(ctx, &heads[head].scoring),
+                  fmt::format("layer {}: method '{}' has no per-token scores for adaptive head budgets", layer,
+                              p.name()));
+  }
+  policy::AdaptiveHeadKeep(heads, budget, LayerConfig(seq, layer).params.floor, &head_keeps_);
+  const auto t1 = Clock::now();
+  for (int head = 0; head < n_heads; ++head) {
+    const std::vector<uint8_t>& keep = head_keeps_[head];
+    int32_t kept = 0;
+    for (uint8_t k : keep) kept += k != 0;
+    if (kept == heads[head].n_live) continue;
+    const Status evicted = cache_->Evict(seq, layer, head, keep);
+    if (evicted.code() == StatusCode::kResourceExhausted) {
+      ++st.deferred_evictions;  // this head keeps its tokens until the next eviction point
+      continue;
+    }
+    if (!evicted.ok()) {
+      return Status(evicted.code(), fmt::format("evicting sequence {} layer {} kv head {}: {}", seq, layer, head,
+                                                evicted.message()));
+    }
+    policy(seq, layer, head).OnEvict(keep);
+    ++st.evictions;
+    st.evicted_tokens += heads[head].n_live - kept;
+  }
+  st.select_s += Seconds(t0, t1);
+  st.compact_s += Seconds(t1, Clock::now());
   return Status::Ok();
 }
 

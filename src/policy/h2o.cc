@@ -36,13 +36,19 @@ class H2OPolicy final : public BudgetedPolicy {
     }
   }
 
-  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
+  bool ScoreForSelection(const SelectionContext& ctx, SelectionScoring* out) override {
     CheckSelection(ctx, accumulated_.size());
     scores_.assign(ctx.n_live, 0.f);  // never observed: every token scores 0
     if (accumulated_.heads() > 0)
       ReduceHeads(accumulated_.data(), ctx.n_live, accumulated_.heads(), params_.head_reduce, scores_.data());
-    KeepSinksRecentAndTop(scores_.data(), ctx.n_live, ctx.target, params_.n_sink,
-                          RecentWindowTokens(params_, ctx.target), &scratch_, keep);
+    *out = {scores_.data(), params_.n_sink, RecentWindowTokens(params_, ctx.target)};
+    return true;
+  }
+
+  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
+    SelectionScoring s;
+    ScoreForSelection(ctx, &s);
+    KeepSinksRecentAndTop(s.scores, ctx.n_live, ctx.target, s.n_sink, s.n_recent, &scratch_, keep);
   }
 
   void OnEvict(const std::vector<uint8_t>& keep) override { accumulated_.Compact(keep); }

@@ -212,6 +212,13 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   if (key == "spread") return ReadNumber(v, where, key, &p->spread);
   if (key == "layer_weight") return ReadNumber(v, where, key, &p->layer_weight);
   if (key == "reselect_layer") return ReadInt(v, where, key, &p->reselect_layer);
+  if (key == "head_budgets") {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"uniform", "adaptive"}, &i));
+    p->head_budgets = i == 0 ? HeadBudgets::kUniform : HeadBudgets::kAdaptive;
+    return Status::Ok();
+  }
+  if (key == "floor") return ReadNumber(v, where, key, &p->floor);
   return where.Error(key, "internal: parameter without a reader");
 }
 
@@ -368,6 +375,8 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "spread") s += fmt::format(" spread={:g}", p.spread);
     if (key == "layer_weight" && p.layer_weight >= 0) s += fmt::format(" layer_weight={:g}", p.layer_weight);
     if (key == "reselect_layer" && p.reselect_layer >= 0) s += fmt::format(" reselect_layer={}", p.reselect_layer);
+    if (key == "head_budgets" && p.head_budgets == HeadBudgets::kAdaptive)
+      s += fmt::format(" head_budgets=adaptive floor={:g}", p.floor);
   }
   return s;
 }

@@ -17,9 +17,12 @@ struct MethodInfo {
 
 constexpr std::string_view kStreamingKeys[] = {"n_sink", "cache_positions"};
 constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce"};
+constexpr std::string_view kH2OKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "head_budgets", "floor"};
 constexpr std::string_view kScissorhandsKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "history_window"};
-constexpr std::string_view kSnapKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict"};
-constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict", "beta"};
+constexpr std::string_view kSnapKvKeys[] = {"window",       "kernel",      "pooling", "head_reduce",
+                                            "decode_evict", "head_budgets", "floor"};
+constexpr std::string_view kPyramidKvKeys[] = {"window",       "kernel",       "pooling", "head_reduce",
+                                               "decode_evict", "beta", "head_budgets", "floor"};
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
@@ -31,7 +34,7 @@ constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "
 constexpr std::array<MethodInfo, 13> kMethods = {{
     {KvMethod::kFull, "full", {}},
     {KvMethod::kStreamingLlm, "streaming_llm", kStreamingKeys},
-    {KvMethod::kH2O, "h2o", kWindowedKeys},
+    {KvMethod::kH2O, "h2o", kH2OKeys},
     {KvMethod::kTova, "tova", kWindowedKeys},
     {KvMethod::kScissorhands, "scissorhands", kScissorhandsKeys},
     {KvMethod::kSnapKv, "snapkv", kSnapKvKeys},
@@ -82,6 +85,7 @@ std::string_view VotePoolingName(VotePooling p) { return p == VotePooling::kMax 
 std::string_view RetentionScheduleName(RetentionSchedule s) {
   return s == RetentionSchedule::kLinear ? "linear" : s == RetentionSchedule::kCosine ? "cosine" : "none";
 }
+std::string_view HeadBudgetsName(HeadBudgets b) { return b == HeadBudgets::kUniform ? "uniform" : "adaptive"; }
 std::string_view CumulativeModeName(CumulativeMode m) { return m == CumulativeMode::kEvict ? "evict" : "mask"; }
 
 KvMethodParams DefaultMethodParams(KvMethod method) {
@@ -186,6 +190,12 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
     return error("spread", fmt::format("must be >= 1 (the first layer's share over the last's); found {:g}", p.spread));
   if (Uses(method, "layer_weight") && !(std::isfinite(p.layer_weight) && (p.layer_weight >= 0.0 || p.layer_weight == -1.0)))
     return error("layer_weight", fmt::format("must be >= 0 (or -1 for 1 + depth); found {:g}", p.layer_weight));
+  if (Uses(method, "floor") && !(p.floor >= 0.0 && p.floor <= 1.0))
+    return error("floor", fmt::format("must lie in [0, 1] (the share of a head's uniform budget it keeps); found {:g}",
+                                      p.floor));
+  if (p.head_budgets == HeadBudgets::kAdaptive && !config.per_head)
+    return error("head_budgets", "\"adaptive\" (AdaKV) splits a layer's budget over its KV heads' own tables; set "
+                                 "per_head true");
   if (Uses(method, "reselect_layer") && p.reselect_layer < -1)
     return error("reselect_layer", fmt::format("must be a layer index (or -1 for 13/32 of the depth); found {}",
                                                p.reselect_layer));

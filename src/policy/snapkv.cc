@@ -73,6 +73,12 @@ void SnapKvPolicy::Observe(const AttentionObservation& obs) {
 }
 
 void SnapKvPolicy::SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) {
+  SelectionScoring s;
+  ScoreForSelection(ctx, &s);
+  KeepSinksRecentAndTop(s.scores, ctx.n_live, ctx.target, s.n_sink, s.n_recent, &scratch_, keep);
+}
+
+bool SnapKvPolicy::ScoreForSelection(const SelectionContext& ctx, SelectionScoring* out) {
   CheckSelection(ctx, rows_.size());
   const int32_t window = std::min(EffectiveWindow(params_.obs_window, ctx.target), ctx.target);
   const int32_t n_candidates = ctx.n_live - window;  // tokens before the window: [0, n_candidates)
@@ -96,7 +102,8 @@ void SnapKvPolicy::SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>*
         scores_[t] = mean ? scores_[t] + pooled_[t] / heads_ : std::max(scores_[t], pooled_[t]);
     }
   }
-  KeepSinksRecentAndTop(scores_.data(), ctx.n_live, ctx.target, /*n_sink=*/0, window, &scratch_, keep);
+  *out = {scores_.data(), /*n_sink=*/0, window};
+  return true;
 }
 
 std::unique_ptr<KvPolicy> MakeSnapKvPolicy(const KvBudget& budget, const KvMethodParams& params) {

@@ -28,6 +28,7 @@ class SnapKvPolicy : public BudgetedPolicy {
   void OnAppend(int32_t n_new) override { rows_.Append(n_new); }
   void Observe(const AttentionObservation& obs) override;
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override;
+  bool ScoreForSelection(const SelectionContext& ctx, SelectionScoring* out) override;
   void OnEvict(const std::vector<uint8_t>& keep) override { rows_.Compact(keep); }
 
   // The window a selection keeping `target` tokens uses: the configured one, or, when the target

@@ -1,0 +1,112 @@
+// AdaKV through the engine and the paged cache: per-head H2O and SnapKV layers with
+// "head_budgets": "adaptive" keep H·B tokens per layer after each eviction, split unevenly over
+// the heads, and every head table allocates exactly the pages its tokens fill (the pages freed
+// are the tokens dropped); a floor of 1 is the uniform split.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "kvsparse/engine.h"
+#include "kvsparse/kv_config.h"
+#include "kvsparse/kv_policies.h"
+#include "kvsparse/model.h"
+#include "kvsparse/paged_kv_cache.h"
+#include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/synth.h"
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+class AdaKvEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto shape = FindSynthShape("tiny-gqa-untied");  // 8 query heads over 2 kv heads
+    ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+    const std::string path = testing::TempPath("adakv_engine_tiny_gqa.gguf");
+    SynthOptions options;
+    options.weight_type = DType::kF32;
+    ASSERT_TRUE(WriteSynthModel(*shape, options, path).ok());
+    auto model = Model::Load(path);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    model_ = model->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    model_ = nullptr;
+  }
+  static inline Model* model_ = nullptr;
+};
+
+TEST_F(AdaKvEngineTest, AdaptiveHeadsKeepTheLayerBudgetUnevenlyAndFreeTheirPages) {
+  const int n_layers = model_->config().n_layers, n_heads = model_->config().n_kv_heads;
+  const int32_t budget = 48, prompt_tokens = 200, n_decode = 40;
+  for (const std::string method : {"h2o", "snapkv"}) {
+    for (const double floor : {0.5, 1.0}) {
+      auto config = KvSparsityConfigFromFlags(method, std::to_string(budget), "f16", n_layers);
+      ASSERT_TRUE(config.ok()) << config.status().ToString();
+      config->evict_interval = 1;
+      config->prefill_chunk = 64;
+      for (LayerKvConfig& l : config->layers) {
+        l.per_head = true;
+        l.params.head_budgets = HeadBudgets::kAdaptive;
+        l.params.floor = floor;
+        l.params.decode_evict = true;  // SnapKV: evict while decoding too
+      }
+      auto kv = CreateSparseKv(KvGeometry{n_layers, n_heads, model_->config().head_dim}, *config, 1, 400);
+      ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+      Engine engine(*model_, kv->cache.get(), 2, kv->controller.get());
+      std::vector<int32_t> prompt(prompt_tokens);
+      for (int32_t i = 0; i < prompt_tokens; ++i) prompt[i] = (i * 131 + 7) % 512;
+      std::vector<float> logits(static_cast<size_t>(model_->config().n_vocab));
+      bool uneven = false;
+      auto check = [&](const std::string& when) {
+        for (int layer = 0; layer < n_layers; ++layer) {
+          int32_t total = 0;
+          std::vector<int32_t> per_head;
+          size_t pages = 0;
+          for (int h = 0; h < n_heads; ++h) {
+            const int32_t n = kv->cache->NumHeadTokens(0, layer, h);
+            per_head.push_back(n);
+            total += n;
+            pages += static_cast<size_t>((n + kv->cache->page_size() - 1) / kv->cache->page_size());
+          }
+          EXPECT_EQ(total, n_heads * budget) << method << " floor " << floor << " layer " << layer << " " << when;
+          EXPECT_EQ(kv->cache->LayerAllocatedBytes(layer), pages * kv->cache->page_bytes(layer))
+              << "pages follow each head's tokens, layer " << layer << " " << when;
+          uneven = uneven || per_head.front() != per_head.back();
+          if (floor == 1.0) EXPECT_EQ(per_head.front(), per_head.back()) << "a floor of 1 is the uniform split";
+        }
+      };
+      ASSERT_TRUE(engine.Forward(0, prompt.data(), prompt_tokens, 0, logits.data()).ok());
+      check("after the prompt");
+      int32_t pos = prompt_tokens;
+      for (int step = 0; step < n_decode; ++step) {
+        const int32_t token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        ASSERT_TRUE(engine.Forward(0, &token, 1, pos++, logits.data()).ok());
+        check("at decode step " + std::to_string(step));
+      }
+      kv->cache->CheckInvariants();
+      if (floor < 1.0) EXPECT_TRUE(uneven) << method << ": the heads' budgets never differed";
+    }
+  }
+}
+
+TEST_F(AdaKvEngineTest, ConfigNeedsPerHeadLayers) {
+  auto shared = ParseKvSparsityConfig(
+      R"({"default": {"method": "snapkv", "budget": 64, "per_head": false, "head_budgets": "adaptive"}})", 2);
+  ASSERT_FALSE(shared.ok());
+  EXPECT_NE(shared.status().message().find("per_head"), std::string::npos) << shared.status().ToString();
+  EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 64, "floor": 1.5}})", 2).ok());
+  auto fine = ParseKvSparsityConfig(
+      R"({"default": {"method": "pyramidkv", "budget": 0.2, "head_budgets": "adaptive", "floor": 0.2}})", 2);
+  ASSERT_TRUE(fine.ok()) << fine.status().ToString();
+  EXPECT_EQ(fine->layers[1].params.head_budgets, HeadBudgets::kAdaptive);
+  EXPECT_TRUE(fine->layers[1].per_head);
+  EXPECT_NE(KvSparsityConfigSummary(*fine).find("head_budgets=adaptive floor=0.2"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvsparse
