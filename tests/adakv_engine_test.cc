@@ -16,6 +16,7 @@
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/synth.h"
 #include "support/shared_data.h"
+#include "support/synth_model_file.h"
 
 namespace kvsparse {
 namespace {
@@ -23,15 +24,9 @@ namespace {
 class AdaKvEngineTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto shape = FindSynthShape("tiny-gqa-untied");  // 8 query heads over 2 kv heads
-    ASSERT_TRUE(shape.ok()) << shape.status().ToString();
-    const std::string path = testing::TempPath("adakv_engine_tiny_gqa.gguf");
-    SynthOptions options;
-    options.weight_type = DType::kF32;
-    ASSERT_TRUE(WriteSynthModel(*shape, options, path).ok());
-    auto model = Model::Load(path);
-    ASSERT_TRUE(model.ok()) << model.status().ToString();
-    model_ = model->release();
+    // 8 query heads over 2 kv heads
+    model_ = testing::LoadSynthModelF32("tiny-gqa-untied", "adakv_engine_tiny_gqa.gguf").release();
+    ASSERT_NE(model_, nullptr);
   }
   static void TearDownTestSuite() {
     delete model_;

@@ -26,6 +26,7 @@
 #include "kvsparse/synth.h"
 #include "support/retrieval_model_file.h"
 #include "support/shared_data.h"
+#include "support/synth_model_file.h"
 
 namespace kvsparse {
 namespace {
@@ -67,15 +68,9 @@ std::vector<std::vector<float>> RunGreedy(const Model& model, SparseKvSetup& kv,
 class QuestSynthTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto shape = FindSynthShape("tiny-gqa-untied");  // 8 query heads over 2 kv heads
-    ASSERT_TRUE(shape.ok()) << shape.status().ToString();
-    const std::string path = testing::TempPath("quest_engine_tiny_gqa.gguf");
-    SynthOptions options;
-    options.weight_type = DType::kF32;
-    ASSERT_TRUE(WriteSynthModel(*shape, options, path).ok());
-    auto model = Model::Load(path);
-    ASSERT_TRUE(model.ok()) << model.status().ToString();
-    model_ = model->release();
+    // 8 query heads over 2 kv heads
+    model_ = testing::LoadSynthModelF32("tiny-gqa-untied", "quest_engine_tiny_gqa.gguf").release();
+    ASSERT_NE(model_, nullptr);
   }
   static void TearDownTestSuite() {
     delete model_;

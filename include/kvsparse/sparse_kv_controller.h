@@ -226,6 +226,10 @@ class SparseKvController {
   // Eviction of one table: the layer's (kv_head < 0) or one head's.
   Status EvictTable(int seq, int layer, int kv_head, EvictionPoint point, int32_t n_seen,
                     int32_t current_position);
+  // The selection context of one table (kv_head < 0: the layer's), its spans and positions read
+  // into *spans / *positions; target = every live token (the caller sets it).
+  SelectionContext TableSelection(int seq, int layer, int kv_head, EvictionPoint point, int32_t current_position,
+                                  std::vector<KvSpan>* spans, std::vector<int32_t>* positions) const;
   // A per-head layer with adaptive head budgets (AdaKV): every head's table at once.
   Status EvictHeadsAdaptively(int seq, int layer, EvictionPoint point, int32_t n_seen, int32_t current_position);
 

@@ -452,31 +452,9 @@ Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionP
   if (target >= n_live) return Status::Ok();
 
   const auto t0 = Clock::now();
-  if (one_head) {
-    cache_->HeadSpans(seq, layer, kv_head, &spans_);
-  } else {
-    cache_->Spans(seq, layer, &spans_);
-  }
-  positions_.resize(n_live);
-  int32_t at = 0;
-  for (const KvSpan& s : spans_) {
-    std::copy(s.positions, s.positions + s.n, positions_.begin() + at);
-    at += s.n;
-  }
-  KVS_CHECK(at == n_live);
-  const KvGeometry& g = cache_->geometry();
-  SelectionContext ctx;
-  ctx.layer = layer;
-  ctx.n_live = n_live;
+  SelectionContext ctx = TableSelection(seq, layer, kv_head, point, current_position, &spans_, &positions_);
+  KVS_CHECK(ctx.n_live == n_live);
   ctx.target = target;
-  ctx.positions = positions_.data();
-  ctx.current_position = current_position;
-  ctx.in_prefill = point != EvictionPoint::kDecodeStep;
-  ctx.spans = spans_.data();
-  ctx.n_spans = static_cast<int32_t>(spans_.size());
-  ctx.storage = cache_->sequence_storage(seq, layer);
-  ctx.n_kv_heads = one_head ? 1 : g.n_kv_heads;  // head spans are [n, 1, head_dim]
-  ctx.head_dim = g.head_dim;
   p.SelectKeep(ctx, &keep_);
   const auto t1 = Clock::now();
   KVS_CHECK_MSG(static_cast<int32_t>(keep_.size()) == n_live,
@@ -508,6 +486,32 @@ Status SparseKvController::EvictTable(int seq, int layer, int kv_head, EvictionP
   return Status::Ok();
 }
 
+SelectionContext SparseKvController::TableSelection(int seq, int layer, int kv_head, EvictionPoint point,
+                                                    int32_t current_position, std::vector<KvSpan>* spans,
+                                                    std::vector<int32_t>* positions) const {
+  if (kv_head >= 0) {
+    cache_->HeadSpans(seq, layer, kv_head, spans);
+  } else {
+    cache_->Spans(seq, layer, spans);
+  }
+  positions->clear();
+  for (const KvSpan& s : *spans) positions->insert(positions->end(), s.positions, s.positions + s.n);
+  const KvGeometry& g = cache_->geometry();
+  SelectionContext ctx;
+  ctx.layer = layer;
+  ctx.n_live = static_cast<int32_t>(positions->size());
+  ctx.target = ctx.n_live;
+  ctx.positions = positions->data();
+  ctx.current_position = current_position;
+  ctx.in_prefill = point != EvictionPoint::kDecodeStep;
+  ctx.spans = spans->data();
+  ctx.n_spans = static_cast<int32_t>(spans->size());
+  ctx.storage = cache_->sequence_storage(seq, layer);
+  ctx.n_kv_heads = kv_head >= 0 ? 1 : g.n_kv_heads;  // head spans are [n, 1, head_dim]
+  ctx.head_dim = g.head_dim;
+  return ctx;
+}
+
 // AdaKV (policy/adakv.h): the layer's heads evict together, H·B tokens in all, split by their scores.
 Status SparseKvController::EvictHeadsAdaptively(int seq, int layer, EvictionPoint point, int32_t n_seen,
                                                 int32_t current_position) {
@@ -529,28 +533,13 @@ Status SparseKvController::EvictHeadsAdaptively(int seq, int layer, EvictionPoin
     return Status::Ok();
   }
   const auto t0 = Clock::now();
-  const KvGeometry& g = cache_->geometry();
   head_spans_.resize(static_cast<size_t>(n_heads));
   head_positions_.resize(static_cast<size_t>(n_heads));
   std::vector<policy::HeadTokens> heads(static_cast<size_t>(n_heads));
   for (int head = 0; head < n_heads; ++head) {
-    std::vector<KvSpan>& spans = head_spans_[head];
-    std::vector<int32_t>& positions = head_positions_[head];
-    cache_->HeadSpans(seq, layer, head, &spans);
-    positions.clear();
-    for (const KvSpan& s : spans) positions.insert(positions.end(), s.positions, s.positions + s.n);
-    SelectionContext ctx;
-    ctx.layer = layer;
-    ctx.n_live = static_cast<int32_t>(positions.size());
+    SelectionContext ctx =
+        TableSelection(seq, layer, head, point, current_position, &head_spans_[head], &head_positions_[head]);
     ctx.target = std::min(budget, ctx.n_live);
-    ctx.positions = positions.data();
-    ctx.current_position = current_position;
-    ctx.in_prefill = point != EvictionPoint::kDecodeStep;
-    ctx.spans = spans.data();
-    ctx.n_spans = static_cast<int32_t>(spans.size());
-    ctx.storage = cache_->sequence_storage(seq, layer);
-    ctx.n_kv_heads = 1;
-    ctx.head_dim = g.head_dim;
     heads[head].n_live = ctx.n_live;
     KvPolicy& p = policy(seq, layer, head);
     KVS_CHECK_MSG(p.ScoreForSelection(ctx, &heads[head].scoring),
