@@ -97,5 +97,27 @@ TEST(CliKv, PerHeadFlag) {
   ExpectCleanFailure(RunCli(base + " --kv-config /nonexistent/kv.json --kv-per-head"), "--kv-per-head");
 }
 
+// --kv-param sets method parameters on top of the paper defaults: AdaKV on per-head SnapKV,
+// cumulative in mask mode with its re-ranks reported; unknown, misplaced or malformed keys are
+// clean errors naming them.
+TEST(CliKv, MethodParamsFromFlags) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string base = "generate -m " + model + " -n 40 --temp 0 -t 2 --kv-stats";
+  const Result ada = RunCli(base + " --kv-method snapkv --kv-budget 0.5 --kv-param head_budgets=adaptive "
+                                   "--kv-param floor=0.25 --kv-param decode_evict=true");
+  ASSERT_EQ(ada.exit_code, 0) << ada.all;
+  EXPECT_NE(ada.all.find("| 0 | snapkv | f16/head"), std::string::npos) << ada.all;
+  const Result mask = RunCli(base + " --kv-method cumulative --kv-budget 0.5 --kv-param mode=mask "
+                                    "--kv-param rerank_period=4");
+  ASSERT_EQ(mask.exit_code, 0) << mask.all;
+  EXPECT_NE(mask.all.find("global re-ranks"), std::string::npos) << mask.all;
+  EXPECT_NE(mask.all.find("query-aware selection"), std::string::npos) << mask.all;
+  ExpectCleanFailure(RunCli(base + " --kv-method h2o --kv-budget 24 --kv-param hed_budgets=adaptive"), "head_budgets");
+  ExpectCleanFailure(RunCli(base + " --kv-method h2o --kv-budget 24 --kv-param mode=mask"), "cumulative");
+  ExpectCleanFailure(RunCli(base + " --kv-method h2o --kv-budget 24 --kv-param floor"), "KEY=VALUE");
+  ExpectCleanFailure(RunCli(base + " --kv-method h2o --kv-budget 24 --kv-param floor=2"), "floor");
+  ExpectCleanFailure(RunCli(base + " --kv-param floor=0.5"), "--kv-method");
+}
+
 }  // namespace
 }  // namespace kvsparse

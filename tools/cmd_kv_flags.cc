@@ -10,6 +10,10 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
                   "KV tokens kept per layer: a fraction of the tokens seen (0.2) or a count (512)");
   cmd->add_option("--kv-type", f->kv_type, "KV storage: f32, f16, int8 or int8_kivi (default " + default_kv_type + ")");
   cmd->add_option("--kv-config", f->config_file, "per-layer KV sparsity config (JSON); excludes --kv-method/--kv-budget");
+  cmd->add_option("--kv-param", f->params,
+                  "a method parameter as KEY=VALUE, repeatable (the config file's keys, e.g. head_budgets=adaptive, "
+                  "mode=mask, rerank_period=8, reselect_layer=9)")
+      ->allow_extra_args(false);
   cmd->add_option("--page-size", f->page_size, "tokens per KV page (default 16)")->check(CLI::PositiveNumber);
   cmd->add_option("--evict-interval", f->evict_interval,
                   "decode steps a layer may grow past its budget before evicting (default 16)")
@@ -46,11 +50,16 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
                                               "the file)",
                                               f.per_head ? "--kv-per-head" : "--kv-shared-heads"));
     }
+    if (!f.params.empty()) {
+      return InvalidArgumentError("--kv-config sets method parameters per layer; drop --kv-param (or set the keys in "
+                                  "the file)");
+    }
     KVS_ASSIGN_OR_RETURN(config, LoadKvSparsityConfig(f.config_file, n_layers));
   } else if (!f.method.empty()) {
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags(f.method, f.budget, kv_type, n_layers));
-  } else if (!f.budget.empty()) {
-    return InvalidArgumentError(fmt::format("--kv-budget needs --kv-method (one of {})", ValidKvMethodNames()));
+  } else if (!f.budget.empty() || !f.params.empty()) {
+    return InvalidArgumentError(fmt::format("{} needs --kv-method (one of {})",
+                                            f.budget.empty() ? "--kv-param" : "--kv-budget", ValidKvMethodNames()));
   } else if (*storage == KvStorage::kInt8 || *storage == KvStorage::kInt8Kivi || f.page_size > 0 ||
              f.evict_interval > 0 || f.per_head || f.shared_heads) {  // int8 types need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
@@ -60,6 +69,7 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   if (f.per_head || f.shared_heads) {
     for (LayerKvConfig& layer : config.layers) layer.per_head = f.per_head;
   }
+  KVS_RETURN_IF_ERROR(ApplyKvParams(f.params, &config));
   if (f.page_size > 0) config.page_size = f.page_size;
   if (f.evict_interval > 0) config.evict_interval = f.evict_interval;
   KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(config));

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kvsparse/kv_config.h"
 #include "kvsparse/status.h"
@@ -16,6 +17,7 @@ struct KvFlags {
   std::string budget;       // --kv-budget: "0.2" (fraction of the tokens seen) or "512" (tokens)
   std::string kv_type;      // --kv-type; empty: the command's default
   std::string config_file;  // --kv-config FILE.json
+  std::vector<std::string> params;  // --kv-param KEY=VALUE (repeatable): method parameters
   int page_size = 0;        // --page-size; 0: the config's (16)
   int evict_interval = 0;   // --evict-interval; 0: the config's (16)
   bool stats = false;       // --kv-stats

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -73,6 +74,13 @@ StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, st
 // field ("kv_method", "kv_budget", "kv_type") and the layer.
 StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig& base, std::string_view method,
                                                           std::string_view budget, std::string_view kv_type = {});
+
+// --kv-param KEY=VALUE: sets a method parameter (its JSON key, e.g. "head_budgets=adaptive",
+// "rerank_period=8", "mode=mask") on every layer whose method takes it, after the paper
+// defaults. VALUE is read as JSON (numbers, true / false, "quoted") or else as a bare string.
+// An unknown key, a key no layer's method takes, or a bad value is an error naming it; the
+// layers are validated again afterwards.
+Status ApplyKvParams(std::span<const std::string> key_values, KvSparsityConfig* config);
 
 // "512" -> 512 tokens, "0.2" -> a fifth of the context.
 StatusOr<KvBudget> ParseKvBudget(std::string_view text);

@@ -156,6 +156,15 @@ bool MethodUses(KvMethod method, std::string_view key) {
   return false;
 }
 
+// Every method parameter key, once each.
+std::vector<std::string_view> AllParamKeys() {
+  std::vector<std::string_view> keys;
+  for (std::string_view name : MethodNameList())
+    for (std::string_view k : KvMethodParamKeys(*KvMethodFromName(name)))
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  return keys;
+}
+
 // Methods (other than `method`) that take `key` as a parameter, e.g. "snapkv, pyramidkv".
 std::string MethodsUsing(std::string_view key) {
   std::vector<std::string_view> users;
@@ -571,6 +580,32 @@ StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig
     if (!status.ok()) return InvalidArgumentError("kv_method/kv_budget: " + status.message());
   }
   return layers;
+}
+
+Status ApplyKvParams(std::span<const std::string> key_values, KvSparsityConfig* config) {
+  for (const std::string& key_value : key_values) {
+    const size_t eq = key_value.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return InvalidArgumentError(fmt::format("--kv-param: expected KEY=VALUE (e.g. head_budgets=adaptive), found '{}'",
+                                              key_value));
+    }
+    const std::string key = key_value.substr(0, eq), text = key_value.substr(eq + 1);
+    json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (value.is_discarded()) value = text;  // a bare word: a string value (mode=mask)
+    const Where where("--kv-param", key_value);
+    bool used = false;
+    for (LayerKvConfig& layer : config->layers) {
+      if (!MethodUses(layer.method, key)) continue;
+      KVS_RETURN_IF_ERROR(ReadParam(value, where, key, &layer.params));
+      used = true;
+    }
+    if (!used) {
+      const std::string users = MethodsUsing(key);
+      return where.Error(key, users.empty() ? "unknown parameter" + Suggestion(key, AllParamKeys())
+                                            : fmt::format("no layer's method takes it (it belongs to {})", users));
+    }
+  }
+  return ValidateKvSparsityConfig(*config);
 }
 
 StatusOr<KvSparsityConfig> KvSparsityConfigFromFlags(std::string_view method, std::string_view budget,
