@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -81,6 +82,11 @@ class QuestSynthTest : public ::testing::Test {
     for (size_t i = 0; i < n; ++i) prompt[i] = static_cast<int32_t>((i * 131 + 7) % 512);
     return prompt;
   }
+  // `layer` when it is reuse's re-selection layer (13/32 of the depth), else -1.
+  static int ReuseLayer(int layer) {
+    const int n_layers = model_->config().n_layers;
+    return layer == static_cast<int>(std::lround(n_layers * 13.0 / 32.0)) ? layer : -1;
+  }
   static inline Model* model_ = nullptr;
 };
 
@@ -119,7 +125,7 @@ TEST_F(QuestSynthTest, WholeContextBudgetIsBitIdenticalToFull) {
   }
 }
 
-// Reuse's selection layers choose as the oracle does and the layers after them read as many.
+// Reuse's selection layers attend densely and the layers after them read the budget.
 TEST_F(QuestSynthTest, OracleAndReuseReadExactlyTheBudgetAndKeepEverything) {
   const std::vector<int32_t> prompt = Prompt(150);
   const int n_decode = 20;
@@ -141,7 +147,10 @@ TEST_F(QuestSynthTest, OracleAndReuseReadExactlyTheBudgetAndKeepEverything) {
           const SparseKvLayerStats& s = kv->controller->layer_stats()[layer];
           const int tables = per_head ? model_->config().n_kv_heads : 1;
           EXPECT_EQ(s.span_selections, n_decode * tables);
-          EXPECT_EQ(s.selected_tokens, s.span_selections * 40) << method << " " << kv_type << " layer " << layer;
+          // Reuse's selection layers (the first and the re-selection layer) attend densely.
+          const bool dense = method == "reuse" && (layer == 0 || layer == ReuseLayer(layer));
+          EXPECT_EQ(s.selected_tokens, dense ? s.selectable_tokens : s.span_selections * 40)
+              << method << " " << kv_type << " layer " << layer;
           EXPECT_EQ(s.evictions, 0);
           EXPECT_EQ(kv->cache->NumTokens(0, layer), 150 + n_decode);  // the oracle keeps every token
         }

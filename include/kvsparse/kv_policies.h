@@ -14,8 +14,9 @@
 //                  key min/max bound q·k highest, within the budget       layers 0-1 dense)
 //   oracle         never evicts; each decode step each KV head reads its  (head_reduce mean, every layer)
 //                  exact top-budget tokens by attention (the upper bound)
-//   reuse          never evicts; exact top-budget per KV head at selection (layers 0-1 dense,
-//                  layers, reused by the layers after them (TidalDecode)   reselect at 13/32 depth)
+//   reuse          never evicts; selection layers attend densely and     (layers 0-1 dense,
+//                  pick each KV head's top-budget tokens, which the       reselect at 13/32 depth)
+//                  layers after them read (TidalDecode)
 //   (h2o, snapkv and pyramidkv per-head layers take "head_budgets": "adaptive": AdaKV, floor 0.5)
 //   cumulative     one ranking per sequence by attention summed over     (decay 0.99, re-rank every 16,
 //                  layers; each layer keeps a share, nested by depth      linear 3:1 schedule, evict)

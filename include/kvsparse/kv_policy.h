@@ -128,6 +128,9 @@ class KvPolicy {
   // False when observations of decode steps are never used (SnapKV, PyramidKV without
   // decode_evict): the controller then skips the scoring pass on decode steps.
   virtual bool ObservesDecode() const { return true; }
+  // False when observations of prompt chunks are never used (reuse's selection layers, which read
+  // decode steps' attention only): the controller then skips the scoring pass on prompt chunks.
+  virtual bool ObservesPrompt() const { return true; }
   // Query-aware span selection (Quest): true when decode attention should read only the spans
   // SelectSpans picks. Such policies keep every token (they save reads, not memory).
   virtual bool SelectsSpans() const { return false; }
@@ -147,6 +150,10 @@ class KvPolicy {
                                     std::vector<KvSpan>* head_spans) {
     return false;
   }
+  // True when SelectQueryHeadSpans chooses once per KV head (the oracle, reuse): it then fills
+  // only the first list of each group (query head g * (n_q_heads / n_kv_heads)), and the whole
+  // group attends those runs as one job, reading each K/V row once.
+  virtual bool SelectsPerKvHead() const { return false; }
   // Bytes of per-page metadata the policy keeps (Quest's key bounds), allocated.
   virtual size_t MetadataBytes() const { return 0; }
   // Global re-ranks (count, seconds) the policy ran inside its calls since the last call, which

@@ -136,12 +136,15 @@ class SparseKvController {
   // [group, head_dim]. The spans must be every live token of the table.
   // Per-query-head selection (Quest's head_reduce "none", KvPolicy::SelectQueryHeadSpans):
   // given query_head_spans (an array of shape.n_heads lists), such a policy fills list i with
-  // the runs query head i reads, leaves *spans as it is and the call returns true; false
+  // the runs query head i reads (only each group's first when the policy SelectsPerKvHead: the
+  // group then attends as one job), leaves *spans as it is and the call returns true; false
   // otherwise (also when the budget covers the table: every head reads *spans). Without
   // query_head_spans it narrows *spans to the union of the query heads' pages. Stats count one
   // selection per call and, per query head, the mean of the tokens they read.
   bool SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
                    std::vector<KvSpan>* spans, std::vector<KvSpan>* query_head_spans = nullptr);
+  // Whether the layer's per-query-head selection is one per KV head (KvPolicy::SelectsPerKvHead).
+  bool SelectsPerKvHead(int seq, int layer) const { return policies_[Index(seq, layer)]->SelectsPerKvHead(); }
 
   // Drops every token of seq from the cache and restarts its policies.
   Status ResetSequence(int seq);

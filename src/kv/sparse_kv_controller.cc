@@ -321,7 +321,7 @@ void SparseKvController::OnAppend(int seq, int layer, int32_t n_new, int32_t las
 bool SparseKvController::WantsScores(int seq, int layer, EvictionPoint point) const {
   // Every head of a per-head layer runs the same method: head 0 answers for all.
   const KvPolicy& p = *policies_[Index(seq, layer)];
-  return p.NeedsAttention() && (point != EvictionPoint::kDecodeStep || p.ObservesDecode());
+  return p.NeedsAttention() && (point == EvictionPoint::kDecodeStep ? p.ObservesDecode() : p.ObservesPrompt());
 }
 
 void SparseKvController::ObserveAttention(int seq, int layer, const AttentionShape& shape, const float* q,
@@ -628,10 +628,14 @@ bool SparseKvController::SelectSpans(int seq, int layer, int kv_head, const Atte
   if (query_head_spans != nullptr && p.SelectsPerQueryHead()) {
     per_query = p.SelectQueryHeadSpans(ctx, *spans, query_head_spans);
     if (per_query) {
+      // Mean over the query heads (over each group's first, which speaks for the group, when the
+      // policy selects per KV head).
+      const int step = p.SelectsPerKvHead() ? shape.n_heads / shape.n_kv_heads : 1;
+      const int lists = shape.n_heads / step;
       int64_t sum = 0;
-      for (int h = 0; h < shape.n_heads; ++h)
+      for (int h = 0; h < shape.n_heads; h += step)
         for (const KvSpan& s : query_head_spans[h]) sum += s.n;
-      read = (sum + shape.n_heads / 2) / shape.n_heads;  // mean over the query heads
+      read = (sum + lists / 2) / lists;
     } else {
       read = live;
     }

@@ -26,7 +26,7 @@ constexpr std::string_view kPyramidKvKeys[] = {"window",       "kernel",       "
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
-constexpr std::string_view kReuseKeys[] = {"head_reduce", "dense_layers", "reselect_layer"};
+constexpr std::string_view kReuseKeys[] = {"dense_layers", "reselect_layer"};
 constexpr std::string_view kCumulativeKeys[] = {"decay", "rerank_period", "mode", "schedule", "spread", "layer_weight"};
 constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "decode_evict",
                                            "dense_layers"};

@@ -20,9 +20,11 @@
 // al., ICLR 2025; OmniKV, Hao et al., ICLR 2025, reuses selections across layers the same way).
 // The first `dense_layers` (2) layers attend densely; a token-selection layer (the first layer
 // after them, and the re-selection layer, "reselect_layer", default 13/32 of the depth: layer 13
-// of Llama's 32, as the reference) makes the oracle's exact top-budget choice per KV head, and
-// every later layer reads the same tokens per KV head, without scoring, until the next selection
-// layer. Nothing is evicted; decode steps save reads and the scoring of the reusing layers.
+// of Llama's 32, as the reference) attends densely too and takes, per KV head, the top-budget
+// tokens of that attention (the probabilities the decode step's kernel already computed, folded
+// over the group by the config's gqa_aggregation, mean by default; the newest token always among
+// them); every later layer reads the same tokens per KV head, without scoring, until the next
+// selection layer. Nothing is evicted; decode steps save the reads of the reusing layers.
 // LinkSequencePolicies gives a sequence's reuse layers one ReuseSelection and their roles.
 #include <algorithm>
 #include <cmath>
@@ -70,6 +72,24 @@ class OraclePolicy final : public ReadSparsePolicy {
   }
   const KvMethodParams& params() const { return params_; }
   bool SelectsPerQueryHead() const override { return true; }
+  bool SelectsPerKvHead() const override { return true; }
+  // A reuse selection layer reads the decode step's attention (dense) and chooses from it.
+  uint32_t NeededObservations() const override { return role_ == TopKRole::kSelect ? kObserveLast : 0; }
+  bool ObservesPrompt() const override { return false; }
+  void Observe(const AttentionObservation& obs) override {
+    if (role_ != TopKRole::kSelect || obs.n_queries != 1) return;
+    CheckObservation(obs, n_live_, obs.last, "last");
+    if (!shared_) shared_ = std::make_shared<ReuseSelection>();  // used on its own
+    const int32_t n_read = std::max(ResolveBudget(budget_, n_live_), 1);
+    shared_->n_live = n_live_;
+    shared_->whole = n_read >= n_live_;
+    shared_->heads.resize(static_cast<size_t>(obs.n_kv_heads));
+    if (shared_->whole) return;
+    for (int h = 0; h < obs.n_kv_heads; ++h) {
+      TopTokens(obs.last + static_cast<size_t>(h) * n_live_, n_read);
+      shared_->heads[static_cast<size_t>(h)] = chosen_;
+    }
+  }
   size_t MetadataBytes() const override {
     return (scores_.capacity() + logits_.capacity() + key_row_.capacity()) * sizeof(float) +
            (order_.capacity() + chosen_.capacity()) * sizeof(int32_t) + in_union_.capacity() +
@@ -99,42 +119,33 @@ class OraclePolicy final : public ReadSparsePolicy {
     const int group = ctx.n_q_heads / ctx.n_kv_heads;
     for (int h = 0; h < ctx.n_kv_heads; ++h) {
       ChooseHead(h, n_read);
-      Runs(ctx, spans, &head_spans[h * group]);
-      for (int g = 1; g < group; ++g) head_spans[h * group + g] = head_spans[h * group];
+      Runs(ctx, spans, &head_spans[h * group]);  // the group's first list (SelectsPerKvHead)
     }
     return true;
   }
 
  private:
-  // Tokens each KV head reads (0: the whole table). A selecting layer scores (Prepare) and
-  // publishes; a reusing one takes the published choice of this step.
+  // Tokens each KV head reads (0: the whole table). The oracle scores (Prepare); a reuse
+  // selection layer reads everything (it chooses from the attention it then observes); a reusing
+  // layer takes the choice of this step's selection layer.
   int32_t Begin(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
-    if (role_ == TopKRole::kReuse) {
-      const int32_t n_live = CheckedLiveTokens(spans);
-      KVS_CHECK_MSG(shared_ && shared_->n_live == n_live,
-                    fmt::format("reuse: layer {} reuses a selection of {} tokens but holds {} (a selection layer "
-                                "must come first in each step)",
-                                ctx.layer, shared_ ? shared_->n_live : -1, n_live));
-      return shared_->whole ? 0 : 1;
-    }
-    const int32_t n_read = Prepare(ctx, spans);
-    if (role_ == TopKRole::kSelect) {
-      if (!shared_) shared_ = std::make_shared<ReuseSelection>();  // used on its own
-      shared_->n_live = n_live_;
-      shared_->whole = n_read == 0;
-      shared_->heads.resize(static_cast<size_t>(ctx.n_kv_heads));
-    }
-    return n_read;
+    if (role_ == TopKRole::kOracle) return Prepare(ctx, spans);
+    const int32_t n_live = CheckedLiveTokens(spans);
+    if (role_ == TopKRole::kSelect) return 0;
+    KVS_CHECK_MSG(shared_ && shared_->n_live == n_live,
+                  fmt::format("reuse: layer {} reuses a selection of {} tokens but holds {} (a selection layer "
+                              "must come first in each step)",
+                              ctx.layer, shared_ ? shared_->n_live : -1, n_live));
+    return shared_->whole ? 0 : 1;
   }
 
   // chosen_ = KV head h's tokens, selected (n_read of them) or reused.
   void ChooseHead(int h, int32_t n_read) {
     if (role_ == TopKRole::kReuse) {
       chosen_ = shared_->heads[static_cast<size_t>(h)];
-      return;
+    } else {
+      TopTokens(scores_.data() + static_cast<size_t>(h) * n_live_, n_read);
     }
-    SelectHead(h, n_read);
-    if (role_ == TopKRole::kSelect) shared_->heads[static_cast<size_t>(h)] = chosen_;
   }
 
   // Tokens each KV head reads (0: the whole table), with scores_ [n_kv_heads, n_live] filled.
@@ -185,9 +196,8 @@ class OraclePolicy final : public ReadSparsePolicy {
     }
   }
 
-  // chosen_ = the n_read best tokens of KV head h, ascending; the newest always among them.
-  void SelectHead(int h, int32_t n_read) {
-    const float* score = scores_.data() + static_cast<size_t>(h) * n_live_;
+  // chosen_ = the n_read best tokens by score ([n_live]), ascending; the newest always among them.
+  void TopTokens(const float* score, int32_t n_read) {
     const int32_t newest = n_live_ - 1;
     order_.resize(static_cast<size_t>(newest));
     for (int32_t t = 0; t < newest; ++t) order_[t] = t;

@@ -119,9 +119,8 @@ TEST(OraclePolicyTest, EachKvHeadReadsItsExactTopK) {
         std::set<int32_t> all;
         for (int h = 0; h < n_kv; ++h) {
           const std::vector<int32_t> want = ReferenceTopK(data, q, n_q, n_kv, d, h, budget, reduce == HeadReduce::kMax);
-          for (int g = 0; g < group; ++g) {
-            EXPECT_EQ(Positions(per_query[h * group + g]), want) << "n " << n << " budget " << budget << " head " << h;
-          }
+          // One choice per KV head: the group's first list speaks for the group (SelectsPerKvHead).
+          EXPECT_EQ(Positions(per_query[h * group]), want) << "n " << n << " budget " << budget << " head " << h;
           all.insert(want.begin(), want.end());
         }
         // One list for all heads: the union of the KV heads' tokens.
@@ -147,6 +146,7 @@ TEST(OraclePolicyTest, CoveringBudgetReadsEverythingAndNothingIsEvicted) {
     EXPECT_EQ(policy->name(), "oracle");
     EXPECT_TRUE(policy->SelectsSpans());
     EXPECT_TRUE(policy->SelectsPerQueryHead());
+    EXPECT_TRUE(policy->SelectsPerKvHead());
     policy->OnAppend(20);
     EXPECT_EQ(policy->EvictionTarget(20, 20, EvictionPoint::kDecodeStep, 1), 20);
     std::vector<KvSpan> per_query[2];
@@ -167,13 +167,30 @@ TEST(OraclePolicyTest, ConfigRejectsPerQueryHeadReduce) {
   EXPECT_FALSE(fine->layers[0].per_head);
 }
 
+// The top `budget` of one KV head's probabilities, the newest token always among them (ties to
+// the earlier token), as positions.
+std::vector<int32_t> PlainTopK(const std::vector<float>& p, const RaggedSpans& data, int32_t budget) {
+  const int32_t n = static_cast<int32_t>(p.size());
+  std::vector<int32_t> order(n - 1);
+  for (int32_t t = 0; t < n - 1; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+  std::vector<int32_t> kept(order.begin(), order.begin() + std::min(budget - 1, n - 1));
+  kept.push_back(n - 1);
+  std::sort(kept.begin(), kept.end());
+  std::vector<int32_t> positions;
+  for (int32_t t : kept) positions.push_back(data.positions[t]);
+  return positions;
+}
+
 // A sequence's reuse layers, linked: layers 0-1 dense (Full), 2 selects, then reuse up to the
-// re-selection layer, which selects again for the layers after it.
+// re-selection layer, which selects again for the layers after it. A selection layer reads
+// everything and chooses from the attention it observes; the others read its choice.
 TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
   const int n_layers = 8, n_kv = 2, group = 2, n_q = n_kv * group, d = 8;
+  const int32_t budget = 9;
   LayerKvConfig config;
   config.method = KvMethod::kReuse;
-  config.budget = KvBudget::Tokens(9);
+  config.budget = KvBudget::Tokens(budget);
   config.params = DefaultMethodParams(KvMethod::kReuse);
   config.params.reselect_layer = 5;
   std::vector<std::unique_ptr<KvPolicy>> layers;
@@ -195,27 +212,37 @@ TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
   ctx.n_q_heads = n_q;
   ctx.n_kv_heads = n_kv;
   ctx.head_dim = d;
-  // Each layer gets its own query; a selecting layer chooses with it, a reusing one ignores it.
+  const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
+  ctx.q = q.data();
   std::vector<std::vector<int32_t>> selected(n_kv);
   for (int l = 2; l < n_layers; ++l) {
-    const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
-    ctx.q = q.data();
     ctx.layer = l;
-    std::vector<std::vector<KvSpan>> per_query(n_q);
-    ASSERT_TRUE(layers[l]->SelectQueryHeadSpans(ctx, data.spans, per_query.data())) << "layer " << l;
     const bool selects = l == 2 || l == 5;
-    for (int h = 0; h < n_kv; ++h) {
-      const std::vector<int32_t> got = Positions(per_query[h * group]);
-      EXPECT_EQ(got.size(), 9u);
-      if (selects) {
-        EXPECT_EQ(got, ReferenceTopK(data, q, n_q, n_kv, d, h, 9, false)) << "layer " << l << " head " << h;
-        selected[h] = got;
-      } else {
-        EXPECT_EQ(got, selected[h]) << "layer " << l << " head " << h << " reuses the last selection";
-      }
+    EXPECT_EQ(layers[l]->NeedsAttention(), selects) << "layer " << l;
+    std::vector<std::vector<KvSpan>> per_query(n_q);
+    const bool narrowed = layers[l]->SelectQueryHeadSpans(ctx, data.spans, per_query.data());
+    EXPECT_EQ(narrowed, !selects) << "layer " << l << ": selection layers read everything";
+    if (selects) {
+      // The decode step's attention, per KV head: random probabilities.
+      std::vector<float> last = RandomNonZeroFloats(static_cast<size_t>(n_kv) * n, rng, 1.f);
+      for (float& x : last) x = std::abs(x);
+      const int32_t query_position = 2 * n;
+      AttentionObservation obs;
+      obs.n_queries = 1;
+      obs.n_tokens = n;
+      obs.n_kv_heads = n_kv;
+      obs.query_positions = &query_position;
+      obs.last = last.data();
+      obs.sum_all = last.data();
+      layers[l]->Observe(obs);
+      for (int h = 0; h < n_kv; ++h)
+        selected[h] = PlainTopK(std::vector<float>(last.begin() + h * n, last.begin() + (h + 1) * n), data, budget);
+      continue;
     }
+    for (int h = 0; h < n_kv; ++h)
+      EXPECT_EQ(Positions(per_query[h * group]), selected[h]) << "layer " << l << " head " << h;
   }
-  // A fork's layers (clones, linked again) keep working on their own.
+  // A fork's layers (clones, linked again) share their own selection.
   std::vector<std::unique_ptr<KvPolicy>> clones;
   std::vector<KvPolicy*> clone_links;
   for (auto& p : layers) {
@@ -223,12 +250,20 @@ TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
     clone_links.push_back(clones.back().get());
   }
   LinkSequencePolicies(clone_links);
-  const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
-  ctx.q = q.data();
-  std::vector<std::vector<KvSpan>> a(n_q), b(n_q);
-  ASSERT_TRUE(clones[2]->SelectQueryHeadSpans(ctx, data.spans, a.data()));
-  ASSERT_TRUE(clones[3]->SelectQueryHeadSpans(ctx, data.spans, b.data()));
-  for (int i = 0; i < n_q; ++i) EXPECT_EQ(Positions(a[i]), Positions(b[i]));
+  for (auto& p : clones) p->OnAppend(1);
+  std::vector<float> last = RandomNonZeroFloats(static_cast<size_t>(n_kv) * (n + 1), rng, 1.f);
+  for (float& x : last) x = std::abs(x);
+  AttentionObservation obs;
+  obs.n_queries = 1;
+  obs.n_tokens = n + 1;
+  obs.n_kv_heads = n_kv;
+  obs.last = last.data();
+  obs.sum_all = last.data();
+  clones[2]->Observe(obs);
+  RaggedSpans more(n + 1, n_kv, d, {5, 16, 3}, rng);
+  std::vector<std::vector<KvSpan>> per_query(n_q);
+  ASSERT_TRUE(clones[3]->SelectQueryHeadSpans(ctx, more.spans, per_query.data()));
+  EXPECT_EQ(Positions(per_query[0]).size(), static_cast<size_t>(budget));
 }
 
 TEST(ReusePolicyTest, ConfigDefaultsAndChecks) {

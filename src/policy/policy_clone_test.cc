@@ -163,7 +163,7 @@ class Driver {
       for (const KvSpan& s : spans) r.spans.emplace_back(s.positions[0], s.n);
     }
     // 2. Attention.
-    if (policy_->NeedsAttention() && (!decode || policy_->ObservesDecode())) {
+    if (policy_->NeedsAttention() && (decode ? policy_->ObservesDecode() : policy_->ObservesPrompt())) {
       EXPECT_EQ(in.obs.n_tokens, n_live());
       policy_->Observe(in.obs.view());
       r.observed = true;
@@ -353,7 +353,7 @@ TEST_P(PolicyCloneTest, CloneContinuesLikeTheOriginalAndIsIndependent) {
     if (!never_evicts) {
       EXPECT_GT(evictions, 2);
     }
-    if (method == KvMethod::kQuest || method == KvMethod::kReuse) {
+    if (method == KvMethod::kQuest) {
       EXPECT_GT(narrowed, 2);
     }
   }

@@ -359,16 +359,22 @@ Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& 
   if (point == EvictionPoint::kDecodeStep && n == 1 &&
       controller_->SelectSpans(e.seq, layer, /*kv_head=*/-1, shape, q, &s.spans, s.query_spans.data())) {
     KVS_CHECK_MSG(!scores, "a policy that selects pages per query head cannot also observe attention");
-    // Each query head over its own runs of the shared rows ([n, n_kv_heads, head_dim]).
     const int group = shape.n_heads / shape.n_kv_heads;
-    s.jobs.resize(static_cast<size_t>(shape.n_heads));
-    for (int h = 0; h < shape.n_heads; ++h) {
+    // A choice per KV head (the oracle, reuse) is one job per group, which reads each K/V row
+    // once for the group's query heads; Quest's per-query-head pages are a job per query head.
+    const bool group_shares_runs = controller_->SelectsPerKvHead(e.seq, layer);
+    const int n_jobs = group_shares_runs ? shape.n_kv_heads : shape.n_heads;
+    const int heads_per_job = group_shares_runs ? group : 1;
+    // Each job's query heads over its runs of the shared rows ([n, n_kv_heads, head_dim]).
+    s.jobs.resize(static_cast<size_t>(n_jobs));
+    for (int j = 0; j < n_jobs; ++j) {
+      const int h = j * heads_per_job;  // the job's first query head
       const std::vector<KvSpan>& runs = s.query_spans[static_cast<size_t>(h)];
-      s.jobs[h] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), h / group,
+      s.jobs[j] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), h / group,
                                q + static_cast<size_t>(h) * shape.head_dim, att + static_cast<size_t>(h) * shape.head_dim};
     }
-    ops::AttentionBatch(AttentionShape{1, 1, shape.head_dim, shape.scale}, shape.n_kv_heads, storage, q_pos, 1,
-                        s.jobs.data(), shape.n_heads, n_threads_);
+    ops::AttentionBatch(AttentionShape{heads_per_job, 1, shape.head_dim, shape.scale}, shape.n_kv_heads, storage, q_pos,
+                        1, s.jobs.data(), n_jobs, n_threads_);
     return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),
                                        /*current_position=*/e.pos0 + n - 1);
   }
