@@ -51,6 +51,22 @@ std::vector<int32_t> Positions(const std::vector<KvSpan>& runs) {
   return out;
 }
 
+// The top `budget` tokens by score ([n]), the newest token always among them (ties to the
+// earlier token), as positions.
+template <typename Score>
+std::vector<int32_t> PlainTopK(const std::vector<Score>& score, const RaggedSpans& data, int32_t budget) {
+  const int32_t n = static_cast<int32_t>(score.size());
+  std::vector<int32_t> order(n - 1);
+  for (int32_t t = 0; t < n - 1; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return score[a] > score[b]; });
+  std::vector<int32_t> kept(order.begin(), order.begin() + std::min(budget - 1, n - 1));
+  kept.push_back(n - 1);
+  std::sort(kept.begin(), kept.end());
+  std::vector<int32_t> positions;
+  for (int32_t t : kept) positions.push_back(data.positions[t]);
+  return positions;
+}
+
 // The reference: per KV head, softmax(q·k * scale) per query head, averaged (or maxed) over the
 // group; the newest token plus the best (budget - 1) of the others, ties to the earlier token.
 std::vector<int32_t> ReferenceTopK(const RaggedSpans& data, const std::vector<float>& q, int n_q, int n_kv, int d,
@@ -75,15 +91,7 @@ std::vector<int32_t> ReferenceTopK(const RaggedSpans& data, const std::vector<fl
       score[t] = max_fold ? std::max(score[t], p) : score[t] + p / group;
     }
   }
-  std::vector<int32_t> order(n - 1);
-  for (int32_t t = 0; t < n - 1; ++t) order[t] = t;
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return score[a] > score[b]; });
-  std::vector<int32_t> kept(order.begin(), order.begin() + std::min(budget - 1, n - 1));
-  kept.push_back(n - 1);
-  std::sort(kept.begin(), kept.end());
-  std::vector<int32_t> positions;
-  for (int32_t t : kept) positions.push_back(data.positions[t]);
-  return positions;
+  return PlainTopK(score, data, budget);
 }
 
 std::unique_ptr<KvPolicy> MakeOracle(KvBudget budget, HeadReduce reduce = HeadReduce::kMean) {
@@ -165,21 +173,6 @@ TEST(OraclePolicyTest, ConfigRejectsPerQueryHeadReduce) {
   ASSERT_TRUE(fine.ok()) << fine.status().ToString();
   EXPECT_EQ(fine->layers[0].method, KvMethod::kOracle);
   EXPECT_FALSE(fine->layers[0].per_head);
-}
-
-// The top `budget` of one KV head's probabilities, the newest token always among them (ties to
-// the earlier token), as positions.
-std::vector<int32_t> PlainTopK(const std::vector<float>& p, const RaggedSpans& data, int32_t budget) {
-  const int32_t n = static_cast<int32_t>(p.size());
-  std::vector<int32_t> order(n - 1);
-  for (int32_t t = 0; t < n - 1; ++t) order[t] = t;
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
-  std::vector<int32_t> kept(order.begin(), order.begin() + std::min(budget - 1, n - 1));
-  kept.push_back(n - 1);
-  std::sort(kept.begin(), kept.end());
-  std::vector<int32_t> positions;
-  for (int32_t t : kept) positions.push_back(data.positions[t]);
-  return positions;
 }
 
 // A sequence's reuse layers, linked: layers 0-1 dense (Full), 2 selects, then reuse up to the
