@@ -208,6 +208,36 @@ TEST(BenchRunnerTest, FidelityAndLatencyRows) {
   EXPECT_NE(report.find("### latency and memory"), std::string::npos);
 }
 
+// "METHOD:KEY=VALUE" sets method parameters (--kv-param's keys) in a sweep: the row keeps the
+// whole name, the parameters reach the layers (AdaKV's adaptive heads here), and the method's
+// paper cadence still applies; malformed names are refused before anything runs.
+TEST(BenchRunnerTest, MethodNamesCarryParameters) {
+  BenchSpec spec = SmallSpec();
+  spec.methods = {"h2o:head_budgets=adaptive:floor=0.25"};
+  spec.protocols = {BenchProtocol::kQuestionLast};
+  spec.samples = 1;
+  ASSERT_TRUE(ValidateBenchSpec(spec).ok());
+  const std::vector<BenchConfig> configs = EnumerateBenchConfigs(spec);
+  ASSERT_EQ(configs.size(), 1u);
+  EXPECT_EQ(BenchEvictInterval(spec, configs[0]), 1) << "h2o's paper cadence";
+  auto model = Model::Load(spec.model_path);
+  ASSERT_TRUE(model.ok());
+  auto row = RunBenchConfig(spec, configs[0], **model, nullptr);
+  ASSERT_TRUE(row.ok()) << row.status().ToString();
+  EXPECT_EQ((*row)["method"], "h2o:head_budgets=adaptive:floor=0.25");
+  for (const std::string bad : {"h2o:", "h2o:floor", "h2o:=1", "nosuch:floor=1"}) {
+    spec.methods = {bad};
+    const Status st = ValidateBenchSpec(spec);
+    ASSERT_FALSE(st.ok()) << bad;
+    EXPECT_NE(st.message().find("--methods"), std::string::npos) << st.message();
+  }
+  // A key the method does not take fails when the configuration is built, naming the key.
+  spec.methods = {"streaming_llm:floor=0.5"};
+  const auto wrong = RunBenchConfig(spec, EnumerateBenchConfigs(spec)[0], **model, nullptr);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("floor"), std::string::npos) << wrong.status().ToString();
+}
+
 TEST(BenchRunnerTest, EvictIntervalIsThePaperCadenceUnlessGiven) {
   BenchSpec spec = SmallSpec();
   spec.methods = {"full", "h2o", "tova", "streaming_llm", "scissorhands", "random", "snapkv", "pyramidkv", "knorm",

@@ -113,8 +113,8 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
   BenchSpec accuracy;
   KVS_ASSIGN_OR_RETURN(accuracy.model_path, BuiltinRetrievalModelPath());
   accuracy.model_name = "builtin-retrieval";
-  accuracy.methods = {"full",   "streaming_llm", "h2o",   "tova",   "scissorhands", "snapkv", "pyramidkv",
-                      "quest",  "knorm",         "random", "cumulative", "reuse",   "oracle"};
+  accuracy.methods = {"full",  "streaming_llm", "h2o",        "tova",  "scissorhands", "snapkv", "pyramidkv", "cake",
+                      "quest", "knorm",         "random",     "cumulative", "reuse", "razor",  "oracle"};
   accuracy.budgets = {"0.1", "0.2"};
   accuracy.lengths = {1024, 2048};
   accuracy.tasks = {"niah_single", "niah_multikey", "kv_retrieval", "copy"};
@@ -123,6 +123,23 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
   // A one-head model: a second thread costs more in synchronisation than it saves.
   if (a.threads <= 0) accuracy.n_threads = 1;
   if (a.suite != "speed") specs.push_back(accuracy);
+  // Part 1b: head-level methods on the multi-head instrument (retrieval_model.h: the circuit in 2
+  // of its 16 KV heads, distractors elsewhere), against their uniform counterparts: AdaKV's
+  // adaptive head budgets vs uniform per-head H2O / SnapKV, razor's retrieval heads vs
+  // StreamingLLM's window everywhere, CAKE's layer budgets vs SnapKV's uniform and PyramidKV's
+  // fixed schedule. One length: the model is 8x wider than the one-head one.
+  BenchSpec heads;
+  KVS_ASSIGN_OR_RETURN(heads.model_path, BuiltinRetrievalModelPath(RetrievalShape::kMultiHead));
+  heads.model_name = "builtin-retrieval-mha";
+  heads.methods = {"full",   "streaming_llm", "razor", "h2o",        "h2o:head_budgets=adaptive", "snapkv",
+                   "snapkv:head_budgets=adaptive", "pyramidkv", "cake", "cumulative", "reuse", "oracle"};
+  heads.budgets = {"0.1", "0.2"};
+  heads.lengths = {1024};
+  heads.tasks = {"niah_single", "copy"};
+  heads.samples = 8;
+  if (!flags_to_speed) KVS_RETURN_IF_ERROR(apply_flags(heads));
+  if (a.threads <= 0) heads.n_threads = 2;
+  if (a.suite != "speed") specs.push_back(heads);
   if (a.suite == "accuracy") return specs;
   // Part 2: latency and memory on a random-weight model of TinyLlama-1.1B's shape (speed and
   // bytes are real whatever the weights): the dense f16 cache against sparse int8 caches.
@@ -223,12 +240,14 @@ void RegisterBench(CLI::App& app, int* exit_code) {
       "the built-in retrieval model (accuracy) and a TinyLlama-shape random model (latency, memory)");
   cmd->add_option("-m,--model", a->model, "GGUF or llama2.c model (default: the built-in suite)");
   cmd->add_option("--suite", a->suite,
-                  "without -m: all, accuracy (built-in retrieval model) or speed (TinyLlama-shape random model); "
+                  "without -m: all, accuracy (the built-in retrieval models, one-head and multi-head) or speed (TinyLlama-shape "
+                  "random model); "
                   "the other flags shape the part named (accuracy for all)")
       ->capture_default_str()
       ->check(CLI::IsMember({"all", "accuracy", "speed"}));
   cmd->add_option("--methods", a->methods,
-                  "e.g. full,streaming_llm,h2o,tova,scissorhands,snapkv,pyramidkv,quest,knorm,random,oracle")
+                  "e.g. full,streaming_llm,h2o,tova,scissorhands,snapkv,pyramidkv,quest,knorm,random,oracle; "
+                  "METHOD:KEY=VALUE[:KEY=VALUE] sets parameters (--kv-param's keys), e.g. snapkv:head_budgets=adaptive")
       ->delimiter(',');
   cmd->add_option("--budgets", a->budgets, "fractions of the context (0.1) or token counts (512)")->delimiter(',');
   cmd->add_option("--lengths", a->lengths, "context lengths in tokens: 1024,2k,32k")->delimiter(',');

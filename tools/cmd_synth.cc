@@ -18,7 +18,7 @@ struct SynthArgs {
 void RegisterSynth(CLI::App& app, int* exit_code) {
   auto a = std::make_shared<SynthArgs>();
   CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight GGUF with the exact shape of a real model");
-  cmd->add_option("--shape", a->shape, "shape name (see --list); 'retrieval' writes the built-in retrieval model");
+  cmd->add_option("--shape", a->shape, "shape name (see --list); 'retrieval' and 'retrieval-mha' write the built-in retrieval models");
   cmd->add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0, q4_0, q4_k")->capture_default_str();
   cmd->add_option("-o,--output", a->out, "GGUF file to write");
   cmd->add_option("--vocab", a->vocab, "vocab-only GGUF to copy the tokenizer from (token count must match)");
@@ -33,20 +33,23 @@ void RegisterSynth(CLI::App& app, int* exit_code) {
       }
       std::printf("%-16s %-6s constructed weights for token-level retrieval (see retrieval_model.h)\n", "retrieval",
                   "llama");
+      std::printf("%-16s %-6s the same circuit in 2 of 16 KV heads, distractor heads elsewhere (8 heads, kv 4)\n",
+                  "retrieval-mha", "llama");
       return;
     }
     if (a->shape.empty() || a->out.empty()) {
       *exit_code = Fail(InvalidArgumentError("synth needs --shape NAME and -o FILE (see --list)"));
       return;
     }
-    if (a->shape == "retrieval") {
+    if (a->shape == "retrieval" || a->shape == "retrieval-mha") {
       // Constructed, not random: f32 unless --type asks for f16; --layers >= 2 (0 = default).
       RetrievalModelOptions options;
+      if (a->shape == "retrieval-mha") options.shape = RetrievalShape::kMultiHead;
       if (a->layers > 0) options.n_layers = a->layers;
       if (cmd->count("--type") > 0) {
         auto type = DTypeFromName(a->type);
         if (!type) {
-          *exit_code = Fail(InvalidArgumentError("--type: expected f32 or f16 for --shape retrieval, found '" + a->type + "'"));
+          *exit_code = Fail(InvalidArgumentError("--type: expected f32 or f16 for --shape " + a->shape + ", found '" + a->type + "'"));
           return;
         }
         options.weight_type = *type;  // WriteRetrievalModel rejects types other than f32/f16

@@ -21,6 +21,7 @@ void RegisterBenchSpeed(CLI::App& app, int* exit_code);
 void RegisterBenchServe(CLI::App& app, int* exit_code);  // serving benchmark (src/bench/serve.cc)
 void RegisterBench(CLI::App& app, int* exit_code);  // bench, bench-merge, bench-report
 void RegisterServe(CLI::App& app, int* exit_code);  // OpenAI-compatible HTTP server
+void RegisterProbeHeads(CLI::App& app, int* exit_code);  // retrieval-head scores for razor
 
 // Prints "error: <status>" to stderr and returns 1.
 int Fail(const Status& status);

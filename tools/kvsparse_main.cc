@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   kvsparse::cli::RegisterBenchServe(app, &exit_code);
   kvsparse::cli::RegisterBench(app, &exit_code);
   kvsparse::cli::RegisterServe(app, &exit_code);
+  kvsparse::cli::RegisterProbeHeads(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

@@ -20,6 +20,10 @@
 //   (h2o, snapkv and pyramidkv per-head layers take "head_budgets": "adaptive": AdaKV, floor 0.5)
 //   cumulative     one ranking per sequence by attention summed over     (decay 0.99, re-rank every 16,
 //                  layers; each layer keeps a share, nested by depth      linear 3:1 schedule, evict)
+//   cake           SnapKV-like windowed scores (mean + gamma var), layer   (window 32, gamma 200, tau 1/1,
+//                  budgets split by attention entropy x variance          avg pool 5, per KV head, cascading)
+//   razor          retrieval heads (probe-heads' top scores) keep every   (15% of KV heads, 4 sinks,
+//                  token, the other heads sinks + a recent window          per KV head; RazorAttention)
 // Every selection keeps the token just appended (see selection.h).
 #pragma once
 
@@ -53,6 +57,8 @@ enum class KvMethod {
   kOracle,
   kCumulative,
   kReuse,
+  kRazor,
+  kCake,
 };
 
 std::string_view KvMethodName(KvMethod method);                  // "h2o"
@@ -112,6 +118,19 @@ struct KvMethodParams {
   double floor = 0.5;
   // reuse (oracle.cc): the second token-selection layer; -1: 13/32 of the depth (TidalDecode's 13 of 32).
   int32_t reselect_layer = -1;  // "reselect_layer"
+  // razor (razor.cc, head_probe.h). "heads": a heads file (`kvsparse probe-heads`' JSON); empty:
+  // the runtime probes the model when it starts. "retrieval_heads": how many of the model's KV
+  // heads keep every token, the best-scoring first: a count (an integer >= 0) or a share (< 1).
+  // cake (cake.cc): the eviction indicator's variance weight and the preference's exponents.
+  double gamma = 200.0;         // "gamma"
+  double tau1 = 1.0;            // "tau1": spatial dispersion (entropy) exponent 1 / tau1
+  double tau2 = 1.0;            // "tau2": temporal shift (variance) exponent 1 / tau2
+  std::string heads_file;
+  double retrieval_heads = 0.15;
+  // The KV heads of this layer that keep every token (bit h = KV head h), set by
+  // ResolveRetrievalHeads from the scores; razor policies refuse to run before that.
+  uint64_t full_heads = 0;
+  bool full_heads_resolved = false;
 };
 
 // The paper defaults of `method` (see the table above).
@@ -152,13 +171,15 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer);
 
 // Builds the policy of `layer` (of n_layers; PyramidKV needs both) for one sequence.
 // `seed` feeds the Random method; pass a different one per (sequence, layer).
+// `kv_head`: the KV head a per-head layer's policy serves (razor treats its heads differently).
 StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, int layer, int n_layers,
-                                                 uint64_t seed);
+                                                 uint64_t seed, int kv_head = 0);
 
-// Cross-layer methods (cumulative): the layers of one sequence share state. After building or
-// cloning the policies of a sequence, the controller passes them here, one per layer in depth
-// order (head 0 of a per-head layer); methods without cross-layer state ignore the call.
-void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies);
+// Cross-layer methods (cumulative, reuse, cake): the layers of one sequence share state. After
+// building or cloning the policies of a sequence, the controller passes them here: one per layer
+// in depth order (head 0 of a per-head layer), and every policy of the sequence (all heads);
+// methods without cross-layer state ignore the call.
+void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies, std::span<KvPolicy* const> all_policies = {});
 
 // `cumulative`'s budget for `layer`: the config's budget is the mean over the model's layers;
 // the schedule spreads it from spread:1 (first layer : last), clamped to the whole context.

@@ -125,6 +125,10 @@ class KvPolicy {
   // True when a decode step must evict now whatever evict_interval says: cumulative, when a
   // shallower layer dropped tokens this layer still caches (so the cached sets stay nested).
   virtual bool MustEvictNow(int32_t n_live) const { return false; }
+  // True when the budget of this layer shrinks as later layers of the sequence observe a prompt
+  // (CAKE's cascading split of one total over the layers measured so far): after such a layer's
+  // eviction at a prompt point the controller re-applies the budgets of the earlier such layers.
+  virtual bool CascadesBudget() const { return false; }
   // False when observations of decode steps are never used (SnapKV, PyramidKV without
   // decode_evict): the controller then skips the scoring pass on decode steps.
   virtual bool ObservesDecode() const { return true; }

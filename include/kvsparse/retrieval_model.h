@@ -25,6 +25,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
@@ -32,7 +33,26 @@
 
 namespace kvsparse {
 
+// The one-head model above, or the multi-head variant (`synth --shape retrieval-mha`) that
+// head-level methods need: 8 query heads in 4 GQA groups (head_dim 128, dim 1024), with the
+// same circuit in two heads (layer 0 KV head 1: previous-token; last layer KV head 2:
+// induction) and distractor heads everywhere else whose output is discarded (wo = 0): local
+// heads (the token and the two before it), previous-token heads and uniform heads (q = 0).
+// Layer 0 and the last layer are mostly sharp, odd middle layers mostly uniform, even ones
+// local and previous-token. So the answer needs the circuit heads' tokens only: a per-head
+// or per-layer method that spends its budget there can keep a needle that a uniform split
+// cannot. What it is not: distractor heads here need nothing, so their budget is pure waste;
+// in a trained model every head contributes something.
+enum class RetrievalShape { kOneHead, kMultiHead };
+
+// A (layer, KV head) of the model.
+struct RetrievalHead {
+  int layer = 0;
+  int kv_head = 0;
+};
+
 struct RetrievalModelOptions {
+  RetrievalShape shape = RetrievalShape::kOneHead;
   // >= 2. Layer 0 is the previous-token head, the last layer the induction head, the ones
   // between are exact no-ops (they give per-layer KV configs layers that need nothing).
   int n_layers = 4;
@@ -44,6 +64,10 @@ struct RetrievalModelOptions {
 // tasks are token ids). InvalidArgument for n_layers < 2 or another weight type.
 Status WriteRetrievalModel(const RetrievalModelOptions& options, const std::string& out_path);
 
+// The heads that carry the retrieval circuit (previous-token, then induction), the ones a
+// retrieval-head probe must find.
+std::vector<RetrievalHead> RetrievalCircuitHeads(RetrievalShape shape, int n_layers);
+
 // Token ids of the model: 16 filler (0-15), 12 keys (16-27), 12 values (28-39); n_vocab 40.
 // A key may be paired with any value. Needle / copy tasks work when the tokens to retrieve occur
 // once before the question: keys and values do; filler repeats, so a filler "question" returns
@@ -53,6 +77,6 @@ TokenVocab RetrievalModelVocab();
 // The default model (RetrievalModelOptions{}), written once into the cache folder
 // ($KVSPARSE_CACHE, else ~/.cache/kvsparse, else the temp folder) and reused; concurrent
 // callers are safe (each writes a private temp file and renames it into place).
-StatusOr<std::string> BuiltinRetrievalModelPath();
+StatusOr<std::string> BuiltinRetrievalModelPath(RetrievalShape shape = RetrievalShape::kOneHead);
 
 }  // namespace kvsparse

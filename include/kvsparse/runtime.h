@@ -26,7 +26,8 @@ struct Runtime {
 
 // config null: a ContiguousKvCache of dense_storage (f32 or f16) holding n_seqs sequences of
 // max_tokens. Otherwise the paged cache sized for n_seqs × max_tokens (CreateSparseKv) and its
-// controller, seeded with `seed` (the Random method).
+// controller, seeded with `seed` (the Random method). Razor layers get their retrieval heads
+// here (ResolveRetrievalHeads: the heads file, or a probe of the model).
 StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSparsityConfig* config,
                                                  KvStorage dense_storage, int n_seqs, int32_t max_tokens,
                                                  int n_threads, uint64_t seed = 0);

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -81,6 +82,13 @@ class SparseKvController {
   SparseKvController& operator=(const SparseKvController&) = delete;
 
   const KvSparsityConfig& config() const { return config_; }
+
+  // Sees every observation a policy receives, just before the policy does: (seq, layer, kv_head,
+  // observation), kv_head -1 for a layer whose heads share one policy (the observation then
+  // covers every head). For analysis tools (probe-heads); the heads of a per-head layer may call
+  // it from several threads at once. Only layers whose policies observe attention call it.
+  using ObservationTap = std::function<void(int seq, int layer, int kv_head, const AttentionObservation&)>;
+  void SetObservationTap(ObservationTap tap) { tap_ = std::move(tap); }
   PagedKvCache* cache() const { return cache_; }
   // Tokens per forward chunk for prompts (the config's prefill_chunk).
   int32_t prefill_chunk() const { return config_.prefill_chunk; }
@@ -212,7 +220,7 @@ class SparseKvController {
 
   // The policy that sizes a reservation: the layer's template, or (layers given) *own, made
   // from the override's config.
-  const KvPolicy& ReservePolicy(int layer, const std::vector<LayerKvConfig>* layers,
+  const KvPolicy& ReservePolicy(int layer, int kv_head, const std::vector<LayerKvConfig>* layers,
                                 std::unique_ptr<KvPolicy>* own) const;
   // Reused gathering outputs of one Observe (no allocation in steady-state decode).
   struct ObserveScratch {
@@ -221,11 +229,15 @@ class SparseKvController {
   };
   // The gathering pass and Observe for one policy, into `scratch`; touches nothing else of
   // the controller, so policies of different heads may observe concurrently.
+  // `tap`, when set, sees the observation first (with seq, layer, kv_head).
   static void Observe(KvPolicy& p, KvStorage storage, GqaAggregation aggregation, const AttentionShape& shape,
                       const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
-                      const float* row_max_sum, int n_threads, const float* raw_scores, ObserveScratch* scratch);
+                      const float* row_max_sum, int n_threads, const float* raw_scores, ObserveScratch* scratch,
+                      const std::function<void(const AttentionObservation&)>& tap);
   // RenumberPositions of the layer's table(s) (kv_head < 0: all) with rotate_.
   Status RenumberPositions(int seq, int layer, int kv_head);
+  // Eviction of a layer: its table, each head's, or AdaKV's joint eviction of its heads.
+  Status EvictLayer(int seq, int layer, EvictionPoint point, int32_t n_seen, int32_t current_position);
   // Eviction of one table: the layer's (kv_head < 0) or one head's.
   Status EvictTable(int seq, int layer, int kv_head, EvictionPoint point, int32_t n_seen,
                     int32_t current_position);
@@ -249,8 +261,10 @@ class SparseKvController {
   std::vector<uint8_t> released_;                     // [n_seqs] 1: free for AcquireSequence
   // [n_seqs] a sequence's own layer configs (null: config_.layers)
   std::vector<std::shared_ptr<const std::vector<LayerKvConfig>>> seq_layers_;
-  std::vector<std::unique_ptr<KvPolicy>> layer_templates_;  // [n_layers] fresh policies (budgets, properties)
+  // [Σ layers' policies] fresh policies (budgets, properties), indexed like one sequence's policies_.
+  std::vector<std::unique_ptr<KvPolicy>> layer_templates_;
   std::vector<SparseKvLayerStats> stats_;             // [n_layers], all sequences together
+  ObservationTap tap_;
   KeyRotateFn rotate_;                                // RoPE by a position delta (cache-position layers)
 
   // Reused buffers (no allocation in steady-state decode).

@@ -133,7 +133,7 @@ std::string OrderingSection(const std::vector<Json>& rows) {
     acc[{Str(row, "model"), Str(row, "task"), Str(row, "protocol"), budget}][method].push_back(Num(row, "accuracy"));
   }
   if (acc.empty()) return "";
-  std::string out = "\n## Method ordering by accuracy (mean over lengths)\n\n| task | protocol | budget | full | ordering |\n|---|---|---|---:|---|\n";
+  std::string out = "\n## Method ordering by accuracy (mean over lengths)\n\n| model | task | protocol | budget | full | ordering |\n|---|---|---|---|---:|---|\n";
   for (const auto& [key, methods] : acc) {
     const auto& [model, task, protocol, budget] = key;
     std::vector<std::pair<double, std::string>> order;
@@ -153,7 +153,7 @@ std::string OrderingSection(const std::vector<Json>& rows) {
       for (double x : it->second) s += x;
       full_acc = fmt::format("{:.0f}", 100 * s / it->second.size());
     }
-    out += fmt::format("| {} | {} | {} | {} | {} |\n", task, protocol, budget, full_acc, line);
+    out += fmt::format("| {} | {} | {} | {} | {} | {} |\n", model, task, protocol, budget, full_acc, line);
   }
   return out;
 }

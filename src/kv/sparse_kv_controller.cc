@@ -45,12 +45,23 @@ StatusOr<std::unique_ptr<SparseKvController>> SparseKvController::Create(const K
                                               cache->per_head(layer) ? "per-head" : "shared by all heads"));
     }
   }
+  for (int layer = 0; layer < n_layers; ++layer) {
+    const LayerKvConfig& l = config.layers[layer];
+    const int n_kv_heads = cache->geometry().n_kv_heads;
+    if (l.method == KvMethod::kRazor && n_kv_heads < 64 && (l.params.full_heads >> n_kv_heads) != 0) {
+      return InvalidArgumentError(fmt::format("sparse KV controller: layer {} (razor) keeps KV heads the model does "
+                                              "not have (it has {}); was the heads file made for another model?",
+                                              layer, n_kv_heads));
+    }
+  }
   std::unique_ptr<SparseKvController> controller(new SparseKvController(config, cache, seed));
   for (int seq = 0; seq < cache->n_seqs(); ++seq) KVS_RETURN_IF_ERROR(controller->BuildPolicies(seq));
   for (int layer = 0; layer < n_layers; ++layer) {
-    auto policy = CreatePolicy(config.layers[layer], layer, n_layers, seed);
-    if (!policy.ok()) return policy.status();
-    controller->layer_templates_.push_back(std::move(*policy));
+    for (int head = 0; head < controller->n_policies(layer); ++head) {
+      auto policy = CreatePolicy(config.layers[layer], layer, n_layers, seed, head);
+      if (!policy.ok()) return policy.status();
+      controller->layer_templates_.push_back(std::move(*policy));
+    }
   }
   return controller;
 }
@@ -91,7 +102,7 @@ Status SparseKvController::BuildPolicies(int seq) {
                             (generation_[seq] * cache_->n_seqs() + seq) * 1000003ull + static_cast<uint64_t>(layer) +
                             static_cast<uint64_t>(head) * 0xD1B54A32D192ED03ull;
       const LayerKvConfig& layer_config = LayerConfig(seq, layer);
-      auto policy = CreatePolicy(layer_config, layer, n_layers_, seed);
+      auto policy = CreatePolicy(layer_config, layer, n_layers_, seed, head);
       if (!policy.ok()) {
         return Status(policy.status().code(),
                       fmt::format("sparse KV controller: layer {}: {}", layer, policy.status().message()));
@@ -105,9 +116,12 @@ Status SparseKvController::BuildPolicies(int seq) {
 }
 
 void SparseKvController::LinkSequence(int seq) {
-  std::vector<KvPolicy*> layers(static_cast<size_t>(n_layers_));
-  for (int layer = 0; layer < n_layers_; ++layer) layers[layer] = policies_[Index(seq, layer)].get();
-  LinkSequencePolicies(layers);
+  std::vector<KvPolicy*> layers(static_cast<size_t>(n_layers_)), all;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    layers[layer] = policies_[Index(seq, layer)].get();
+    for (int head = 0; head < n_policies(layer); ++head) all.push_back(policies_[Index(seq, layer, head)].get());
+  }
+  LinkSequencePolicies(layers, all);
 }
 
 Status SparseKvController::ResetSequence(int seq) {
@@ -244,10 +258,10 @@ Status SparseKvController::RemoveRange(int seq, int32_t p0, int32_t p1) {
   return Status::Ok();
 }
 
-const KvPolicy& SparseKvController::ReservePolicy(int layer, const std::vector<LayerKvConfig>* layers,
+const KvPolicy& SparseKvController::ReservePolicy(int layer, int kv_head, const std::vector<LayerKvConfig>* layers,
                                                   std::unique_ptr<KvPolicy>* own) const {
-  if (layers == nullptr) return *layer_templates_[layer];
-  auto made = CreatePolicy((*layers)[layer], layer, n_layers_, seed_);
+  if (layers == nullptr) return *layer_templates_[policy_offset_[layer] + static_cast<size_t>(kv_head)];
+  auto made = CreatePolicy((*layers)[layer], layer, n_layers_, seed_, kv_head);
   KVS_CHECK_MSG(made.ok(), made.status().ToString());  // CheckSequenceLayers validated it
   *own = std::move(*made);
   return **own;
@@ -260,24 +274,26 @@ size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t m
   const bool prompt_end_eviction = config_.prefill_eviction == PrefillEviction::kPromptEnd;
   size_t bytes = 0;
   for (int layer = 0; layer < n_layers_; ++layer) {
-    std::unique_ptr<KvPolicy> own;
-    const KvPolicy& p = ReservePolicy(layer, layers, &own);
-    auto budget = [&](int64_t n_seen) -> int64_t {
-      return p.BudgetTokens(static_cast<int32_t>(std::min<int64_t>(n_seen, INT32_MAX)));
-    };
-    int64_t live = total;
-    if (!p.SelectsSpans() && budget(total) < total) {
-      // Prompt: what the budget keeps after each chunk (all of it when the prompt is only
-      // trimmed at its end). The chunk on top, until its eviction, is ChunkReserveBytes'.
-      const int64_t prompt_peak = prompt_end_eviction ? prompt : std::min(prompt, budget(prompt));
-      const int64_t decode_peak = p.EvictsDuringDecode()
-                                      ? std::min(total, budget(total) + config_.evict_interval)
-                                      : std::min(prompt, budget(prompt)) + (total - prompt);
-      live = std::max(prompt_peak, decode_peak);
+    for (int head = 0; head < n_policies(layer); ++head) {  // per-head layers: each head's own policy
+      std::unique_ptr<KvPolicy> own;
+      const KvPolicy& p = ReservePolicy(layer, head, layers, &own);
+      auto budget = [&](int64_t n_seen) -> int64_t {
+        return p.BudgetTokens(static_cast<int32_t>(std::min<int64_t>(n_seen, INT32_MAX)));
+      };
+      int64_t live = total;
+      if (!p.SelectsSpans() && budget(total) < total) {
+        // Prompt: what the budget keeps after each chunk (all of it when the prompt is only
+        // trimmed at its end). The chunk on top, until its eviction, is ChunkReserveBytes'.
+        const int64_t prompt_peak = prompt_end_eviction ? prompt : std::min(prompt, budget(prompt));
+        const int64_t decode_peak = p.EvictsDuringDecode()
+                                        ? std::min(total, budget(total) + config_.evict_interval)
+                                        : std::min(prompt, budget(prompt)) + (total - prompt);
+        live = std::max(prompt_peak, decode_peak);
+      }
+      const int32_t live_tokens = static_cast<int32_t>(std::min<int64_t>(live, INT32_MAX - cache_->page_size()));
+      const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
+      bytes += cache_->TableReserveBytes(layer, live_tokens, storage);
     }
-    const int32_t live_tokens = static_cast<int32_t>(std::min<int64_t>(live, INT32_MAX - cache_->page_size()));
-    const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
-    bytes += cache_->TableReserveBytes(layer, live_tokens, storage) * static_cast<size_t>(n_policies(layer));
   }
   return bytes;
 }
@@ -288,15 +304,17 @@ size_t SparseKvController::ChunkReserveBytes(int32_t chunk_tokens, const std::ve
   constexpr int32_t kLarge = INT32_MAX / 4;
   size_t bytes = 0;
   for (int layer = 0; layer < n_layers_; ++layer) {
-    std::unique_ptr<KvPolicy> own;
-    const KvPolicy& p = ReservePolicy(layer, layers, &own);
-    // Layers that keep every prompt token have it in SequenceReserveBytes already.
-    if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge) continue;
-    // A table of B tokens holds ceil(B / page) pages, and B + chunk at most ceil(chunk / page)
-    // more; its reservation has a page in flight on top, and an int8_kivi page being quantized
-    // one more: TableReserveBytes(chunk) covers both.
-    const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
-    bytes += cache_->TableReserveBytes(layer, chunk, storage) * static_cast<size_t>(n_policies(layer));
+    for (int head = 0; head < n_policies(layer); ++head) {
+      std::unique_ptr<KvPolicy> own;
+      const KvPolicy& p = ReservePolicy(layer, head, layers, &own);
+      // Tables that keep every prompt token have it in SequenceReserveBytes already.
+      if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge) continue;
+      // A table of B tokens holds ceil(B / page) pages, and B + chunk at most ceil(chunk / page)
+      // more; its reservation has a page in flight on top, and an int8_kivi page being quantized
+      // one more: TableReserveBytes(chunk) covers both.
+      const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
+      bytes += cache_->TableReserveBytes(layer, chunk, storage);
+    }
   }
   return bytes;
 }
@@ -332,8 +350,10 @@ void SparseKvController::ObserveAttention(int seq, int layer, const AttentionSha
                                               layer));
   const auto t0 = Clock::now();
   if (observe_scratch_.empty()) observe_scratch_.resize(1);
+  std::function<void(const AttentionObservation&)> tap;
+  if (tap_) tap = [&](const AttentionObservation& obs) { tap_(seq, layer, -1, obs); };
   Observe(policy(seq, layer), cache_->sequence_storage(seq, layer), config_.agg, shape, q, q_pos, n_q, spans, n_spans,
-          row_max_sum, n_threads, raw_scores, &observe_scratch_[0]);
+          row_max_sum, n_threads, raw_scores, &observe_scratch_[0], tap);
   SparseKvLayerStats& st = stats_[layer];
   ++st.observations;
   st.score_s += Seconds(t0, Clock::now());
@@ -355,8 +375,10 @@ void SparseKvController::ObserveHeadsAttention(int seq, int layer, const Attenti
   for (int h = 0; h < n_kv_heads; ++h) all_raw = all_raw && jobs[h].raw_scores != nullptr;
   auto observe = [&](int h, int threads) {
     const AttentionJob& job = jobs[h];
+    std::function<void(const AttentionObservation&)> tap;
+    if (tap_) tap = [&](const AttentionObservation& obs) { tap_(seq, layer, h, obs); };
     Observe(policy(seq, layer, h), storage, config_.agg, head_shape, job.q, q_pos, n_q, job.spans, job.n_spans,
-            job.row_max_sum, threads, job.raw_scores, &observe_scratch_[h]);
+            job.row_max_sum, threads, job.raw_scores, &observe_scratch_[h], tap);
   };
   if (all_raw) {
     // Decode: each head's gathering is small ([group, n_tokens]), so the heads share one
@@ -375,7 +397,8 @@ void SparseKvController::ObserveHeadsAttention(int seq, int layer, const Attenti
 void SparseKvController::Observe(KvPolicy& p, KvStorage storage, GqaAggregation aggregation,
                                  const AttentionShape& shape, const float* q, const int32_t* q_pos, int32_t n_q,
                                  const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
-                                 const float* raw_scores, ObserveScratch* scratch) {
+                                 const float* raw_scores, ObserveScratch* scratch,
+                                 const std::function<void(const AttentionObservation&)>& tap) {
   int64_t n_tokens = 0;
   for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
   const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
@@ -423,6 +446,7 @@ void SparseKvController::Observe(KvPolicy& p, KvStorage storage, GqaAggregation 
     obs.n_window = window;
     obs.window_rows = rows_from_last ? outputs.last : outputs.window_rows;
   }
+  if (tap) tap(obs);
   p.Observe(obs);
 }
 
@@ -432,6 +456,21 @@ Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint poin
   if (point == EvictionPoint::kPrefillChunk && config_.prefill_eviction == PrefillEviction::kPromptEnd) {
     return Status::Ok();
   }
+  KVS_RETURN_IF_ERROR(EvictLayer(seq, layer, point, n_seen, current_position));
+  // CAKE's cascade: this layer's prompt measurement re-divided the total, so the earlier layers
+  // that share it shrink now (their attention for this call is done).
+  if (point != EvictionPoint::kDecodeStep && policy(seq, layer).CascadesBudget()) {
+    for (int earlier = 0; earlier < layer; ++earlier) {
+      if (policy(seq, earlier).CascadesBudget()) {
+        KVS_RETURN_IF_ERROR(EvictLayer(seq, earlier, point, n_seen, current_position));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status SparseKvController::EvictLayer(int seq, int layer, EvictionPoint point, int32_t n_seen,
+                                      int32_t current_position) {
   if (!per_head(layer)) return EvictTable(seq, layer, -1, point, n_seen, current_position);
   if (LayerConfig(seq, layer).params.head_budgets == HeadBudgets::kAdaptive)
     return EvictHeadsAdaptively(seq, layer, point, n_seen, current_position);

@@ -302,6 +302,30 @@ TEST(RetrievalModelDefaultTest, DefaultLayersAndF16Weights) {
   EXPECT_GE(acc, 0.95);
 }
 
+// The multi-head variant runs the same circuit in two of its 16 KV heads: it solves the tasks
+// with the full cache, and razor_test checks what its heads attend to (through the probe).
+TEST(RetrievalModelMultiHeadTest, SolvesTheTasksWithTheFullCache) {
+  auto model = testing::LoadRetrievalModel(4, RetrievalShape::kMultiHead);
+  EXPECT_EQ(model->config().n_heads, 8);
+  EXPECT_EQ(model->config().n_kv_heads, 4);
+  EXPECT_EQ(model->config().head_dim, 128);
+  const TokenVocab vocab = RetrievalModelVocab();
+  const double needle = DenseAccuracy(*model, Tasks(3, 31, [&](std::mt19937& rng) {
+                                        return NeedleTask(vocab, 512, 0, 500, rng, 3);
+                                      }));
+  const double copy = DenseAccuracy(*model, Tasks(2, 32, [&](std::mt19937& rng) {
+                                      return CopyTask(vocab, 512, 12, rng);
+                                    }));
+  Report("multi-head: 3-token needle, dense f32, length 512", needle);
+  Report("multi-head: copy (12-token span), dense f32, length 512", copy);
+  EXPECT_EQ(needle, 1.0);
+  EXPECT_EQ(copy, 1.0);
+  const std::vector<RetrievalHead> circuit = RetrievalCircuitHeads(RetrievalShape::kMultiHead, 4);
+  ASSERT_EQ(circuit.size(), 2u);
+  EXPECT_EQ(circuit[0].layer, 0);
+  EXPECT_EQ(circuit[1].layer, 3);
+}
+
 TEST(RetrievalModelDefaultTest, BuiltinPathIsWrittenOnceAndReused) {
   const std::string dir = testing::TempPath("cache");
   std::filesystem::remove_all(dir);

@@ -145,7 +145,7 @@ std::vector<std::string_view> MethodNameList() {
   std::vector<std::string_view> names;
   for (KvMethod m : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova, KvMethod::kScissorhands,
                      KvMethod::kSnapKv, KvMethod::kPyramidKv, KvMethod::kKNorm, KvMethod::kRandom, KvMethod::kQuest,
-                     KvMethod::kOracle, KvMethod::kCumulative, KvMethod::kReuse})
+                     KvMethod::kOracle, KvMethod::kCumulative, KvMethod::kReuse, KvMethod::kRazor, KvMethod::kCake})
     names.push_back(KvMethodName(m));
   return names;
 }
@@ -228,6 +228,20 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
     return Status::Ok();
   }
   if (key == "floor") return ReadNumber(v, where, key, &p->floor);
+  if (key == "gamma") return ReadNumber(v, where, key, &p->gamma);
+  if (key == "tau1") return ReadNumber(v, where, key, &p->tau1);
+  if (key == "tau2") return ReadNumber(v, where, key, &p->tau2);
+  if (key == "heads") {
+    if (!v.is_string() || v.get<std::string>().empty())
+      return where.Error(key, "expected the path of a heads file (kvsparse probe-heads -o FILE), found " + Describe(v));
+    p->heads_file = v.get<std::string>();
+    p->full_heads_resolved = false;
+    return Status::Ok();
+  }
+  if (key == "retrieval_heads") {
+    p->full_heads_resolved = false;
+    return ReadNumber(v, where, key, &p->retrieval_heads);
+  }
   return where.Error(key, "internal: parameter without a reader");
 }
 
@@ -386,6 +400,11 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "reselect_layer" && p.reselect_layer >= 0) s += fmt::format(" reselect_layer={}", p.reselect_layer);
     if (key == "head_budgets" && p.head_budgets == HeadBudgets::kAdaptive)
       s += fmt::format(" head_budgets=adaptive floor={:g}", p.floor);
+    if (key == "gamma") s += fmt::format(" gamma={:g}", p.gamma);
+    if (key == "tau1") s += fmt::format(" tau1={:g}", p.tau1);
+    if (key == "tau2") s += fmt::format(" tau2={:g}", p.tau2);
+    if (key == "heads") s += " heads=" + (p.heads_file.empty() ? std::string("probed") : p.heads_file);
+    if (key == "retrieval_heads") s += fmt::format(" retrieval_heads={:g}", p.retrieval_heads);
   }
   return s;
 }

@@ -221,7 +221,7 @@ TEST(KvConfigErrorTest, ParameterOfAnotherMethod) {
   const std::string m = Rejection(R"({"layers": [{"layers": 1, "method": "h2o", "budget": 64, "kernel": 5}]})");
   EXPECT_MENTIONS(m, "layers[0] (layers 1)");
   EXPECT_MENTIONS(m, "field 'kernel'");
-  EXPECT_MENTIONS(m, "not a parameter of method 'h2o' (it belongs to snapkv, pyramidkv)");
+  EXPECT_MENTIONS(m, "not a parameter of method 'h2o' (it belongs to snapkv, pyramidkv, cake)");
 }
 
 TEST(KvConfigErrorTest, UnknownTopLevelKey) {

@@ -28,10 +28,13 @@ constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
 constexpr std::string_view kReuseKeys[] = {"dense_layers", "reselect_layer"};
 constexpr std::string_view kCumulativeKeys[] = {"decay", "rerank_period", "mode", "schedule", "spread", "layer_weight"};
+constexpr std::string_view kCakeKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict",
+                                          "gamma",  "tau1",   "tau2"};
+constexpr std::string_view kRazorKeys[] = {"n_sink", "heads", "retrieval_heads"};
 constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "decode_evict",
                                            "dense_layers"};
 
-constexpr std::array<MethodInfo, 13> kMethods = {{
+constexpr std::array<MethodInfo, 15> kMethods = {{
     {KvMethod::kFull, "full", {}},
     {KvMethod::kStreamingLlm, "streaming_llm", kStreamingKeys},
     {KvMethod::kH2O, "h2o", kH2OKeys},
@@ -45,6 +48,8 @@ constexpr std::array<MethodInfo, 13> kMethods = {{
     {KvMethod::kOracle, "oracle", kOracleKeys},
     {KvMethod::kCumulative, "cumulative", kCumulativeKeys},
     {KvMethod::kReuse, "reuse", kReuseKeys},
+    {KvMethod::kRazor, "razor", kRazorKeys},
+    {KvMethod::kCake, "cake", kCakeKeys},
 }};
 
 const MethodInfo& Info(KvMethod method) {
@@ -92,6 +97,11 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
   KvMethodParams p;
   switch (method) {
     case KvMethod::kStreamingLlm: p.n_sink = 4; break;           // Xiao et al.: 4 sink tokens
+    case KvMethod::kRazor: p.n_sink = 4; break;                  // Tang et al.: sinks + a recent buffer
+    case KvMethod::kCake:  // Qin et al.'s reference: average pooling of kernel 5 (window 32, gamma 200, tau 1)
+      p.kernel = 5;
+      p.pooling = VotePooling::kAvg;
+      break;
     case KvMethod::kH2O: p.recent_ratio = 0.5; break;             // Zhang et al.: half heavy, half recent
     case KvMethod::kScissorhands: p.recent_ratio = 0.1; break;    // ours (paper leaves it open)
     case KvMethod::kRandom: p.recent_ratio = 0.5; break;          // mirrors H2O's split
@@ -116,7 +126,9 @@ bool DefaultPerHead(KvMethod method) {
     case KvMethod::kH2O:
     case KvMethod::kSnapKv:
     case KvMethod::kPyramidKv:
-    case KvMethod::kKNorm: return true;
+    case KvMethod::kKNorm:
+    case KvMethod::kCake:
+    case KvMethod::kRazor: return true;
     case KvMethod::kFull:
     case KvMethod::kStreamingLlm:
     case KvMethod::kTova:
@@ -137,10 +149,12 @@ int PaperEvictInterval(KvMethod method) {
     case KvMethod::kTova:
     case KvMethod::kScissorhands:
     case KvMethod::kRandom:
+    case KvMethod::kRazor:
     case KvMethod::kCumulative: return 1;
     case KvMethod::kFull:
     case KvMethod::kSnapKv:
     case KvMethod::kPyramidKv:
+    case KvMethod::kCake:
     case KvMethod::kKNorm:
     case KvMethod::kQuest:
     case KvMethod::kOracle:
@@ -196,6 +210,21 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
   if (p.head_budgets == HeadBudgets::kAdaptive && !config.per_head)
     return error("head_budgets", "\"adaptive\" (AdaKV) splits a layer's budget over its KV heads' own tables; set "
                                  "per_head true");
+  if (Uses(method, "gamma") && !(p.gamma >= 0.0 && std::isfinite(p.gamma)))
+    return error("gamma", fmt::format("must be a finite number >= 0 (the variance's weight); found {:g}", p.gamma));
+  for (const auto& [key, tau] : {std::pair<const char*, double>{"tau1", p.tau1}, {"tau2", p.tau2}}) {
+    if (Uses(method, key) && !(tau > 0.0 && std::isfinite(tau)))
+      return error(key, fmt::format("must be a finite number > 0 (the preference uses its inverse as exponent); found {:g}", tau));
+  }
+  if (Uses(method, "retrieval_heads") &&
+      !(p.retrieval_heads >= 0.0 && std::isfinite(p.retrieval_heads) &&
+        (p.retrieval_heads < 1.0 || p.retrieval_heads == std::floor(p.retrieval_heads))))
+    return error("retrieval_heads", fmt::format("must be a head count (an integer >= 0) or a share of the KV heads in "
+                                                "[0, 1); found {:g}",
+                                                p.retrieval_heads));
+  if (method == KvMethod::kRazor && !config.per_head)
+    return error("per_head", "razor keeps every token in some KV heads and a window in the others: it needs one table "
+                             "per KV head (per_head true)");
   if (Uses(method, "reselect_layer") && p.reselect_layer < -1)
     return error("reselect_layer", fmt::format("must be a layer index (or -1 for 13/32 of the depth); found {}",
                                                p.reselect_layer));

@@ -4,9 +4,10 @@
 
 namespace kvsparse {
 
-void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies) {
+void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies, std::span<KvPolicy* const> all_policies) {
   policy::LinkCumulativeLayers(layer_policies);
   policy::LinkReuseLayers(layer_policies);
+  policy::LinkCakeLayers(all_policies);
 }
 
 }  // namespace kvsparse

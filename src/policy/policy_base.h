@@ -52,6 +52,7 @@ class ReadSparsePolicy : public BudgetedPolicy {
 // The cross-layer linkers LinkSequencePolicies runs (cumulative.cc, oracle.cc).
 void LinkCumulativeLayers(std::span<KvPolicy* const> layer_policies);
 void LinkReuseLayers(std::span<KvPolicy* const> layer_policies);
+void LinkCakeLayers(std::span<KvPolicy* const> all_policies);  // every policy of the sequence
 
 std::unique_ptr<KvPolicy> MakeFullPolicy();
 std::unique_ptr<KvPolicy> MakeStreamingLlmPolicy(const KvBudget& budget, const KvMethodParams& params);
@@ -68,6 +69,8 @@ std::unique_ptr<KvPolicy> MakeOraclePolicy(const KvBudget& budget, const KvMetho
 std::unique_ptr<KvPolicy> MakeReusePolicy(const KvBudget& budget, const KvMethodParams& params);
 // The re-selection layer of `reuse` (params.reselect_layer, or 13/32 of n_layers).
 int32_t ReuseReselectLayer(const KvMethodParams& params, int n_layers);
+std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer,
+                                         int n_layers);
 std::unique_ptr<KvPolicy> MakeCumulativePolicy(const KvBudget& mean_budget, const KvMethodParams& params, int layer,
                                                int n_layers);
 

@@ -37,7 +37,8 @@ constexpr uint64_t kSeed = 12345;
 constexpr KvMethod kAllMethods[] = {KvMethod::kFull,         KvMethod::kStreamingLlm, KvMethod::kH2O,
                                     KvMethod::kTova,         KvMethod::kScissorhands, KvMethod::kSnapKv,
                                     KvMethod::kPyramidKv,    KvMethod::kKNorm,        KvMethod::kRandom,
-                                    KvMethod::kQuest,        KvMethod::kCumulative,   KvMethod::kReuse};
+                                    KvMethod::kQuest,        KvMethod::kCumulative,   KvMethod::kReuse,
+                                    KvMethod::kCake};
 
 // A budget small enough to evict, and parameters that exercise each method's state: sinks,
 // a short Scissorhands history (bits shift out during the run), a SnapKV/PyramidKV window
@@ -62,6 +63,7 @@ LayerKvConfig ConfigFor(KvMethod method) {
       break;
     case KvMethod::kSnapKv:
     case KvMethod::kPyramidKv:
+    case KvMethod::kCake:
       p.obs_window = 4;
       p.kernel = 3;
       p.decode_evict = true;
@@ -123,6 +125,7 @@ class Driver {
     auto created = CreatePolicy(ConfigFor(method), layer, n_layers, kSeed);
     EXPECT_TRUE(created.ok()) << created.status().ToString();
     if (created.ok()) policy_ = std::move(created).value();
+    LinkAlone();
   }
 
   // The forked sequence: the same cache contents (copied, as copy-on-write would on the first
@@ -130,6 +133,7 @@ class Driver {
   Driver Fork() const {
     Driver copy(method_);
     copy.policy_ = policy_->Clone();
+    copy.LinkAlone();
     copy.live_ = live_;
     copy.keys_ = keys_;
     copy.next_position_ = next_position_;
@@ -198,6 +202,14 @@ class Driver {
 
  private:
   explicit Driver(KvMethod method) : method_(method) {}
+
+  // CAKE splits its budget over the sequence's layers: here the one layer is the whole group
+  // (unlinked, it would keep the bound the controller reserves for).
+  void LinkAlone() {
+    if (method_ != KvMethod::kCake || !policy_) return;
+    KvPolicy* p = policy_.get();
+    LinkSequencePolicies(std::span<KvPolicy* const>(&p, 1), std::span<KvPolicy* const>(&p, 1));
+  }
 
   static constexpr size_t kRow = static_cast<size_t>(kHeads) * kHeadDim;
 

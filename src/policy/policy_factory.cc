@@ -7,7 +7,7 @@
 namespace kvsparse {
 
 StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, int layer, int n_layers,
-                                                 uint64_t seed) {
+                                                 uint64_t seed, int kv_head) {
   if (n_layers < 1 || layer < 0 || layer >= n_layers)
     return InvalidArgumentError(fmt::format("CreatePolicy: layer {} outside [0, n_layers {})", layer, n_layers));
   KVS_RETURN_IF_ERROR(ValidateLayerKvConfig(config, layer));
@@ -29,6 +29,18 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
     case KvMethod::kOracle: return policy::MakeOraclePolicy(b, p);
     case KvMethod::kReuse: return policy::MakeReusePolicy(b, p);
     case KvMethod::kCumulative: return policy::MakeCumulativePolicy(b, p, layer, n_layers);
+    case KvMethod::kCake: return policy::MakeCakePolicy(b, p, layer, n_layers);
+    case KvMethod::kRazor: {
+      if (!p.full_heads_resolved) {
+        return InvalidArgumentError(fmt::format(
+            "layer {} (razor): the retrieval heads are not resolved; build the runtime with CreateRuntime (it reads "
+            "\"heads\" or probes the model) or call ResolveRetrievalHeads first",
+            layer));
+      }
+      if (kv_head < 0 || kv_head >= 64) return InvalidArgumentError(fmt::format("layer {} (razor): KV head {} outside [0, 64)", layer, kv_head));
+      const bool retrieval = ((p.full_heads >> kv_head) & 1u) != 0;
+      return retrieval ? policy::MakeFullPolicy() : policy::MakeStreamingLlmPolicy(b, p);
+    }
   }
   return InternalError(fmt::format("layer {}: unhandled method", layer));
 }

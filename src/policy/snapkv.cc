@@ -51,6 +51,12 @@ int32_t SnapKvPolicy::EffectiveWindow(int32_t obs_window, int32_t target) {
   return target > obs_window ? obs_window : std::max<int32_t>(1, target / 2);
 }
 
+float SnapKvPolicy::WindowVote(const float* ring, int32_t window, int32_t) const {
+  float votes = 0.f;
+  for (int32_t age = 0; age < window; ++age) votes += ring[age];
+  return votes;
+}
+
 void SnapKvPolicy::Observe(const AttentionObservation& obs) {
   CheckObservation(obs, rows_.size(), obs.window_rows, "window_rows");
   if (obs.n_tokens == 0 || obs.n_window == 0) return;
@@ -60,6 +66,7 @@ void SnapKvPolicy::Observe(const AttentionObservation& obs) {
   KVS_CHECK_MSG(heads_ == obs.n_kv_heads, "snapkv: observation changed the number of KV heads");
   rows_.SetHeads(heads_ * depth);
   const int32_t fresh = obs.n_window;  // queries this call adds to the window
+  queries_seen_ = std::min(depth, queries_seen_ + fresh);
   for (int32_t t = 0; t < obs.n_tokens; ++t) {
     for (int h = 0; h < heads_; ++h) {
       float* ring = rows_.row(t) + static_cast<size_t>(h) * depth;  // [depth] newest first
@@ -92,10 +99,7 @@ bool SnapKvPolicy::ScoreForSelection(const SelectionContext& ctx, SelectionScori
     // Votes of the latest `window` queries; pool each head on its own (as the paper), then fold the heads.
     for (int h = 0; h < heads_; ++h) {
       for (int32_t t = 0; t < n_candidates; ++t) {
-        const float* ring = rows_.row(t) + static_cast<size_t>(h) * depth;
-        float votes = 0.f;
-        for (int32_t age = 0; age < window; ++age) votes += ring[age];
-        column_[t] = votes;
+        column_[t] = WindowVote(rows_.row(t) + static_cast<size_t>(h) * depth, window, std::min(window, queries_seen_));
       }
       PoolVotes(column_.data(), n_candidates, params_.kernel, params_.pooling, pooled_.data());
       for (int32_t t = 0; t < n_candidates; ++t)

@@ -35,11 +35,18 @@ class SnapKvPolicy : public BudgetedPolicy {
   // does not exceed it, half the target (at least 1) so that earlier tokens are still chosen.
   static int32_t EffectiveWindow(int32_t obs_window, int32_t target);
 
- private:
+ protected:
+  // One head's score of a token from its ring (newest first) over the `window` latest queries,
+  // of which `observed` (<= window) exist: SnapKV sums the votes; CAKE overrides it.
+  virtual float WindowVote(const float* ring, int32_t window, int32_t observed) const;
+
   // [n_live, n_kv_heads, obs_window] attention each token received from the latest obs_window
   // queries, newest first (age 0 = the latest query; 0 for a query that did not see the token).
   PerTokenHeads<float> rows_{0.f};
   int heads_ = 0;                    // n_kv_heads of the observations
+  int32_t queries_seen_ = 0;         // queries observed so far, capped at obs_window
+
+ private:
   std::vector<float> column_;        // [n_live] one head's votes
   std::vector<float> pooled_;        // [n_live]
   std::vector<float> scores_;        // [n_live]

@@ -1,6 +1,7 @@
 #include "kvsparse/runtime.h"
 
 #include "kvsparse/contiguous_kv_cache.h"
+#include "kvsparse/head_probe.h"
 
 namespace kvsparse {
 
@@ -22,7 +23,9 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
   }
   auto r = std::make_unique<Runtime>();
   if (config != nullptr) {
-    KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(GeometryOf(model), *config, n_seqs, max_tokens, seed));
+    KvSparsityConfig resolved = *config;
+    KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
+    KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(GeometryOf(model), resolved, n_seqs, max_tokens, seed));
   } else {
     if (dense_storage != KvStorage::kF32 && dense_storage != KvStorage::kF16) {
       return InvalidArgumentError(std::string("runtime: the dense cache stores f32 or f16; ") +
@@ -37,7 +40,9 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
 StatusOr<std::unique_ptr<Runtime>> CreateServingRuntime(const Model& model, const KvSparsityConfig& config,
                                                         size_t budget_bytes, int n_threads, uint64_t seed) {
   auto r = std::make_unique<Runtime>();
-  KVS_ASSIGN_OR_RETURN(r->sparse, CreateServingKv(GeometryOf(model), config, budget_bytes, seed));
+  KvSparsityConfig resolved = config;
+  KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
+  KVS_ASSIGN_OR_RETURN(r->sparse, CreateServingKv(GeometryOf(model), resolved, budget_bytes, seed));
   r->engine = std::make_unique<Engine>(model, r->sparse.cache.get(), n_threads, r->controller());
   return r;
 }

@@ -1,0 +1,207 @@
+// CAKE — Z. Qin, Y. Cao, M. Lin, W. Hu, S. Fan, K. Cheng, W. Lin, J. Li, "CAKE: Cascading and
+// Adaptive KV Cache Eviction with Layer Preferences", ICLR 2025, arXiv:2503.12491; reference code
+// github.com/antgroup/cakekv.
+//
+// Layer budgets follow each layer's attention. After a prompt (chunk), a layer's preference is
+//   P = H^(1/tau1) * V^(1/tau2),
+// H = the entropy of its observation window's attention over the keys before the window (spatial
+// dispersion, summed over heads and queries), V = the variance of that attention over the window's
+// queries (temporal shift, summed over heads and keys). The layers' total budget (the sum of
+// their configured budgets) is split over them in proportion to P, each keeping its window on top
+// of its share and at most the tokens seen (the excess goes to the others). The split is
+// cascading: while a prompt is processed, a layer's preference re-divides the whole total among
+// the layers observed so far, and the controller trims the earlier ones to their new shares
+// (KvPolicy::CascadesBudget), so memory never holds more than the total.
+// Inside a layer a token's score is mean + gamma * variance of the attention the window's queries
+// gave it (the eviction indicator; variance marks tokens whose importance shifts), smoothed by
+// average pooling (kernel 5) and ranked per KV head; the window is kept. Prompt only, like the
+// reference's default (generated tokens are all kept).
+// Defaults (the reference's): window 32, gamma 200, tau1 = tau2 = 1 (its per-model tuned values
+// are in model2tau.json), kernel 5 average pooling, per KV head.
+// Differences: attention is the group's average over its query heads (GQA aggregation, as every
+// method here), so the entropy is that of the averaged distribution; layers that have not yet
+// been measured on the current prompt call are left out of the split (the reference's cascade
+// runs once, over one prompt).
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+
+#include "policy/cake.h"
+#include "policy/snapkv.h"
+
+namespace kvsparse {
+
+std::vector<int64_t> CakeLayerBudgets(std::span<const double> prefs, std::span<const int32_t> windows, int64_t room,
+                                      int64_t total) {
+  const size_t n = prefs.size();
+  KVS_CHECK(windows.size() == n && room >= 0 && total >= 0);
+  std::vector<int64_t> budgets(n, 0);
+  if (n == 0) return budgets;
+  // Windows first (each capped by the room), then the rest in proportion to the preferences.
+  int64_t left = total;
+  for (size_t k = 0; k < n; ++k) {
+    budgets[k] = std::min<int64_t>({windows[k], room, left / static_cast<int64_t>(n - k)});
+    left -= budgets[k];
+  }
+  // Water-filling: layers at the room drop out and their excess goes to the rest.
+  std::vector<uint8_t> open(n, 1);
+  for (size_t k = 0; k < n; ++k) open[k] = budgets[k] < room;
+  std::vector<double> share(n, 0.0);
+  while (left > 0) {
+    double weight = 0;
+    size_t n_open = 0;
+    for (size_t k = 0; k < n; ++k) {
+      if (!open[k]) continue;
+      weight += std::max(prefs[k], 0.0);
+      ++n_open;
+    }
+    if (n_open == 0) break;
+    bool capped = false;
+    int64_t given = 0;
+    for (size_t k = 0; k < n; ++k) {
+      if (!open[k]) continue;
+      // Preferences of 0 everywhere (or not finite): an equal split.
+      const double w = weight > 0 && std::isfinite(weight) ? std::max(prefs[k], 0.0) / weight : 1.0 / n_open;
+      share[k] = w * static_cast<double>(left);
+      if (static_cast<double>(budgets[k]) + share[k] >= static_cast<double>(room)) {
+        given += room - budgets[k];
+        budgets[k] = room;
+        open[k] = 0;
+        capped = true;
+      }
+    }
+    if (capped) {
+      left -= given;
+      continue;  // redistribute what the capped layers could not take
+    }
+    // No layer capped: floor each share and hand the remainder out by largest fraction.
+    std::vector<size_t> order;
+    for (size_t k = 0; k < n; ++k) {
+      if (!open[k]) continue;
+      const int64_t whole = static_cast<int64_t>(std::floor(share[k]));
+      budgets[k] += whole;
+      given += whole;
+      share[k] -= static_cast<double>(whole);
+      order.push_back(k);
+    }
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return share[a] > share[b]; });
+    int64_t remainder = left - given;
+    for (size_t i = 0; remainder > 0 && i < order.size(); ++i) {
+      if (budgets[order[i]] >= room) continue;
+      ++budgets[order[i]];
+      --remainder;
+    }
+    break;
+  }
+  return budgets;
+}
+
+namespace policy {
+
+struct CakeGroup {
+  // [n_layers] the sequence's cake policies of each layer (every KV head of a per-head layer);
+  // empty for layers of other methods.
+  std::vector<std::vector<const CakePolicy*>> layers;
+};
+
+CakePolicy::CakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer, int n_layers)
+    : SnapKvPolicy(budget, params), layer_(layer), n_layers_(n_layers) {}
+
+std::unique_ptr<KvPolicy> CakePolicy::Clone() const { return std::make_unique<CakePolicy>(*this); }
+
+float CakePolicy::WindowVote(const float* ring, int32_t window, int32_t observed) const {
+  // mean + gamma * variance over the queries of the window that exist (the reference's window is
+  // always full: it compresses prompts longer than the window).
+  const int32_t n = std::max<int32_t>(1, std::min(window, observed));
+  double sum = 0, sum_sq = 0;
+  for (int32_t age = 0; age < n; ++age) sum += ring[age];
+  const double mean = sum / n;
+  for (int32_t age = 0; age < n; ++age) sum_sq += (ring[age] - mean) * (ring[age] - mean);
+  const double var = n > 1 ? sum_sq / (n - 1) : 0.0;  // unbiased, as torch.var
+  return static_cast<float>(mean + params_.gamma * var);
+}
+
+void CakePolicy::Observe(const AttentionObservation& obs) {
+  SnapKvPolicy::Observe(obs);
+  // Preferences come from prompts only (the reference measures them once, after the prompt).
+  if (obs.n_queries <= 1 || obs.n_tokens == 0 || heads_ == 0) return;
+  const int32_t depth = params_.obs_window;
+  const int32_t window = std::min(depth, queries_seen_);
+  const int32_t before = obs.n_tokens - window;  // keys before the window: [0, before)
+  double entropy = 0, variance = 0;
+  for (int32_t t = 0; t < before; ++t) {
+    for (int h = 0; h < heads_; ++h) {
+      const float* ring = rows_.row(t) + static_cast<size_t>(h) * depth;
+      double sum = 0;
+      for (int32_t age = 0; age < window; ++age) {
+        const double p = ring[age];
+        entropy -= p * std::log(p + 1e-10);
+        sum += p;
+      }
+      if (window > 1) {
+        const double mean = sum / window;
+        double sq = 0;
+        for (int32_t age = 0; age < window; ++age) sq += (ring[age] - mean) * (ring[age] - mean);
+        variance += sq / (window - 1);
+      }
+    }
+  }
+  entropy_ = entropy;
+  variance_ = variance;
+  observed_ = true;
+  measured_at_ = obs.query_positions[obs.n_queries - 1];
+}
+
+int32_t CakePolicy::BudgetTokens(int32_t n_seen) const {
+  const int64_t own = ResolveBudget(budget_, n_seen);
+  // Unlinked (the controller's templates, which size reservations): the most a layer can get.
+  if (!group_) return static_cast<int32_t>(std::min<int64_t>(n_seen, own * n_layers_));
+  if (!observed_) return n_seen;  // never measured: keep everything (the cascade has not reached it)
+  std::vector<double> prefs;
+  std::vector<int32_t> windows;
+  int64_t total = 0;
+  size_t mine = 0;
+  for (const auto& heads : group_->layers) {
+    if (heads.empty()) continue;
+    const CakePolicy& first = *heads.front();
+    total += ResolveBudget(first.budget_, n_seen);
+    // Only layers measured on the same prompt call count: the later layers of this call have not
+    // measured it yet, and dividing by their previous chunk's preferences could trim this layer
+    // below the share it ends up with (a trimmed layer cannot grow back).
+    if (!first.observed_ || first.measured_at_ != measured_at_) continue;
+    double entropy = 0, variance = 0;
+    for (const CakePolicy* p : heads) {
+      entropy += p->entropy_;
+      variance += p->variance_;
+    }
+    if (first.layer_ == layer_) mine = prefs.size();
+    prefs.push_back(std::pow(std::max(entropy, 0.0), 1.0 / params_.tau1) *
+                    std::pow(std::max(variance, 0.0), 1.0 / params_.tau2));
+    windows.push_back(first.params_.obs_window);
+  }
+  const std::vector<int64_t> budgets = CakeLayerBudgets(prefs, windows, n_seen, total);
+  return static_cast<int32_t>(std::max<int64_t>(1, budgets[mine]));
+}
+
+void LinkCakeLayers(std::span<KvPolicy* const> all_policies) {
+  std::shared_ptr<CakeGroup> group;
+  for (KvPolicy* p : all_policies) {
+    auto* cake = dynamic_cast<CakePolicy*>(p);
+    if (cake == nullptr) continue;
+    if (!group) group = std::make_shared<CakeGroup>();
+    if (group->layers.size() <= static_cast<size_t>(cake->layer())) group->layers.resize(cake->layer() + 1);
+    group->layers[cake->layer()].push_back(cake);
+  }
+  for (KvPolicy* p : all_policies) {
+    if (auto* cake = dynamic_cast<CakePolicy*>(p)) cake->group_ = group;
+  }
+}
+
+std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer,
+                                         int n_layers) {
+  return std::make_unique<CakePolicy>(budget, params, layer, n_layers);
+}
+
+}  // namespace policy
+}  // namespace kvsparse

@@ -1,0 +1,119 @@
+// CAKE's allocator: windows first, the rest in proportion to the preferences, capped at the
+// tokens seen with the excess handed on, integer budgets that sum to the total; and the policy's
+// eviction indicator (mean + gamma * variance over the window's queries).
+#include "policy/cake.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kvsparse/kv_config.h"
+#include "policy/policy_test_util.h"
+
+namespace kvsparse {
+namespace {
+
+int64_t Sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
+
+TEST(CakeLayerBudgetsTest, ProportionalAboveTheWindows) {
+  const std::vector<double> prefs = {1.0, 3.0};
+  const std::vector<int32_t> windows = {8, 8};
+  // 200 tokens: 8 + 8 windows, then 184 split 1:3.
+  const auto b = CakeLayerBudgets(prefs, windows, /*room=*/1000, /*total=*/200);
+  EXPECT_EQ(b, (std::vector<int64_t>{8 + 46, 8 + 138}));
+}
+
+TEST(CakeLayerBudgetsTest, RoomCapsAndTheExcessMovesOn) {
+  // The preferred layer cannot hold more than the 100 tokens seen; the rest goes to the others.
+  const auto b = CakeLayerBudgets(std::vector<double>{1, 100, 1}, std::vector<int32_t>{4, 4, 4}, 100, 240);
+  EXPECT_EQ(b[1], 100);
+  EXPECT_EQ(b[0] + b[2], 140);
+  EXPECT_EQ(b[0], b[2]);
+  // More than every layer can hold: all at the room.
+  EXPECT_EQ(CakeLayerBudgets(std::vector<double>{1, 2}, std::vector<int32_t>{4, 4}, 50, 1000),
+            (std::vector<int64_t>{50, 50}));
+}
+
+TEST(CakeLayerBudgetsTest, ZeroPreferencesSplitEquallyAndTinyTotalsSplitTheWindows) {
+  EXPECT_EQ(CakeLayerBudgets(std::vector<double>{0, 0, 0}, std::vector<int32_t>{2, 2, 2}, 1000, 90),
+            (std::vector<int64_t>{30, 30, 30}));
+  EXPECT_EQ(CakeLayerBudgets(std::vector<double>{1, 1}, std::vector<int32_t>{32, 32}, 1000, 20),
+            (std::vector<int64_t>{10, 10}));
+  EXPECT_TRUE(CakeLayerBudgets({}, {}, 10, 10).empty());
+}
+
+TEST(CakeLayerBudgetsTest, RandomSplitsSumToTheTotalWithinTheRoom) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n = std::uniform_int_distribution<int>(1, 12)(rng);
+    std::vector<double> prefs(n);
+    std::vector<int32_t> windows(n);
+    for (int k = 0; k < n; ++k) {
+      prefs[k] = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? 0.0 : std::uniform_real_distribution<double>(0, 50)(rng);
+      windows[k] = std::uniform_int_distribution<int32_t>(0, 40)(rng);
+    }
+    const int64_t room = std::uniform_int_distribution<int64_t>(1, 500)(rng);
+    const int64_t total = std::uniform_int_distribution<int64_t>(0, 3000)(rng);
+    const auto b = CakeLayerBudgets(prefs, windows, room, total);
+    ASSERT_EQ(Sum(b), std::min<int64_t>(total, room * n)) << "trial " << trial;
+    for (int k = 0; k < n; ++k) {
+      EXPECT_GE(b[k], 0);
+      EXPECT_LE(b[k], room);
+    }
+    // Once every window fits, a strictly preferred layer never gets less than a less preferred one
+    // with the same window, unless the room caps it.
+    int64_t windows_total = 0;
+    for (int k = 0; k < n; ++k) windows_total += std::min<int64_t>(windows[k], room);
+    if (total < windows_total) continue;
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j)
+        if (prefs[i] > prefs[j] && windows[i] == windows[j] && b[i] < room) EXPECT_GE(b[i] + 1, b[j]);
+  }
+}
+
+TEST(CakePolicyTest, IndicatorIsMeanPlusGammaVarianceOfTheWindow) {
+  LayerKvConfig config;
+  config.method = KvMethod::kCake;
+  config.params = DefaultMethodParams(KvMethod::kCake);
+  config.params.obs_window = 4;
+  config.params.kernel = 1;  // no pooling: the raw indicator decides
+  config.params.gamma = 10;
+  config.budget = KvBudget::Tokens(6);
+  auto policy = std::move(CreatePolicy(config, 0, 1, 1)).value();
+  // 8 tokens, one observation of 4 queries, one head. Token 1 gets a steady 0.1 from every query
+  // (mean 0.1, variance 0); token 2 gets 0.3 from one query only (mean 0.075, variance 0.0225):
+  // with gamma 10 token 2 scores 0.3 and wins, with gamma 0 token 1 would.
+  const int32_t n = 8, q = 4;
+  policy->OnAppend(n);
+  std::vector<float> rows(static_cast<size_t>(q) * n, 0.f);  // [q, 1, n] oldest query first
+  for (int w = 0; w < q; ++w) {
+    rows[static_cast<size_t>(w) * n + 1] = 0.1f;
+    if (w == 2) rows[static_cast<size_t>(w) * n + 2] = 0.3f;
+    rows[static_cast<size_t>(w) * n + 0] = 0.02f;
+  }
+  std::vector<int32_t> qpos = {4, 5, 6, 7};
+  AttentionObservation obs;
+  obs.n_queries = q;
+  obs.n_tokens = n;
+  obs.n_kv_heads = 1;
+  obs.query_positions = qpos.data();
+  obs.n_window = q;
+  obs.window_rows = rows.data();
+  policy->Observe(obs);
+  std::vector<int32_t> positions(n);
+  std::iota(positions.begin(), positions.end(), 0);
+  SelectionContext ctx;
+  ctx.n_live = n;
+  ctx.target = 5;  // the 4-token window + one earlier token
+  ctx.positions = positions.data();
+  ctx.current_position = n - 1;
+  ctx.in_prefill = true;
+  std::vector<uint8_t> keep;
+  policy->SelectKeep(ctx, &keep);
+  EXPECT_EQ(keep, (std::vector<uint8_t>{0, 0, 1, 0, 1, 1, 1, 1}));
+}
+
+}  // namespace
+}  // namespace kvsparse
