@@ -146,6 +146,25 @@ TEST_F(RazorTest, ConfigErrorsNameTheField) {
   EXPECT_NE(runtime.status().message().find(path), std::string::npos) << runtime.status().ToString();
 }
 
+// A server's request may change a razor config's budget, but not switch another method to razor:
+// its retrieval heads are chosen when the runtime starts.
+TEST_F(RazorTest, RequestsCannotSwitchToRazor) {
+  auto h2o = KvSparsityConfigFromFlags("h2o", "64", "f16", kLayers);
+  ASSERT_TRUE(h2o.ok());
+  auto to_razor = KvLayersWithOverride(*h2o, "razor", "0.2");
+  ASSERT_FALSE(to_razor.ok());
+  EXPECT_NE(to_razor.status().message().find("kv_method: razor"), std::string::npos) << to_razor.status().ToString();
+  auto razor = KvSparsityConfigFromFlags("razor", "64", "f16", kLayers);
+  ASSERT_TRUE(razor.ok());
+  const std::vector<std::string> params = {"retrieval_heads=1"};
+  ASSERT_TRUE(ApplyKvParams(params, &*razor).ok());
+  ASSERT_TRUE(ResolveRetrievalHeads(model(), 1, &*razor).ok());
+  auto rebudget = KvLayersWithOverride(*razor, "razor", "0.2");
+  ASSERT_TRUE(rebudget.ok()) << rebudget.status().ToString();
+  EXPECT_TRUE((*rebudget)[kLayers - 1].params.full_heads_resolved);
+  EXPECT_EQ((*rebudget)[kLayers - 1].params.full_heads, razor->layers[kLayers - 1].params.full_heads);
+}
+
 // A needle in the first of two prompt chunks, the question after it: the window of StreamingLLM
 // (and of razor's other heads) has long passed the needle, razor's retrieval head still holds it.
 TEST_F(RazorTest, RetrievalHeadKeepsEveryTokenAndAnswersADeepNeedle) {

@@ -13,6 +13,7 @@
 
 #include "commands.h"
 #include "kv_flags.h"
+#include "kvsparse/head_probe.h"
 #include "kvsparse/model.h"
 #include "kvsparse/runtime.h"
 #include "kvsparse/scheduler.h"
@@ -117,6 +118,9 @@ int Run(const ServeArgs& a) {
     if (!full.ok()) return Fail(full.status());
     config = std::move(*full);
   }
+  // Razor's retrieval heads (its heads file, or a probe of the model), once: the budget below and
+  // every request's layers start from the resolved config.
+  if (Status s = ResolveRetrievalHeads(model, a.n_threads, &config); !s.ok()) return Fail(s);
   const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
 
   size_t budget_bytes = 0;

@@ -584,6 +584,10 @@ StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig
   for (size_t i = 0; i < layers.size(); ++i) {
     LayerKvConfig& layer = layers[i];
     if (m && *m != layer.method) {
+      if (*m == KvMethod::kRazor) {
+        return InvalidArgumentError("kv_method: razor's retrieval heads are chosen when the server starts; start it "
+                                    "with --kv-method razor to serve razor (a request may then change its budget)");
+      }
       const bool had_budget = layer.method != KvMethod::kFull;
       layer.method = *m;
       layer.params = DefaultMethodParams(*m);
