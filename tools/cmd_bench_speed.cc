@@ -6,6 +6,7 @@
 
 #include "commands.h"
 #include "kv_flags.h"
+#include "kvsparse/kv_config.h"
 #include "kvsparse/speed_bench.h"
 
 namespace kvsparse::cli {
@@ -15,6 +16,7 @@ constexpr const char* kDefaultKvType = "f16";
 struct BenchArgs {
   std::string model, output = "md", out_file, fill = "prefill";
   bool compare_dense = false;
+  std::vector<std::string> compare_methods;  // --compare-method METHOD[:KEY=VALUE...]
   KvFlags kv;
   SpeedBenchConfig config;
 };
@@ -31,8 +33,32 @@ int Run(BenchArgs& a) {
   a.config.kv_sparsity = *sparsity;
   a.config.kv_stats = a.kv.stats;
   a.config.synthetic_fill = a.fill == "synthetic";
+  // --compare-method: the same budget, KV type and schedule under other methods, in this process.
+  std::vector<std::pair<std::string, SpeedBenchConfig>> others;
+  if (!a.compare_methods.empty()) {
+    if (a.kv.method.empty() || a.kv.budget.empty()) {
+      return Fail(InvalidArgumentError("--compare-method needs --kv-method and --kv-budget (the run it compares with)"));
+    }
+    for (const std::string& text : a.compare_methods) {
+      auto spec = ParseKvMethodSpec(text, "--compare-method");
+      if (!spec.ok()) return Fail(spec.status());
+      auto other = KvSparsityConfigFromFlags(spec->name, a.kv.budget, a.kv.kv_type.empty() ? kDefaultKvType : a.kv.kv_type,
+                                             (*model)->config().n_layers);
+      if (!other.ok()) return Fail(other.status());
+      const KvSparsityConfig& main = *a.config.kv_sparsity;
+      other->evict_interval = main.evict_interval;
+      other->page_size = main.page_size;
+      other->prefill_chunk = main.prefill_chunk;
+      other->prefill_eviction = main.prefill_eviction;
+      other->agg = main.agg;
+      if (Status s = ApplyKvParams(spec->params, &*other); !s.ok()) return Fail(s);
+      SpeedBenchConfig config = a.config;
+      config.kv_sparsity = std::move(*other);
+      others.emplace_back(text, std::move(config));
+    }
+  }
   std::string text;
-  if (a.compare_dense && a.config.kv_sparsity) {
+  if ((a.compare_dense || !others.empty()) && a.config.kv_sparsity) {
     // The dense f16 baseline first, in the same process and with the same bandwidth figure.
     SpeedBenchConfig dense_config = a.config;
     dense_config.kv_sparsity.reset();
@@ -42,11 +68,31 @@ int Run(BenchArgs& a) {
     a.config.known_bandwidth_gbs = dense->read_bandwidth_gbs;
     auto sparse = RunSpeedBench(**model, a.config);
     if (!sparse.ok()) return Fail(sparse.status());
+    std::vector<std::pair<std::string, SpeedReport>> compared;
+    for (auto& [name, config] : others) {
+      config.known_bandwidth_gbs = dense->read_bandwidth_gbs;
+      auto report = RunSpeedBench(**model, config);
+      if (!report.ok()) return Fail(report.status());
+      compared.emplace_back(name, std::move(*report));
+    }
     if (a.output == "json") {
-      text = "{\"dense\": " + SpeedReportJson(*dense) + ",\n\"sparse\": " + SpeedReportJson(*sparse) + "}\n";
+      text = "{\"dense\": " + SpeedReportJson(*dense) + ",\n\"sparse\": " + SpeedReportJson(*sparse);
+      if (!compared.empty()) {
+        text += ",\n\"compared\": {";
+        for (size_t i = 0; i < compared.size(); ++i) {
+          text += fmt::format("{}\n\"{}\": {}", i ? "," : "", compared[i].first, SpeedReportJson(compared[i].second));
+        }
+        text += "}";
+      }
+      text += "}\n";
     } else {
-      text = SpeedReportMarkdown(*dense) + "\n" + SpeedReportMarkdown(*sparse) + "\n" +
-             SpeedComparisonMarkdown(*dense, *sparse);
+      text = SpeedReportMarkdown(*dense) + "\n" + SpeedReportMarkdown(*sparse) + "\n";
+      for (const auto& [name, report] : compared) text += SpeedReportMarkdown(report) + "\n";
+      text += SpeedComparisonMarkdown(*dense, *sparse);
+      for (const auto& [name, report] : compared) {
+        text += "\n" + SpeedComparisonMarkdown(*dense, report, "dense", name) + "\n" +
+                SpeedComparisonMarkdown(report, *sparse, name, a.kv.method);
+      }
     }
   } else {
     auto report = RunSpeedBench(**model, a.config);
@@ -88,6 +134,10 @@ void RegisterBenchSpeed(CLI::App& app, int* exit_code) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--compare-dense", a->compare_dense,
                 "with a sparse KV method: also run the same tests with the dense f16 cache and print both side by side");
+  cmd->add_option("--compare-method", a->compare_methods,
+                  "with --kv-method and --kv-budget: also run another method (METHOD[:KEY=VALUE...]) at the same budget, "
+                  "KV type and schedule, in the same process, and print each against dense and against --kv-method "
+                  "(repeatable; implies --compare-dense)");
   AddKvFlags(cmd, &a->kv, kDefaultKvType);
   cmd->add_option("-o,--output", a->output, "md or json")->capture_default_str();
   cmd->add_option("--out-file", a->out_file, "also write the report to this file");

@@ -82,6 +82,15 @@ StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig
 // layers are validated again afterwards.
 Status ApplyKvParams(std::span<const std::string> key_values, KvSparsityConfig* config);
 
+// A method with parameters, as `bench --methods` and `bench-speed --compare-method` take it:
+// "snapkv:head_budgets=adaptive:floor=0.2" -> ("snapkv", {"head_budgets=adaptive", "floor=0.2"}),
+// the parameters in ApplyKvParams' form. Messages start with `flag`.
+struct KvMethodSpec {
+  std::string name;
+  std::vector<std::string> params;
+};
+StatusOr<KvMethodSpec> ParseKvMethodSpec(const std::string& text, std::string_view flag);
+
 // "512" -> 512 tokens, "0.2" -> a fifth of the context.
 StatusOr<KvBudget> ParseKvBudget(std::string_view text);
 std::optional<KvStorage> KvStorageFromName(std::string_view name);  // "f32" | "f16" | "int8" | "int8_kivi"

@@ -84,6 +84,8 @@ std::string SpeedReportMarkdown(const SpeedReport& report);
 std::string SpeedReportJson(const SpeedReport& report);
 // The same tests run with a dense cache and with a sparse one, side by side: tokens/s,
 // decode attention time and KV bytes, with the sparse/dense ratios.
-std::string SpeedComparisonMarkdown(const SpeedReport& dense, const SpeedReport& sparse);
+// `base_label` / `label` name the two runs in the table (the dense cache against a sparse one by default).
+std::string SpeedComparisonMarkdown(const SpeedReport& base, const SpeedReport& other, std::string_view base_label = "dense",
+                                    std::string_view label = "sparse");
 
 }  // namespace kvsparse

@@ -93,34 +93,6 @@ StatusOr<TokenVocab> ModelTokenVocab(const Model& model) {
 
 // One configuration's cache, policies and engine, reused for all its samples.
 
-// "snapkv:head_budgets=adaptive:floor=0.2" -> ("snapkv", {"head_budgets=adaptive", "floor=0.2"}).
-struct BenchMethod {
-  std::string name;
-  std::vector<std::string> params;  // KEY=VALUE, as --kv-param takes them
-};
-
-StatusOr<BenchMethod> ParseBenchMethod(const std::string& text) {
-  BenchMethod m;
-  size_t start = 0;
-  for (size_t end; start <= text.size(); start = end + 1) {
-    end = std::min(text.find(':', start), text.size());
-    const std::string part = text.substr(start, end - start);
-    if (start == 0) {
-      m.name = part;
-    } else if (part.find('=') == std::string::npos || part.front() == '=') {
-      return InvalidArgumentError(fmt::format(
-          "--methods: '{}': expected METHOD or METHOD:KEY=VALUE[:KEY=VALUE...], found the part '{}'", text, part));
-    } else {
-      m.params.push_back(part);
-    }
-  }
-  if (!KvMethodFromName(m.name)) {
-    return InvalidArgumentError(
-        fmt::format("--methods: unknown method '{}' in '{}' (valid: {})", m.name, text, ValidKvMethodNames()));
-  }
-  return m;
-}
-
 StatusOr<KvSparsityConfig> SparsityFor(const BenchSpec& spec, const BenchConfig& config, int n_layers) {
   KvSparsityConfig sparsity;
   if (config.method == "config") {
@@ -128,7 +100,7 @@ StatusOr<KvSparsityConfig> SparsityFor(const BenchSpec& spec, const BenchConfig&
     KVS_ASSIGN_OR_RETURN(sparsity, LoadKvSparsityConfig(spec.kv_config_file, n_layers));
     return sparsity;
   }
-  KVS_ASSIGN_OR_RETURN(const BenchMethod method, ParseBenchMethod(config.method));
+  KVS_ASSIGN_OR_RETURN(const KvMethodSpec method, ParseKvMethodSpec(config.method, "--methods"));
   KVS_ASSIGN_OR_RETURN(sparsity, KvSparsityConfigFromFlags(method.name, config.budget, config.kv_type, n_layers));
   KVS_RETURN_IF_ERROR(ApplyKvParams(method.params, &sparsity));
   sparsity.evict_interval = BenchEvictInterval(spec, config);
@@ -329,7 +301,7 @@ int BenchEvictInterval(const BenchSpec& spec, const BenchConfig& config) {
   const int serving = KvSparsityConfig{}.evict_interval;
   // Latency rows time what a server runs; accuracy and fidelity rows follow the papers.
   if (config.task == "latency") return serving;
-  const auto parsed = ParseBenchMethod(config.method);
+  const auto parsed = ParseKvMethodSpec(config.method, "--methods");
   const std::optional<KvMethod> method = parsed.ok() ? KvMethodFromName(parsed->name) : std::nullopt;
   const int paper = method ? PaperEvictInterval(*method) : 0;
   // 0: the method does not evict while decoding, so any valid interval gives the same outcome.
@@ -394,7 +366,7 @@ Status ValidateBenchSpec(const BenchSpec& spec) {
   }
   if (spec.kv_config_file.empty()) {
     for (const std::string& method : spec.methods) {
-      KVS_RETURN_IF_ERROR(ParseBenchMethod(method).status());
+      KVS_RETURN_IF_ERROR(ParseKvMethodSpec(method, "--methods").status());
     }
     for (const std::string& budget : spec.budgets) KVS_RETURN_IF_ERROR(ParseKvBudget(budget).status());
     for (const std::string& kv_type : spec.kv_types) {

@@ -324,15 +324,18 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   return out;
 }
 
-std::string SpeedComparisonMarkdown(const SpeedReport& dense, const SpeedReport& sparse) {
-  std::string out = fmt::format("dense: {}\nsparse: {}\n\n", dense.kv_desc, sparse.kv_desc);
-  out += "| test | depth | dense t/s | sparse t/s | speedup | dense attn ms/tok | sparse attn ms/tok | attn speedup | "
-         "dense KV MiB | sparse KV MiB | sparse/dense KV | policy share of step |\n";
+std::string SpeedComparisonMarkdown(const SpeedReport& base, const SpeedReport& other, std::string_view base_label,
+                                    std::string_view label) {
+  const std::string_view b = base_label, o = label;
+  std::string out = fmt::format("{}: {}\n{}: {}\n\n", b, base.kv_desc, o, other.kv_desc);
+  out += fmt::format("| test | depth | {0} t/s | {1} t/s | speedup | {0} attn ms/tok | {1} attn ms/tok | attn speedup | "
+                     "{0} KV MiB | {1} KV MiB | {1}/{0} KV | {1} policy share of step |\n",
+                     b, o);
   out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
-  for (const SpeedResult& s : sparse.results) {
-    for (const SpeedResult& d : dense.results) {
+  for (const SpeedResult& s : other.results) {
+    for (const SpeedResult& d : base.results) {
       if (d.test != s.test || d.depth != s.depth) continue;
-      auto ratio = [](double a, double b) { return b > 0 && a > 0 ? fmt::format("{:.2f}x", a / b) : std::string(); };
+      auto ratio = [](double x, double y) { return y > 0 && x > 0 ? fmt::format("{:.2f}x", x / y) : std::string(); };
       auto ms = [](double v) { return v > 0 ? fmt::format("{:.2f}", v) : std::string(); };
       const double step_ms = s.tokens_per_s_mean > 0 ? 1e3 / s.tokens_per_s_mean : 0;
       out += fmt::format("| {} | {} | {:.2f} | {:.2f} | {} | {} | {} | {} | {:.2f} | {:.2f} | {:.1f}% | {:.1f}% |\n",
@@ -344,8 +347,9 @@ std::string SpeedComparisonMarkdown(const SpeedReport& dense, const SpeedReport&
                          step_ms > 0 ? 100.0 * s.policy_ms_per_token / step_ms : 0.0);
     }
   }
-  out += "\nattn = one decode step's attention over the final cache, all layers (best of --attention-reps); policy share = "
-         "scoring + selection + compaction per token / the sparse decode step\n";
+  out += fmt::format("\nattn = one decode step's attention over the final cache, all layers (best of --attention-reps); "
+                     "policy share = scoring + selection + compaction per token / the {} decode step\n",
+                     o);
   return out;
 }
 

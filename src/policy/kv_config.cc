@@ -417,6 +417,28 @@ std::optional<KvStorage> KvStorageFromName(std::string_view name) {
   return std::nullopt;
 }
 
+StatusOr<KvMethodSpec> ParseKvMethodSpec(const std::string& text, std::string_view flag) {
+  KvMethodSpec m;
+  size_t start = 0;
+  for (size_t end; start <= text.size(); start = end + 1) {
+    end = std::min(text.find(':', start), text.size());
+    const std::string part = text.substr(start, end - start);
+    if (start == 0) {
+      m.name = part;
+    } else if (part.find('=') == std::string::npos || part.front() == '=') {
+      return InvalidArgumentError(fmt::format(
+          "{}: '{}': expected METHOD or METHOD:KEY=VALUE[:KEY=VALUE...], found the part '{}'", flag, text, part));
+    } else {
+      m.params.push_back(part);
+    }
+  }
+  if (!KvMethodFromName(m.name)) {
+    return InvalidArgumentError(fmt::format("{}: unknown method '{}' in '{}'{}; valid methods: {}", flag, m.name, text,
+                                            Suggestion(m.name, MethodNameList()), ValidKvMethodNames()));
+  }
+  return m;
+}
+
 StatusOr<KvBudget> ParseKvBudget(std::string_view text) {
   while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
   while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
