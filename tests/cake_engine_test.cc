@@ -46,9 +46,10 @@ std::vector<int32_t> LayerTokens(const PagedKvCache& cache, int seq, int n_layer
   std::vector<int32_t> out;
   for (int l = 0; l < n_layers; ++l) {
     const int32_t n = cache.NumHeadTokens(seq, l, 0);
+    const int tables = cache.per_head(l) ? n_heads : 1;
     size_t pages = 0;
-    for (int h = 0; h < n_heads; ++h) {
-      EXPECT_EQ(cache.NumHeadTokens(seq, l, h), n) << "layer " << l << " head " << h;
+    for (int h = 0; h < n_heads; ++h) EXPECT_EQ(cache.NumHeadTokens(seq, l, h), n) << "layer " << l << " head " << h;
+    for (int h = 0; h < tables; ++h) {
       pages += static_cast<size_t>((cache.NumHeadTokens(seq, l, h) + cache.page_size() - 1) / cache.page_size());
     }
     if (pages_follow) EXPECT_EQ(cache.LayerAllocatedBytes(l), pages * cache.page_bytes(l)) << "layer " << l;
@@ -57,58 +58,64 @@ std::vector<int32_t> LayerTokens(const PagedKvCache& cache, int seq, int n_layer
   return out;
 }
 
+// The `cake` method, and other methods under CAKE's allocation ("layer_budgets": "cake"): H2O
+// (per KV head, evicting while decoding) and Random (one table per layer, no attention of its own).
 TEST_F(CakeEngineTest, LayerBudgetsDifferAndSumToTheTotal) {
   const int n_layers = model_->config().n_layers, n_heads = model_->config().n_kv_heads;
   const int32_t budget = 48, prompt_tokens = 300;
-  for (const std::string eviction : {"prompt_end", "chunk"}) {
-    SCOPED_TRACE(eviction);
-    auto config = KvSparsityConfigFromFlags("cake", std::to_string(budget), "f16", n_layers);
-    ASSERT_TRUE(config.ok()) << config.status().ToString();
-    std::vector<std::string> params = {"window=8"};
-    ASSERT_TRUE(ApplyKvParams(params, &*config).ok());
-    config->prefill_chunk = 64;
-    config->prefill_eviction = eviction == "chunk" ? PrefillEviction::kEveryChunk : PrefillEviction::kPromptEnd;
-    auto kv = CreateSparseKv(Geometry(), *config, 2, 400);
-    ASSERT_TRUE(kv.ok()) << kv.status().ToString();
-    Engine engine(*model_, kv->cache.get(), 2, kv->controller.get());
-    std::vector<float> logits(static_cast<size_t>(model_->config().n_vocab));
-    const std::vector<int32_t> prompt = Prompt(prompt_tokens);
-    if (eviction == "chunk") {
-      // Chunk by chunk: no call may end with more than the total cached.
-      for (int32_t at = 0; at < prompt_tokens; at += 64) {
-        const int32_t n = std::min(64, prompt_tokens - at);
-        ASSERT_TRUE(engine.Forward(0, prompt.data() + at, n, at, logits.data()).ok());
-        const auto live = LayerTokens(*kv->cache, 0, n_layers, n_heads);
-        int64_t sum = 0;
-        for (int32_t x : live) sum += x;
-        EXPECT_LE(sum, static_cast<int64_t>(n_layers) * budget + (at == 0 ? n_layers * 64 : 0)) << "after " << at + n;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> methods = {
+      {"cake", {"window=8"}}, {"h2o", {"layer_budgets=cake"}}, {"random", {"layer_budgets=cake", "tau2=2"}}};
+  for (const auto& [method, params] : methods) {
+    for (const std::string eviction : {"prompt_end", "chunk"}) {
+      SCOPED_TRACE(method + " " + eviction);
+      auto config = KvSparsityConfigFromFlags(method, std::to_string(budget), "f16", n_layers);
+      ASSERT_TRUE(config.ok()) << config.status().ToString();
+      ASSERT_TRUE(ApplyKvParams(params, &*config).ok());
+      config->prefill_chunk = 64;
+      config->prefill_eviction = eviction == "chunk" ? PrefillEviction::kEveryChunk : PrefillEviction::kPromptEnd;
+      auto kv = CreateSparseKv(Geometry(), *config, 2, 400);
+      ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+      Engine engine(*model_, kv->cache.get(), 2, kv->controller.get());
+      std::vector<float> logits(static_cast<size_t>(model_->config().n_vocab));
+      const std::vector<int32_t> prompt = Prompt(prompt_tokens);
+      if (eviction == "chunk") {
+        // Chunk by chunk: no call may end with more than the total cached.
+        for (int32_t at = 0; at < prompt_tokens; at += 64) {
+          const int32_t n = std::min(64, prompt_tokens - at);
+          ASSERT_TRUE(engine.Forward(0, prompt.data() + at, n, at, logits.data()).ok());
+          const auto live = LayerTokens(*kv->cache, 0, n_layers, n_heads);
+          int64_t sum = 0;
+          for (int32_t x : live) sum += x;
+          EXPECT_LE(sum, static_cast<int64_t>(n_layers) * budget + (at == 0 ? n_layers * 64 : 0)) << "after " << at + n;
+        }
+      } else {
+        ASSERT_TRUE(engine.Forward(0, prompt.data(), prompt_tokens, 0, logits.data()).ok());
       }
-    } else {
-      ASSERT_TRUE(engine.Forward(0, prompt.data(), prompt_tokens, 0, logits.data()).ok());
+      const auto live = LayerTokens(*kv->cache, 0, n_layers, n_heads);
+      int64_t sum = 0;
+      for (int32_t x : live) sum += x;
+      EXPECT_EQ(sum, static_cast<int64_t>(n_layers) * budget);
+      EXPECT_GT(std::set<int32_t>(live.begin(), live.end()).size(), 1u) << "every layer got the same budget";
+      for (int32_t x : live) EXPECT_LE(x, prompt_tokens);
+      // Decode keeps generated tokens (prompt-only compression, like the reference).
+      int32_t pos = prompt_tokens;
+      for (int step = 0; step < 5; ++step) {
+        const int32_t token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        ASSERT_TRUE(engine.Forward(0, &token, 1, pos++, logits.data()).ok());
+      }
+      const auto after = LayerTokens(*kv->cache, 0, n_layers, n_heads);
+      for (int l = 0; l < n_layers; ++l) EXPECT_EQ(after[l], live[l] + 5) << "layer " << l;
+      // A fork continues exactly like the original.
+      ASSERT_TRUE(kv->controller->Fork(0, 1).ok());
+      std::vector<float> a(logits.size()), b(logits.size());
+      const int32_t next = 3;
+      ASSERT_TRUE(engine.Forward(0, &next, 1, pos, a.data()).ok());
+      ASSERT_TRUE(engine.Forward(1, &next, 1, pos, b.data()).ok());
+      EXPECT_EQ(a, b);
+      EXPECT_EQ(LayerTokens(*kv->cache, 0, n_layers, n_heads, false),
+                LayerTokens(*kv->cache, 1, n_layers, n_heads, false));
+      kv->cache->CheckInvariants();
     }
-    const auto live = LayerTokens(*kv->cache, 0, n_layers, n_heads);
-    int64_t sum = 0;
-    for (int32_t x : live) sum += x;
-    EXPECT_EQ(sum, static_cast<int64_t>(n_layers) * budget);
-    EXPECT_GT(std::set<int32_t>(live.begin(), live.end()).size(), 1u) << "every layer got the same budget";
-    for (int32_t x : live) EXPECT_LE(x, prompt_tokens);
-    // Decode keeps generated tokens (prompt-only compression, like the reference).
-    int32_t pos = prompt_tokens;
-    for (int step = 0; step < 5; ++step) {
-      const int32_t token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-      ASSERT_TRUE(engine.Forward(0, &token, 1, pos++, logits.data()).ok());
-    }
-    const auto after = LayerTokens(*kv->cache, 0, n_layers, n_heads);
-    for (int l = 0; l < n_layers; ++l) EXPECT_EQ(after[l], live[l] + 5) << "layer " << l;
-    // A fork continues exactly like the original.
-    ASSERT_TRUE(kv->controller->Fork(0, 1).ok());
-    std::vector<float> a(logits.size()), b(logits.size());
-    const int32_t next = 3;
-    ASSERT_TRUE(engine.Forward(0, &next, 1, pos, a.data()).ok());
-    ASSERT_TRUE(engine.Forward(1, &next, 1, pos, b.data()).ok());
-    EXPECT_EQ(a, b);
-    EXPECT_EQ(LayerTokens(*kv->cache, 0, n_layers, n_heads, false), LayerTokens(*kv->cache, 1, n_layers, n_heads, false));
-    kv->cache->CheckInvariants();
   }
 }
 

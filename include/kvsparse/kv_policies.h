@@ -81,6 +81,9 @@ enum class CumulativeMode { kEvict, kMask };
 // How a per-head layer splits its budget over its KV heads: the same budget each, or AdaKV's
 // adaptive split (adakv.h): one top over every head's scores, each head kept a floor.
 enum class HeadBudgets { kUniform, kAdaptive };
+// Where a layer's budget comes from: the method's own (its configured budget, or PyramidKV's
+// schedule), or CAKE's allocation (cake.h): the layers' total split by each layer's attention.
+enum class LayerBudgets { kUniform, kCake };
 
 // Parameters of every method in one flat struct; each method reads the fields named in
 // KvMethodParamKeys (which are also its JSON keys) and ignores the rest.
@@ -121,6 +124,10 @@ struct KvMethodParams {
   // razor (razor.cc, head_probe.h). "heads": a heads file (`kvsparse probe-heads`' JSON); empty:
   // the runtime probes the model when it starts. "retrieval_heads": how many of the model's KV
   // heads keep every token, the best-scoring first: a count (an integer >= 0) or a share (< 1).
+  // "layer_budgets": "cake" gives an evicting method CAKE's layer allocation (the `cake` method
+  // always has it): the layers' total budget split by entropy^(1/tau1) x variance^(1/tau2) of
+  // each layer's window attention.
+  LayerBudgets layer_budgets = LayerBudgets::kUniform;
   // cake (cake.cc): the eviction indicator's variance weight and the preference's exponents.
   double gamma = 200.0;         // "gamma"
   double tau1 = 1.0;            // "tau1": spatial dispersion (entropy) exponent 1 / tau1
@@ -153,6 +160,7 @@ std::string_view VotePoolingName(VotePooling p);
 std::string_view RetentionScheduleName(RetentionSchedule s);
 std::string_view CumulativeModeName(CumulativeMode m);
 std::string_view HeadBudgetsName(HeadBudgets b);
+std::string_view LayerBudgetsName(LayerBudgets b);
 
 // Everything that configures one layer.
 struct LayerKvConfig {

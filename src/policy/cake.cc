@@ -2,7 +2,9 @@
 // Adaptive KV Cache Eviction with Layer Preferences", ICLR 2025, arXiv:2503.12491; reference code
 // github.com/antgroup/cakekv.
 //
-// Layer budgets follow each layer's attention. After a prompt (chunk), a layer's preference is
+// Layer budgets follow each layer's attention (CakeAllocatedPolicy, which any evicting method can
+// take with "layer_budgets": "cake"; the `cake` method is SnapKV's machinery with CAKE's indicator
+// under it). After a prompt (chunk), a layer's preference is
 //   P = H^(1/tau1) * V^(1/tau2),
 // H = the entropy of its observation window's attention over the keys before the window (spatial
 // dispersion, summed over heads and queries), V = the variance of that attention over the window's
@@ -100,50 +102,89 @@ std::vector<int64_t> CakeLayerBudgets(std::span<const double> prefs, std::span<c
 namespace policy {
 
 struct CakeGroup {
-  // [n_layers] the sequence's cake policies of each layer (every KV head of a per-head layer);
-  // empty for layers of other methods.
-  std::vector<std::vector<const CakePolicy*>> layers;
+  // [n_layers] the sequence's CAKE-allocated policies of each layer (every KV head of a per-head
+  // layer); empty for layers without the allocation.
+  std::vector<std::vector<const CakeAllocatedPolicy*>> layers;
 };
 
-CakePolicy::CakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer, int n_layers)
-    : SnapKvPolicy(budget, params), layer_(layer), n_layers_(n_layers) {}
+namespace {
 
-std::unique_ptr<KvPolicy> CakePolicy::Clone() const { return std::make_unique<CakePolicy>(*this); }
+// The `cake` method's scoring: SnapKV's machinery with CAKE's eviction indicator.
+class CakeScoringPolicy final : public SnapKvPolicy {
+ public:
+  using SnapKvPolicy::SnapKvPolicy;
+  std::string_view name() const override { return "cake"; }
+  std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<CakeScoringPolicy>(*this); }
 
-float CakePolicy::WindowVote(const float* ring, int32_t window, int32_t observed) const {
-  // mean + gamma * variance over the queries of the window that exist (the reference's window is
-  // always full: it compresses prompts longer than the window).
-  const int32_t n = std::max<int32_t>(1, std::min(window, observed));
-  double sum = 0, sum_sq = 0;
-  for (int32_t age = 0; age < n; ++age) sum += ring[age];
-  const double mean = sum / n;
-  for (int32_t age = 0; age < n; ++age) sum_sq += (ring[age] - mean) * (ring[age] - mean);
-  const double var = n > 1 ? sum_sq / (n - 1) : 0.0;  // unbiased, as torch.var
-  return static_cast<float>(mean + params_.gamma * var);
+ protected:
+  float WindowVote(const float* ring, int32_t window, int32_t observed) const override {
+    // mean + gamma * variance over the queries of the window that exist (the reference's window
+    // is always full: it compresses prompts longer than the window).
+    const int32_t n = std::max<int32_t>(1, std::min(window, observed));
+    double sum = 0, sum_sq = 0;
+    for (int32_t age = 0; age < n; ++age) sum += ring[age];
+    const double mean = sum / n;
+    for (int32_t age = 0; age < n; ++age) sum_sq += (ring[age] - mean) * (ring[age] - mean);
+    const double var = n > 1 ? sum_sq / (n - 1) : 0.0;  // unbiased, as torch.var
+    return static_cast<float>(mean + params_.gamma * var);
+  }
+};
+
+}  // namespace
+
+CakeAllocatedPolicy::CakeAllocatedPolicy(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer,
+                                         int n_layers)
+    : inner_(std::move(inner)), params_(params), layer_(layer), n_layers_(n_layers) {
+  // The window whose attention measures the layer: the method's own, else the reference's 32.
+  window_ = inner_->ObservationWindow() > 0 ? inner_->ObservationWindow() : 32;
 }
 
-void CakePolicy::Observe(const AttentionObservation& obs) {
-  SnapKvPolicy::Observe(obs);
-  // Preferences come from prompts only (the reference measures them once, after the prompt).
-  if (obs.n_queries <= 1 || obs.n_tokens == 0 || heads_ == 0) return;
-  const int32_t depth = params_.obs_window;
-  const int32_t window = std::min(depth, queries_seen_);
-  const int32_t before = obs.n_tokens - window;  // keys before the window: [0, before)
+CakeAllocatedPolicy::CakeAllocatedPolicy(const CakeAllocatedPolicy& other)
+    : KvPolicy(other),
+      inner_(other.inner_->Clone()),
+      params_(other.params_),
+      layer_(other.layer_),
+      n_layers_(other.n_layers_),
+      window_(other.window_),
+      entropy_(other.entropy_),
+      variance_(other.variance_),
+      observed_(other.observed_),
+      measured_at_(other.measured_at_),
+      group_(other.group_) {}
+
+std::unique_ptr<KvPolicy> CakeAllocatedPolicy::Clone() const { return std::make_unique<CakeAllocatedPolicy>(*this); }
+
+bool CakeAllocatedPolicy::ObservesDecode() const {
+  // A method that needs no attention of its own gets prompts observed (to measure them) only.
+  return inner_->NeedsAttention() && inner_->ObservesDecode();
+}
+
+void CakeAllocatedPolicy::Observe(const AttentionObservation& obs) {
+  if (inner_->NeedsAttention()) inner_->Observe(obs);
+  // Preferences come from prompts only (the reference measures them once, after the prompt): the
+  // spatial dispersion (entropy) and the temporal shift (variance over the window's queries) of
+  // the attention the call's last queries gave the keys before them, summed over heads and keys.
+  if (obs.n_queries <= 1 || obs.n_tokens == 0 || obs.window_rows == nullptr || obs.n_window < 1) return;
+  const int32_t window = obs.n_window, before = obs.n_tokens - window;  // keys before the window: [0, before)
+  const size_t plane = static_cast<size_t>(obs.n_kv_heads) * obs.n_tokens;  // one query's rows
   double entropy = 0, variance = 0;
-  for (int32_t t = 0; t < before; ++t) {
-    for (int h = 0; h < heads_; ++h) {
-      const float* ring = rows_.row(t) + static_cast<size_t>(h) * depth;
+  for (int h = 0; h < obs.n_kv_heads; ++h) {
+    for (int32_t t = 0; t < before; ++t) {
+      const size_t at = static_cast<size_t>(h) * obs.n_tokens + t;
       double sum = 0;
-      for (int32_t age = 0; age < window; ++age) {
-        const double p = ring[age];
+      for (int32_t w = 0; w < window; ++w) {
+        const double p = obs.window_rows[w * plane + at];
         entropy -= p * std::log(p + 1e-10);
         sum += p;
       }
       if (window > 1) {
         const double mean = sum / window;
         double sq = 0;
-        for (int32_t age = 0; age < window; ++age) sq += (ring[age] - mean) * (ring[age] - mean);
-        variance += sq / (window - 1);
+        for (int32_t w = 0; w < window; ++w) {
+          const double d = obs.window_rows[w * plane + at] - mean;
+          sq += d * d;
+        }
+        variance += sq / (window - 1);  // unbiased, as torch.var
       }
     }
   }
@@ -153,8 +194,8 @@ void CakePolicy::Observe(const AttentionObservation& obs) {
   measured_at_ = obs.query_positions[obs.n_queries - 1];
 }
 
-int32_t CakePolicy::BudgetTokens(int32_t n_seen) const {
-  const int64_t own = ResolveBudget(budget_, n_seen);
+int32_t CakeAllocatedPolicy::BudgetTokens(int32_t n_seen) const {
+  const int64_t own = inner_->BudgetTokens(n_seen);
   // Unlinked (the controller's templates, which size reservations): the most a layer can get.
   if (!group_) return static_cast<int32_t>(std::min<int64_t>(n_seen, own * n_layers_));
   if (!observed_) return n_seen;  // never measured: keep everything (the cascade has not reached it)
@@ -164,21 +205,21 @@ int32_t CakePolicy::BudgetTokens(int32_t n_seen) const {
   size_t mine = 0;
   for (const auto& heads : group_->layers) {
     if (heads.empty()) continue;
-    const CakePolicy& first = *heads.front();
-    total += ResolveBudget(first.budget_, n_seen);
+    const CakeAllocatedPolicy& first = *heads.front();
+    total += first.inner_->BudgetTokens(n_seen);
     // Only layers measured on the same prompt call count: the later layers of this call have not
     // measured it yet, and dividing by their previous chunk's preferences could trim this layer
     // below the share it ends up with (a trimmed layer cannot grow back).
     if (!first.observed_ || first.measured_at_ != measured_at_) continue;
     double entropy = 0, variance = 0;
-    for (const CakePolicy* p : heads) {
+    for (const CakeAllocatedPolicy* p : heads) {
       entropy += p->entropy_;
       variance += p->variance_;
     }
     if (first.layer_ == layer_) mine = prefs.size();
     prefs.push_back(std::pow(std::max(entropy, 0.0), 1.0 / params_.tau1) *
                     std::pow(std::max(variance, 0.0), 1.0 / params_.tau2));
-    windows.push_back(first.params_.obs_window);
+    windows.push_back(first.window_);
   }
   const std::vector<int64_t> budgets = CakeLayerBudgets(prefs, windows, n_seen, total);
   return static_cast<int32_t>(std::max<int64_t>(1, budgets[mine]));
@@ -187,20 +228,25 @@ int32_t CakePolicy::BudgetTokens(int32_t n_seen) const {
 void LinkCakeLayers(std::span<KvPolicy* const> all_policies) {
   std::shared_ptr<CakeGroup> group;
   for (KvPolicy* p : all_policies) {
-    auto* cake = dynamic_cast<CakePolicy*>(p);
+    auto* cake = dynamic_cast<CakeAllocatedPolicy*>(p);
     if (cake == nullptr) continue;
     if (!group) group = std::make_shared<CakeGroup>();
     if (group->layers.size() <= static_cast<size_t>(cake->layer())) group->layers.resize(cake->layer() + 1);
     group->layers[cake->layer()].push_back(cake);
   }
   for (KvPolicy* p : all_policies) {
-    if (auto* cake = dynamic_cast<CakePolicy*>(p)) cake->group_ = group;
+    if (auto* cake = dynamic_cast<CakeAllocatedPolicy*>(p)) cake->group_ = group;
   }
+}
+
+std::unique_ptr<KvPolicy> WrapCakeAllocation(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer,
+                                             int n_layers) {
+  return std::make_unique<CakeAllocatedPolicy>(std::move(inner), params, layer, n_layers);
 }
 
 std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer,
                                          int n_layers) {
-  return std::make_unique<CakePolicy>(budget, params, layer, n_layers);
+  return WrapCakeAllocation(std::make_unique<CakeScoringPolicy>(budget, params), params, layer, n_layers);
 }
 
 }  // namespace policy

@@ -22,30 +22,53 @@ namespace policy {
 
 struct CakeGroup;
 
-class CakePolicy final : public SnapKvPolicy {
+// CAKE's layer allocation around any evicting method: `inner` scores and selects, this policy
+// measures the layer's preference on each prompt call (from the window rows it asks the kernel
+// for) and answers BudgetTokens with the layer's share of the sequence's total (LinkCakeLayers
+// links a sequence's such policies). Every other call is the inner policy's.
+class CakeAllocatedPolicy final : public KvPolicy {
  public:
-  CakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer, int n_layers);
-  std::string_view name() const override { return "cake"; }
+  CakeAllocatedPolicy(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer, int n_layers);
+  CakeAllocatedPolicy(const CakeAllocatedPolicy& other);
+  std::string_view name() const override { return inner_->name(); }
   std::unique_ptr<KvPolicy> Clone() const override;
+  uint32_t NeededObservations() const override { return inner_->NeededObservations() | kObserveWindowRows; }
+  int32_t ObservationWindow() const override { return window_; }
   int32_t BudgetTokens(int32_t n_seen) const override;
+  bool EvictsDuringDecode() const override { return inner_->EvictsDuringDecode(); }
+  bool MustEvictNow(int32_t n_live) const override { return inner_->MustEvictNow(n_live); }
   bool CascadesBudget() const override { return true; }
+  bool ObservesDecode() const override;
+  bool ObservesPrompt() const override { return true; }
+  size_t MetadataBytes() const override { return inner_->MetadataBytes(); }
+  std::pair<int64_t, double> TakeRerankWork() override { return inner_->TakeRerankWork(); }
+  void OnAppend(int32_t n_new) override { inner_->OnAppend(n_new); }
   void Observe(const AttentionObservation& obs) override;
+  void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override { inner_->SelectKeep(ctx, keep); }
+  bool ScoreForSelection(const SelectionContext& ctx, SelectionScoring* out) override {
+    return inner_->ScoreForSelection(ctx, out);
+  }
+  void OnEvict(const std::vector<uint8_t>& keep) override { inner_->OnEvict(keep); }
   int layer() const { return layer_; }
-
- protected:
-  float WindowVote(const float* ring, int32_t window, int32_t observed) const override;
 
  private:
   friend void LinkCakeLayers(std::span<KvPolicy* const> all_policies);
+  std::unique_ptr<KvPolicy> inner_;
+  KvMethodParams params_;
   int layer_;
   int n_layers_;
-  // The last prompt's measurements over this policy's heads: spatial dispersion (entropy) and
-  // temporal shift (variance), and whether any prompt was measured.
+  int32_t window_;  // queries whose attention measures the layer
+  // The last prompt call's measurements over this policy's heads: spatial dispersion (entropy)
+  // and temporal shift (variance), whether any prompt was measured, and the position of that
+  // call's last query.
   double entropy_ = 0, variance_ = 0;
   bool observed_ = false;
-  int32_t measured_at_ = -1;  // position of the last query of the prompt call measured
-  std::shared_ptr<const CakeGroup> group_;  // the sequence's cake layers (LinkCakeLayers); null: unlinked
+  int32_t measured_at_ = -1;
+  std::shared_ptr<const CakeGroup> group_;  // the sequence's CAKE layers (LinkCakeLayers); null: unlinked
 };
+
+std::unique_ptr<KvPolicy> WrapCakeAllocation(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer,
+                                             int n_layers);
 
 }  // namespace policy
 }  // namespace kvsparse

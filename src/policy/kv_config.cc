@@ -228,6 +228,12 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
     return Status::Ok();
   }
   if (key == "floor") return ReadNumber(v, where, key, &p->floor);
+  if (key == "layer_budgets") {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"uniform", "cake"}, &i));
+    p->layer_budgets = i == 0 ? LayerBudgets::kUniform : LayerBudgets::kCake;
+    return Status::Ok();
+  }
   if (key == "gamma") return ReadNumber(v, where, key, &p->gamma);
   if (key == "tau1") return ReadNumber(v, where, key, &p->tau1);
   if (key == "tau2") return ReadNumber(v, where, key, &p->tau2);
@@ -401,8 +407,10 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "head_budgets" && p.head_budgets == HeadBudgets::kAdaptive)
       s += fmt::format(" head_budgets=adaptive floor={:g}", p.floor);
     if (key == "gamma") s += fmt::format(" gamma={:g}", p.gamma);
-    if (key == "tau1") s += fmt::format(" tau1={:g}", p.tau1);
-    if (key == "tau2") s += fmt::format(" tau2={:g}", p.tau2);
+    const bool cake_allocation = l.method == KvMethod::kCake || p.layer_budgets == LayerBudgets::kCake;
+    if (key == "layer_budgets" && cake_allocation) s += " layer_budgets=cake";
+    if (key == "tau1" && cake_allocation) s += fmt::format(" tau1={:g}", p.tau1);
+    if (key == "tau2" && cake_allocation) s += fmt::format(" tau2={:g}", p.tau2);
     if (key == "heads") s += " heads=" + (p.heads_file.empty() ? std::string("probed") : p.heads_file);
     if (key == "retrieval_heads") s += fmt::format(" retrieval_heads={:g}", p.retrieval_heads);
   }

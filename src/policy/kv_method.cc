@@ -16,14 +16,17 @@ struct MethodInfo {
 };
 
 constexpr std::string_view kStreamingKeys[] = {"n_sink", "cache_positions"};
-constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce"};
-constexpr std::string_view kH2OKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "head_budgets", "floor"};
-constexpr std::string_view kScissorhandsKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "history_window"};
-constexpr std::string_view kSnapKvKeys[] = {"window",       "kernel",      "pooling", "head_reduce",
-                                            "decode_evict", "head_budgets", "floor"};
-constexpr std::string_view kPyramidKvKeys[] = {"window",       "kernel",       "pooling", "head_reduce",
-                                               "decode_evict", "beta", "head_budgets", "floor"};
-constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio"};
+// "layer_budgets", "tau1", "tau2": CAKE's allocation of the layers' budgets (cake.h), on any evicting method.
+constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "layer_budgets", "tau1", "tau2"};
+constexpr std::string_view kH2OKeys[] = {"n_sink", "recent",        "recent_ratio", "head_reduce", "head_budgets",
+                                         "floor",  "layer_budgets", "tau1",         "tau2"};
+constexpr std::string_view kScissorhandsKeys[] = {"n_sink",        "recent", "recent_ratio", "head_reduce", "history_window",
+                                                  "layer_budgets", "tau1",   "tau2"};
+constexpr std::string_view kSnapKvKeys[] = {"window",       "kernel",        "pooling", "head_reduce", "decode_evict",
+                                            "head_budgets", "floor",         "layer_budgets", "tau1", "tau2"};
+constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling",       "head_reduce", "decode_evict",
+                                               "beta",   "head_budgets", "floor", "layer_budgets", "tau1", "tau2"};
+constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio", "layer_budgets", "tau1", "tau2"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
 constexpr std::string_view kReuseKeys[] = {"dense_layers", "reselect_layer"};
@@ -31,8 +34,8 @@ constexpr std::string_view kCumulativeKeys[] = {"decay", "rerank_period", "mode"
 constexpr std::string_view kCakeKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict",
                                           "gamma",  "tau1",   "tau2"};
 constexpr std::string_view kRazorKeys[] = {"n_sink", "heads", "retrieval_heads"};
-constexpr std::string_view kKNormKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "decode_evict",
-                                           "dense_layers"};
+constexpr std::string_view kKNormKeys[] = {"n_sink",       "recent",        "recent_ratio", "head_reduce", "decode_evict",
+                                           "dense_layers", "layer_budgets", "tau1",         "tau2"};
 
 constexpr std::array<MethodInfo, 15> kMethods = {{
     {KvMethod::kFull, "full", {}},
@@ -90,6 +93,7 @@ std::string_view VotePoolingName(VotePooling p) { return p == VotePooling::kMax 
 std::string_view RetentionScheduleName(RetentionSchedule s) {
   return s == RetentionSchedule::kLinear ? "linear" : s == RetentionSchedule::kCosine ? "cosine" : "none";
 }
+std::string_view LayerBudgetsName(LayerBudgets b) { return b == LayerBudgets::kUniform ? "uniform" : "cake"; }
 std::string_view HeadBudgetsName(HeadBudgets b) { return b == HeadBudgets::kUniform ? "uniform" : "adaptive"; }
 std::string_view CumulativeModeName(CumulativeMode m) { return m == CumulativeMode::kEvict ? "evict" : "mask"; }
 

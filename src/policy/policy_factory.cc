@@ -2,19 +2,18 @@
 #include <fmt/format.h>
 
 #include "kvsparse/kv_policies.h"
+#include "policy/cake.h"
 #include "policy/policy_base.h"
 
 namespace kvsparse {
 
-StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, int layer, int n_layers,
-                                                 uint64_t seed, int kv_head) {
-  if (n_layers < 1 || layer < 0 || layer >= n_layers)
-    return InvalidArgumentError(fmt::format("CreatePolicy: layer {} outside [0, n_layers {})", layer, n_layers));
-  KVS_RETURN_IF_ERROR(ValidateLayerKvConfig(config, layer));
+namespace {
+
+// The method's own policy (before any CAKE layer allocation).
+StatusOr<std::unique_ptr<KvPolicy>> MakeMethodPolicy(const LayerKvConfig& config, int layer, int n_layers,
+                                                     uint64_t seed, int kv_head) {
   const KvBudget& b = config.budget;
   const KvMethodParams& p = config.params;
-  // KNorm and Quest leave the first layers whole, as their papers do.
-  if (layer < p.dense_layers) return policy::MakeFullPolicy();
   switch (config.method) {
     case KvMethod::kFull: return policy::MakeFullPolicy();
     case KvMethod::kStreamingLlm: return policy::MakeStreamingLlmPolicy(b, p);
@@ -43,6 +42,22 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
     }
   }
   return InternalError(fmt::format("layer {}: unhandled method", layer));
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, int layer, int n_layers,
+                                                 uint64_t seed, int kv_head) {
+  if (n_layers < 1 || layer < 0 || layer >= n_layers)
+    return InvalidArgumentError(fmt::format("CreatePolicy: layer {} outside [0, n_layers {})", layer, n_layers));
+  KVS_RETURN_IF_ERROR(ValidateLayerKvConfig(config, layer));
+  // KNorm and Quest leave the first layers whole, as their papers do.
+  if (layer < config.params.dense_layers) return policy::MakeFullPolicy();
+  KVS_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> made, MakeMethodPolicy(config, layer, n_layers, seed, kv_head));
+  if (config.params.layer_budgets == LayerBudgets::kCake) {
+    return policy::WrapCakeAllocation(std::move(made), config.params, layer, n_layers);
+  }
+  return made;
 }
 
 }  // namespace kvsparse
