@@ -132,9 +132,8 @@ class CakeScoringPolicy final : public SnapKvPolicy {
 
 }  // namespace
 
-CakeAllocatedPolicy::CakeAllocatedPolicy(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer,
-                                         int n_layers)
-    : inner_(std::move(inner)), params_(params), layer_(layer), n_layers_(n_layers) {
+CakeAllocatedPolicy::CakeAllocatedPolicy(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer)
+    : inner_(std::move(inner)), params_(params), layer_(layer) {
   // The window whose attention measures the layer: the method's own, else the reference's 32.
   window_ = inner_->ObservationWindow() > 0 ? inner_->ObservationWindow() : 32;
 }
@@ -144,7 +143,6 @@ CakeAllocatedPolicy::CakeAllocatedPolicy(const CakeAllocatedPolicy& other)
       inner_(other.inner_->Clone()),
       params_(other.params_),
       layer_(other.layer_),
-      n_layers_(other.n_layers_),
       window_(other.window_),
       entropy_(other.entropy_),
       variance_(other.variance_),
@@ -196,8 +194,12 @@ void CakeAllocatedPolicy::Observe(const AttentionObservation& obs) {
 
 int32_t CakeAllocatedPolicy::BudgetTokens(int32_t n_seen) const {
   const int64_t own = inner_->BudgetTokens(n_seen);
-  // Unlinked (the controller's templates, which size reservations): the most a layer can get.
-  if (!group_) return static_cast<int32_t>(std::min<int64_t>(n_seen, own * n_layers_));
+  // Unlinked (the controller's templates, which size a sequence's reservation as the sum over its
+  // layers): twice the layer's own budget. Shares move between layers but sum to the total, and
+  // mid-cascade the layers measured so far share the total while the others still hold their
+  // previous shares, so the sequence never holds more than twice the total (plus the chunk,
+  // which ChunkReserveBytes adds).
+  if (!group_) return static_cast<int32_t>(std::min<int64_t>(n_seen, 2 * own));
   if (!observed_) return n_seen;  // never measured: keep everything (the cascade has not reached it)
   std::vector<double> prefs;
   std::vector<int32_t> windows;
@@ -239,14 +241,12 @@ void LinkCakeLayers(std::span<KvPolicy* const> all_policies) {
   }
 }
 
-std::unique_ptr<KvPolicy> WrapCakeAllocation(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer,
-                                             int n_layers) {
-  return std::make_unique<CakeAllocatedPolicy>(std::move(inner), params, layer, n_layers);
+std::unique_ptr<KvPolicy> WrapCakeAllocation(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer) {
+  return std::make_unique<CakeAllocatedPolicy>(std::move(inner), params, layer);
 }
 
-std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer,
-                                         int n_layers) {
-  return WrapCakeAllocation(std::make_unique<CakeScoringPolicy>(budget, params), params, layer, n_layers);
+std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer) {
+  return WrapCakeAllocation(std::make_unique<CakeScoringPolicy>(budget, params), params, layer);
 }
 
 }  // namespace policy

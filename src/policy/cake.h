@@ -28,7 +28,7 @@ struct CakeGroup;
 // links a sequence's such policies). Every other call is the inner policy's.
 class CakeAllocatedPolicy final : public KvPolicy {
  public:
-  CakeAllocatedPolicy(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer, int n_layers);
+  CakeAllocatedPolicy(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer);
   CakeAllocatedPolicy(const CakeAllocatedPolicy& other);
   std::string_view name() const override { return inner_->name(); }
   std::unique_ptr<KvPolicy> Clone() const override;
@@ -56,7 +56,6 @@ class CakeAllocatedPolicy final : public KvPolicy {
   std::unique_ptr<KvPolicy> inner_;
   KvMethodParams params_;
   int layer_;
-  int n_layers_;
   int32_t window_;  // queries whose attention measures the layer
   // The last prompt call's measurements over this policy's heads: spatial dispersion (entropy)
   // and temporal shift (variance), whether any prompt was measured, and the position of that
@@ -67,8 +66,7 @@ class CakeAllocatedPolicy final : public KvPolicy {
   std::shared_ptr<const CakeGroup> group_;  // the sequence's CAKE layers (LinkCakeLayers); null: unlinked
 };
 
-std::unique_ptr<KvPolicy> WrapCakeAllocation(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer,
-                                             int n_layers);
+std::unique_ptr<KvPolicy> WrapCakeAllocation(std::unique_ptr<KvPolicy> inner, const KvMethodParams& params, int layer);
 
 }  // namespace policy
 }  // namespace kvsparse

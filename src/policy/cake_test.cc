@@ -67,9 +67,13 @@ TEST(CakeLayerBudgetsTest, RandomSplitsSumToTheTotalWithinTheRoom) {
     int64_t windows_total = 0;
     for (int k = 0; k < n; ++k) windows_total += std::min<int64_t>(windows[k], room);
     if (total < windows_total) continue;
-    for (int i = 0; i < n; ++i)
-      for (int j = 0; j < n; ++j)
-        if (prefs[i] > prefs[j] && windows[i] == windows[j] && b[i] < room) EXPECT_GE(b[i] + 1, b[j]);
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) {
+        if (prefs[i] > prefs[j] && windows[i] == windows[j] && b[i] < room) {
+          EXPECT_GE(b[i] + 1, b[j]);
+        }
+      }
+    }
   }
 }
 

@@ -74,7 +74,9 @@ class OraclePolicy final : public ReadSparsePolicy {
   bool SelectsPerQueryHead() const override { return true; }
   bool SelectsPerKvHead() const override { return true; }
   // A reuse selection layer reads the decode step's attention (dense) and chooses from it.
-  uint32_t NeededObservations() const override { return role_ == TopKRole::kSelect ? kObserveLast : 0; }
+  uint32_t NeededObservations() const override {
+    return role_ == TopKRole::kSelect ? static_cast<uint32_t>(kObserveLast) : 0u;
+  }
   bool ObservesPrompt() const override { return false; }
   void Observe(const AttentionObservation& obs) override {
     if (role_ != TopKRole::kSelect || obs.n_queries != 1) return;

@@ -69,8 +69,7 @@ std::unique_ptr<KvPolicy> MakeOraclePolicy(const KvBudget& budget, const KvMetho
 std::unique_ptr<KvPolicy> MakeReusePolicy(const KvBudget& budget, const KvMethodParams& params);
 // The re-selection layer of `reuse` (params.reselect_layer, or 13/32 of n_layers).
 int32_t ReuseReselectLayer(const KvMethodParams& params, int n_layers);
-std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer,
-                                         int n_layers);
+std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer);
 std::unique_ptr<KvPolicy> MakeCumulativePolicy(const KvBudget& mean_budget, const KvMethodParams& params, int layer,
                                                int n_layers);
 

@@ -28,7 +28,7 @@ StatusOr<std::unique_ptr<KvPolicy>> MakeMethodPolicy(const LayerKvConfig& config
     case KvMethod::kOracle: return policy::MakeOraclePolicy(b, p);
     case KvMethod::kReuse: return policy::MakeReusePolicy(b, p);
     case KvMethod::kCumulative: return policy::MakeCumulativePolicy(b, p, layer, n_layers);
-    case KvMethod::kCake: return policy::MakeCakePolicy(b, p, layer, n_layers);
+    case KvMethod::kCake: return policy::MakeCakePolicy(b, p, layer);
     case KvMethod::kRazor: {
       if (!p.full_heads_resolved) {
         return InvalidArgumentError(fmt::format(
@@ -55,7 +55,7 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
   if (layer < config.params.dense_layers) return policy::MakeFullPolicy();
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> made, MakeMethodPolicy(config, layer, n_layers, seed, kv_head));
   if (config.params.layer_budgets == LayerBudgets::kCake) {
-    return policy::WrapCakeAllocation(std::move(made), config.params, layer, n_layers);
+    return policy::WrapCakeAllocation(std::move(made), config.params, layer);
   }
   return made;
 }
