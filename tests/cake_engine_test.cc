@@ -52,7 +52,9 @@ std::vector<int32_t> LayerTokens(const PagedKvCache& cache, int seq, int n_layer
     for (int h = 0; h < tables; ++h) {
       pages += static_cast<size_t>((cache.NumHeadTokens(seq, l, h) + cache.page_size() - 1) / cache.page_size());
     }
-    if (pages_follow) EXPECT_EQ(cache.LayerAllocatedBytes(l), pages * cache.page_bytes(l)) << "layer " << l;
+    if (pages_follow) {
+      EXPECT_EQ(cache.LayerAllocatedBytes(l), pages * cache.page_bytes(l)) << "layer " << l;
+    }
     out.push_back(n);
   }
   return out;

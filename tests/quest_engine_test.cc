@@ -22,6 +22,7 @@
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/paged_kv_cache.h"
+#include "kvsparse/quest_pages.h"
 #include "kvsparse/retrieval_model.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/synth.h"
@@ -87,6 +88,10 @@ class QuestSynthTest : public ::testing::Test {
     const int n_layers = model_->config().n_layers;
     return layer == static_cast<int>(std::lround(n_layers * 13.0 / 32.0)) ? layer : -1;
   }
+  // The re-selection layer of the model (13/32 of the depth).
+  static int ReuseLayerOf(int) {
+    return static_cast<int>(std::lround(model_->config().n_layers * 13.0 / 32.0));
+  }
   static inline Model* model_ = nullptr;
 };
 
@@ -94,16 +99,18 @@ TEST_F(QuestSynthTest, WholeContextBudgetIsBitIdenticalToFull) {
   const std::vector<int32_t> prompt = Prompt(70);
   const int n_decode = 40;
   const int32_t context = 70 + n_decode + 1;
-  for (const std::string method : {"quest", "oracle", "reuse"}) {
+  for (const std::string method : {"quest", "oracle", "reuse", "reuse-by-pages"}) {
     for (const std::string kv_type : {"f32", "int8"}) {
       for (bool per_head : {false, true}) {
-        if (method == "reuse" && per_head) continue;  // reuse shares a selection per KV head across layers
+        const bool reuse = method.rfind("reuse", 0) == 0;
+        if (reuse && per_head) continue;  // reuse shares a selection per KV head across layers
         KvSparsityConfig full = FlagsConfig(*model_, "full", "", kv_type);
-        KvSparsityConfig sparse = FlagsConfig(*model_, method, std::to_string(context), kv_type);
+        KvSparsityConfig sparse = FlagsConfig(*model_, reuse ? "reuse" : method, std::to_string(context), kv_type);
         for (LayerKvConfig& l : full.layers) l.per_head = per_head;
         for (LayerKvConfig& l : sparse.layers) {
           l.per_head = per_head;
           l.params.dense_layers = 0;  // every layer selects (the paper's default leaves layers 0-1 dense)
+          if (method == "reuse-by-pages") l.params.selection = ReuseSelectionKind::kQuest;
         }
         auto full_kv = CreateSparseKv(Geometry(*model_), full, 1, context);
         auto sparse_kv = CreateSparseKv(Geometry(*model_), sparse, 1, context);
@@ -155,6 +162,38 @@ TEST_F(QuestSynthTest, OracleAndReuseReadExactlyTheBudgetAndKeepEverything) {
           EXPECT_EQ(kv->cache->NumTokens(0, layer), 150 + n_decode);  // the oracle keeps every token
         }
       }
+    }
+  }
+}
+
+// Reuse choosing by Quest's page bounds: its selection layers read only the pages they choose
+// (QuestPagesRead pages of each KV head, not the whole table), and the layers after them read
+// exactly those tokens; nothing is evicted.
+TEST_F(QuestSynthTest, ReuseByPageBoundsReadsThePagesItsSelectionLayersChoose) {
+  const std::vector<int32_t> prompt = Prompt(150);
+  const int n_decode = 20;
+  const int32_t context = 150 + n_decode + 1;
+  for (const std::string kv_type : {"f16", "int8_kivi"}) {
+    KvSparsityConfig config = FlagsConfig(*model_, "reuse", "40", kv_type);
+    const std::vector<std::string> params = {"selection=quest", "page_tokens=8", "dense_layers=0"};
+    ASSERT_TRUE(ApplyKvParams(params, &config).ok());
+    auto kv = CreateSparseKv(Geometry(*model_), config, 1, context);
+    ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+    const auto out = RunGreedy(*model_, *kv, prompt, n_decode);
+    ASSERT_EQ(out.size(), static_cast<size_t>(n_decode) + 1);
+    const std::vector<SparseKvLayerStats>& stats = kv->controller->layer_stats();
+    const int64_t per_step = QuestPagesRead(40, 8) * 8;  // 5 pages of 8 tokens (the last may be partial)
+    for (int layer = 0; layer < model_->config().n_layers; ++layer) {
+      const SparseKvLayerStats& s = stats[layer];
+      EXPECT_EQ(s.span_selections, n_decode);
+      EXPECT_LE(s.selected_tokens, s.span_selections * per_step) << kv_type << " layer " << layer;
+      EXPECT_GT(s.selected_tokens, s.span_selections * (per_step - 8)) << kv_type << " layer " << layer;
+      EXPECT_LT(s.selected_tokens, s.selectable_tokens);
+      // Every layer reads what the selection layer of its stretch chose.
+      const int selector = layer < ReuseLayerOf(layer) ? 0 : ReuseLayerOf(layer);
+      EXPECT_EQ(s.selected_tokens, stats[selector].selected_tokens) << kv_type << " layer " << layer;
+      EXPECT_EQ(s.evictions, 0);
+      EXPECT_EQ(kv->cache->NumTokens(0, layer), 150 + n_decode);
     }
   }
 }

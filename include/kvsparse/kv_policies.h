@@ -84,6 +84,9 @@ enum class HeadBudgets { kUniform, kAdaptive };
 // Where a layer's budget comes from: the method's own (its configured budget, or PyramidKV's
 // schedule), or CAKE's allocation (cake.h): the layers' total split by each layer's attention.
 enum class LayerBudgets { kUniform, kCake };
+// How reuse's selection layers choose (oracle.cc): the exact top-budget of their own dense
+// attention (TidalDecode), or Quest's page bounds (quest_pages.h), reading only those pages.
+enum class ReuseSelectionKind { kExact, kQuest };
 
 // Parameters of every method in one flat struct; each method reads the fields named in
 // KvMethodParamKeys (which are also its JSON keys) and ignores the rest.
@@ -121,6 +124,7 @@ struct KvMethodParams {
   double floor = 0.5;
   // reuse (oracle.cc): the second token-selection layer; -1: 13/32 of the depth (TidalDecode's 13 of 32).
   int32_t reselect_layer = -1;  // "reselect_layer"
+  ReuseSelectionKind selection = ReuseSelectionKind::kExact;  // "selection": "exact" | "quest"
   // razor (razor.cc, head_probe.h). "heads": a heads file (`kvsparse probe-heads`' JSON); empty:
   // the runtime probes the model when it starts. "retrieval_heads": how many of the model's KV
   // heads keep every token, the best-scoring first: a count (an integer >= 0) or a share (< 1).
@@ -161,6 +165,7 @@ std::string_view RetentionScheduleName(RetentionSchedule s);
 std::string_view CumulativeModeName(CumulativeMode m);
 std::string_view HeadBudgetsName(HeadBudgets b);
 std::string_view LayerBudgetsName(LayerBudgets b);
+std::string_view ReuseSelectionName(ReuseSelectionKind s);
 
 // Everything that configures one layer.
 struct LayerKvConfig {

@@ -228,6 +228,12 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
     return Status::Ok();
   }
   if (key == "floor") return ReadNumber(v, where, key, &p->floor);
+  if (key == "selection") {
+    size_t i = 0;
+    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"exact", "quest"}, &i));
+    p->selection = i == 0 ? ReuseSelectionKind::kExact : ReuseSelectionKind::kQuest;
+    return Status::Ok();
+  }
   if (key == "layer_budgets") {
     size_t i = 0;
     KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"uniform", "cake"}, &i));
@@ -404,6 +410,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "spread") s += fmt::format(" spread={:g}", p.spread);
     if (key == "layer_weight" && p.layer_weight >= 0) s += fmt::format(" layer_weight={:g}", p.layer_weight);
     if (key == "reselect_layer" && p.reselect_layer >= 0) s += fmt::format(" reselect_layer={}", p.reselect_layer);
+    if (key == "selection") s += fmt::format(" selection={}", ReuseSelectionName(p.selection));
     if (key == "head_budgets" && p.head_budgets == HeadBudgets::kAdaptive)
       s += fmt::format(" head_budgets=adaptive floor={:g}", p.floor);
     if (key == "gamma") s += fmt::format(" gamma={:g}", p.gamma);

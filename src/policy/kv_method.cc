@@ -29,7 +29,7 @@ constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling",   
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio", "layer_budgets", "tau1", "tau2"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
-constexpr std::string_view kReuseKeys[] = {"dense_layers", "reselect_layer"};
+constexpr std::string_view kReuseKeys[] = {"dense_layers", "reselect_layer", "selection", "page_tokens", "head_reduce"};
 constexpr std::string_view kCumulativeKeys[] = {"decay", "rerank_period", "mode", "schedule", "spread", "layer_weight"};
 constexpr std::string_view kCakeKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict",
                                           "gamma",  "tau1",   "tau2"};
@@ -93,6 +93,7 @@ std::string_view VotePoolingName(VotePooling p) { return p == VotePooling::kMax 
 std::string_view RetentionScheduleName(RetentionSchedule s) {
   return s == RetentionSchedule::kLinear ? "linear" : s == RetentionSchedule::kCosine ? "cosine" : "none";
 }
+std::string_view ReuseSelectionName(ReuseSelectionKind s) { return s == ReuseSelectionKind::kExact ? "exact" : "quest"; }
 std::string_view LayerBudgetsName(LayerBudgets b) { return b == LayerBudgets::kUniform ? "uniform" : "cake"; }
 std::string_view HeadBudgetsName(HeadBudgets b) { return b == HeadBudgets::kUniform ? "uniform" : "adaptive"; }
 std::string_view CumulativeModeName(CumulativeMode m) { return m == CumulativeMode::kEvict ? "evict" : "mask"; }

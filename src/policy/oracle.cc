@@ -25,13 +25,20 @@
 // over the group by the config's gqa_aggregation, mean by default; the newest token always among
 // them); every later layer reads the same tokens per KV head, without scoring, until the next
 // selection layer. Nothing is evicted; decode steps save the reads of the reusing layers.
+// "selection": "quest" makes the selection layers choose by Quest's page bounds instead (OmniKV and
+// TidalDecode name both kinds of selection): per KV head, the pages whose key min/max bounds fold
+// highest over the group (head_reduce, mean by default; QuestPagesRead(budget) pages of
+// page_tokens, the cache's page by default, the current page among them); the selection layer
+// then reads only those pages itself, and the later layers read the same tokens.
 // LinkSequencePolicies gives a sequence's reuse layers one ReuseSelection and their roles.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "kvsparse/kv_types.h"
+#include "kvsparse/quest_pages.h"
 #include "policy/policy_base.h"
 
 namespace kvsparse::policy {
@@ -73,9 +80,10 @@ class OraclePolicy final : public ReadSparsePolicy {
   const KvMethodParams& params() const { return params_; }
   bool SelectsPerQueryHead() const override { return true; }
   bool SelectsPerKvHead() const override { return true; }
-  // A reuse selection layer reads the decode step's attention (dense) and chooses from it.
+  // A reuse selection layer reads the decode step's attention (dense) and chooses from it, unless
+  // it chooses by Quest's page bounds.
   uint32_t NeededObservations() const override {
-    return role_ == TopKRole::kSelect ? static_cast<uint32_t>(kObserveLast) : 0u;
+    return role_ == TopKRole::kSelect && !by_pages() ? static_cast<uint32_t>(kObserveLast) : 0u;
   }
   bool ObservesPrompt() const override { return false; }
   void Observe(const AttentionObservation& obs) override {
@@ -95,7 +103,7 @@ class OraclePolicy final : public ReadSparsePolicy {
   size_t MetadataBytes() const override {
     return (scores_.capacity() + logits_.capacity() + key_row_.capacity()) * sizeof(float) +
            (order_.capacity() + chosen_.capacity()) * sizeof(int32_t) + in_union_.capacity() +
-           all_spans_.capacity() * sizeof(KvSpan);
+           all_spans_.capacity() * sizeof(KvSpan) + (pages_index_ ? pages_index_->bytes() : 0);
   }
 
   // One list for every head: the union of the KV heads' tokens.
@@ -133,7 +141,7 @@ class OraclePolicy final : public ReadSparsePolicy {
   int32_t Begin(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
     if (role_ == TopKRole::kOracle) return Prepare(ctx, spans);
     const int32_t n_live = CheckedLiveTokens(spans);
-    if (role_ == TopKRole::kSelect) return 0;
+    if (role_ == TopKRole::kSelect) return by_pages() ? SelectPages(ctx, spans) : 0;
     KVS_CHECK_MSG(shared_ && shared_->n_live == n_live,
                   fmt::format("reuse: layer {} reuses a selection of {} tokens but holds {} (a selection layer "
                               "must come first in each step)",
@@ -141,9 +149,54 @@ class OraclePolicy final : public ReadSparsePolicy {
     return shared_->whole ? 0 : 1;
   }
 
+  bool by_pages() const { return role_ == TopKRole::kSelect && params_.selection == ReuseSelectionKind::kQuest; }
+
+  // A selection layer choosing by Quest's page bounds: per KV head, the pages whose bounds fold
+  // highest over its query heads (head_reduce, mean by default), the current page always among
+  // them (QuestPagesRead pages: Quest's count for the budget), published as live indices. 0 when
+  // every page is read (the whole table: everything is published as such).
+  int32_t SelectPages(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
+    if (!shared_) shared_ = std::make_shared<ReuseSelection>();  // used on its own
+    const int32_t budget = ResolveBudget(budget_, n_live_);
+    const int32_t page = params_.page_tokens > 0 ? params_.page_tokens : ctx.cache_page_size;
+    KVS_CHECK_MSG(page >= 1, "reuse: no page size (cache_page_size unset and page_tokens 0)");
+    const int32_t n_read = QuestPagesRead(budget, page);
+    shared_->n_live = n_live_;
+    shared_->whole = budget >= n_live_ || n_read >= (n_live_ + page - 1) / page;
+    shared_->heads.resize(static_cast<size_t>(ctx.n_kv_heads));
+    if (shared_->whole) return 0;
+    if (!pages_index_) pages_index_.emplace(page, ctx.n_kv_heads, ctx.head_dim);
+    KVS_CHECK_MSG(pages_index_->page_tokens() == page && pages_index_->n_kv_heads() == ctx.n_kv_heads &&
+                      pages_index_->head_dim() == ctx.head_dim,
+                  "reuse: the table's shape changed");
+    pages_index_->Update(ctx.storage, spans.data(), static_cast<int32_t>(spans.size()));
+    const int32_t n_pages = pages_index_->n_pages();
+    const int group = ctx.n_q_heads / ctx.n_kv_heads;
+    scores_.resize(static_cast<size_t>(ctx.n_q_heads) * n_pages);  // [n_q_heads, n_pages] bounds
+    QuestQueryHeadScores(*pages_index_, ctx.q, ctx.n_q_heads, scores_.data());
+    std::vector<float>& folded = logits_;  // [n_pages] one KV head's bounds, folded over its group
+    std::vector<int32_t> pages;
+    for (int h = 0; h < ctx.n_kv_heads; ++h) {
+      folded.assign(static_cast<size_t>(n_pages), params_.head_reduce == HeadReduce::kMax ? -INFINITY : 0.f);
+      for (int g = 0; g < group; ++g) {
+        const float* row = scores_.data() + static_cast<size_t>(h * group + g) * n_pages;
+        for (int32_t p = 0; p < n_pages; ++p) {
+          folded[p] = params_.head_reduce == HeadReduce::kMax ? std::max(folded[p], row[p]) : folded[p] + row[p] / group;
+        }
+      }
+      QuestSelectPages(folded.data(), n_pages, n_read, &order_, &pages);
+      std::vector<int32_t>& tokens = shared_->heads[static_cast<size_t>(h)];
+      tokens.clear();
+      for (int32_t p : pages) {
+        for (int32_t t = p * page; t < std::min(n_live_, (p + 1) * page); ++t) tokens.push_back(t);
+      }
+    }
+    return 1;
+  }
+
   // chosen_ = KV head h's tokens, selected (n_read of them) or reused.
   void ChooseHead(int h, int32_t n_read) {
-    if (role_ == TopKRole::kReuse) {
+    if (role_ == TopKRole::kReuse || by_pages()) {
       chosen_ = shared_->heads[static_cast<size_t>(h)];
     } else {
       TopTokens(scores_.data() + static_cast<size_t>(h) * n_live_, n_read);
@@ -241,6 +294,7 @@ class OraclePolicy final : public ReadSparsePolicy {
   std::vector<KvSpan> all_spans_;
   TopKRole role_;
   std::shared_ptr<ReuseSelection> shared_;  // reuse layers of one sequence: one object
+  std::optional<QuestPageIndex> pages_index_;  // selection by page bounds: the table's key bounds
 };
 
 }  // namespace
