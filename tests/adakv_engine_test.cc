@@ -72,7 +72,9 @@ TEST_F(AdaKvEngineTest, AdaptiveHeadsKeepTheLayerBudgetUnevenlyAndFreeTheirPages
           EXPECT_EQ(kv->cache->LayerAllocatedBytes(layer), pages * kv->cache->page_bytes(layer))
               << "pages follow each head's tokens, layer " << layer << " " << when;
           uneven = uneven || per_head.front() != per_head.back();
-          if (floor == 1.0) EXPECT_EQ(per_head.front(), per_head.back()) << "a floor of 1 is the uniform split";
+          if (floor == 1.0) {
+            EXPECT_EQ(per_head.front(), per_head.back()) << "a floor of 1 is the uniform split";
+          }
         }
       };
       ASSERT_TRUE(engine.Forward(0, prompt.data(), prompt_tokens, 0, logits.data()).ok());
@@ -84,7 +86,9 @@ TEST_F(AdaKvEngineTest, AdaptiveHeadsKeepTheLayerBudgetUnevenlyAndFreeTheirPages
         check("at decode step " + std::to_string(step));
       }
       kv->cache->CheckInvariants();
-      if (floor < 1.0) EXPECT_TRUE(uneven) << method << ": the heads' budgets never differed";
+      if (floor < 1.0) {
+        EXPECT_TRUE(uneven) << method << ": the heads' budgets never differed";
+      }
     }
   }
 }

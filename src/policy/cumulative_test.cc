@@ -44,9 +44,13 @@ std::vector<int32_t> HeldIds(const CumulativeRanking& r, int c) {
 }
 
 void ExpectNested(const CumulativeRanking& r) {
-  for (int c = 1; c < r.n_layers(); ++c)
-    for (int32_t id = 0; id < r.n_ids(); ++id)
-      if (r.Held(c, id)) ASSERT_TRUE(r.Held(c - 1, id)) << "token " << id << " held by layer " << c << " not " << c - 1;
+  for (int c = 1; c < r.n_layers(); ++c) {
+    for (int32_t id = 0; id < r.n_ids(); ++id) {
+      if (r.Held(c, id)) {
+        ASSERT_TRUE(r.Held(c - 1, id)) << "token " << id << " held by layer " << c << " not " << c - 1;
+      }
+    }
+  }
 }
 
 // Drives a ranking like the engine: per step append, each layer observes what it holds (mask
