@@ -28,6 +28,7 @@
 #include <cmath>
 #include <memory>
 #include <numeric>
+#include <utility>
 
 #include "policy/cake.h"
 #include "policy/snapkv.h"
@@ -105,9 +106,26 @@ struct CakeGroup {
   // [n_layers] the sequence's CAKE-allocated policies of each layer (every KV head of a per-head
   // layer); empty for layers without the allocation.
   std::vector<std::vector<const CakeAllocatedPolicy*>> layers;
+  // The last split, which every table of the sequence asks for at each eviction point: it
+  // changes only with the tokens seen and with the layers measured on the current prompt call
+  // (their measurement position and count), so it is computed once per change.
+  mutable int32_t split_n_seen = -1, split_at = -1, split_fresh = -1;
+  mutable std::vector<int64_t> split;  // [layers.size()] tokens each measured layer keeps
+  mutable std::vector<double> prefs;   // scratch: the measured layers' preferences
+  mutable std::vector<int32_t> windows;
+  mutable std::vector<size_t> measured;  // the measured layers' indices
 };
 
 namespace {
+
+// Mean and unbiased variance (torch.var's) of x[0], x[stride], ... x[(n - 1) * stride]; n >= 1.
+std::pair<double, double> MeanVariance(const float* x, int32_t n, size_t stride) {
+  double sum = 0, sq = 0;
+  for (int32_t i = 0; i < n; ++i) sum += x[i * stride];
+  const double mean = sum / n;
+  for (int32_t i = 0; i < n; ++i) sq += (x[i * stride] - mean) * (x[i * stride] - mean);
+  return {mean, n > 1 ? sq / (n - 1) : 0.0};
+}
 
 // The `cake` method's scoring: SnapKV's machinery with CAKE's eviction indicator.
 class CakeScoringPolicy final : public SnapKvPolicy {
@@ -120,12 +138,7 @@ class CakeScoringPolicy final : public SnapKvPolicy {
   float WindowVote(const float* ring, int32_t window, int32_t observed) const override {
     // mean + gamma * variance over the queries of the window that exist (the reference's window
     // is always full: it compresses prompts longer than the window).
-    const int32_t n = std::max<int32_t>(1, std::min(window, observed));
-    double sum = 0, sum_sq = 0;
-    for (int32_t age = 0; age < n; ++age) sum += ring[age];
-    const double mean = sum / n;
-    for (int32_t age = 0; age < n; ++age) sum_sq += (ring[age] - mean) * (ring[age] - mean);
-    const double var = n > 1 ? sum_sq / (n - 1) : 0.0;  // unbiased, as torch.var
+    const auto [mean, var] = MeanVariance(ring, std::max<int32_t>(1, std::min(window, observed)), 1);
     return static_cast<float>(mean + params_.gamma * var);
   }
 };
@@ -168,22 +181,12 @@ void CakeAllocatedPolicy::Observe(const AttentionObservation& obs) {
   double entropy = 0, variance = 0;
   for (int h = 0; h < obs.n_kv_heads; ++h) {
     for (int32_t t = 0; t < before; ++t) {
-      const size_t at = static_cast<size_t>(h) * obs.n_tokens + t;
-      double sum = 0;
+      const float* column = obs.window_rows + static_cast<size_t>(h) * obs.n_tokens + t;  // stride: plane
       for (int32_t w = 0; w < window; ++w) {
-        const double p = obs.window_rows[w * plane + at];
+        const double p = column[w * plane];
         entropy -= p * std::log(p + 1e-10);
-        sum += p;
       }
-      if (window > 1) {
-        const double mean = sum / window;
-        double sq = 0;
-        for (int32_t w = 0; w < window; ++w) {
-          const double d = obs.window_rows[w * plane + at] - mean;
-          sq += d * d;
-        }
-        variance += sq / (window - 1);  // unbiased, as torch.var
-      }
+      variance += MeanVariance(column, window, plane).second;
     }
   }
   entropy_ = entropy;
@@ -193,38 +196,50 @@ void CakeAllocatedPolicy::Observe(const AttentionObservation& obs) {
 }
 
 int32_t CakeAllocatedPolicy::BudgetTokens(int32_t n_seen) const {
-  const int64_t own = inner_->BudgetTokens(n_seen);
   // Unlinked (the controller's templates, which size a sequence's reservation as the sum over its
   // layers): twice the layer's own budget. Shares move between layers but sum to the total, and
   // mid-cascade the layers measured so far share the total while the others still hold their
   // previous shares, so the sequence never holds more than twice the total (plus the chunk,
   // which ChunkReserveBytes adds).
-  if (!group_) return static_cast<int32_t>(std::min<int64_t>(n_seen, 2 * own));
+  if (!group_) return static_cast<int32_t>(std::min<int64_t>(n_seen, 2 * int64_t{inner_->BudgetTokens(n_seen)}));
   if (!observed_) return n_seen;  // never measured: keep everything (the cascade has not reached it)
-  std::vector<double> prefs;
-  std::vector<int32_t> windows;
-  int64_t total = 0;
-  size_t mine = 0;
-  for (const auto& heads : group_->layers) {
-    if (heads.empty()) continue;
-    const CakeAllocatedPolicy& first = *heads.front();
-    total += first.inner_->BudgetTokens(n_seen);
-    // Only layers measured on the same prompt call count: the later layers of this call have not
-    // measured it yet, and dividing by their previous chunk's preferences could trim this layer
-    // below the share it ends up with (a trimmed layer cannot grow back).
-    if (!first.observed_ || first.measured_at_ != measured_at_) continue;
-    double entropy = 0, variance = 0;
-    for (const CakeAllocatedPolicy* p : heads) {
-      entropy += p->entropy_;
-      variance += p->variance_;
+  const CakeGroup& g = *group_;
+  // Only layers measured on the same prompt call count: the later layers of this call have not
+  // measured it yet, and dividing by their previous chunk's preferences could trim this layer
+  // below the share it ends up with (a trimmed layer cannot grow back).
+  auto fresh = [&](const std::vector<const CakeAllocatedPolicy*>& heads) {
+    return !heads.empty() && heads.front()->observed_ && heads.front()->measured_at_ == measured_at_;
+  };
+  int32_t n_fresh = 0;
+  for (const auto& heads : g.layers) n_fresh += fresh(heads);
+  if (g.split_n_seen != n_seen || g.split_at != measured_at_ || g.split_fresh != n_fresh) {
+    int64_t total = 0;
+    g.prefs.clear();
+    g.windows.clear();
+    g.measured.clear();
+    for (size_t l = 0; l < g.layers.size(); ++l) {
+      const auto& heads = g.layers[l];
+      if (heads.empty()) continue;
+      total += heads.front()->inner_->BudgetTokens(n_seen);
+      if (!fresh(heads)) continue;
+      double entropy = 0, variance = 0;
+      for (const CakeAllocatedPolicy* p : heads) {
+        entropy += p->entropy_;
+        variance += p->variance_;
+      }
+      g.prefs.push_back(std::pow(std::max(entropy, 0.0), 1.0 / params_.tau1) *
+                        std::pow(std::max(variance, 0.0), 1.0 / params_.tau2));
+      g.windows.push_back(heads.front()->window_);
+      g.measured.push_back(l);
     }
-    if (first.layer_ == layer_) mine = prefs.size();
-    prefs.push_back(std::pow(std::max(entropy, 0.0), 1.0 / params_.tau1) *
-                    std::pow(std::max(variance, 0.0), 1.0 / params_.tau2));
-    windows.push_back(first.window_);
+    const std::vector<int64_t> budgets = CakeLayerBudgets(g.prefs, g.windows, n_seen, total);
+    g.split.assign(g.layers.size(), 0);
+    for (size_t k = 0; k < budgets.size(); ++k) g.split[g.measured[k]] = budgets[k];
+    g.split_n_seen = n_seen;
+    g.split_at = measured_at_;
+    g.split_fresh = n_fresh;
   }
-  const std::vector<int64_t> budgets = CakeLayerBudgets(prefs, windows, n_seen, total);
-  return static_cast<int32_t>(std::max<int64_t>(1, budgets[mine]));
+  return static_cast<int32_t>(std::max<int64_t>(1, g.split[static_cast<size_t>(layer_)]));
 }
 
 void LinkCakeLayers(std::span<KvPolicy* const> all_policies) {

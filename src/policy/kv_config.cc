@@ -117,6 +117,17 @@ Status ReadChoice(const json& v, const Where& where, std::string_view field, con
   return where.Error(field, fmt::format("unknown value '{}'{}; valid values: {}", s, Suggestion(s, names), Join(names)));
 }
 
+// An enum field: values[i] for names[i].
+template <typename Enum>
+Status ReadEnum(const json& v, const Where& where, std::string_view field, const std::vector<std::string_view>& names,
+                const std::vector<Enum>& values, Enum* out) {
+  KVS_CHECK(names.size() == values.size());
+  size_t i = 0;
+  KVS_RETURN_IF_ERROR(ReadChoice(v, where, field, names, &i));
+  *out = values[i];
+  return Status::Ok();
+}
+
 Status ReadBudget(const json& v, const Where& where, KvBudget* out) {
   if (v.is_number_integer()) {
     if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())
@@ -185,19 +196,14 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
     return ReadNumber(v, where, key, &p->recent_ratio);
   }
   if (key == "head_reduce") {
-    size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"mean", "max", "none"}, &i));
-    p->head_reduce = i == 0 ? HeadReduce::kMean : i == 1 ? HeadReduce::kMax : HeadReduce::kNone;
-    return Status::Ok();
+    return ReadEnum<HeadReduce>(v, where, key, {"mean", "max", "none"},
+                                {HeadReduce::kMean, HeadReduce::kMax, HeadReduce::kNone}, &p->head_reduce);
   }
   if (key == "history_window") return ReadInt(v, where, key, &p->history_window);
   if (key == "window") return ReadInt(v, where, key, &p->obs_window);
   if (key == "kernel") return ReadInt(v, where, key, &p->kernel);
   if (key == "pooling") {
-    size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"max", "avg"}, &i));
-    p->pooling = i == 0 ? VotePooling::kMax : VotePooling::kAvg;
-    return Status::Ok();
+    return ReadEnum<VotePooling>(v, where, key, {"max", "avg"}, {VotePooling::kMax, VotePooling::kAvg}, &p->pooling);
   }
   if (key == "decode_evict") return ReadBool(v, where, key, &p->decode_evict);
   if (key == "beta") return ReadNumber(v, where, key, &p->beta);
@@ -207,38 +213,29 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   if (key == "decay") return ReadNumber(v, where, key, &p->decay);
   if (key == "rerank_period") return ReadInt(v, where, key, &p->rerank_period);
   if (key == "mode") {
-    size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"evict", "mask"}, &i));
-    p->mode = i == 0 ? CumulativeMode::kEvict : CumulativeMode::kMask;
-    return Status::Ok();
+    return ReadEnum<CumulativeMode>(v, where, key, {"evict", "mask"}, {CumulativeMode::kEvict, CumulativeMode::kMask},
+                                    &p->mode);
   }
   if (key == "schedule") {
-    size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"linear", "cosine", "none"}, &i));
-    p->schedule = i == 0 ? RetentionSchedule::kLinear : i == 1 ? RetentionSchedule::kCosine : RetentionSchedule::kNone;
-    return Status::Ok();
+    return ReadEnum<RetentionSchedule>(
+        v, where, key, {"linear", "cosine", "none"},
+        {RetentionSchedule::kLinear, RetentionSchedule::kCosine, RetentionSchedule::kNone}, &p->schedule);
   }
   if (key == "spread") return ReadNumber(v, where, key, &p->spread);
   if (key == "layer_weight") return ReadNumber(v, where, key, &p->layer_weight);
   if (key == "reselect_layer") return ReadInt(v, where, key, &p->reselect_layer);
   if (key == "head_budgets") {
-    size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"uniform", "adaptive"}, &i));
-    p->head_budgets = i == 0 ? HeadBudgets::kUniform : HeadBudgets::kAdaptive;
-    return Status::Ok();
+    return ReadEnum<HeadBudgets>(v, where, key, {"uniform", "adaptive"},
+                                 {HeadBudgets::kUniform, HeadBudgets::kAdaptive}, &p->head_budgets);
   }
   if (key == "floor") return ReadNumber(v, where, key, &p->floor);
   if (key == "selection") {
-    size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"exact", "quest"}, &i));
-    p->selection = i == 0 ? ReuseSelectionKind::kExact : ReuseSelectionKind::kQuest;
-    return Status::Ok();
+    return ReadEnum<ReuseSelectionKind>(v, where, key, {"exact", "quest"},
+                                        {ReuseSelectionKind::kExact, ReuseSelectionKind::kQuest}, &p->selection);
   }
   if (key == "layer_budgets") {
-    size_t i = 0;
-    KVS_RETURN_IF_ERROR(ReadChoice(v, where, key, {"uniform", "cake"}, &i));
-    p->layer_budgets = i == 0 ? LayerBudgets::kUniform : LayerBudgets::kCake;
-    return Status::Ok();
+    return ReadEnum<LayerBudgets>(v, where, key, {"uniform", "cake"}, {LayerBudgets::kUniform, LayerBudgets::kCake},
+                                  &p->layer_budgets);
   }
   if (key == "gamma") return ReadNumber(v, where, key, &p->gamma);
   if (key == "tau1") return ReadNumber(v, where, key, &p->tau1);
@@ -389,6 +386,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
   s += fmt::format(" kv={}", KvStorageName(l.kv_type));
   if (l.per_head) s += " per_head";
   const KvMethodParams& p = l.params;
+  const bool cake_allocation = l.method == KvMethod::kCake || p.layer_budgets == LayerBudgets::kCake;
   for (std::string_view key : KvMethodParamKeys(l.method)) {
     if (key == "n_sink") s += fmt::format(" n_sink={}", p.n_sink);
     if (key == "recent" && p.recent >= 0) s += fmt::format(" recent={}", p.recent);
@@ -414,7 +412,6 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "head_budgets" && p.head_budgets == HeadBudgets::kAdaptive)
       s += fmt::format(" head_budgets=adaptive floor={:g}", p.floor);
     if (key == "gamma") s += fmt::format(" gamma={:g}", p.gamma);
-    const bool cake_allocation = l.method == KvMethod::kCake || p.layer_budgets == LayerBudgets::kCake;
     if (key == "layer_budgets" && cake_allocation) s += " layer_budgets=cake";
     if (key == "tau1" && cake_allocation) s += fmt::format(" tau1={:g}", p.tau1);
     if (key == "tau2" && cake_allocation) s += fmt::format(" tau2={:g}", p.tau2);
