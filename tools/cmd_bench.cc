@@ -140,6 +140,22 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
   if (!flags_to_speed) KVS_RETURN_IF_ERROR(apply_flags(heads));
   if (a.threads <= 0) heads.n_threads = 2;
   if (a.suite != "speed") specs.push_back(heads);
+  // Part 1c: where the retrieval head needs more than a uniform share. niah_multiquery asks all
+  // 4 needles (3 value tokens each) in the question, so SnapKV's window votes for all of them:
+  // the retrieval head needs its window plus 4 pooled clusters (about 60 tokens), while a uniform
+  // per-head budget at 512 tokens is 25 (5%) or 51 (10%). AdaKV and CAKE can move budget there
+  // from heads and layers that need less; PyramidKV's schedule moves it away. question_last only:
+  // after compression without the question no allocation can know which needles matter.
+  BenchSpec shares = heads;
+  shares.methods = {"full",   "streaming_llm", "razor",     "snapkv", "snapkv:head_budgets=adaptive",
+                    "snapkv:layer_budgets=cake", "cake", "pyramidkv", "oracle"};
+  shares.budgets = {"0.05", "0.1", "0.2"};
+  shares.lengths = {512};
+  shares.tasks = {"niah_multiquery"};
+  shares.protocols = {BenchProtocol::kQuestionLast};
+  shares.samples = 16;
+  if (!flags_to_speed) KVS_RETURN_IF_ERROR(apply_flags(shares));
+  if (a.suite != "speed") specs.push_back(shares);
   if (a.suite == "accuracy") return specs;
   // Part 2: latency and memory on a random-weight model of TinyLlama-1.1B's shape (speed and
   // bytes are real whatever the weights): the dense f16 cache against sparse int8 caches.
@@ -253,7 +269,7 @@ void RegisterBench(CLI::App& app, int* exit_code) {
   cmd->add_option("--lengths", a->lengths, "context lengths in tokens: 1024,2k,32k")->delimiter(',');
   cmd->add_option("--kv-types", a->kv_types, "KV storage types: f32,f16,int8")->delimiter(',');
   cmd->add_option("--tasks", a->tasks,
-                  "niah_single,niah_multikey,kv_retrieval,variable_tracking,freq_words,copy,fidelity,latency,"
+                  "niah_single,niah_multikey,niah_multiquery,kv_retrieval,variable_tracking,freq_words,copy,fidelity,latency,"
                   "user:FILE.jsonl")
       ->delimiter(',');
   cmd->add_option("--protocols", a->protocols, "question_last,question_after")->delimiter(',');

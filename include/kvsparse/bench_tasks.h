@@ -78,6 +78,7 @@ struct BenchSample {
 enum class BenchTask {
   kNiahSingle,        // "niah_single": one needle (key → 7-digit number) at a chosen depth
   kNiahMultiKey,      // "niah_multikey": several needles with distinct keys, one asked
+  kNiahMultiQuery,    // "niah_multiquery": several needles, all asked in one question (RULER)
   kKvRetrieval,       // "kv_retrieval": a JSON object of random UUID pairs, one key asked
   kVariableTracking,  // "variable_tracking": chains VAR A = 12345, VAR B = VAR A, ...; text only
   kFreqWords,         // "freq_words": the most frequent words of a coded text; text only
@@ -96,7 +97,7 @@ struct BenchTaskOptions {
   // filler tokens; text: of the haystack's filler tokens after the instruction line (inserts
   // go to the nearest sentence boundary).
   double depth = 0.5;
-  int32_t n_keys = 4;        // niah_multikey: needles in the context (>= 2; one is asked)
+  int32_t n_keys = 4;        // niah_multikey, niah_multiquery: needles in the context (>= 2)
   int32_t n_hops = 4;        // variable_tracking: assignments after the initial one, per chain
   int32_t n_chains = 2;      // variable_tracking: chains (one asked, the rest distractors)
   int32_t top_k = 3;         // freq_words: how many most frequent words are asked
@@ -123,6 +124,11 @@ int32_t TextLengthTolerance(int32_t target_length);  // max(16, target / 64)
 //   niah_single:    filler..., key, value (at depth), filler...; question = [key]; answer [value].
 //   niah_multikey:  n_keys (key, value) pairs at scattered depths (the asked one at `depth`),
 //                   distinct keys; question = [asked key]; answer [its value].
+//   niah_multiquery: n_keys needles as niah_multikey, every key asked: question = the other keys
+//                   in random order, then the scored key (needle 0, at `depth`); answer [its
+//                   value(s)]. The induction-head model answers the last key only, so only that
+//                   one is scored, but a method cannot know which: it must keep every asked
+//                   needle. (The text form asks for all values and scores all, contains_all.)
 //   kv_retrieval:   one contiguous block of (key, value) pairs, as many as there are distinct
 //                   keys (and values), its asked pair at `depth`; question/answer as above.
 //   copy:           span_length distinct value tokens, once, at depth; question = the first

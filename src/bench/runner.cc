@@ -451,7 +451,7 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
       BenchTaskOptions options;
       options.depth = spec.depths[static_cast<size_t>(i) % spec.depths.size()];
       options.value_tokens = spec.value_tokens;
-      if (task == BenchTask::kNiahMultiKey) {
+      if (task == BenchTask::kNiahMultiKey || task == BenchTask::kNiahMultiQuery) {
         // Every needle's values must be distinct tokens: fit the keys to the vocabulary.
         const int32_t fit = vocab ? static_cast<int32_t>(vocab->values.size()) / spec.value_tokens : options.n_keys;
         options.n_keys = std::max<int32_t>(2, std::min<int32_t>(options.n_keys, fit));

@@ -46,6 +46,7 @@ std::string_view BenchTaskName(BenchTask t) {
   switch (t) {
     case BenchTask::kNiahSingle: return "niah_single";
     case BenchTask::kNiahMultiKey: return "niah_multikey";
+    case BenchTask::kNiahMultiQuery: return "niah_multiquery";
     case BenchTask::kKvRetrieval: return "kv_retrieval";
     case BenchTask::kVariableTracking: return "variable_tracking";
     case BenchTask::kFreqWords: return "freq_words";
@@ -55,8 +56,9 @@ std::string_view BenchTaskName(BenchTask t) {
 }
 
 std::vector<BenchTask> AllBenchTasks() {
-  return {BenchTask::kNiahSingle,       BenchTask::kNiahMultiKey, BenchTask::kKvRetrieval,
-          BenchTask::kVariableTracking, BenchTask::kFreqWords,    BenchTask::kCopy};
+  return {BenchTask::kNiahSingle,   BenchTask::kNiahMultiKey,      BenchTask::kNiahMultiQuery,
+          BenchTask::kKvRetrieval, BenchTask::kVariableTracking, BenchTask::kFreqWords,
+          BenchTask::kCopy};
 }
 
 StatusOr<BenchTask> ParseBenchTask(std::string_view name) {
@@ -70,15 +72,16 @@ StatusOr<BenchTask> ParseBenchTask(std::string_view name) {
 }
 
 bool HasTokenLevelForm(BenchTask t) {
-  return t == BenchTask::kNiahSingle || t == BenchTask::kNiahMultiKey || t == BenchTask::kKvRetrieval ||
-         t == BenchTask::kCopy;
+  return t == BenchTask::kNiahSingle || t == BenchTask::kNiahMultiKey || t == BenchTask::kNiahMultiQuery ||
+         t == BenchTask::kKvRetrieval || t == BenchTask::kCopy;
 }
 
 std::string BenchSubtask(BenchTask task, const BenchTaskOptions& o) {
   switch (task) {
     case BenchTask::kNiahSingle:
     case BenchTask::kKvRetrieval: return fmt::format("depth={:g}", o.depth);
-    case BenchTask::kNiahMultiKey: return fmt::format("keys={},depth={:g}", o.n_keys, o.depth);
+    case BenchTask::kNiahMultiKey:
+    case BenchTask::kNiahMultiQuery: return fmt::format("keys={},depth={:g}", o.n_keys, o.depth);
     case BenchTask::kVariableTracking: return fmt::format("hops={},chains={}", o.n_hops, o.n_chains);
     case BenchTask::kFreqWords: return fmt::format("top={}", o.top_k);
     case BenchTask::kCopy: return fmt::format("span={},depth={:g}", o.span_length, o.depth);
@@ -100,9 +103,8 @@ Status ValidateTaskOptions(BenchTask task, int32_t target_length, const BenchTas
   if (o.value_tokens < 1) {
     return InvalidArgumentError(fmt::format("task {}: value_tokens {} must be >= 1", name, o.value_tokens));
   }
-  if (task == BenchTask::kNiahMultiKey && o.n_keys < 2) {
-    return InvalidArgumentError(fmt::format("task {}: n_keys {} must be >= 2 (one asked, the rest distractors)",
-                                            name, o.n_keys));
+  if ((task == BenchTask::kNiahMultiKey || task == BenchTask::kNiahMultiQuery) && o.n_keys < 2) {
+    return InvalidArgumentError(fmt::format("task {}: n_keys {} must be >= 2", name, o.n_keys));
   }
   if (task == BenchTask::kVariableTracking && (o.n_hops < 1 || o.n_chains < 1)) {
     return InvalidArgumentError(
@@ -174,7 +176,7 @@ StatusOr<BenchSample> GenerateTokenSample(BenchTask task, const TokenVocab& voca
   if (!HasTokenLevelForm(task)) {
     return UnimplementedError(fmt::format(
         "task {} has no token-level form (it needs a tokenizer): token-level tasks are niah_single, "
-        "niah_multikey, kv_retrieval and copy",
+        "niah_multikey, niah_multiquery, kv_retrieval and copy",
         name));
   }
   KVS_RETURN_IF_ERROR(bench_internal::ValidateTaskOptions(task, target_length, o));
@@ -199,7 +201,8 @@ StatusOr<BenchSample> GenerateTokenSample(BenchTask task, const TokenVocab& voca
 
   switch (task) {
     case BenchTask::kNiahSingle:
-    case BenchTask::kNiahMultiKey: {
+    case BenchTask::kNiahMultiKey:
+    case BenchTask::kNiahMultiQuery: {
       const int32_t n_pairs = task == BenchTask::kNiahSingle ? 1 : o.n_keys;
       if (static_cast<size_t>(n_pairs) > vocab.keys.size()) {
         return InvalidArgumentError(fmt::format("task {}: n_keys {} needs {} distinct keys, the vocab has {}", name,
@@ -222,6 +225,13 @@ StatusOr<BenchSample> GenerateTokenSample(BenchTask task, const TokenVocab& voca
         runs.push_back({slot, run, i == 0});
       }
       s.question = {keys[0]};
+      if (task == BenchTask::kNiahMultiQuery) {
+        // Every key asked, the scored one last (the model answers the key it reads last).
+        std::vector<int32_t> others(keys.begin() + 1, keys.end());
+        rng.Shuffle(others);
+        others.push_back(keys[0]);
+        s.question = std::move(others);
+      }
       s.answers = {std::vector<int32_t>(values.begin(), values.begin() + width)};
       s.subtask = BenchSubtask(task, o);
       break;

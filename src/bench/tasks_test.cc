@@ -257,6 +257,37 @@ size_t CountOf(const std::string& text, const std::string& needle) {
 std::string Decoded(const Tokenizer& tok, const BenchSample& s, TokenRange r) {
   return tok.Decode(std::vector<int32_t>(s.context.begin() + r.begin, s.context.begin() + r.end));
 }
+TEST(TokenTasks, MultiQueryAsksEveryKeyAndScoresTheLast) {
+  const TokenVocab vocab = SmallVocab();
+  for (uint64_t seed = 0; seed < 20; ++seed) {
+    BenchTaskOptions o;
+    o.depth = static_cast<double>(seed % 5) / 4.0;
+    o.n_keys = 2 + static_cast<int32_t>(seed % 5);
+    o.value_tokens = 1 + static_cast<int32_t>(seed % 2);
+    auto s = GenerateTokenSample(BenchTask::kNiahMultiQuery, vocab, 400, seed, o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_EQ(s->context.size(), 400u);
+    EXPECT_EQ(s->subtask, fmt::format("keys={},depth={:g}", o.n_keys, o.depth));
+    // The question is every needle's key, each once; the last one is the scored needle's.
+    ASSERT_EQ(s->question.size(), static_cast<size_t>(o.n_keys));
+    const std::set<int32_t> asked(s->question.begin(), s->question.end());
+    EXPECT_EQ(asked.size(), s->question.size());
+    for (int32_t k : s->question) {
+      EXPECT_EQ(Count(s->context, k), 1) << "key " << k;
+    }
+    const int32_t scored = s->question.back();
+    const auto at = std::find(s->context.begin(), s->context.end(), scored) - s->context.begin();
+    ASSERT_EQ(s->evidence.size(), 1u);
+    EXPECT_EQ(s->evidence[0].begin, at);
+    EXPECT_NEAR(static_cast<double>(at) / 400.0, o.depth, 0.06);
+    ASSERT_EQ(s->answers.size(), 1u);
+    EXPECT_EQ(s->answers[0].size(), static_cast<size_t>(o.value_tokens));
+    EXPECT_EQ(s->metric, AnswerMetric::kExact);
+    // The induction model answers the last key (the earlier ones are followed only by other keys).
+    EXPECT_EQ(InductionGenerate(PromptTokens(*s, BenchProtocol::kQuestionLast), o.value_tokens), s->answers[0]);
+  }
+}
+
 
 // Checks every task's answer by re-deriving it from the context text alone.
 void CheckTextSample(const Tokenizer& tok, BenchTask task, const BenchSample& s, const BenchTaskOptions& o) {
@@ -302,6 +333,22 @@ void CheckTextSample(const Tokenizer& tok, BenchTask task, const BenchSample& s,
       // Needles sit at the sentence boundary nearest their depth (sentences are < 80 characters).
       const double hay_chars = static_cast<double>(before.size() + after.size());
       EXPECT_NEAR(static_cast<double>(before.size()) / hay_chars, o.depth, 0.01 + 40.0 / hay_chars);
+      break;
+    }
+    case BenchTask::kNiahMultiQuery: {
+      // Every needle's key is listed; every value is an answer, all required.
+      EXPECT_EQ(s.metric, AnswerMetric::kContainsAll);
+      ASSERT_EQ(s.answer_texts.size(), static_cast<size_t>(o.n_keys));
+      EXPECT_EQ(s.evidence.size(), static_cast<size_t>(o.n_keys));
+      EXPECT_EQ(CountOf(text, "One of the special magic numbers for "), static_cast<size_t>(o.n_keys));
+      const std::regex needle("One of the special magic numbers for ([a-z]+-[a-z]+) is: ([0-9]+)\\.");
+      std::set<std::string> values;
+      for (auto it = std::sregex_iterator(text.begin(), text.end(), needle); it != std::sregex_iterator(); ++it) {
+        EXPECT_NE(q.find((*it)[1].str()), std::string::npos) << "key not asked: " << (*it)[1];
+        values.insert((*it)[2]);
+      }
+      EXPECT_EQ(values, std::set<std::string>(s.answer_texts.begin(), s.answer_texts.end()));
+      EXPECT_NE(q.find("What are all the special magic numbers for "), std::string::npos);
       break;
     }
     case BenchTask::kKvRetrieval: {

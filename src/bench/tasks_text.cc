@@ -115,6 +115,9 @@ constexpr std::string_view kNiahNeedle = "One of the special magic numbers for {
 constexpr std::string_view kNiahQuestion =
     "\nWhat is the special magic number for {0} mentioned in the provided text? "
     "The special magic number for {0} mentioned in the provided text is";
+constexpr std::string_view kNiahMultiQuestion =
+    "\nWhat are all the special magic numbers for {0} mentioned in the provided text? "
+    "The special magic numbers for {0} mentioned in the provided text are";
 constexpr std::string_view kKvHead = "Extract the value corresponding to the specified key in the JSON object below.\n";
 constexpr std::string_view kKvQuestion = "\nKey: \"{}\"\nThe value associated with the specified key is:";
 constexpr std::string_view kVtHead =
@@ -137,7 +140,7 @@ constexpr std::string_view kCopyQuestion = "\nRepeat the sequence to remember, w
 const std::set<std::string>& KnownWords() {
   static const std::set<std::string> words = [] {
     std::string all;
-    for (std::string_view t : {kNiahHead, kNiahNeedle, kNiahQuestion, kKvHead, kKvQuestion, kVtHead, kVtQuestion,
+    for (std::string_view t : {kNiahHead, kNiahNeedle, kNiahQuestion, kNiahMultiQuestion, kKvHead, kKvQuestion, kVtHead, kVtQuestion,
                                kFwHead, kFwQuestion, kCopyHead, kCopyIntro, kCopyQuestion}) {
       all += std::string(t) + " ";
     }
@@ -445,26 +448,39 @@ std::string NeedleKey(TaskRng& rng) {
 // ---------------------------------------------------------------------------------------
 // Tasks.
 
-Status GenNiah(const Tokenizer& tok, BenchSample& s, const BenchTaskOptions& o, int32_t n_keys, TaskRng& rng,
-               TaskRng& filler_rng) {
+// n_keys needles; ask_all: every key is asked and every value scored (RULER's multi-query),
+// else only needle 0's (at o.depth).
+Status GenNiah(const Tokenizer& tok, BenchSample& s, const BenchTaskOptions& o, int32_t n_keys, bool ask_all,
+               TaskRng& rng, TaskRng& filler_rng) {
   if (static_cast<size_t>(n_keys) > std::size(kKeyAdj) * std::size(kKeyNoun)) {
     return InvalidArgumentError(fmt::format("task {}: n_keys {} exceeds the {} distinct keys available", s.task,
                                             n_keys, std::size(kKeyAdj) * std::size(kKeyNoun)));
   }
   std::set<std::string> keys_used, values_used;
   std::vector<Insert> inserts;
-  std::string asked_key, asked_value;
+  std::vector<std::string> keys, values;
   for (int32_t i = 0; i < n_keys; ++i) {
     std::string key, value;
     do key = NeedleKey(rng); while (!keys_used.insert(key).second);
     do value = RandomDigits(7, rng); while (!values_used.insert(value).second);
     const double depth = i == 0 ? o.depth : rng.Uniform();
-    inserts.push_back({depth, fmt::format(fmt::runtime(kNiahNeedle), key, value), i == 0});
-    if (i == 0) asked_key = key, asked_value = value;
+    inserts.push_back({depth, fmt::format(fmt::runtime(kNiahNeedle), key, value), i == 0 || ask_all});
+    keys.push_back(std::move(key));
+    values.push_back(std::move(value));
   }
   KVS_RETURN_IF_ERROR(BuildHaystack(tok, s, kNiahHead, inserts, filler_rng));
-  FinishSample(tok, s, fmt::format(fmt::runtime(kNiahQuestion), asked_key), {asked_value}, AnswerMetric::kContains,
-               8);
+  if (!ask_all) {
+    FinishSample(tok, s, fmt::format(fmt::runtime(kNiahQuestion), keys[0]), {values[0]}, AnswerMetric::kContains,
+                 8);
+    return Status::Ok();
+  }
+  std::string listed;  // "A, B, C and D"
+  for (int32_t i = 0; i < n_keys; ++i) {
+    listed += i == 0 ? "" : i + 1 == n_keys ? " and " : ", ";
+    listed += keys[i];
+  }
+  FinishSample(tok, s, fmt::format(fmt::runtime(kNiahMultiQuestion), listed), std::move(values),
+               AnswerMetric::kContainsAll, 8);
   return Status::Ok();
 }
 
@@ -641,8 +657,13 @@ StatusOr<BenchSample> GenerateTextSample(BenchTask task, const Tokenizer& tokeni
   s.seed = seed;
   s.target_length = target_length;
   switch (task) {
-    case BenchTask::kNiahSingle: KVS_RETURN_IF_ERROR(GenNiah(tokenizer, s, o, 1, rng, filler_rng)); break;
-    case BenchTask::kNiahMultiKey: KVS_RETURN_IF_ERROR(GenNiah(tokenizer, s, o, o.n_keys, rng, filler_rng)); break;
+    case BenchTask::kNiahSingle: KVS_RETURN_IF_ERROR(GenNiah(tokenizer, s, o, 1, false, rng, filler_rng)); break;
+    case BenchTask::kNiahMultiKey:
+      KVS_RETURN_IF_ERROR(GenNiah(tokenizer, s, o, o.n_keys, false, rng, filler_rng));
+      break;
+    case BenchTask::kNiahMultiQuery:
+      KVS_RETURN_IF_ERROR(GenNiah(tokenizer, s, o, o.n_keys, true, rng, filler_rng));
+      break;
     case BenchTask::kKvRetrieval: KVS_RETURN_IF_ERROR(GenKv(tokenizer, s, o, rng, filler_rng)); break;
     case BenchTask::kVariableTracking: KVS_RETURN_IF_ERROR(GenVt(tokenizer, s, o, rng, filler_rng)); break;
     case BenchTask::kFreqWords: KVS_RETURN_IF_ERROR(GenFreqWords(tokenizer, s, o, rng)); break;
