@@ -633,6 +633,53 @@ TEST(SparseKvEnginePerHead, SnapKvDoesNotScoreDecodeSteps) {
   }
 }
 
+// Every method's own memory is counted: per-token state (H2O's accumulated scores, SnapKV's
+// vote ring, cumulative's ranking) at least its live tokens' worth, nothing for Full and
+// StreamingLLM, and nothing once the sequence is released.
+TEST(SparseKvEnginePerHead, PolicyStateBytesCountPerTokenState) {
+  std::unique_ptr<Model> model = LoadSynth("tiny-gqa-untied");
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  const int32_t n_prompt = 120;
+  const std::vector<int32_t> prompt = SynthPrompt(n_prompt, c.n_vocab);
+  struct Case {
+    std::string method;
+    size_t min_bytes_per_slot;  // per live (token, KV head) slot, or per live token in shared layers
+  };
+  // H2O: a float per slot; SnapKV: a float per slot and observed query (window 32); cumulative
+  // (shared layers): an id per token and layer, besides its ranking.
+  const Case cases[] = {{"full", 0},
+                        {"streaming_llm", 0},
+                        {"h2o", sizeof(float)},
+                        {"snapkv", sizeof(float) * 32},
+                        {"cumulative", sizeof(int32_t)}};
+  for (const Case& k : cases) {
+    KvSparsityConfig config = MakeConfig(*model, k.method, "64", "f32");
+    config.prefill_chunk = 40;
+    SparseRun run = NewSparseRun(*model, config, n_prompt + 8);
+    ASSERT_TRUE(run.engine);
+    RunEngine(*run.engine, prompt, 40, 0);
+    SparseKvController& controller = *run.kv.controller;
+    const size_t bytes = controller.PolicyStateBytes();
+    size_t slots = 0;
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      if (!run.kv.cache->per_head(layer)) {
+        slots += static_cast<size_t>(run.kv.cache->NumTokens(0, layer)) * (k.method == "cumulative" ? 1 : c.n_kv_heads);
+        continue;
+      }
+      for (int h = 0; h < c.n_kv_heads; ++h) slots += run.kv.cache->NumHeadTokens(0, layer, h);
+    }
+    if (k.min_bytes_per_slot == 0) {
+      EXPECT_EQ(bytes, 0u) << k.method;
+    } else {
+      EXPECT_GE(bytes, slots * k.min_bytes_per_slot) << k.method;
+    }
+    EXPECT_NE(controller.FormatStats().find("policy state: "), std::string::npos);
+    ASSERT_TRUE(controller.ReleaseSequence(0).ok());
+    EXPECT_LE(controller.PolicyStateBytes(), 256u) << k.method << ": a released sequence's state is freed";
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // int8_kivi: keys per (page, kv head, channel), values per token, the last page in f16.
 

@@ -160,6 +160,10 @@ class KvPolicy {
   virtual bool SelectsPerKvHead() const { return false; }
   // Bytes of per-page metadata the policy keeps (Quest's key bounds), allocated.
   virtual size_t MetadataBytes() const { return 0; }
+  // Every byte the policy holds beyond the KV pages, allocated (capacity): its per-token state
+  // (accumulated scores, vote rings, rankings) and its buffers, page metadata included. A state
+  // shared by several policies (cumulative's ranking) is counted by one of them.
+  virtual size_t StateBytes() const { return MetadataBytes(); }
   // Global re-ranks (count, seconds) the policy ran inside its calls since the last call, which
   // the controller reports apart from the incremental work (cumulative's run in OnAppend);
   // resets them.

@@ -167,7 +167,8 @@ class SparseKvController {
   // (the cache's tables are laid out at start-up) and cannot turn on StreamingLLM cache
   // positions; its values are validated as the config file's. Messages name the layer and field.
   Status CheckSequenceLayers(const std::vector<LayerKvConfig>& layers) const;
-  // Drops every token of seq, frees its pages at once and makes its id available again.
+  // Drops every token of seq, frees its pages and its policies' state at once and makes its id
+  // available again.
   Status ReleaseSequence(int seq);
   // Sequences acquired (or created with the cache) and not released.
   int n_active_sequences() const;
@@ -196,11 +197,14 @@ class SparseKvController {
   size_t ChunkReserveBytes(int32_t chunk_tokens, const std::vector<LayerKvConfig>* layers = nullptr) const;
 
   const std::vector<SparseKvLayerStats>& layer_stats() const { return stats_; }
+  // Bytes the policies hold beyond the KV pages (KvPolicy::StateBytes: per-token scores, vote
+  // rings, rankings, page metadata, buffers), allocated now; a released sequence's are fresh.
+  size_t PolicyStateBytes() const;
   void ResetStats();
   // Per-layer table: method, storage ("/head" for per-head layers), allocated and live KV
   // bytes, live tokens (per-head layers: "min-max" over heads), evictions, policy time; then totals,
   // and for query-aware layers the share of live tokens decode attention read and their page
-  // metadata bytes.
+  // metadata bytes; the policies' state bytes (PolicyStateBytes).
   std::string FormatStats() const;
 
  private:

@@ -192,16 +192,17 @@ std::string LatencyTable(const std::vector<Json>& all_rows) {
   for (const Json* row_ptr : rows) {
     const Json& row = *row_ptr;
     if (out.empty()) {
-      out = "\n### latency and memory\n\n| model | method | budget | kv | evict | length | TTFT ms | decode ms p50 | p90 | tokens/s | KV MiB | % of dense f16 | peak KV MiB | peak RSS MiB | policy share |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      out = "\n### latency and memory\n\n| model | method | budget | kv | evict | length | TTFT ms | decode ms p50 | p90 | tokens/s | KV MiB | % of dense f16 | peak KV MiB | policy state MiB | peak RSS MiB | policy share |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     }
-    out += fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {:.2f} | {:.0f} | {:.1f}% |\n",
+    out += fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {:.2f} | {:.2f} | {:.0f} | {:.1f}% |\n",
                        Str(row, "model"), Str(row, "method"), Str(row, "budget").empty() ? "—" : Str(row, "budget"),
                        Str(row, "kv_type"), IntervalText(row), static_cast<int>(Num(row, "length")),
                        Nested(row, "ttft_ms", "median"),
                        Nested(row, "decode_ms", "median"), Nested(row, "decode_ms", "p90"),
                        Num(row, "decode_tokens_per_s"), Num(row, "kv_allocated_bytes") / 1048576.0,
                        100 * Num(row, "kv_ratio"), Num(row, "kv_peak_allocated_bytes") / 1048576.0,
-                       Num(row, "peak_rss_bytes") / 1048576.0, 100 * Num(row, "policy_share"));
+                       Num(row, "policy_state_bytes") / 1048576.0, Num(row, "peak_rss_bytes") / 1048576.0,
+                       100 * Num(row, "policy_share"));
   }
   return out;
 }

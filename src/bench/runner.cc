@@ -128,7 +128,7 @@ double PolicySeconds(const SparseKvController& controller) {
 struct RowAccumulator {
   BenchAggregator scores;               // (task, subtask, "score")
   std::vector<double> ttft_ms, decode_ms, generated_len, distinct2, policy_share;
-  std::vector<double> kv_allocated, kv_live, kv_dense, kv_peak;
+  std::vector<double> kv_allocated, kv_live, kv_dense, kv_peak, policy_state;
   std::vector<std::vector<double>> layer_live;  // [n_layers][samples] live tokens after the prompt
   FidelityAccumulator fidelity;
   double seconds = 0;
@@ -150,7 +150,9 @@ void RecordLayerLive(const PagedKvCache& cache, RowAccumulator& acc) {
   }
 }
 
-void RecordKv(const PagedKvCache& cache, double dense_f16_bytes, RowAccumulator& acc) {
+void RecordKv(const PagedKvCache& cache, const SparseKvController& controller, double dense_f16_bytes,
+              RowAccumulator& acc) {
+  acc.policy_state.push_back(static_cast<double>(controller.PolicyStateBytes()));
   acc.kv_allocated.push_back(static_cast<double>(cache.AllocatedBytes()));
   acc.kv_live.push_back(static_cast<double>(cache.LiveBytes()));
   acc.kv_peak.push_back(static_cast<double>(cache.Stats().peak_allocated_bytes));
@@ -200,7 +202,7 @@ Status RunQuestionSample(const BenchSample& sample, BenchProtocol protocol, cons
   acc.generated_len.push_back(static_cast<double>(generated.size()));
   acc.distinct2.push_back(DistinctN(generated, 2));
   acc.policy_share.push_back(total > 0 ? PolicySeconds(*e.controller()) / total : 0.0);
-  RecordKv(*e.paged_cache(), DenseF16Bytes(c, pos), acc);
+  RecordKv(*e.paged_cache(), *e.controller(), DenseF16Bytes(c, pos), acc);
   return Status::Ok();
 }
 
@@ -231,7 +233,7 @@ Status RunLatencySample(int32_t length, int n_gen, uint64_t seed, const Model& m
   acc.generated_len.push_back(n_gen);
   acc.distinct2.push_back(DistinctN(generated, 2));
   acc.policy_share.push_back(total > 0 ? PolicySeconds(*e.controller()) / total : 0.0);
-  RecordKv(*e.paged_cache(), DenseF16Bytes(c, length + n_gen), acc);
+  RecordKv(*e.paged_cache(), *e.controller(), DenseF16Bytes(c, length + n_gen), acc);
   return Status::Ok();
 }
 
@@ -259,7 +261,7 @@ Status RunFidelitySample(const std::vector<int32_t>& stream, const Model& model,
     }
   }
   RecordLayerLive(*e.paged_cache(), acc);
-  RecordKv(*e.paged_cache(), DenseF16Bytes(c, n), acc);
+  RecordKv(*e.paged_cache(), *e.controller(), DenseF16Bytes(c, n), acc);
   return Status::Ok();
 }
 
@@ -540,6 +542,8 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
   row["kv_allocated_bytes"] = Mean(acc.kv_allocated);
   row["kv_live_bytes"] = Mean(acc.kv_live);
   row["kv_peak_allocated_bytes"] = Max(acc.kv_peak);
+  // The policies' own memory (scores, rings, rankings, page metadata) at the end of a sample.
+  row["policy_state_bytes"] = Mean(acc.policy_state);
   row["kv_dense_f16_bytes"] = Mean(acc.kv_dense);
   row["kv_ratio"] = Mean(acc.kv_dense) > 0 ? Mean(acc.kv_allocated) / Mean(acc.kv_dense) : 0.0;
   row["peak_rss_bytes"] = PeakRssBytes();

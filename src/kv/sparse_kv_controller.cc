@@ -189,7 +189,8 @@ Status SparseKvController::ReleaseSequence(int seq) {
   seq_layers_[seq].reset();
   seen_[seq] = 0;
   last_position_[seq] = -1;
-  return Status::Ok();
+  // Fresh policies: the old ones' per-token state is freed now, not at the next acquire.
+  return BuildPolicies(seq);
 }
 
 int SparseKvController::n_active_sequences() const {
@@ -699,6 +700,18 @@ void SparseKvController::ResetStats() {
   }
 }
 
+size_t SparseKvController::PolicyStateBytes() const {
+  size_t bytes = 0;
+  for (int seq = 0; seq < cache_->n_seqs(); ++seq) {
+    for (int layer = 0; layer < n_layers_; ++layer) {
+      for (int head = 0; head < n_policies(layer); ++head) {
+        if (const auto& p = policies_[Index(seq, layer, head)]) bytes += p->StateBytes();
+      }
+    }
+  }
+  return bytes;
+}
+
 std::string SparseKvController::FormatStats() const {
   std::string out = "| layer | method | kv | allocated MiB | live MiB | live tokens | peak tokens | evictions | "
                     "evicted | score ms | select ms | compact ms |\n"
@@ -739,6 +752,10 @@ std::string SparseKvController::FormatStats() const {
                      "peak KV allocated {} MiB\n",
                      total.policy_s() * 1e3, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3,
                      MiB(cache_->Stats().peak_allocated_bytes));
+  // Memory on top of the KV pages: what a method's bookkeeping costs.
+  const size_t state = PolicyStateBytes(), allocated = cache_->AllocatedBytes();
+  out += fmt::format("policy state: {} MiB ({:.1f}% of the KV pages allocated)\n", MiB(state),
+                     allocated > 0 ? 100.0 * static_cast<double>(state) / static_cast<double>(allocated) : 0.0);
   // Cross-layer rankings (cumulative): the periodic re-ranks apart from the incremental updates.
   if (total.reranks > 0) {
     out += fmt::format("global re-ranks: {} in {:.2f} ms (part of selection); incremental policy work {:.2f} ms\n",

@@ -41,6 +41,7 @@ class CakeAllocatedPolicy final : public KvPolicy {
   bool ObservesDecode() const override;
   bool ObservesPrompt() const override { return true; }
   size_t MetadataBytes() const override { return inner_->MetadataBytes(); }
+  size_t StateBytes() const override { return inner_->StateBytes(); }
   std::pair<int64_t, double> TakeRerankWork() override { return inner_->TakeRerankWork(); }
   void OnAppend(int32_t n_new) override { inner_->OnAppend(n_new); }
   void Observe(const AttentionObservation& obs) override;

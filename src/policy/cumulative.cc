@@ -62,6 +62,12 @@ class CumulativePolicy final : public BudgetedPolicy {
   bool MustEvictNow(int32_t n_live) const override {
     return !mask() && ranking_ && ranking_->HeldBy(index_) < n_live;
   }
+  // The shared ranking is counted by the shallowest layer, which owns its re-ranks too.
+  size_t StateBytes() const override {
+    return (ids_.capacity() + selected_rows_.capacity() + row_ids_.capacity()) * sizeof(int32_t) +
+           mass_.capacity() * sizeof(float) + all_spans_.capacity() * sizeof(KvSpan) +
+           (ranking_ && index_ == 0 ? ranking_->bytes() : 0);
+  }
   std::pair<int64_t, double> TakeRerankWork() override {
     return ranking_ && index_ == 0 ? ranking_->TakeRerankWork() : std::pair<int64_t, double>{0, 0.0};
   }

@@ -164,4 +164,12 @@ std::pair<int64_t, double> CumulativeRanking::TakeRerankWork() {
   return work;
 }
 
+size_t CumulativeRanking::bytes() const {
+  size_t heap_entries = 0;
+  for (const std::vector<Entry>& heap : heaps_) heap_entries += heap.capacity();
+  return scaled_score_.capacity() * sizeof(float) + depth_.capacity() * sizeof(int16_t) +
+         (depth_count_.capacity() + pending_.capacity() + order_.capacity()) * sizeof(int32_t) +
+         heap_entries * sizeof(Entry) + layers_.capacity() * sizeof(Layer);
+}
+
 }  // namespace kvsparse::policy

@@ -69,6 +69,8 @@ class CumulativeRanking {
   double Score(int32_t id) const { return static_cast<double>(scaled_score_[static_cast<size_t>(id)]) / inv_scale_; }
   // Global re-ranks run and their time since the last call; resets both.
   std::pair<int64_t, double> TakeRerankWork();
+  // Allocated bytes: scores and depths of every id ever appended, the heaps, the buffers.
+  size_t bytes() const;
 
  private:
   using Entry = std::pair<float, int32_t>;  // (key, id); heaps pop the lowest key, then the oldest id

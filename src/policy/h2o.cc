@@ -52,6 +52,9 @@ class H2OPolicy final : public BudgetedPolicy {
   }
 
   void OnEvict(const std::vector<uint8_t>& keep) override { accumulated_.Compact(keep); }
+  size_t StateBytes() const override {
+    return accumulated_.bytes() + scores_.capacity() * sizeof(float) + scratch_.capacity() * sizeof(int32_t);
+  }
 
  private:
   PerTokenHeads<float> accumulated_{0.f};  // [n_live, n_kv_heads] Σ attention received

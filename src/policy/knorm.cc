@@ -87,6 +87,9 @@ class KNormPolicy final : public BudgetedPolicy {
     n_scored_ = still_scored;
     neg_norms_.Compact(keep);
   }
+  size_t StateBytes() const override {
+    return neg_norms_.bytes() + scores_.capacity() * sizeof(float) + scratch_.capacity() * sizeof(int32_t);
+  }
 
  private:
   // Computes norms for live tokens [n_scored_, n_live), walking the spans in live order.

@@ -105,6 +105,14 @@ class OraclePolicy final : public ReadSparsePolicy {
            (order_.capacity() + chosen_.capacity()) * sizeof(int32_t) + in_union_.capacity() +
            all_spans_.capacity() * sizeof(KvSpan) + (pages_index_ ? pages_index_->bytes() : 0);
   }
+  // A selection layer counts the choice it publishes to the reuse layers.
+  size_t StateBytes() const override {
+    size_t published = 0;
+    if (role_ == TopKRole::kSelect && shared_) {
+      for (const std::vector<int32_t>& h : shared_->heads) published += h.capacity() * sizeof(int32_t);
+    }
+    return MetadataBytes() + published;
+  }
 
   // One list for every head: the union of the KV heads' tokens.
   void SelectSpans(const SpanSelectionContext& ctx, std::vector<KvSpan>* spans) override {

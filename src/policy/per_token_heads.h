@@ -22,7 +22,7 @@ class PerTokenHeads {
   void Append(int32_t n) {
     KVS_CHECK(n >= 0);
     n_ += n;
-    if (heads_ > 0) values_.resize(static_cast<size_t>(n_) * heads_, init_);
+    if (heads_ > 0) Resize();
   }
 
   // Fixes the head count; rows appended before that start at the initial value.
@@ -30,7 +30,7 @@ class PerTokenHeads {
     KVS_CHECK(n_heads > 0);
     if (heads_ == 0) {
       heads_ = n_heads;
-      values_.assign(static_cast<size_t>(n_) * heads_, init_);
+      Resize();
     }
     KVS_CHECK_MSG(heads_ == n_heads, "observation changed the number of KV heads of a layer");
   }
@@ -40,6 +40,8 @@ class PerTokenHeads {
   // [size(), heads()] row-major.
   T* data() { return values_.data(); }
   const T* data() const { return values_.data(); }
+
+  size_t bytes() const { return values_.capacity() * sizeof(T); }  // allocated
 
   void Fill(T value) { std::fill(values_.begin(), values_.end(), value); }
 
@@ -53,10 +55,21 @@ class PerTokenHeads {
       ++write;
     }
     n_ = write;
-    values_.resize(static_cast<size_t>(n_) * heads_);  // shrinking keeps the capacity
+    values_.resize(static_cast<size_t>(n_) * heads_);
+    // Evicted tokens free their state too once they are a third of the buffer (a prompt chunk
+    // after its eviction); a decode step's few tokens keep the capacity.
+    if (values_.capacity() > values_.size() + values_.size() / 2 + 1024) values_.shrink_to_fit();
   }
 
  private:
+  // Grows by an eighth rather than the vector's doubling: this state is per (token, head) and
+  // can rival the KV pages themselves (SnapKV's vote ring), so slack is memory.
+  void Resize() {
+    const size_t need = static_cast<size_t>(n_) * heads_;
+    if (need > values_.capacity()) values_.reserve(need + need / 8 + 64);
+    values_.resize(need, init_);
+  }
+
   T init_;
   int32_t n_ = 0;
   int heads_ = 0;

@@ -59,6 +59,7 @@ class RandomPolicy final : public BudgetedPolicy {
     for (uint8_t k : keep) kept += k != 0;
     n_live_ = kept;
   }
+  size_t StateBytes() const override { return candidates_.capacity() * sizeof(int32_t); }
 
  private:
   std::mt19937_64 rng_;

@@ -78,6 +78,9 @@ class ScissorhandsPolicy final : public BudgetedPolicy {
   }
 
   void OnEvict(const std::vector<uint8_t>& keep) override { unimportant_.Compact(keep); }
+  size_t StateBytes() const override {
+    return unimportant_.bytes() + scores_.capacity() * sizeof(float) + scratch_.capacity() * sizeof(int32_t);
+  }
 
  private:
   const uint64_t history_mask_;                 // the last history_window bits

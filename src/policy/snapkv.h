@@ -30,6 +30,10 @@ class SnapKvPolicy : public BudgetedPolicy {
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override;
   bool ScoreForSelection(const SelectionContext& ctx, SelectionScoring* out) override;
   void OnEvict(const std::vector<uint8_t>& keep) override { rows_.Compact(keep); }
+  size_t StateBytes() const override {
+    return rows_.bytes() + (column_.capacity() + pooled_.capacity() + scores_.capacity()) * sizeof(float) +
+           scratch_.capacity() * sizeof(int32_t);
+  }
 
   // The window a selection keeping `target` tokens uses: the configured one, or, when the target
   // does not exceed it, half the target (at least 1) so that earlier tokens are still chosen.

@@ -45,6 +45,9 @@ class TovaPolicy final : public BudgetedPolicy {
   }
 
   void OnEvict(const std::vector<uint8_t>& keep) override { last_.Compact(keep); }
+  size_t StateBytes() const override {
+    return last_.bytes() + scores_.capacity() * sizeof(float) + scratch_.capacity() * sizeof(int32_t);
+  }
 
  private:
   // [n_live, n_kv_heads] attention of the latest query; +inf until a query has seen the token.
