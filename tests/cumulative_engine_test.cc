@@ -3,7 +3,10 @@
 // - evict mode: after every call the layers' cached positions are nested (a token a deep layer
 //   caches is cached by every shallower one), each layer holds at most its share, its pages
 //   shrink with it, and the re-ranks are counted apart;
-// - mask mode keeps every token, reads about the layer's share per decode step, never evicts.
+// - mask mode keeps every token, reads about the layer's share per decode step, never evicts;
+// - per_head: each KV head nests across layers on its own ranking; uniform heads hold at most the
+//   layer's share each, adaptive heads (AdaKV's split) at most H shares together, unevenly, and a
+//   floor of 1 is the uniform split exactly.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -145,6 +148,78 @@ TEST_F(CumulativeEngineTest, EvictModeKeepsNestedSharesAndFreesPages) {
     EXPECT_EQ(reranks, 7 + 1 + 3) << kv_type;
     EXPECT_NE(kv->controller->FormatStats().find("global re-ranks"), std::string::npos);
   }
+}
+
+TEST_F(CumulativeEngineTest, PerHeadRankingsNestAndAdaptiveHeadsSplitTheLayerBudget) {
+  const int n_layers = model_->config().n_layers, n_heads = model_->config().n_kv_heads;
+  auto head_positions = [](const PagedKvCache& cache, int layer, int head) {
+    std::vector<KvSpan> spans;
+    cache.HeadSpans(0, layer, head, &spans);
+    std::vector<int32_t> positions;
+    for (const KvSpan& s : spans) positions.insert(positions.end(), s.positions, s.positions + s.n);
+    return positions;
+  };
+  std::vector<std::vector<float>> uniform_logits;
+  for (const double floor : {-1.0, 0.5, 1.0}) {  // -1: uniform head budgets
+    const bool adaptive = floor >= 0;
+    KvSparsityConfig config = Config("cumulative", "0.25", "f16");
+    config.evict_interval = 1;
+    for (LayerKvConfig& l : config.layers) {
+      l.per_head = true;
+      if (adaptive) l.params.head_budgets = HeadBudgets::kAdaptive, l.params.floor = floor;
+    }
+    ASSERT_TRUE(ValidateKvSparsityConfig(config).ok());
+    auto kv = CreateSparseKv(Geometry(*model_), config, 1, 400);
+    ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+    bool uneven = false;
+    auto check = [&](int32_t n_seen) {
+      for (int layer = 0; layer < n_layers; ++layer) {
+        const int32_t share = ResolveBudget(
+            CumulativeLayerBudget(config.layers[layer].budget, config.layers[layer].params, layer, n_layers), n_seen);
+        int32_t total = 0;
+        size_t pages = 0;
+        for (int h = 0; h < n_heads; ++h) {
+          const std::vector<int32_t> here = head_positions(*kv->cache, layer, h);
+          const auto n = static_cast<int32_t>(here.size());
+          total += n;
+          pages += static_cast<size_t>((n + kv->cache->page_size() - 1) / kv->cache->page_size());
+          if (!adaptive || floor == 1.0) {
+            EXPECT_LE(n, share) << "floor " << floor << " layer " << layer << " head " << h << " at " << n_seen;
+          }
+          uneven = uneven || n != kv->cache->NumHeadTokens(0, layer, 0);
+          EXPECT_EQ(here.back(), n_seen - 1) << "the newest token is kept";
+          if (layer == 0) continue;
+          const std::vector<int32_t> above = head_positions(*kv->cache, layer - 1, h);
+          EXPECT_TRUE(std::includes(above.begin(), above.end(), here.begin(), here.end()))
+              << "floor " << floor << ": layer " << layer << " head " << h << " caches a token its head in layer "
+              << layer - 1 << " freed, at " << n_seen;
+        }
+        // Decode steps: the layer waits until it is evict_interval tokens a head over (as AdaKV's).
+        const int32_t slack = adaptive && n_seen > 256 ? n_heads * config.evict_interval - 1 : 0;
+        EXPECT_LE(total, share * n_heads + slack) << "floor " << floor << " layer " << layer << " at " << n_seen;
+        EXPECT_EQ(kv->cache->LayerAllocatedBytes(layer), pages * kv->cache->page_bytes(layer)) << "pages follow";
+      }
+    };
+    const auto logits = Run(*kv, 256, 48, check);
+    kv->cache->CheckInvariants();
+    if (floor == 0.5) {
+      EXPECT_TRUE(uneven) << "adaptive heads never held different counts";
+    }
+    if (!adaptive) uniform_logits = logits;
+    if (floor == 1.0) {
+      ASSERT_EQ(logits.size(), uniform_logits.size());
+      for (size_t call = 0; call < logits.size(); ++call)
+        ASSERT_EQ(std::memcmp(logits[call].data(), uniform_logits[call].data(), logits[call].size() * sizeof(float)),
+                  0)
+            << "a floor of 1 is the uniform split; logits differ after call " << call;
+    }
+  }
+  // The cumulative layers share their ranking's layout: per_head must agree.
+  KvSparsityConfig mixed = Config("cumulative", "0.25", "f16");
+  mixed.layers[1].per_head = true;
+  const Status status = ValidateKvSparsityConfig(mixed);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("per_head"), std::string::npos) << status.ToString();
 }
 
 TEST_F(CumulativeEngineTest, MaskModeReadsItsShareAndKeepsEveryToken) {

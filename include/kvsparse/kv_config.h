@@ -77,7 +77,8 @@ StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig
 
 // --kv-param KEY=VALUE: sets a method parameter (its JSON key, e.g. "head_budgets=adaptive",
 // "rerank_period=8", "mode=mask") on every layer whose method takes it, after the paper
-// defaults. VALUE is read as JSON (numbers, true / false, "quoted") or else as a bare string.
+// defaults; "per_head=true|false" sets the layer field on every sparse layer. VALUE is read as
+// JSON (numbers, true / false, "quoted") or else as a bare string.
 // An unknown key, a key no layer's method takes, or a bad value is an error naming it; the
 // layers are validated again afterwards.
 Status ApplyKvParams(std::span<const std::string> key_values, KvSparsityConfig* config);

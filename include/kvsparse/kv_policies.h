@@ -191,7 +191,7 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
 // Cross-layer methods (cumulative, reuse, cake): the layers of one sequence share state. After
 // building or cloning the policies of a sequence, the controller passes them here: one per layer
 // in depth order (head 0 of a per-head layer), and every policy of the sequence (all heads);
-// methods without cross-layer state ignore the call.
+// methods without cross-layer state ignore the call. Without all_policies: the layers' are all.
 void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies, std::span<KvPolicy* const> all_policies = {});
 
 // `cumulative`'s budget for `layer`: the config's budget is the mean over the model's layers;

@@ -164,6 +164,13 @@ class KvPolicy {
   // (accumulated scores, vote rings, rankings) and its buffers, page metadata included. A state
   // shared by several policies (cumulative's ranking) is counted by one of them.
   virtual size_t StateBytes() const { return MetadataBytes(); }
+  // Adaptive head budgets ("head_budgets": "adaptive") a policy divides itself (cumulative's
+  // per-head rankings, which must stay nested across layers): called on head 0 of a per-head
+  // layer before the controller evicts each head's table as usual, it re-divides the layer's
+  // H·budget over the heads (their BudgetTokens then give their shares) unless the layer is
+  // less than min_excess tokens over; returns true. False (the default): the controller splits
+  // by the heads' ScoreForSelection (AdaKV over H2O, SnapKV).
+  virtual bool SplitHeadBudgets(int32_t min_excess) { return false; }
   // Global re-ranks (count, seconds) the policy ran inside its calls since the last call, which
   // the controller reports apart from the incremental work (cumulative's run in OnAppend);
   // resets them.

@@ -558,6 +558,15 @@ Status SparseKvController::EvictHeadsAdaptively(int seq, int layer, EvictionPoin
   const int n_heads = n_policies(layer);
   SparseKvLayerStats& st = stats_[layer];
   KvPolicy& first = policy(seq, layer, 0);
+  const auto t_split = Clock::now();
+  const int32_t min_excess = point == EvictionPoint::kDecodeStep ? config_.evict_interval * n_heads : 1;
+  if (first.SplitHeadBudgets(min_excess)) {
+    st.select_s += Seconds(t_split, Clock::now());
+    for (int head = 0; head < n_heads; ++head) {
+      KVS_RETURN_IF_ERROR(EvictTable(seq, layer, head, point, n_seen, current_position));
+    }
+    return Status::Ok();
+  }
   const int32_t budget = first.BudgetTokens(n_seen);  // per head
   int64_t live = 0;
   for (int head = 0; head < n_heads; ++head) {

@@ -20,7 +20,14 @@
 // - "mode": "evict" (default) frees the tokens a layer drops, like every evicting method here;
 //   "mask" keeps them in memory and only skips reading them at decode steps (prompt chunks stay
 //   dense), so a re-rank can bring a token back: read sparsity, like Quest.
-// The token just appended is always kept. Layers share the cache's token list (per_head false).
+// The token just appended is always kept.
+// - per_head false (default): one table per layer, attention averaged over the KV heads. per_head
+//   true (evict mode): one table per (layer, KV head) and one ranking per KV head index, so head
+//   h of every layer ranks by the attention of the heads h (a pairing of heads across layers by
+//   index: a convention, as heads of different layers are unrelated) and nests across layers.
+//   With "head_budgets": "adaptive" (AdaKV's split, Feng et al. 2024; "floor" default 0.5) each
+//   layer's H·B is divided over its heads: the lowest key of all heads goes first, no head below
+//   floor·B, so a head whose attention concentrates gives room to one whose attention spreads.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -37,8 +44,8 @@ namespace {
 
 class CumulativePolicy final : public BudgetedPolicy {
  public:
-  CumulativePolicy(const KvBudget& layer_budget, const KvMethodParams& params, float weight)
-      : BudgetedPolicy(layer_budget, params), weight_(weight) {}
+  CumulativePolicy(const KvBudget& layer_budget, const KvMethodParams& params, float weight, int kv_head)
+      : BudgetedPolicy(layer_budget, params), weight_(weight), kv_head_(kv_head) {}
 
   std::string_view name() const override { return "cumulative"; }
   // The copy owns a copy of the ranking; LinkSequencePolicies makes a forked sequence's layers
@@ -46,6 +53,7 @@ class CumulativePolicy final : public BudgetedPolicy {
   std::unique_ptr<KvPolicy> Clone() const override {
     auto copy = std::make_unique<CumulativePolicy>(*this);
     if (ranking_) copy->ranking_ = std::make_shared<CumulativeRanking>(*ranking_);
+    copy->heads_.reset();  // the original's rankings: the copy's are linked anew
     return copy;
   }
   uint32_t NeededObservations() const override { return kObserveSumAll; }
@@ -53,10 +61,44 @@ class CumulativePolicy final : public BudgetedPolicy {
   bool SelectsSpans() const override { return mask(); }
   // The layer's share, or fewer when shallower layers dropped tokens it holds (nesting): its
   // next eviction frees those. Mask mode never evicts.
+  // Adaptive heads: at most what the split can give one head (H·B less the others' floors); the
+  // split itself (SplitHeadBudgets) has already trimmed the ranking to the head's share.
   int32_t BudgetTokens(int32_t n_seen) const override {
     if (mask()) return std::numeric_limits<int32_t>::max();
     const int32_t own = ResolveBudget(budget_, n_seen);
-    return ranking_ ? std::min(own, ranking_->HeldBy(index_)) : own;
+    if (!ranking_) return own;
+    int32_t most = own;
+    if (heads_) {
+      const auto n_heads = static_cast<int32_t>(heads_->size());
+      most = own * n_heads - (n_heads - 1) * FloorTokens(own);
+    }
+    return std::min(most, ranking_->HeldBy(index_));
+  }
+  // AdaKV's split over the rankings of the layer's heads: while the layer holds more than H·B,
+  // the head whose lowest-ranked token has the lowest key (above its floor) drops it.
+  bool SplitHeadBudgets(int32_t min_excess) override {
+    if (!heads_) return false;
+    const std::vector<std::shared_ptr<CumulativeRanking>>& rankings = *heads_;
+    const int32_t budget = ResolveBudget(budget_, ranking_->n_present());
+    const int64_t layer_budget = static_cast<int64_t>(budget) * static_cast<int64_t>(rankings.size());
+    held_.resize(rankings.size());
+    int64_t total = 0;
+    for (size_t h = 0; h < rankings.size(); ++h) total += held_[h] = rankings[h]->HeldBy(index_);
+    if (total - layer_budget < min_excess) return true;
+    const int32_t floor_tokens = FloorTokens(budget);
+    while (total > layer_budget) {
+      int best = -1;
+      float best_key = 0;
+      for (size_t h = 0; h < rankings.size(); ++h) {
+        if (held_[h] <= floor_tokens) continue;
+        const std::optional<float> key = rankings[h]->LowestKey(index_);
+        if (key && (best < 0 || *key < best_key)) best = static_cast<int>(h), best_key = *key;
+      }
+      if (best < 0) break;
+      rankings[static_cast<size_t>(best)]->Trim(index_, --held_[static_cast<size_t>(best)]);
+      --total;
+    }
+    return true;
   }
   // Shallower layers dropped tokens this layer still caches: free them in this forward call.
   bool MustEvictNow(int32_t n_live) const override {
@@ -76,6 +118,11 @@ class CumulativePolicy final : public BudgetedPolicy {
     ranking_ = std::move(ranking);
     index_ = index;
   }
+  void BindHeads(std::shared_ptr<const std::vector<std::shared_ptr<CumulativeRanking>>> heads) {
+    heads_ = std::move(heads);
+  }
+  int kv_head() const { return kv_head_; }
+  bool adaptive() const { return params_.head_budgets == HeadBudgets::kAdaptive; }
   const std::shared_ptr<CumulativeRanking>& ranking() const { return ranking_; }
   float weight() const { return weight_; }
   const KvBudget& budget() const { return budget_; }
@@ -171,8 +218,16 @@ class CumulativePolicy final : public BudgetedPolicy {
   }
 
  private:
+  int32_t FloorTokens(int32_t budget) const {
+    return std::max<int32_t>(1, static_cast<int32_t>(std::lround(params_.floor * budget)));
+  }
+
   float weight_;
+  int kv_head_;                          // the KV head of a per-head layer's table (0 for shared layers)
   std::shared_ptr<CumulativeRanking> ranking_;
+  // Adaptive heads: the sequence's rankings by KV head (this one's among them), from the linker.
+  std::shared_ptr<const std::vector<std::shared_ptr<CumulativeRanking>>> heads_;
+  std::vector<int32_t> held_;            // [n_kv_heads] SplitHeadBudgets scratch
   int index_ = 0;                        // this layer among the sequence's cumulative layers
   int32_t appended_ = 0;                 // tokens appended to this layer
   std::vector<int32_t> ids_;             // [n_live] the layer's tokens, by live index
@@ -186,11 +241,11 @@ class CumulativePolicy final : public BudgetedPolicy {
 }  // namespace
 
 std::unique_ptr<KvPolicy> MakeCumulativePolicy(const KvBudget& mean_budget, const KvMethodParams& params, int layer,
-                                               int n_layers) {
+                                               int n_layers, int kv_head) {
   const double depth = n_layers > 1 ? static_cast<double>(layer) / (n_layers - 1) : 0.0;
   const float weight = static_cast<float>(params.layer_weight >= 0 ? params.layer_weight : 1.0 + depth);
   return std::make_unique<CumulativePolicy>(CumulativeLayerBudget(mean_budget, params, layer, n_layers), params,
-                                            weight);
+                                            weight, std::max(kv_head, 0));
 }
 
 }  // namespace policy
@@ -209,21 +264,33 @@ KvBudget CumulativeLayerBudget(const KvBudget& mean_budget, const KvMethodParams
 
 namespace policy {
 
-void LinkCumulativeLayers(std::span<KvPolicy* const> layer_policies) {
-  std::vector<policy::CumulativePolicy*> layers;
-  for (KvPolicy* p : layer_policies)
-    if (auto* c = dynamic_cast<policy::CumulativePolicy*>(p)) layers.push_back(c);
-  if (layers.empty()) return;
-  // A forked sequence's shallowest layer holds a copy of the source's ranking (Clone): the
-  // others share it. Fresh policies get a new ranking.
-  std::shared_ptr<policy::CumulativeRanking> ranking = layers[0]->ranking();
-  if (!ranking || ranking->n_layers() != static_cast<int>(layers.size())) {
-    std::vector<policy::CumulativeRanking::Layer> config;
-    for (const policy::CumulativePolicy* c : layers) config.push_back({c->weight(), c->budget()});
-    const KvMethodParams& p = layers[0]->params();
-    ranking = std::make_shared<policy::CumulativeRanking>(std::move(config), p.decay, p.rerank_period, p.mode);
+void LinkCumulativeLayers(std::span<KvPolicy* const> all_policies) {
+  // By KV head (shared layers: all head 0), shallowest layer first.
+  std::vector<std::vector<policy::CumulativePolicy*>> by_head;
+  for (KvPolicy* p : all_policies) {
+    auto* c = dynamic_cast<policy::CumulativePolicy*>(p);
+    if (c == nullptr) continue;
+    if (by_head.size() <= static_cast<size_t>(c->kv_head())) by_head.resize(static_cast<size_t>(c->kv_head()) + 1);
+    by_head[static_cast<size_t>(c->kv_head())].push_back(c);
   }
-  for (size_t i = 0; i < layers.size(); ++i) layers[i]->Bind(ranking, static_cast<int>(i));
+  auto heads = std::make_shared<std::vector<std::shared_ptr<policy::CumulativeRanking>>>();
+  for (const std::vector<policy::CumulativePolicy*>& layers : by_head) {
+    KVS_CHECK_MSG(!layers.empty(), "cumulative: a per-head layer lacks a KV head's policy");
+    // A forked sequence's shallowest layer holds a copy of the source's ranking (Clone): the
+    // others share it. Fresh policies get a new ranking.
+    std::shared_ptr<policy::CumulativeRanking> ranking = layers[0]->ranking();
+    if (!ranking || ranking->n_layers() != static_cast<int>(layers.size())) {
+      std::vector<policy::CumulativeRanking::Layer> config;
+      for (const policy::CumulativePolicy* c : layers) config.push_back({c->weight(), c->budget()});
+      const KvMethodParams& p = layers[0]->params();
+      ranking = std::make_shared<policy::CumulativeRanking>(std::move(config), p.decay, p.rerank_period, p.mode);
+    }
+    for (size_t i = 0; i < layers.size(); ++i) layers[i]->Bind(ranking, static_cast<int>(i));
+    heads->push_back(std::move(ranking));
+  }
+  if (by_head.empty() || !by_head[0][0]->adaptive()) return;
+  for (const std::vector<policy::CumulativePolicy*>& layers : by_head)
+    for (policy::CumulativePolicy* c : layers) c->BindHeads(heads);
 }
 
 }  // namespace policy

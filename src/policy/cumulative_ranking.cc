@@ -111,6 +111,29 @@ int32_t CumulativeRanking::Trim(int layer, int32_t target) {
   return dropped;
 }
 
+std::optional<float> CumulativeRanking::LowestKey(int layer) {
+  KVS_CHECK(layer >= 0 && layer < n_layers());
+  FlushPending();
+  std::vector<Entry>& heap = heaps_[static_cast<size_t>(layer)];
+  const auto drop_stale = [&] {
+    while (!heap.empty() && depth_[static_cast<size_t>(heap.front().second)] <= layer) {
+      std::pop_heap(heap.begin(), heap.end(), kMinHeap);
+      heap.pop_back();
+    }
+  };
+  drop_stale();
+  if (heap.empty()) return std::nullopt;
+  if (heap.front().second != n_ids() - 1) return heap.front().first;
+  // The newest token is never dropped: look under it.
+  std::pop_heap(heap.begin(), heap.end(), kMinHeap);
+  const Entry newest = heap.back();
+  heap.pop_back();
+  drop_stale();
+  const std::optional<float> key = heap.empty() ? std::nullopt : std::optional<float>(heap.front().first);
+  Push(layer, newest);
+  return key;
+}
+
 void CumulativeRanking::Remove(int32_t id) {
   if (depth_[static_cast<size_t>(id)] < 0) return;
   SetDepth(id, -1);

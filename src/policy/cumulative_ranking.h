@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,9 @@ class CumulativeRanking {
   // Drops layer `layer`'s lowest-ranked tokens (never the newest token), and with them every
   // deeper layer's, until the layer holds at most `target` (>= 1). Returns the tokens dropped.
   int32_t Trim(int layer, int32_t target);
+  // The key of the token Trim(layer, HeldBy(layer) - 1) would drop; nullopt when it would drop
+  // none. (Drops entries a shallower layer made stale, as Trim does.)
+  std::optional<float> LowestKey(int layer);
   // The token left the sequence (RemoveRange): no layer holds it and no re-rank brings it back.
   void Remove(int32_t id);
 

@@ -326,9 +326,19 @@ TEST(CumulativeConfigTest, ParsesItsKeysAndRejectsMismatchedLayers) {
                           R"({"default": {"method": "cumulative", "budget": 0.2, "rerank_period": 0}})",
                           R"({"default": {"method": "cumulative", "budget": 0.2, "spread": 0.5}})",
                           R"({"default": {"method": "cumulative", "budget": 0.2, "mode": "drop"}})",
-                          R"({"default": {"method": "cumulative", "budget": 0.2, "per_head": true}})"}) {
+                          R"({"default": {"method": "cumulative", "budget": 0.2, "per_head": true, "mode": "mask"}})",
+                          R"({"default": {"method": "cumulative", "budget": 0.2, "head_budgets": "adaptive"}})",
+                          R"({"default": {"method": "cumulative", "budget": 0.2, "per_head": true, "floor": 2}})"}) {
     EXPECT_FALSE(ParseKvSparsityConfig(bad, 4).ok()) << bad;
   }
+  // Per-head rankings, with AdaKV's split of each layer's budget over its heads.
+  auto adaptive = ParseKvSparsityConfig(
+      R"({"default": {"method": "cumulative", "budget": 0.2, "per_head": true, "head_budgets": "adaptive", "floor": 0.3}})",
+      4);
+  ASSERT_TRUE(adaptive.ok()) << adaptive.status().ToString();
+  EXPECT_TRUE(adaptive->layers[3].per_head);
+  EXPECT_EQ(adaptive->layers[3].params.head_budgets, HeadBudgets::kAdaptive);
+  EXPECT_EQ(adaptive->layers[3].params.floor, 0.3);
 }
 
 }  // namespace

@@ -367,8 +367,9 @@ Status CheckSharedRankingParams(const std::vector<LayerKvConfig>& layers) {
     const KvMethodParams& b = layer.params;
     const auto mismatch = [&](std::string_view field, const std::string& here, const std::string& first) {
       return InvalidArgumentError(fmt::format("layer {} (cumulative): field '{}': {} differs from {} in the first "
-                                              "cumulative layer; the cumulative layers share one ranking, so decay, "
-                                              "rerank_period and mode must be the same in all of them",
+                                              "cumulative layer; the cumulative layers share one ranking (one per KV "
+                                              "head with per_head), so decay, rerank_period, mode, per_head, "
+                                              "head_budgets and floor must be the same in all of them",
                                               l, field, here, first));
     };
     if (a.decay != b.decay) return mismatch("decay", fmt::format("{:g}", b.decay), fmt::format("{:g}", a.decay));
@@ -376,6 +377,12 @@ Status CheckSharedRankingParams(const std::vector<LayerKvConfig>& layers) {
       return mismatch("rerank_period", fmt::format("{}", b.rerank_period), fmt::format("{}", a.rerank_period));
     if (a.mode != b.mode)
       return mismatch("mode", std::string(CumulativeModeName(b.mode)), std::string(CumulativeModeName(a.mode)));
+    if (first_cumulative->per_head != layer.per_head)
+      return mismatch("per_head", layer.per_head ? "true" : "false", first_cumulative->per_head ? "true" : "false");
+    if (a.head_budgets != b.head_budgets)
+      return mismatch("head_budgets", b.head_budgets == HeadBudgets::kAdaptive ? "adaptive" : "uniform",
+                      a.head_budgets == HeadBudgets::kAdaptive ? "adaptive" : "uniform");
+    if (a.floor != b.floor) return mismatch("floor", fmt::format("{:g}", b.floor), fmt::format("{:g}", a.floor));
   }
   return Status::Ok();
 }
@@ -650,6 +657,13 @@ Status ApplyKvParams(std::span<const std::string> key_values, KvSparsityConfig* 
     json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (value.is_discarded()) value = text;  // a bare word: a string value (mode=mask)
     const Where where("--kv-param", key_value);
+    if (key == "per_head") {  // a layer field, not a method parameter: every sparse layer takes it
+      bool per_head = false;
+      KVS_RETURN_IF_ERROR(ReadBool(value, where, key, &per_head));
+      for (LayerKvConfig& layer : config->layers)
+        if (layer.method != KvMethod::kFull) layer.per_head = per_head;
+      continue;
+    }
     bool used = false;
     for (LayerKvConfig& layer : config->layers) {
       if (!MethodUses(layer.method, key)) continue;

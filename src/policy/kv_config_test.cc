@@ -380,5 +380,21 @@ TEST(KvConfigTest, PerHeadIsInheritedAndChecked) {
   EXPECT_MENTIONS(m, "did you mean 'per_head'");
 }
 
+// --kv-param per_head=...: the layer field on every sparse layer (Full layers stay shared).
+TEST(KvParams, PerHeadSetsTheLayerField) {
+  auto config = KvSparsityConfigFromFlags("cumulative", "0.25", "f16", 3);
+  ASSERT_TRUE(config.ok());
+  config->layers[0].method = KvMethod::kFull;
+  const std::vector<std::string> on = {"per_head=true", "head_budgets=adaptive"};
+  ASSERT_TRUE(ApplyKvParams(on, &*config).ok());
+  EXPECT_FALSE(config->layers[0].per_head);
+  EXPECT_TRUE(config->layers[1].per_head && config->layers[2].per_head);
+  EXPECT_EQ(config->layers[2].params.head_budgets, HeadBudgets::kAdaptive);
+  const std::vector<std::string> bad = {"per_head=maybe"};
+  const Status status = ApplyKvParams(bad, &*config);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("per_head"), std::string::npos) << status.ToString();
+}
+
 }  // namespace
 }  // namespace kvsparse

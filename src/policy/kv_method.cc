@@ -30,7 +30,8 @@ constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio", 
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
 constexpr std::string_view kReuseKeys[] = {"dense_layers", "reselect_layer", "selection", "page_tokens", "head_reduce"};
-constexpr std::string_view kCumulativeKeys[] = {"decay", "rerank_period", "mode", "schedule", "spread", "layer_weight"};
+constexpr std::string_view kCumulativeKeys[] = {"decay",        "rerank_period", "mode", "schedule", "spread",
+                                                "layer_weight", "head_budgets",  "floor"};
 constexpr std::string_view kCakeKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict",
                                           "gamma",  "tau1",   "tau2"};
 constexpr std::string_view kRazorKeys[] = {"n_sink", "heads", "retrieval_heads"};
@@ -235,8 +236,8 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
                                                p.reselect_layer));
   if (method == KvMethod::kReuse && config.per_head)
     return error("per_head", "reuse shares each KV head's selection across a sequence's layers; set per_head false");
-  if (method == KvMethod::kCumulative && config.per_head)
-    return error("per_head", "cumulative ranks a sequence's tokens once for all its layers and heads; set per_head false");
+  if (method == KvMethod::kCumulative && config.per_head && p.mode == CumulativeMode::kMask)
+    return error("per_head", "cumulative's mask mode reads one selection for all KV heads; per_head needs mode evict");
   if (Uses(method, "beta") && !(p.beta >= 1.0 && std::isfinite(p.beta)))
     return error("beta", fmt::format("must be >= 1 (the last layer gets 1/beta of the mean share); found {:g}", p.beta));
 

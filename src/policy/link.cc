@@ -5,9 +5,10 @@
 namespace kvsparse {
 
 void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies, std::span<KvPolicy* const> all_policies) {
-  policy::LinkCumulativeLayers(layer_policies);
+  const std::span<KvPolicy* const> all = all_policies.empty() ? layer_policies : all_policies;
+  policy::LinkCumulativeLayers(all);
   policy::LinkReuseLayers(layer_policies);
-  policy::LinkCakeLayers(all_policies);
+  policy::LinkCakeLayers(all);
 }
 
 }  // namespace kvsparse

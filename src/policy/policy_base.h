@@ -50,7 +50,7 @@ class ReadSparsePolicy : public BudgetedPolicy {
 };
 
 // The cross-layer linkers LinkSequencePolicies runs (cumulative.cc, oracle.cc).
-void LinkCumulativeLayers(std::span<KvPolicy* const> layer_policies);
+void LinkCumulativeLayers(std::span<KvPolicy* const> all_policies);
 void LinkReuseLayers(std::span<KvPolicy* const> layer_policies);
 void LinkCakeLayers(std::span<KvPolicy* const> all_policies);  // every policy of the sequence
 
@@ -70,7 +70,8 @@ std::unique_ptr<KvPolicy> MakeReusePolicy(const KvBudget& budget, const KvMethod
 // The re-selection layer of `reuse` (params.reselect_layer, or 13/32 of n_layers).
 int32_t ReuseReselectLayer(const KvMethodParams& params, int n_layers);
 std::unique_ptr<KvPolicy> MakeCakePolicy(const KvBudget& budget, const KvMethodParams& params, int layer);
+// kv_head: the table's KV head in a per-head layer (per-head cumulative ranks per head index).
 std::unique_ptr<KvPolicy> MakeCumulativePolicy(const KvBudget& mean_budget, const KvMethodParams& params, int layer,
-                                               int n_layers);
+                                               int n_layers, int kv_head);
 
 }  // namespace kvsparse::policy

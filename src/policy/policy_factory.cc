@@ -27,7 +27,7 @@ StatusOr<std::unique_ptr<KvPolicy>> MakeMethodPolicy(const LayerKvConfig& config
     case KvMethod::kQuest: return policy::MakeQuestPolicy(b, p);
     case KvMethod::kOracle: return policy::MakeOraclePolicy(b, p);
     case KvMethod::kReuse: return policy::MakeReusePolicy(b, p);
-    case KvMethod::kCumulative: return policy::MakeCumulativePolicy(b, p, layer, n_layers);
+    case KvMethod::kCumulative: return policy::MakeCumulativePolicy(b, p, layer, n_layers, kv_head);
     case KvMethod::kCake: return policy::MakeCakePolicy(b, p, layer);
     case KvMethod::kRazor: {
       if (!p.full_heads_resolved) {
