@@ -257,6 +257,7 @@ size_t CountOf(const std::string& text, const std::string& needle) {
 std::string Decoded(const Tokenizer& tok, const BenchSample& s, TokenRange r) {
   return tok.Decode(std::vector<int32_t>(s.context.begin() + r.begin, s.context.begin() + r.end));
 }
+
 TEST(TokenTasks, MultiQueryAsksEveryKeyAndScoresTheLast) {
   const TokenVocab vocab = SmallVocab();
   for (uint64_t seed = 0; seed < 20; ++seed) {
@@ -287,7 +288,6 @@ TEST(TokenTasks, MultiQueryAsksEveryKeyAndScoresTheLast) {
     EXPECT_EQ(InductionGenerate(PromptTokens(*s, BenchProtocol::kQuestionLast), o.value_tokens), s->answers[0]);
   }
 }
-
 
 // Checks every task's answer by re-deriving it from the context text alone.
 void CheckTextSample(const Tokenizer& tok, BenchTask task, const BenchSample& s, const BenchTaskOptions& o) {

@@ -140,8 +140,8 @@ constexpr std::string_view kCopyQuestion = "\nRepeat the sequence to remember, w
 const std::set<std::string>& KnownWords() {
   static const std::set<std::string> words = [] {
     std::string all;
-    for (std::string_view t : {kNiahHead, kNiahNeedle, kNiahQuestion, kNiahMultiQuestion, kKvHead, kKvQuestion, kVtHead, kVtQuestion,
-                               kFwHead, kFwQuestion, kCopyHead, kCopyIntro, kCopyQuestion}) {
+    for (std::string_view t : {kNiahHead, kNiahNeedle, kNiahQuestion, kNiahMultiQuestion, kKvHead, kKvQuestion,
+                               kVtHead, kVtQuestion, kFwHead, kFwQuestion, kCopyHead, kCopyIntro, kCopyQuestion}) {
       all += std::string(t) + " ";
     }
     auto add = [&](auto& list) {

@@ -60,9 +60,9 @@ class CumulativePolicy final : public BudgetedPolicy {
   bool mask() const { return params_.mode == CumulativeMode::kMask; }
   bool SelectsSpans() const override { return mask(); }
   // The layer's share, or fewer when shallower layers dropped tokens it holds (nesting): its
-  // next eviction frees those. Mask mode never evicts.
-  // Adaptive heads: at most what the split can give one head (H·B less the others' floors); the
-  // split itself (SplitHeadBudgets) has already trimmed the ranking to the head's share.
+  // next eviction frees those. Mask mode never evicts. Adaptive heads: at most what the split can
+  // give one head (H·B less the others' floors); the split (SplitHeadBudgets) has already trimmed
+  // the head's ranking to its share.
   int32_t BudgetTokens(int32_t n_seen) const override {
     if (mask()) return std::numeric_limits<int32_t>::max();
     const int32_t own = ResolveBudget(budget_, n_seen);
