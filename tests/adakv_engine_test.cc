@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -113,16 +114,17 @@ TEST_F(AdaKvEngineTest, ConfigNeedsPerHeadLayers) {
   EXPECT_NE(KvSparsityConfigSummary(*fine).find("head_budgets=adaptive floor=0.2"), std::string::npos);
 }
 
-// niah_multiquery at 512 tokens: the question asks 4 needles of 3 value tokens, so SnapKV's
-// window votes for 4 pooled clusters and the induction head needs its window plus about 28
-// tokens, above a uniform 10% share (51). The other heads of the last layer (local and
-// previous-token distractors) need only their window, which AdaKV's top-(H·B) gives back.
+// niah_multiquery at 512 tokens on the 2-layer multi-head instrument: the question asks 4 needles
+// of 3 value tokens, so SnapKV's window votes for 4 pooled clusters of about 7 tokens, more than a
+// uniform 5% share (25 a head, half of it the window) holds. The other heads of the last layer
+// (local and previous-token distractors) need only their window, which AdaKV's top-(H·B) gives
+// back to the induction head.
 TEST(AdaKvInstrumentTest, AdaptiveHeadsKeepEveryAskedNeedleWhereUniformCannot) {
-  const std::unique_ptr<Model> model = testing::LoadRetrievalModel(4, RetrievalShape::kMultiHead);
+  const std::unique_ptr<Model> model = testing::LoadRetrievalModel(2, RetrievalShape::kMultiHead);
   ASSERT_NE(model, nullptr);
   const ModelConfig& c = model->config();
-  const int32_t length = 512, budget = 51;
-  constexpr int kSamples = 6;
+  const int32_t length = 512;
+  constexpr int kSamples = 4;
   int solved_uniform = 0, solved_adaptive = 0;
   for (int seed = 0; seed < kSamples; ++seed) {
     BenchTaskOptions o;
@@ -134,12 +136,15 @@ TEST(AdaKvInstrumentTest, AdaptiveHeadsKeepEveryAskedNeedleWhereUniformCannot) {
     std::vector<int32_t> prompt = sample->context;
     prompt.insert(prompt.end(), sample->question.begin(), sample->question.end());
     for (const bool adaptive : {false, true}) {
-      auto config = KvSparsityConfigFromFlags("snapkv", std::to_string(budget), "f16", c.n_layers);
+      // 5% of the tokens seen: 25 a head, below SnapKV's 32-query window, which shrinks to half of it.
+      auto config = KvSparsityConfigFromFlags("snapkv", "0.05", "f16", c.n_layers);
       ASSERT_TRUE(config.ok()) << config.status().ToString();
       config->prefill_eviction = PrefillEviction::kPromptEnd;
       config->prefill_chunk = length;
       const std::vector<std::string> params = {"head_budgets=adaptive"};
-      if (adaptive) ASSERT_TRUE(ApplyKvParams(params, &*config).ok());
+      if (adaptive) {
+        ASSERT_TRUE(ApplyKvParams(params, &*config).ok());
+      }
       const auto n_prompt = static_cast<int32_t>(prompt.size());
       auto runtime = CreateRuntime(*model, &*config, KvStorage::kF16, 1, n_prompt + 4, 2);
       ASSERT_TRUE(runtime.ok()) << runtime.status().ToString();
@@ -157,6 +162,8 @@ TEST(AdaKvInstrumentTest, AdaptiveHeadsKeepEveryAskedNeedleWhereUniformCannot) {
   }
   EXPECT_EQ(solved_adaptive, kSamples);
   EXPECT_LT(solved_uniform, kSamples);
+  std::printf("multi-query at 5%% of 512 tokens: uniform SnapKV %d/%d, adaptive %d/%d\n", solved_uniform, kSamples,
+              solved_adaptive, kSamples);
 }
 
 }  // namespace
