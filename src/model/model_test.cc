@@ -166,7 +166,9 @@ TEST(GgufModelLoader, MinimallyAlignedTensorDataComputesLikeDefault) {
         off_32 += reinterpret_cast<uintptr_t>(w->data) % 32 != 0;
       }
     }
-    if (type == DType::kQ8_0 || type == DType::kQ4_0) EXPECT_GT(off_32, 0u) << DTypeName(type);
+    if (type == DType::kQ8_0 || type == DType::kQ4_0) {
+      EXPECT_GT(off_32, 0u) << DTypeName(type);
+    }
     const std::vector<int32_t> tokens = {1, 5, 9, 77, 3};
     EXPECT_EQ(RunAll(**packed, tokens), RunAll(**aligned, tokens)) << DTypeName(type);
   }

@@ -69,8 +69,9 @@ TEST(AdaKvTest, BudgetSumsToTheLayersAndRespectsProtectionAndFloor) {
         picked.insert(picked.end(), kept_scores.begin() + static_cast<std::ptrdiff_t>(n_floor), kept_scores.end());
       }
       EXPECT_EQ(total, static_cast<int32_t>(lengths.size()) * budget) << "floor " << floor << " budget " << budget;
-      if (!picked.empty() && !unpicked.empty())
+      if (!picked.empty() && !unpicked.empty()) {
         EXPECT_GE(*std::min_element(picked.begin(), picked.end()), *std::max_element(unpicked.begin(), unpicked.end()));
+      }
     }
   }
 }
