@@ -6,16 +6,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
+# Each phase's wall time, so the CI budget (30 minutes) can be watched: "phase NAME: S s".
+phase_start=$SECONDS
+phase() { echo "test.sh phase $1: $((SECONDS - phase_start)) s (total $SECONDS s)"; phase_start=$SECONDS; }
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$JOBS"
+phase "release build"
 ./build/kvsparse --version
 bash scripts/check-baseline-isa.sh build/libkvsparse_core.a
 ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 600
+phase "release tests"
 # The same binaries on an emulated AVX2-only CPU and a CPU without AVX.
 bash scripts/test-older-cpus.sh build
+phase "older CPUs"
 
 # Every test again under ASan + UBSan (-O1: the sanitizers' own advice, and a faster build).
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Asan -DKVS_ASAN=ON -DKVS_BUILD_BENCH=OFF >/dev/null
 cmake --build build-asan -j "$JOBS"
+phase "asan build"
 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900
+phase "asan tests"
