@@ -78,9 +78,14 @@ class CumulativeEngineTest : public ::testing::Test {
     }
     return out;
   }
-  static std::vector<int32_t> Positions(const PagedKvCache& cache, int layer) {
+  // The cached positions of sequence 0's layer (kv_head >= 0: that head's table of a per-head layer).
+  static std::vector<int32_t> Positions(const PagedKvCache& cache, int layer, int kv_head = -1) {
     std::vector<KvSpan> spans;
-    cache.Spans(0, layer, &spans);
+    if (kv_head >= 0) {
+      cache.HeadSpans(0, layer, kv_head, &spans);
+    } else {
+      cache.Spans(0, layer, &spans);
+    }
     std::vector<int32_t> positions;
     for (const KvSpan& s : spans) positions.insert(positions.end(), s.positions, s.positions + s.n);
     return positions;
@@ -152,13 +157,6 @@ TEST_F(CumulativeEngineTest, EvictModeKeepsNestedSharesAndFreesPages) {
 
 TEST_F(CumulativeEngineTest, PerHeadRankingsNestAndAdaptiveHeadsSplitTheLayerBudget) {
   const int n_layers = model_->config().n_layers, n_heads = model_->config().n_kv_heads;
-  auto head_positions = [](const PagedKvCache& cache, int layer, int head) {
-    std::vector<KvSpan> spans;
-    cache.HeadSpans(0, layer, head, &spans);
-    std::vector<int32_t> positions;
-    for (const KvSpan& s : spans) positions.insert(positions.end(), s.positions, s.positions + s.n);
-    return positions;
-  };
   std::vector<std::vector<float>> uniform_logits;
   for (const double floor : {-1.0, 0.5, 1.0}) {  // -1: uniform head budgets
     const bool adaptive = floor >= 0;
@@ -179,7 +177,7 @@ TEST_F(CumulativeEngineTest, PerHeadRankingsNestAndAdaptiveHeadsSplitTheLayerBud
         int32_t total = 0;
         size_t pages = 0;
         for (int h = 0; h < n_heads; ++h) {
-          const std::vector<int32_t> here = head_positions(*kv->cache, layer, h);
+          const std::vector<int32_t> here = Positions(*kv->cache, layer, h);
           const auto n = static_cast<int32_t>(here.size());
           total += n;
           pages += static_cast<size_t>((n + kv->cache->page_size() - 1) / kv->cache->page_size());
@@ -189,7 +187,7 @@ TEST_F(CumulativeEngineTest, PerHeadRankingsNestAndAdaptiveHeadsSplitTheLayerBud
           uneven = uneven || n != kv->cache->NumHeadTokens(0, layer, 0);
           EXPECT_EQ(here.back(), n_seen - 1) << "the newest token is kept";
           if (layer == 0) continue;
-          const std::vector<int32_t> above = head_positions(*kv->cache, layer - 1, h);
+          const std::vector<int32_t> above = Positions(*kv->cache, layer - 1, h);
           EXPECT_TRUE(std::includes(above.begin(), above.end(), here.begin(), here.end()))
               << "floor " << floor << ": layer " << layer << " head " << h << " caches a token its head in layer "
               << layer - 1 << " freed, at " << n_seen;

@@ -380,8 +380,8 @@ Status CheckSharedRankingParams(const std::vector<LayerKvConfig>& layers) {
     if (first_cumulative->per_head != layer.per_head)
       return mismatch("per_head", layer.per_head ? "true" : "false", first_cumulative->per_head ? "true" : "false");
     if (a.head_budgets != b.head_budgets)
-      return mismatch("head_budgets", b.head_budgets == HeadBudgets::kAdaptive ? "adaptive" : "uniform",
-                      a.head_budgets == HeadBudgets::kAdaptive ? "adaptive" : "uniform");
+      return mismatch("head_budgets", std::string(HeadBudgetsName(b.head_budgets)),
+                      std::string(HeadBudgetsName(a.head_budgets)));
     if (a.floor != b.floor) return mismatch("floor", fmt::format("{:g}", b.floor), fmt::format("{:g}", a.floor));
   }
   return Status::Ok();
