@@ -18,6 +18,12 @@
 
 namespace kvsparse {
 
+// GGUF format limits, shared by the reader and the writer: tensors have 1..4 dimensions, and
+// general.alignment (default 32) is a power of two of at least 8.
+inline constexpr uint32_t kGgufMaxDims = 4;
+inline constexpr uint64_t kGgufDefaultAlignment = 32;
+inline constexpr uint64_t kGgufMinAlignment = 8;
+
 enum class GgufType : uint32_t {
   kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7,
   kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,

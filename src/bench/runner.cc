@@ -20,31 +20,18 @@
 #include "kvsparse/kv_policies.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/tokenizer.h"
+#include "common/process_memory.h"
+#include "common/timing.h"
 
 namespace kvsparse {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 constexpr int32_t kFidelityChunk = 64;  // teacher-forced tokens per forward call in the fidelity task
 constexpr const char* kUserTaskPrefix = "user:";
 constexpr const char* kAllSamples = "*";  // aggregation key of every sample of a configuration
 
 bool IsQuestionTask(const std::string& task) { return task != "fidelity" && task != "latency"; }
-
-// Peak resident memory since the last ResetPeakRss (Linux VmHWM; clear_refs "5" resets it).
-void ResetPeakRss() {
-  std::ofstream f("/proc/self/clear_refs");
-  f << "5";
-}
-size_t PeakRssBytes() {
-  std::ifstream f("/proc/self/status");
-  for (std::string line; std::getline(f, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return static_cast<size_t>(std::stoull(line.substr(6))) * 1024;
-  }
-  return 0;
-}
 
 // Stable 64-bit mix for per-sample seeds (independent of the method, so every method sees
 // the same samples).

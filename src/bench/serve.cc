@@ -18,13 +18,12 @@
 #include "kvsparse/runtime.h"
 #include "kvsparse/scheduler.h"
 #include "kvsparse/sparse_kv_controller.h"
+#include "common/timing.h"
 
 namespace kvsparse {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 constexpr double kMiB = 1048576.0;
 // Engine::Forward and the scheduler never run prompt chunks above this.

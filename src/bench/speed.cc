@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 #include <omp.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -18,13 +17,13 @@
 #include "kvsparse/ops.h"
 #include "kvsparse/runtime.h"
 #include "kvsparse/sparse_kv_controller.h"
+#include "common/process_memory.h"
+#include "common/timing.h"
 
 namespace kvsparse {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 // Deterministic pseudo-random token ids: speed does not depend on which tokens run.
 std::vector<int32_t> BenchTokens(int n, int n_vocab, uint32_t seed) {
@@ -91,12 +90,6 @@ double TimeDecodeAttention(const KvCache& cache, const ModelConfig& c, int32_t p
     best = rep == 0 ? s : std::min(best, s);
   }
   return best;
-}
-
-size_t PeakRssBytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<size_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
 // The policy work recorded since the last ResetStats.

@@ -18,12 +18,12 @@
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
 #include "kvsparse/paged_kv_cache.h"
+#include "common/align.h"
 
 namespace kvsparse {
 
 namespace {
 
-size_t Align64(size_t n) { return (n + 63) / 64 * 64; }
 
 }  // namespace
 
@@ -35,12 +35,12 @@ void PagedKvCache::SetKiviLayout(Layer* layer) const {
   PageLayout& p = layer->layout;  // quantized page
   p.row_bytes = H * D;            // int8
   p.k_offset = 0;
-  p.v_offset = Align64(P * p.row_bytes);
-  p.positions_offset = p.v_offset + Align64(P * p.row_bytes);
-  p.v_scale_offset = p.positions_offset + Align64(P * sizeof(int32_t));
-  p.k_channel_scale_offset = p.v_scale_offset + Align64(P * H * sizeof(float));
+  p.v_offset = AlignTo64(P * p.row_bytes);
+  p.positions_offset = p.v_offset + AlignTo64(P * p.row_bytes);
+  p.v_scale_offset = p.positions_offset + AlignTo64(P * sizeof(int32_t));
+  p.k_channel_scale_offset = p.v_scale_offset + AlignTo64(P * H * sizeof(float));
   p.k_scale_offset = 0;  // no per-token K scales
-  p.page_bytes = p.k_channel_scale_offset + Align64(H * D * sizeof(float));
+  p.page_bytes = p.k_channel_scale_offset + AlignTo64(H * D * sizeof(float));
   // The K channel scales belong to the page, not to a token: live bytes add them per page.
   p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + H * sizeof(float);
 
@@ -48,9 +48,9 @@ void PagedKvCache::SetKiviLayout(Layer* layer) const {
   r.row_heads = p.row_heads;
   r.row_bytes = H * D * KvStorageValueBytes(kKiviResidualStorage);
   r.k_offset = 0;
-  r.v_offset = Align64(P * r.row_bytes);
-  r.positions_offset = r.v_offset + Align64(P * r.row_bytes);
-  r.page_bytes = r.positions_offset + Align64(P * sizeof(int32_t));
+  r.v_offset = AlignTo64(P * r.row_bytes);
+  r.positions_offset = r.v_offset + AlignTo64(P * r.row_bytes);
+  r.page_bytes = r.positions_offset + AlignTo64(P * sizeof(int32_t));
   r.token_bytes = 2 * r.row_bytes + sizeof(int32_t);
 }
 

@@ -10,14 +10,13 @@
 #include "kvsparse/kv_policies.h"
 #include "kvsparse/quest_pages.h"
 #include "policy/adakv.h"
+#include "common/timing.h"
 
 namespace kvsparse {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 std::string MiB(size_t bytes) { return fmt::format("{:.3f}", static_cast<double>(bytes) / (1 << 20)); }
 

@@ -19,9 +19,6 @@ namespace kvsparse {
 
 namespace {
 
-constexpr uint32_t kMaxDims = 4;
-constexpr uint64_t kDefaultAlignment = 32;
-constexpr uint64_t kMinAlignment = 8;
 
 struct GgmlTypeTraits {
   uint32_t id;
@@ -333,7 +330,7 @@ class GgufParser {
   Status ParseAlignment() {
     const GgufValue* a = f_.Find("general.alignment");
     if (a == nullptr) {
-      f_.alignment_ = kDefaultAlignment;
+      f_.alignment_ = kGgufDefaultAlignment;
       return Status::Ok();
     }
     if (a->type != GgufType::kU32) {
@@ -341,9 +338,9 @@ class GgufParser {
     }
     // The GGUF spec requires a multiple of 8; it also guarantees kernels naturally aligned
     // f32/f16 elements and block headers, since the mapping itself is page-aligned.
-    if (a->u < kMinAlignment || (a->u & (a->u - 1)) != 0) {
+    if (a->u < kGgufMinAlignment || (a->u & (a->u - 1)) != 0) {
       return DataLossError(Where() + "key 'general.alignment': expected a power of two that is a multiple of " +
-                           std::to_string(kMinAlignment) + ", found " + std::to_string(a->u));
+                           std::to_string(kGgufMinAlignment) + ", found " + std::to_string(a->u));
     }
     f_.alignment_ = a->u;
     return Status::Ok();
@@ -366,9 +363,9 @@ class GgufParser {
       uint32_t n_dims = 0;
       uint64_t dims_offset = pos_;
       KVS_RETURN_IF_ERROR(Read(&n_dims, "n_dims of " + tname));
-      if (n_dims == 0 || n_dims > kMaxDims) {
+      if (n_dims == 0 || n_dims > kGgufMaxDims) {
         return DataLossError(Where() + tname + ": n_dims at offset " + std::to_string(dims_offset) +
-                             " must be 1.." + std::to_string(kMaxDims) + ", found " + std::to_string(n_dims));
+                             " must be 1.." + std::to_string(kGgufMaxDims) + ", found " + std::to_string(n_dims));
       }
       int64_t n_elems = 1;
       for (uint32_t d = 0; d < n_dims; ++d) {

@@ -17,9 +17,6 @@ namespace kvsparse {
 namespace {
 
 constexpr uint32_t kGgufVersion = 3;
-constexpr uint64_t kDefaultAlignment = 32;
-constexpr uint32_t kMinAlignment = 8;
-constexpr size_t kMaxDims = 4;
 
 template <typename T>
 void Append(std::string* out, T v) {
@@ -220,15 +217,15 @@ void GgufWriter::AddTensor(const std::string& name, DType type, std::vector<int6
 
 Status GgufWriter::Write(const std::string& path) const {
   // Validate everything before touching the disk.
-  uint64_t alignment = kDefaultAlignment;
+  uint64_t alignment = kGgufDefaultAlignment;
   for (const Kv& kv : kv_) {
     if (kv.key != "general.alignment") continue;
     uint32_t a = 0;
     if (kv.type != GgufType::kU32) return InvalidArgumentError(path + ": 'general.alignment' must be u32");
     std::memcpy(&a, kv.bytes.data(), 4);
-    if (a < kMinAlignment || (a & (a - 1)) != 0) {  // what GgufFile (and the GGUF spec) accept
+    if (a < kGgufMinAlignment || (a & (a - 1)) != 0) {  // what GgufFile (and the GGUF spec) accept
       return InvalidArgumentError(path + ": 'general.alignment' must be a power of two that is a multiple of " +
-                                  std::to_string(kMinAlignment) + ", found " + std::to_string(a));
+                                  std::to_string(kGgufMinAlignment) + ", found " + std::to_string(a));
     }
     alignment = a;
   }
@@ -239,8 +236,8 @@ Status GgufWriter::Write(const std::string& path) const {
     const Tensor& t = tensors_[i];
     std::string where = path + ": tensor '" + t.name + "'";
     if (!names.insert(t.name).second) return InvalidArgumentError(where + " is added twice");
-    if (t.ne.empty() || t.ne.size() > kMaxDims) {
-      return InvalidArgumentError(where + ": expected 1.." + std::to_string(kMaxDims) + " dimensions, found " +
+    if (t.ne.empty() || t.ne.size() > kGgufMaxDims) {
+      return InvalidArgumentError(where + ": expected 1.." + std::to_string(kGgufMaxDims) + " dimensions, found " +
                                   std::to_string(t.ne.size()));
     }
     int64_t n = 1;

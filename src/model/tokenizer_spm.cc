@@ -9,14 +9,14 @@ namespace kvsparse::tokenizer_internal {
 namespace {
 
 // A run of text bytes in a doubly linked list of symbols; len == 0 once merged away.
-struct Symbol {
+struct SpmSymbol {
   int prev;
   int next;
   size_t start;
   size_t len;
 };
 
-struct Bigram {
+struct SpmBigram {
   float score;
   int left;
   int right;
@@ -24,7 +24,7 @@ struct Bigram {
 
   // Priority: higher score first, then the leftmost pair (llama.cpp's order).
   struct LowerPriority {
-    bool operator()(const Bigram& a, const Bigram& b) const {
+    bool operator()(const SpmBigram& a, const SpmBigram& b) const {
       return a.score < b.score || (a.score == b.score && a.left > b.left);
     }
   };
@@ -56,7 +56,7 @@ void SpmEncoder::AppendBytes(std::string_view piece, std::vector<int32_t>* out) 
 
 void SpmEncoder::Encode(std::string_view text, std::vector<int32_t>* out) const {
   if (text.empty()) return;
-  std::vector<Symbol> symbols;  // [n_chars]
+  std::vector<SpmSymbol> symbols;  // [n_chars]
   symbols.reserve(text.size());
   for (size_t pos = 0; pos < text.size();) {
     const size_t len = Utf8CharLengthAt(text, pos);
@@ -65,7 +65,7 @@ void SpmEncoder::Encode(std::string_view text, std::vector<int32_t>* out) const 
     pos += len;
   }
 
-  std::priority_queue<Bigram, std::vector<Bigram>, Bigram::LowerPriority> queue;
+  std::priority_queue<SpmBigram, std::vector<SpmBigram>, SpmBigram::LowerPriority> queue;
   const auto try_add_bigram = [&](int left, int right) {
     if (left < 0 || right < 0) return;
     const size_t len = symbols[left].len + symbols[right].len;
@@ -76,10 +76,10 @@ void SpmEncoder::Encode(std::string_view text, std::vector<int32_t>* out) const 
   for (size_t i = 1; i < symbols.size(); ++i) try_add_bigram(static_cast<int>(i) - 1, static_cast<int>(i));
 
   while (!queue.empty()) {
-    const Bigram bigram = queue.top();
+    const SpmBigram bigram = queue.top();
     queue.pop();
-    Symbol& left = symbols[bigram.left];
-    Symbol& right = symbols[bigram.right];
+    SpmSymbol& left = symbols[bigram.left];
+    SpmSymbol& right = symbols[bigram.right];
     // Symbols only grow, so an unchanged total length means the pair is still current.
     if (left.len == 0 || right.len == 0 || left.len + right.len != bigram.len) continue;
     left.len += right.len;

@@ -5,14 +5,13 @@
 #include <algorithm>
 
 #include "kvsparse/paged_kv_cache.h"
+#include "common/timing.h"
 
 namespace kvsparse {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 // Prompt chunks never exceed what one Engine::Forward chunk may hold.
 constexpr int32_t kMaxPromptChunk = 512;

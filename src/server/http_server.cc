@@ -80,7 +80,8 @@ void SetError(httplib::Response& res, const ApiError& e) {
   if (e.http_status == 401) res.set_header("WWW-Authenticate", "Bearer");
 }
 
-std::string_view Trim(std::string_view s) {
+// HTTP optional whitespace (RFC 9110: spaces and tabs) around a header value.
+std::string_view TrimOws(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
   return s;
@@ -250,7 +251,7 @@ bool HttpServer::Impl::Authorized(const httplib::Request& req) const {
   if (options.api_key.empty()) return true;
   const std::string header = req.get_header_value("Authorization");
   std::string_view token;
-  if (StartsWithNoCase(header, "Bearer ")) token = Trim(std::string_view(header).substr(7));
+  if (StartsWithNoCase(header, "Bearer ")) token = TrimOws(std::string_view(header).substr(7));
   return ConstantTimeEquals(token, options.api_key);
 }
 
