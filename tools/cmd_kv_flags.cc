@@ -8,7 +8,7 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
   cmd->add_option("--kv-method", f->method, "KV sparsity method: " + ValidKvMethodNames() + " (default: dense cache)");
   cmd->add_option("--kv-budget", f->budget,
                   "KV tokens kept per layer: a fraction of the tokens seen (0.2) or a count (512)");
-  cmd->add_option("--kv-type", f->kv_type, "KV storage: f32, f16, int8 or int8_kivi (default " + default_kv_type + ")");
+  cmd->add_option("--kv-type", f->kv_type, "KV storage: f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8) or fp8_e5m2 (default " + default_kv_type + ")");
   cmd->add_option("--kv-config", f->config_file, "per-layer KV sparsity config (JSON); excludes --kv-method/--kv-budget");
   cmd->add_option("--kv-param", f->params,
                   "a method parameter as KEY=VALUE, repeatable (the config file's keys, e.g. head_budgets=adaptive, "
@@ -33,7 +33,8 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   const std::string kv_type = f.kv_type.empty() ? default_kv_type : f.kv_type;
   const std::optional<KvStorage> storage = KvStorageFromName(kv_type);
   if (!storage) {
-    return InvalidArgumentError(fmt::format("--kv-type: expected f32, f16, int8 or int8_kivi, found '{}'", kv_type));
+    return InvalidArgumentError(
+        fmt::format("--kv-type: expected f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8) or fp8_e5m2, found '{}'", kv_type));
   }
   *dense_storage = *storage;
 
@@ -60,8 +61,8 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   } else if (!f.budget.empty() || !f.params.empty()) {
     return InvalidArgumentError(fmt::format("{} needs --kv-method (one of {})",
                                             f.budget.empty() ? "--kv-param" : "--kv-budget", ValidKvMethodNames()));
-  } else if (*storage == KvStorage::kInt8 || *storage == KvStorage::kInt8Kivi || f.page_size > 0 ||
-             f.evict_interval > 0 || f.per_head || f.shared_heads) {  // int8 types need the paged cache
+  } else if (IsScaledCodeStorage(*storage) || f.page_size > 0 || f.evict_interval > 0 || f.per_head ||
+             f.shared_heads) {  // int8 and fp8 types need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
   } else {
     return std::optional<KvSparsityConfig>();  // dense

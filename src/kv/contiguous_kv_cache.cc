@@ -18,9 +18,9 @@ ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage stora
     : geometry_(geometry), storage_(storage), n_seqs_(n_seqs), max_tokens_(max_tokens) {
   KVS_CHECK(geometry.n_layers > 0 && geometry.n_kv_heads > 0 && geometry.head_dim > 0);
   KVS_CHECK(n_seqs > 0 && max_tokens > 0);
-  // int8 needs per-row scales this layout has no room for: such a cache stores nothing and its
+  // int8 and fp8 need per-row scales this layout has no room for: such a cache stores nothing and its
   // Append reports Unimplemented (PagedKvCache stores int8).
-  row_bytes_ = storage == KvStorage::kInt8 || storage == KvStorage::kInt8Kivi
+  row_bytes_ = IsScaledCodeStorage(storage)
                    ? 0
                    : static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
   slots_.resize(static_cast<size_t>(n_seqs) * geometry.n_layers);
@@ -52,7 +52,7 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
                                 std::to_string(geometry_.n_layers) + ")");
   }
   if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
-  if (storage_ == KvStorage::kInt8 || storage_ == KvStorage::kInt8Kivi) {
+  if (IsScaledCodeStorage(storage_)) {
     return UnimplementedError(std::string("ContiguousKvCache stores f32 or f16 K/V only; ") +
                               KvStorageName(storage_) + " KV storage needs the paged KV cache");
   }

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kvsparse/dtype.h"
+#include "ops/kv_quant.h"
 
 namespace kvsparse {
 
@@ -12,6 +13,8 @@ const char* KvStorageName(KvStorage s) {
     case KvStorage::kF16: return "f16";
     case KvStorage::kInt8: return "int8";
     case KvStorage::kInt8Kivi: return "int8_kivi";
+    case KvStorage::kFp8E4M3: return "fp8_e4m3";
+    case KvStorage::kFp8E5M2: return "fp8_e5m2";
   }
   return "?";
 }
@@ -22,6 +25,8 @@ size_t KvStorageValueBytes(KvStorage s) {
     case KvStorage::kF16: return 2;
     case KvStorage::kInt8: return 1;
     case KvStorage::kInt8Kivi: return 1;
+    case KvStorage::kFp8E4M3: return 1;
+    case KvStorage::kFp8E5M2: return 1;
   }
   return 0;
 }
@@ -43,6 +48,15 @@ void LoadSpanKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_head
       for (int h = 0; h < n_kv_heads; ++h) {
         const float scale = span.k_scale[static_cast<size_t>(t) * n_kv_heads + h];  // [n, n_kv_heads]
         for (int c = 0; c < head_dim; ++c) out[h * head_dim + c] = scale * k[h * head_dim + c];
+      }
+      return;
+    }
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2: {
+      const uint8_t* k = static_cast<const uint8_t*>(span.k) + at;
+      for (int h = 0; h < n_kv_heads; ++h) {
+        const float scale = span.k_scale[static_cast<size_t>(t) * n_kv_heads + h];  // [n, n_kv_heads]
+        for (int c = 0; c < head_dim; ++c) out[h * head_dim + c] = scale * ops::DecodeFp8(type, k[h * head_dim + c]);
       }
       return;
     }

@@ -8,6 +8,7 @@
 #include "ops/kv_quant.h"
 #include "kvsparse/dtype.h"
 #include "kvsparse/ops.h"
+#include "common/align.h"
 
 namespace kvsparse {
 
@@ -15,11 +16,8 @@ namespace {
 
 constexpr int32_t kMaxPageSize = 1 << 16;
 
-size_t Align64(size_t n) { return (n + 63) / 64 * 64; }
 
-bool IsKnownStorage(KvStorage s) {
-  return s == KvStorage::kF32 || s == KvStorage::kF16 || s == KvStorage::kInt8 || s == KvStorage::kInt8Kivi;
-}
+bool IsKnownStorage(KvStorage s) { return static_cast<int>(s) >= 0 && static_cast<int>(s) < kNumKvStorage; }
 
 }  // namespace
 
@@ -89,15 +87,15 @@ PagedKvCache::Layer PagedKvCache::MakeLayer(int l, KvStorage storage, bool per_h
   p.row_heads = per_head ? 1 : geometry_.n_kv_heads;
   const size_t H = static_cast<size_t>(p.row_heads);
   p.row_bytes = H * static_cast<size_t>(geometry_.head_dim) * KvStorageValueBytes(storage);
-  const bool int8 = storage == KvStorage::kInt8;
+  const bool int8 = HasTokenScales(storage);  // int8 or fp8: a scale per (token, kv head)
   p.k_offset = 0;
-  p.v_offset = Align64(P * p.row_bytes);
-  p.positions_offset = p.v_offset + Align64(P * p.row_bytes);
-  size_t end = p.positions_offset + Align64(P * sizeof(int32_t));
+  p.v_offset = AlignTo64(P * p.row_bytes);
+  p.positions_offset = p.v_offset + AlignTo64(P * p.row_bytes);
+  size_t end = p.positions_offset + AlignTo64(P * sizeof(int32_t));
   if (int8) {
     p.k_scale_offset = end;
-    p.v_scale_offset = p.k_scale_offset + Align64(P * H * sizeof(float));
-    end = p.v_scale_offset + Align64(P * H * sizeof(float));
+    p.v_scale_offset = p.k_scale_offset + AlignTo64(P * H * sizeof(float));
+    end = p.v_scale_offset + AlignTo64(P * H * sizeof(float));
   }
   p.page_bytes = end;
   p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + (int8 ? 2 * H * sizeof(float) : 0);
@@ -279,7 +277,7 @@ void PagedKvCache::CopySlots(const Layer& L, PageId src, int32_t src_slot, PageI
   std::memmove(d + p.v_offset + dst_slot * p.row_bytes, s + p.v_offset + src_slot * p.row_bytes, n * p.row_bytes);
   std::memmove(d + p.positions_offset + dst_slot * sizeof(int32_t), s + p.positions_offset + src_slot * sizeof(int32_t),
                n * sizeof(int32_t));
-  if (L.storage == KvStorage::kInt8) {
+  if (HasTokenScales(L.storage)) {
     const size_t scale_row = static_cast<size_t>(p.row_heads) * sizeof(float);  // [row_heads] f32
     std::memmove(d + p.k_scale_offset + dst_slot * scale_row, s + p.k_scale_offset + src_slot * scale_row,
                  n * scale_row);
@@ -320,6 +318,14 @@ void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_
         float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + s * p.row_heads;
         ops::QuantizeKvRowsInt8(k_src, rows, D, reinterpret_cast<int8_t*>(k_dst), k_scale);
         ops::QuantizeKvRowsInt8(v_src, rows, D, reinterpret_cast<int8_t*>(v_dst), v_scale);
+        break;
+      }
+      case KvStorage::kFp8E4M3:
+      case KvStorage::kFp8E5M2: {
+        float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + s * p.row_heads;  // [rows]
+        float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + s * p.row_heads;
+        ops::QuantizeKvRowsFp8(L.storage, k_src, rows, D, k_dst, k_scale);
+        ops::QuantizeKvRowsFp8(L.storage, v_src, rows, D, v_dst, v_scale);
         break;
       }
       case KvStorage::kInt8Kivi:
@@ -487,7 +493,7 @@ Status PagedKvCache::Append(int seq, int layer, int32_t n, const float* k, const
 }
 
 void PagedKvCache::FillSpans(const Layer& L, const Table& t, std::vector<KvSpan>* out) const {
-  const bool int8 = L.storage == KvStorage::kInt8;
+  const bool int8 = HasTokenScales(L.storage);  // int8 or fp8
   out->clear();
   for (size_t i = 0; i < t.pages.size(); ++i) {
     const PageLayout& p = LayoutOf(L, t, i);

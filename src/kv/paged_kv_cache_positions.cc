@@ -116,6 +116,14 @@ int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const Key
             ops::QuantizeKvRowsInt8(k32, rows, D, reinterpret_cast<int8_t*>(k_dst), k_scale);
             break;
           }
+          case KvStorage::kFp8E4M3:
+          case KvStorage::kFp8E5M2: {
+            float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + static_cast<size_t>(s) * rh;
+            ops::DequantizeKvRowsFp8(storage, k_dst, k_scale, rows, D, k32);
+            rotate(k32, rows, delta);
+            ops::QuantizeKvRowsFp8(storage, k32, rows, D, k_dst, k_scale);
+            break;
+          }
           case KvStorage::kInt8Kivi:
             rotate(k32 + static_cast<size_t>(s) * row_values, rows, delta);
             break;

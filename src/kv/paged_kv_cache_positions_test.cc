@@ -87,6 +87,11 @@ TableView Read(const PagedKvCache& cache, int seq, int head) {
         ops::DequantizeKvColumnsInt8(static_cast<const int8_t*>(s.k), s.k_channel_scale, s.n, rows * kHeadDim,
                                      k.data());
         break;
+      case KvStorage::kFp8E4M3:
+      case KvStorage::kFp8E5M2:
+        ops::DequantizeKvRowsFp8(storage, static_cast<const uint8_t*>(s.k), s.k_scale, static_cast<int64_t>(s.n) * rows,
+                                 kHeadDim, k.data());
+        break;
     }
     view.k.insert(view.k.end(), k.begin(), k.end());
     view.positions.insert(view.positions.end(), s.positions, s.positions + s.n);
@@ -148,12 +153,17 @@ float MaxPairNorm(const Tokens& t, int head) {
 //   int8: two quantizations with scales <= M / 127 (half a step each, the first rotated):
 //        (sqrt2 + 1) M / 254 < 0.0096 M; 0.012 M.
 //   int8_kivi: eviction regroups (requantizes) keys once more: 3 half steps rotated: 0.02 M.
+//   fp8: two roundings by at most 2^-(M+1) relative (ops/kv_quant.h), the first rotated:
+//        (sqrt2 + 1) 2^-4 M < 0.151 M (e4m3), (sqrt2 + 1) 2^-3 M < 0.302 M (e5m2); subnormal
+//        steps are far smaller.
 float Tolerance(KvStorage storage) {
   switch (storage) {
     case KvStorage::kF32: return 1e-4f;
     case KvStorage::kF16: return 2e-3f;
     case KvStorage::kInt8: return 0.012f;
     case KvStorage::kInt8Kivi: return 0.02f;
+    case KvStorage::kFp8E4M3: return 0.16f;
+    case KvStorage::kFp8E5M2: return 0.31f;
   }
   return 0;
 }
@@ -221,7 +231,8 @@ TEST(RopeNegativePosition, UndoesPositiveAndMatchesReference) {
 // Every storage type, both RoPE styles, pages of 5 (ragged), StreamingLLM and scattered masks.
 TEST(PagedKvCacheRenumber, SurvivorsAreRotatedToTheirNewPositions) {
   const int32_t n = 47;
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
+                           KvStorage::kFp8E5M2}) {
     for (RopeStyle style : {RopeStyle::kAdjacentPairs, RopeStyle::kNeox}) {
       for (int scatter : {0, 9}) {
         const std::string what = std::string(KvStorageName(storage)) +
@@ -269,7 +280,8 @@ TEST(PagedKvCacheRenumber, SurvivorsAreRotatedToTheirNewPositions) {
 TEST(PagedKvCacheRenumber, PerHeadTablesRenumberEachHead) {
   const int32_t n = 40;
   const RopeStyle style = RopeStyle::kNeox;
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
+                           KvStorage::kFp8E5M2}) {
     std::mt19937 rng(5);
     const Tokens tokens = MakeTokens(n, 0, style, rng);
     auto cache = MakeCache(storage, true, 1, 8);
@@ -300,7 +312,7 @@ TEST(PagedKvCacheRenumber, PerHeadTablesRenumberEachHead) {
 TEST(PagedKvCacheRenumber, SharedPagesAreCopiedFirst) {
   const int32_t n = 30;
   const RopeStyle style = RopeStyle::kAdjacentPairs;
-  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2}) {
     const std::string what(KvStorageName(storage));
     std::mt19937 rng(11);
     const Tokens tokens = MakeTokens(n, 0, style, rng);

@@ -33,7 +33,7 @@ using ModelTable = std::vector<ModelToken>;
 // What the cache must hold for one row (K or V of one token) in `storage`: exact bytes.
 struct EncodedRow {
   std::vector<uint8_t> values;  // [n_kv_heads, head_dim] in storage
-  std::vector<float> scales;    // [n_kv_heads] (int8 only)
+  std::vector<float> scales;    // [n_kv_heads] (int8 and fp8)
 };
 
 EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads, int head_dim) {
@@ -54,6 +54,11 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
       ref::QuantizeKvRowsInt8(x.data(), n_kv_heads, head_dim, reinterpret_cast<int8_t*>(e.values.data()),
                               e.scales.data());
       break;
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2:
+      e.scales.resize(n_kv_heads);
+      ops::QuantizeKvRowsFp8(storage, x.data(), n_kv_heads, head_dim, e.values.data(), e.scales.data());
+      break;
     case KvStorage::kInt8Kivi:  // groups of tokens, not rows: paged_kv_cache_kivi_test.cc
       ADD_FAILURE() << "int8_kivi rows are not encoded one by one";
       break;
@@ -67,10 +72,10 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
   if (std::memcmp(stored, e.values.data(), e.values.size()) != 0) {
     return ::testing::AssertionFailure() << "stored values differ (" << KvStorageName(storage) << ")";
   }
-  if (storage == KvStorage::kInt8) {
-    if (scales == nullptr) return ::testing::AssertionFailure() << "int8 span without scales";
+  if (HasTokenScales(storage)) {
+    if (scales == nullptr) return ::testing::AssertionFailure() << "int8 / fp8 span without scales";
     if (std::memcmp(scales, e.scales.data(), e.scales.size() * sizeof(float)) != 0) {
-      return ::testing::AssertionFailure() << "int8 scales differ";
+      return ::testing::AssertionFailure() << "int8 / fp8 scales differ";
     }
   } else if (scales != nullptr) {
     return ::testing::AssertionFailure() << "scales on a non-int8 span";
@@ -221,7 +226,7 @@ TEST_P(PagedKvCacheStorageTest, ByteAccountingIsExact) {
   const KvGeometry geo{2, 2, 8};
   auto cache = MakePagedCache(geo, {GetParam()}, 1, 4, 1 << 20);
   const size_t vb = KvStorageValueBytes(GetParam());
-  const bool int8 = GetParam() == KvStorage::kInt8;
+  const bool int8 = HasTokenScales(GetParam());
   const size_t row_bytes = 2 * 8 * vb;
   auto align = [](size_t n) { return (n + 63) / 64 * 64; };
   const size_t page_bytes =
@@ -269,7 +274,7 @@ TEST_P(PagedKvCacheStorageTest, ByteAccountingIsExact) {
 
 // With no eviction, the paged spans concatenate to ContiguousKvCache's single span.
 TEST_P(PagedKvCacheStorageTest, ConcatenatedSpansEqualContiguousCache) {
-  if (GetParam() == KvStorage::kInt8) GTEST_SKIP() << "ContiguousKvCache stores f32/f16 only";
+  if (HasTokenScales(GetParam())) GTEST_SKIP() << "ContiguousKvCache stores f32/f16 only";
   const KvGeometry geo{2, 3, 10};
   auto paged = MakePagedCache(geo, {GetParam()}, 1, 5, 1 << 20);
   ContiguousKvCache dense(geo, GetParam(), 1, 64);
@@ -396,7 +401,8 @@ TEST_P(PagedKvCacheStorageTest, RemoveRangeDropsPositionsFromEveryLayer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, PagedKvCacheStorageTest,
-                         ::testing::Values(KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8),
+                         ::testing::Values(KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kFp8E4M3,
+                                           KvStorage::kFp8E5M2),
                          [](const ::testing::TestParamInfo<KvStorage>& info) {
                            return std::string(KvStorageName(info.param));
                          });
@@ -721,7 +727,7 @@ TEST_P(PagedKvCachePerHeadTest, HeadsKeepDifferentTokensWithExactAccounting) {
   const KvGeometry geo{2, H, D};
   auto cache = MakePagedCache(geo, {GetParam()}, 2, P, 1 << 20, {0, 1});  // layer 1 per-head
   const size_t vb = KvStorageValueBytes(GetParam());
-  const bool int8 = GetParam() == KvStorage::kInt8;
+  const bool int8 = HasTokenScales(GetParam());
   auto align = [](size_t n) { return (n + 63) / 64 * 64; };
   const size_t shared_page = 2 * align(P * H * D * vb) + align(P * sizeof(int32_t)) +
                              (int8 ? 2 * align(P * H * sizeof(float)) : 0);
@@ -837,7 +843,8 @@ TEST_P(PagedKvCachePerHeadTest, HeadsKeepDifferentTokensWithExactAccounting) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, PagedKvCachePerHeadTest,
-                         ::testing::Values(KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8),
+                         ::testing::Values(KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kFp8E4M3,
+                                           KvStorage::kFp8E5M2),
                          [](const ::testing::TestParamInfo<KvStorage>& info) {
                            return std::string(KvStorageName(info.param));
                          });
@@ -1062,7 +1069,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(PropertyConfig{{KvStorage::kF32}, 1, true}, PropertyConfig{{KvStorage::kF32}, 3, true},
                       PropertyConfig{{KvStorage::kF32}, 16, true}, PropertyConfig{{KvStorage::kF32}, 4, false},
                       PropertyConfig{{KvStorage::kF16}, 4, true}, PropertyConfig{{KvStorage::kInt8}, 5, true},
-                      PropertyConfig{{KvStorage::kInt8}, 16, false},
+                      PropertyConfig{{KvStorage::kInt8}, 16, false}, PropertyConfig{{KvStorage::kFp8E4M3}, 5, true},
                       PropertyConfig{{KvStorage::kF16, KvStorage::kInt8, KvStorage::kF32}, 3, true},
                       // Per-head layers, alone and mixed with shared ones.
                       PropertyConfig{{KvStorage::kF32}, 1, true, {1}}, PropertyConfig{{KvStorage::kInt8}, 4, true, {1}},

@@ -127,7 +127,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   std::fill(acc, acc + q_floats, 0.f);
   std::fill(l_lanes, l_lanes + static_cast<size_t>(rows) * kBlock, 0.f);
 
-  const bool int8 = IsInt8Storage(storage);  // int8 or int8_kivi: scaled codes
+  const bool int8 = IsScaledCodeStorage(storage);  // int8, int8_kivi or fp8: scaled codes
   const bool kivi = storage == KvStorage::kInt8Kivi;
   const size_t elem_bytes = KvStorageValueBytes(storage);
   const size_t token_bytes = static_cast<size_t>(plan.row_heads) * d * elem_bytes;  // one token row, all its heads
@@ -159,9 +159,9 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       const int stored_head = plan.first_kv_head + kv_head;  // its place in the stored rows
       const size_t head_offset = static_cast<size_t>(stored_head) * head_bytes;
       const uint8_t* k_head[kBlock];
-      float k_scale[kBlock];         // int8 only: token j's K scale for this head
+      float k_scale[kBlock];         // int8 and fp8: token j's K scale for this head
       const float* k_chan[kBlock];   // int8_kivi only: token j's K channel scales for this head [d]
-      float v_scale[kBlock];         // int8 and int8_kivi: token j's V scale for this head
+      float v_scale[kBlock];         // int8, int8_kivi and fp8: token j's V scale for this head
       for (int j = 0; j < n_block; ++j) k_head[j] = block.k[j] + head_offset;
       if (int8) {
         for (int j = 0; j < n_block; ++j) {
@@ -237,13 +237,22 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           AccumulateHead(p, correction, static_cast<const f16_bits*>(v_rows), v_stride, acc, dp, r_begin, r_end);
           break;
         case KvStorage::kInt8:
-        case KvStorage::kInt8Kivi: {
-          // In-place int8 V is unscaled: fold each token's V scale into the probabilities
+        case KvStorage::kInt8Kivi:
+        case KvStorage::kFp8E4M3:
+        case KvStorage::kFp8E5M2: {
+          // In-place int8 / fp8 V is unscaled: fold each token's V scale into the probabilities
           // (the running sums above already hold the unscaled ones).
           alignas(64) float lane_scale[kBlock];
-          for (int lane = 0; lane < kBlock; ++lane) lane_scale[lane] = v_scale[LaneToken(lane)];
+          const float factor = CodeScaleFactor(v_type);
+          for (int lane = 0; lane < kBlock; ++lane) lane_scale[lane] = v_scale[LaneToken(lane)] * factor;
           ScaleProbabilities(p, lane_scale, r_begin, r_end);
-          AccumulateHead(p, correction, static_cast<const int8_t*>(v_rows), v_stride, acc, dp, r_begin, r_end);
+          if (v_type == KvStorage::kFp8E4M3) {
+            AccumulateHead(p, correction, static_cast<const Fp8E4M3Code*>(v_rows), v_stride, acc, dp, r_begin, r_end);
+          } else if (v_type == KvStorage::kFp8E5M2) {
+            AccumulateHead(p, correction, static_cast<const Fp8E5M2Code*>(v_rows), v_stride, acc, dp, r_begin, r_end);
+          } else {
+            AccumulateHead(p, correction, static_cast<const int8_t*>(v_rows), v_stride, acc, dp, r_begin, r_end);
+          }
           break;
         }
       }

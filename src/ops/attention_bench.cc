@@ -18,6 +18,7 @@
 #include "kvsparse/dtype.h"
 #include "kvsparse/isa.h"
 #include "kvsparse/ops.h"
+#include "ops/kv_quant.h"
 
 namespace kvsparse {
 namespace {
@@ -31,7 +32,7 @@ constexpr int kHeadDim = 64;
 struct BenchCache {
   KvStorage storage;
   std::vector<uint8_t> k, v;         // [depth, heads, kHeadDim] in storage type
-  std::vector<float> k_scale, v_scale;  // [depth, heads] (int8; v_scale also int8_kivi)
+  std::vector<float> k_scale, v_scale;  // [depth, heads] (int8, fp8; v_scale also int8_kivi)
   std::vector<float> k_channel_scale;   // [spans, heads, kHeadDim] (int8_kivi: one page per span)
   std::vector<int32_t> positions;    // [depth]
   std::vector<KvSpan> spans;
@@ -60,12 +61,15 @@ struct BenchCache {
           reinterpret_cast<int8_t*>(k.data())[i] = static_cast<int8_t>(code(rng));
           reinterpret_cast<int8_t*>(v.data())[i] = static_cast<int8_t>(code(rng));
           break;
+        case KvStorage::kFp8E4M3:
+        case KvStorage::kFp8E5M2:
+          k[i] = ops::EncodeFp8(st, kv[0] * ops::Fp8Max(st));
+          v[i] = ops::EncodeFp8(st, kv[1] * ops::Fp8Max(st));
+          break;
       }
     }
-    if (st == KvStorage::kInt8) k_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
-    if (st == KvStorage::kInt8 || st == KvStorage::kInt8Kivi) {
-      v_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
-    }
+    if (HasTokenScales(st)) k_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
+    if (IsScaledCodeStorage(st)) v_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
     const int64_t n_spans = (depth + span_tokens - 1) / span_tokens;
     if (st == KvStorage::kInt8Kivi) {
       k_channel_scale.assign(static_cast<size_t>(n_spans) * heads * kHeadDim, 1.f / 127);
@@ -78,7 +82,7 @@ struct BenchCache {
       span.k = k.data() + t0 * row_bytes;
       span.v = v.data() + t0 * row_bytes;
       span.positions = positions.data() + t0;
-      if (st == KvStorage::kInt8) span.k_scale = k_scale.data() + t0 * heads;
+      if (HasTokenScales(st)) span.k_scale = k_scale.data() + t0 * heads;
       if (!v_scale.empty()) span.v_scale = v_scale.data() + t0 * heads;
       if (st == KvStorage::kInt8Kivi) {
         span.k_channel_scale = k_channel_scale.data() + (t0 / span_tokens) * heads * kHeadDim;
@@ -92,9 +96,9 @@ struct BenchCache {
   }
 };
 
-KvStorage StorageArg(int64_t arg) {
-  return arg == 0 ? KvStorage::kF32 : arg == 1 ? KvStorage::kF16 : arg == 2 ? KvStorage::kInt8 : KvStorage::kInt8Kivi;
-}
+// The benchmarks' storage argument is KvStorage's value: 0 = f32, 1 = f16, 2 = int8, 3 = int8_kivi,
+// 4 = fp8_e4m3, 5 = fp8_e5m2.
+KvStorage StorageArg(int64_t arg) { return static_cast<KvStorage>(arg); }
 
 // Makes the benchmark's kernel family (argument `arg`) the active one; false (and the run
 // skipped) when this build or CPU cannot run it.
@@ -121,7 +125,7 @@ std::vector<float> RandomQ(size_t n) {
   return q;
 }
 
-// Args: isa, depth, storage (0 = f32, 1 = f16, 2 = int8, 3 = int8_kivi), threads, span tokens (0 = one span).
+// Args: isa, depth, storage (StorageArg), threads, span tokens (0 = one span).
 void BM_AttentionDecode(benchmark::State& state) {
   if (!UseIsa(state, state.range(0))) return;
   const int64_t depth = state.range(1);
@@ -288,7 +292,7 @@ BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMil
 BENCHMARK(BM_AttentionDecode)
     ->ArgNames({"isa", "depth", "storage", "threads", "span"})
     ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512, 4096, 32768}, {1, 0, 2}, {1, 2}, {0}})
-    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {4096}, {1, 2, 3}, {2}, {16}})  // paged: one span per 16-token page
+    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {4096}, {1, 2, 3, 4, 5}, {2}, {16}})  // paged: one span per 16-token page
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionDecode22Layers)

@@ -10,8 +10,9 @@
 // family's layout is described where its section starts). Scores, probabilities and the PV
 // loop use "lane order": lane k of a block holds token LaneToken(k).
 //
-// Storage types: f32 and f16 rows are converted on load; int8 rows (value = scale * q,
-// one scale per token and kv head) are dequantized on load for K. V is either dequantized
+// Storage types: f32 and f16 rows are converted on load; int8 and fp8 rows (value = scale * q,
+// one scale per token and kv head) are dequantized on load for K. fp8 codes are widened to f16
+// bits and converted by the f16 instruction (e4m3 reads value / 256: CodeScaleFactor). V is either dequantized
 // into scratch or read in place, with its per-token scale folded into the probabilities.
 // int8_kivi K rows carry one scale per channel for the whole span (page): packing multiplies
 // by that scale vector instead of a broadcast token scale, at the same cost (the pack is
@@ -52,6 +53,22 @@ inline __m512 Int8ToF32(const int8_t* src) {
 inline __m512 Int8ToF32(__mmask16 mask, const int8_t* src) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src)));
 }
+// 16 fp8 codes as f32 through f16 bits (ops/kv_quant.h; e4m3 reads value / 256): e4m3's sign
+// extends to bits 15 and 14, and the mask keeps bit 15.
+inline __m512 Fp8E4M3ToF32(__m128i codes) {
+  const __m256i bits = _mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(bits, _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
+}
+inline __m512 Fp8E5M2ToF32(__m128i codes) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 8)); }
+// 16 one-byte codes of a scaled-code storage type (or the first `mask` ones) as f32, unscaled.
+inline __m512 CodesToF32(KvStorage storage, __mmask16 mask, const uint8_t* src) {
+  const __m128i codes = _mm_maskz_loadu_epi8(mask, src);
+  switch (storage) {
+    case KvStorage::kFp8E4M3: return Fp8E4M3ToF32(codes);
+    case KvStorage::kFp8E5M2: return Fp8E5M2ToF32(codes);
+    default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+  }
+}
 
 // Converts one row of head_dim storage elements to f32 (int8: times `scale`) with zero
 // padding to dp.
@@ -70,13 +87,14 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       break;
     }
     case KvStorage::kInt8:
-    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
-      const int8_t* b = static_cast<const int8_t*>(src);
-      const __m512 s = _mm512_set1_ps(scale);
-      for (; c + 16 <= head_dim; c += 16) _mm512_store_ps(dst + c, _mm512_mul_ps(Int8ToF32(b + c), s));
-      if (c < head_dim) {
-        const __mmask16 m = static_cast<__mmask16>((1u << (head_dim - c)) - 1);
-        _mm512_store_ps(dst + c, _mm512_mul_ps(Int8ToF32(m, b + c), s));
+    case KvStorage::kInt8Kivi:  // V rows: per-token scale in both
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2: {
+      const uint8_t* b = static_cast<const uint8_t*>(src);
+      const __m512 s = _mm512_set1_ps(scale * CodeScaleFactor(storage));
+      for (; c < head_dim; c += 16) {
+        const __mmask16 m = static_cast<__mmask16>(head_dim - c >= 16 ? 0xFFFF : (1u << (head_dim - c)) - 1);
+        _mm512_store_ps(dst + c, _mm512_mul_ps(CodesToF32(storage, m, b + c), s));
       }
       break;
     }
@@ -124,9 +142,9 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
         for (int lane = 0; lane < 4; ++lane) {
           if (src[lane] == nullptr) {
             x[lane] = _mm512_setzero_ps();
-          } else if (storage == KvStorage::kInt8) {
-            x[lane] = _mm512_mul_ps(Int8ToF32(mask, reinterpret_cast<const int8_t*>(src[lane]) + d0),
-                                    _mm512_set1_ps(scales[4 * g + lane]));
+          } else if (HasTokenScales(storage)) {
+            x[lane] = _mm512_mul_ps(CodesToF32(storage, mask, src[lane] + d0),
+                                    _mm512_set1_ps(scales[4 * g + lane] * CodeScaleFactor(storage)));
           } else if (storage == KvStorage::kInt8Kivi) {
             x[lane] = _mm512_mul_ps(Int8ToF32(mask, reinterpret_cast<const int8_t*>(src[lane]) + d0),
                                     _mm512_maskz_loadu_ps(mask, channel_scales[4 * g + lane] + d0));
@@ -251,12 +269,18 @@ inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_
 // Into L2 only: an L1 prefetch this far ahead gets evicted by the block's own scratch traffic.
 inline void Prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T2); }
 
-// Loads dims c..c+15 of a V row in storage type T (float, f16 bits or unscaled int8) as f32.
+// Loads dims c..c+15 of a V row in storage type T (float, f16 bits, unscaled int8 or fp8) as f32.
 inline __m512 LoadV(const float* row, int c) { return _mm512_loadu_ps(row + c); }
 inline __m512 LoadV(const f16_bits* row, int c) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
 }
 inline __m512 LoadV(const int8_t* row, int c) { return Int8ToF32(row + c); }
+inline __m512 LoadV(const Fp8E4M3Code* row, int c) {
+  return Fp8E4M3ToF32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+}
+inline __m512 LoadV(const Fp8E5M2Code* row, int c) {
+  return Fp8E5M2ToF32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+}
 
 // acc[r] = acc[r] * correction[r] + sum_lanes p[r][lane] * v_(LaneToken(lane)), for kRows rows
 // at once so each V load (and conversion) serves kRows rows. V row t is at v + t * v_stride
@@ -293,6 +317,20 @@ constexpr int PairToken(int g) { return 8 * (g / 4) + g % 4; }
 
 // The low 8 int8 values of `codes` widened to f32.
 inline __m256 Int8ToF32(__m128i codes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)); }
+// The low 8 fp8 codes as f32 through f16 bits, as in the AVX-512 family.
+inline __m256 Fp8E4M3ToF32(__m128i codes) {
+  const __m128i bits = _mm_slli_epi16(_mm_cvtepi8_epi16(codes), 7);
+  return _mm256_cvtph_ps(_mm_and_si128(bits, _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
+}
+inline __m256 Fp8E5M2ToF32(__m128i codes) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(codes), 8)); }
+// The low 8 one-byte codes of a scaled-code storage type as f32, unscaled.
+inline __m256 CodesToF32(KvStorage storage, __m128i codes) {
+  switch (storage) {
+    case KvStorage::kFp8E4M3: return Fp8E4M3ToF32(codes);
+    case KvStorage::kFp8E5M2: return Fp8E5M2ToF32(codes);
+    default: return Int8ToF32(codes);
+  }
+}
 
 inline __m128i Load4Bytes(const void* src) {
   int32_t x;
@@ -320,13 +358,17 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       break;
     }
     case KvStorage::kInt8:
-    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
-      const int8_t* b = static_cast<const int8_t*>(src);
-      const __m256 s = _mm256_set1_ps(scale);
+    case KvStorage::kInt8Kivi:  // V rows: per-token scale in both
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2: {
+      const uint8_t* b = static_cast<const uint8_t*>(src);
+      const float full_scale = scale * CodeScaleFactor(storage);
+      const __m256 s = _mm256_set1_ps(full_scale);
       for (; c + 8 <= head_dim; c += 8) {
-        _mm256_store_ps(dst + c, _mm256_mul_ps(Int8ToF32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + c))), s));
+        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + c));
+        _mm256_store_ps(dst + c, _mm256_mul_ps(CodesToF32(storage, codes), s));
       }
-      for (; c < head_dim; ++c) dst[c] = static_cast<float>(b[c]) * scale;
+      for (; c < head_dim; ++c) dst[c] = CodeToF32(storage, b[c]) * full_scale;
       break;
     }
     case KvStorage::kF32: {
@@ -375,20 +417,23 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
             _mm256_store_ps(dst + c * 64, _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi)));
           }
           break;
-        case KvStorage::kInt8: {
-          const __m256 s = _mm256_set_m128(_mm_set1_ps(scales[tb]), _mm_set1_ps(scales[ta]));
+        case KvStorage::kInt8:
+        case KvStorage::kFp8E4M3:
+        case KvStorage::kFp8E5M2: {
+          const float factor = CodeScaleFactor(storage);
+          const __m256 s = _mm256_set_m128(_mm_set1_ps(scales[tb] * factor), _mm_set1_ps(scales[ta] * factor));
           for (; c + 4 <= full; c += 4) {  // 16 dims of each token: chunks c..c + 3
             const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4 * c));
             const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4 * c));
             const __m128i lo = _mm_unpacklo_epi32(x, y), hi = _mm_unpackhi_epi32(x, y);
-            _mm256_store_ps(dst + c * 64, _mm256_mul_ps(Int8ToF32(lo), s));
-            _mm256_store_ps(dst + (c + 1) * 64, _mm256_mul_ps(Int8ToF32(_mm_unpackhi_epi64(lo, lo)), s));
-            _mm256_store_ps(dst + (c + 2) * 64, _mm256_mul_ps(Int8ToF32(hi), s));
-            _mm256_store_ps(dst + (c + 3) * 64, _mm256_mul_ps(Int8ToF32(_mm_unpackhi_epi64(hi, hi)), s));
+            _mm256_store_ps(dst + c * 64, _mm256_mul_ps(CodesToF32(storage, lo), s));
+            _mm256_store_ps(dst + (c + 1) * 64, _mm256_mul_ps(CodesToF32(storage, _mm_unpackhi_epi64(lo, lo)), s));
+            _mm256_store_ps(dst + (c + 2) * 64, _mm256_mul_ps(CodesToF32(storage, hi), s));
+            _mm256_store_ps(dst + (c + 3) * 64, _mm256_mul_ps(CodesToF32(storage, _mm_unpackhi_epi64(hi, hi)), s));
           }
           for (; c < full; ++c) {
             const __m128i codes = _mm_unpacklo_epi32(Load4Bytes(a + 4 * c), Load4Bytes(b + 4 * c));
-            _mm256_store_ps(dst + c * 64, _mm256_mul_ps(Int8ToF32(codes), s));
+            _mm256_store_ps(dst + c * 64, _mm256_mul_ps(CodesToF32(storage, codes), s));
           }
           break;
         }
@@ -413,7 +458,9 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
             case KvStorage::kF32: value = reinterpret_cast<const float*>(rows[j])[dim]; break;
             case KvStorage::kF16: value = F16ToF32(reinterpret_cast<const f16_bits*>(rows[j])[dim]); break;
             case KvStorage::kInt8:
-              value = static_cast<float>(reinterpret_cast<const int8_t*>(rows[j])[dim]) * scales[j];
+            case KvStorage::kFp8E4M3:
+            case KvStorage::kFp8E5M2:
+              value = CodeToF32(storage, rows[j][dim]) * (scales[j] * CodeScaleFactor(storage));
               break;
             case KvStorage::kInt8Kivi:
               value = static_cast<float>(reinterpret_cast<const int8_t*>(rows[j])[dim]) * channel_scales[j][dim];
@@ -574,13 +621,19 @@ inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_
 // Into L2 only, as in the AVX-512 family.
 inline void Prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T2); }
 
-// Loads dims c..c+7 of a V row in storage type T (float, f16 bits or unscaled int8) as f32.
+// Loads dims c..c+7 of a V row in storage type T (float, f16 bits, unscaled int8 or fp8) as f32.
 inline __m256 LoadV(const float* row, int c) { return _mm256_loadu_ps(row + c); }
 inline __m256 LoadV(const f16_bits* row, int c) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
 }
 inline __m256 LoadV(const int8_t* row, int c) {
   return Int8ToF32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+}
+inline __m256 LoadV(const Fp8E4M3Code* row, int c) {
+  return Fp8E4M3ToF32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+}
+inline __m256 LoadV(const Fp8E5M2Code* row, int c) {
+  return Fp8E5M2ToF32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
 }
 
 // acc[r] = acc[r] * correction[r] + sum_lanes p[r][lane] * v_lane, for kRows rows at once so
@@ -622,9 +675,12 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       break;
     }
     case KvStorage::kInt8:
-    case KvStorage::kInt8Kivi: {  // V rows: per-token scale in both
-      const int8_t* b = static_cast<const int8_t*>(src);
-      for (int c = 0; c < head_dim; ++c) dst[c] = scale * static_cast<float>(b[c]);
+    case KvStorage::kInt8Kivi:  // V rows: per-token scale in both
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2: {
+      const uint8_t* b = static_cast<const uint8_t*>(src);
+      const float full_scale = scale * CodeScaleFactor(storage);
+      for (int c = 0; c < head_dim; ++c) dst[c] = full_scale * CodeToF32(storage, b[c]);
       break;
     }
     case KvStorage::kF32:
@@ -644,7 +700,7 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
       for (int c = 0; c < head_dim; ++c) dst[c] = static_cast<float>(b[c]) * channel_scales[j][c];
       std::fill(dst + head_dim, dst + dp, 0.f);
     } else if (j < n_rows) {
-      LoadRowF32(storage, rows[j], storage == KvStorage::kInt8 ? scales[j] : 1.f, head_dim, dst);
+      LoadRowF32(storage, rows[j], HasTokenScales(storage) ? scales[j] : 1.f, head_dim, dst);
     } else {
       std::fill(k_packed + static_cast<size_t>(j) * dp, k_packed + static_cast<size_t>(j + 1) * dp, 0.f);
     }
@@ -705,6 +761,12 @@ inline void Prefetch(const void* address) { __builtin_prefetch(address, 0, 1); }
 inline float LoadV(const float* row, int c) { return row[c]; }
 inline float LoadV(const f16_bits* row, int c) { return F16ToF32(row[c]); }
 inline float LoadV(const int8_t* row, int c) { return static_cast<float>(row[c]); }
+inline float LoadV(const Fp8E4M3Code* row, int c) {
+  return CodeToF32(KvStorage::kFp8E4M3, static_cast<uint8_t>(row[c]));
+}
+inline float LoadV(const Fp8E5M2Code* row, int c) {
+  return CodeToF32(KvStorage::kFp8E5M2, static_cast<uint8_t>(row[c]));
+}
 
 template <int kRows, typename T>
 inline void AccumulateRows(const float* p, const float* correction, const T* v, size_t v_stride, float* acc, int dp) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvsparse/dtype.h"
+#include "ops/kv_quant.h"
 #include "kvsparse/kv_cache.h"
 #include "kvsparse/status.h"
 
@@ -124,8 +125,8 @@ inline std::vector<KvSegment> KvSegments(KvStorage storage, const KvSpan* spans,
     KVS_CHECK(span.n >= 0);
     if (span.n == 0) continue;
     const KvStorage type = SpanStorage(storage, span);
-    KVS_CHECK_MSG(type != KvStorage::kInt8 || (span.k_scale != nullptr && span.v_scale != nullptr),
-                  "int8 KV spans need k_scale and v_scale");
+    KVS_CHECK_MSG(!HasTokenScales(type) || (span.k_scale != nullptr && span.v_scale != nullptr),
+                  "int8 and fp8 KV spans need k_scale and v_scale");
     KVS_CHECK_MSG(type != KvStorage::kInt8Kivi || span.v_scale != nullptr, "int8_kivi KV spans need v_scale");
     if (segments.empty() || segments.back().storage != type) {
       if (!segments.empty()) segments.back().n_spans = i - segments.back().first_span;
@@ -202,9 +203,22 @@ struct BlockRows {
   bool one_span = false;       // all kBlock tokens lie in one span (V may be read in place)
 };
 
-inline bool IsInt8Storage(KvStorage s) { return s == KvStorage::kInt8 || s == KvStorage::kInt8Kivi; }
+// fp8 codes are widened to f16 bits in registers and converted by the f16 instruction (exact,
+// subnormals included); e4m3's f16 reading is its value / 256, folded into the scales.
+inline float CodeScaleFactor(KvStorage s) { return s == KvStorage::kFp8E4M3 ? 256.f : 1.f; }
 
-// with_scales: also fill k_scale / v_scale / k_chan (int8 and int8_kivi spans); skipped
+// One code of a scaled-code storage type as f32, unscaled (e4m3: value / 256), exactly as the
+// SIMD decoders read it.
+inline float CodeToF32(KvStorage s, uint8_t code) {
+  if (IsFp8Storage(s)) return F16ToF32(Fp8ToF16Bits(s, code));
+  return static_cast<float>(static_cast<int8_t>(code));
+}
+
+// One-byte V codes read in place: distinct types, so that LoadV's overload picks the decoder.
+enum class Fp8E4M3Code : uint8_t {};
+enum class Fp8E5M2Code : uint8_t {};
+
+// with_scales: also fill k_scale / v_scale / k_chan (IsScaledCodeStorage spans); skipped
 // otherwise, since this runs once per block on the decode hot path.
 inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, size_t token_bytes, int n_kv_heads,
                             bool with_scales, int32_t* span, BlockRows* rows) {

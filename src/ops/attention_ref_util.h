@@ -6,6 +6,7 @@
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/kv_cache.h"
+#include "ops/kv_quant.h"
 
 namespace kvsparse::ref {
 
@@ -40,6 +41,9 @@ struct KvElementReader {
       case KvStorage::kInt8:
       case KvStorage::kInt8Kivi:  // V: per (token, kv head) scale
         return static_cast<double>(scale[head_row]) * static_cast<const int8_t*>(base)[index];
+      case KvStorage::kFp8E4M3:
+      case KvStorage::kFp8E5M2:  // exact decode (a 256-entry table's worth of values)
+        return static_cast<double>(scale[head_row]) * ops::DecodeFp8(type, static_cast<const uint8_t*>(base)[index]);
     }
     return 0.0;
   }

@@ -75,7 +75,7 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
   float* row_max = k_block + static_cast<size_t>(kBlock) * dp;  // [rows] softmax max, log2 domain
   float* row_inv_sum = row_max + max_rows;  // [rows] 1 / softmax sum (0: row sees nothing)
 
-  const bool int8 = IsInt8Storage(segment.storage);
+  const bool int8 = IsScaledCodeStorage(segment.storage);
   const bool kivi = segment.storage == KvStorage::kInt8Kivi;
   const size_t elem_bytes = KvStorageValueBytes(segment.storage);
   const size_t token_bytes = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;

@@ -23,7 +23,8 @@ using testing::RandomQueries;
 using testing::SpanSet;
 
 // int8_kivi span sets end with a full-precision residual span (see MakeSpans).
-constexpr KvStorage kAllStorage[] = {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi};
+constexpr KvStorage kAllStorage[] = {KvStorage::kF32,      KvStorage::kF16,      KvStorage::kInt8,
+                                     KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2};
 
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size());
@@ -230,51 +231,83 @@ TEST_P(AttentionTest, WorksOverContiguousKvCache) {
   }
 }
 
+// The largest K and V errors a span set's storage allows (per element), from its stated bounds.
+struct ElementErrors {
+  double k = 0, v = 0;
+};
+ElementErrors MaxElementErrors(const SpanSet& set) {
+  ElementErrors e;
+  for (size_t s = 0; s < set.spans.size(); ++s) {
+    if (set.storage == KvStorage::kInt8) {  // half a step
+      for (float x : set.k_scale[s]) e.k = std::max(e.k, x / 2.0);
+      for (float x : set.v_scale[s]) e.v = std::max(e.v, x / 2.0);
+      continue;
+    }
+    // fp8: max(|x| 2^-(M+1), scale 2^-(bias+M)) (ops/kv_quant.h).
+    const bool e4m3 = set.storage == KvStorage::kFp8E4M3;
+    const int m = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const int row = set.head_dim;
+    for (size_t i = 0; i < set.k_f32[s].size(); ++i) {
+      const double k_bound = std::max<double>(std::ldexp(std::fabs(set.k_f32[s][i]), -(m + 1)),
+                                      std::ldexp(static_cast<double>(set.k_scale[s][i / row]), -(bias + m)));
+      const double v_bound = std::max<double>(std::ldexp(std::fabs(set.v_f32[s][i]), -(m + 1)),
+                                      std::ldexp(static_cast<double>(set.v_scale[s][i / row]), -(bias + m)));
+      e.k = std::max(e.k, k_bound);
+      e.v = std::max(e.v, v_bound);
+    }
+  }
+  return e;
+}
 
-// int8 against f32 on the same (pre-quantization) values. With round-to-nearest, every K and
-// V element moves by at most half its row's scale. A score then moves by at most
-//   delta = scale * sum_c |q_c| * max_t k_scale_t / 2,
+// int8 and fp8 against f32 on the same values. With every K element off by at most kerr, a
+// score moves by at most
+//   delta = scale * sum_c |q_c| * kerr,
 // so every probability changes by a factor within [e^-2delta, e^2delta] and
-//   |out_int8 - out_f32| <= max_t v_scale_t / 2 + (e^(2 delta) - 1) * max |v|.
-// Both the fast kernel and the reference must stay inside that bound.
-TEST_P(AttentionTest, Int8StaysWithinQuantizationBoundOfF32) {
+//   |out_quantized - out_f32| <= verr + (e^(2 delta) - 1) * max |v|.
+// Both the fast kernel and the reference must stay inside that bound. fp8's relative error
+// (2^-4, 2^-3) is coarser than int8's, so its queries are smaller to keep the bound meaningful.
+TEST_P(AttentionTest, Int8AndFp8StayWithinQuantizationBoundOfF32) {
   std::mt19937 rng(404);
-  for (int head_dim : {64, 20, 128}) {
-    AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
-    SpanSet set = MakeSpans(KvStorage::kInt8, {33, 16, 5, 70}, shape.n_kv_heads, head_dim, rng);
-    const std::vector<KvSpan> f32_spans = set.F32Spans();
-    float max_k_scale = 0.f, max_v_scale = 0.f, max_v = 0.f;
-    for (size_t s = 0; s < set.spans.size(); ++s) {
-      for (float x : set.k_scale[s]) max_k_scale = std::max(max_k_scale, x);
-      for (float x : set.v_scale[s]) max_v_scale = std::max(max_v_scale, x);
-      for (float x : set.v_f32[s]) max_v = std::max(max_v, std::fabs(x));
-    }
-    const int n_q = 6;
-    const int32_t last = LastPosition(set);
-    std::vector<int32_t> q_pos = {2, 20, 40, last - 30, last - 1, last};
-    std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * head_dim, rng, 1.f);
-    std::vector<float> want(q.size()), got_ops(q.size()), got_ref(q.size());
-    ref::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), n_q, f32_spans.data(),
-                   static_cast<int32_t>(f32_spans.size()), want.data());
-    ops::Attention(shape, KvStorage::kInt8, q.data(), q_pos.data(), n_q, set.spans.data(),
-                   static_cast<int32_t>(set.spans.size()), got_ops.data(), 2);
-    ref::Attention(shape, KvStorage::kInt8, q.data(), q_pos.data(), n_q, set.spans.data(),
-                   static_cast<int32_t>(set.spans.size()), got_ref.data());
-    float worst = 0.f;
-    for (int row = 0; row < n_q * shape.n_heads; ++row) {
-      double q_abs = 0;
-      for (int c = 0; c < head_dim; ++c) q_abs += std::fabs(q[static_cast<size_t>(row) * head_dim + c]);
-      const double delta = shape.scale * q_abs * max_k_scale / 2;
-      const double bound = max_v_scale / 2 + std::expm1(2 * delta) * max_v + 1e-5;
-      ASSERT_LT(bound, 0.25) << "test data too coarse for a meaningful bound";
-      for (int c = 0; c < head_dim; ++c) {
-        const size_t e = static_cast<size_t>(row) * head_dim + c;
-        ASSERT_LE(std::fabs(got_ops[e] - want[e]), bound) << "ops, head_dim " << head_dim << " row " << row;
-        ASSERT_LE(std::fabs(got_ref[e] - want[e]), bound) << "ref, head_dim " << head_dim << " row " << row;
-        worst = std::max(worst, std::fabs(got_ops[e] - want[e]));
+  for (KvStorage storage : {KvStorage::kInt8, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2}) {
+    const float q_amplitude = storage == KvStorage::kInt8 ? 1.f : storage == KvStorage::kFp8E4M3 ? 0.1f : 0.04f;
+    for (int head_dim : {64, 20, 128}) {
+      AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
+      SpanSet set = MakeSpans(storage, {33, 16, 5, 70}, shape.n_kv_heads, head_dim, rng);
+      const std::vector<KvSpan> f32_spans = set.F32Spans();
+      const ElementErrors err = MaxElementErrors(set);
+      float max_v = 0.f;
+      for (size_t s = 0; s < set.spans.size(); ++s) {
+        for (float x : set.v_f32[s]) max_v = std::max(max_v, std::fabs(x));
       }
+      const int n_q = 6;
+      const int32_t last = LastPosition(set);
+      std::vector<int32_t> q_pos = {2, 20, 40, last - 30, last - 1, last};
+      std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * head_dim, rng, q_amplitude);
+      std::vector<float> want(q.size()), got_ops(q.size()), got_ref(q.size());
+      ref::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), n_q, f32_spans.data(),
+                     static_cast<int32_t>(f32_spans.size()), want.data());
+      ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(),
+                     static_cast<int32_t>(set.spans.size()), got_ops.data(), 2);
+      ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(),
+                     static_cast<int32_t>(set.spans.size()), got_ref.data());
+      float worst = 0.f;
+      for (int row = 0; row < n_q * shape.n_heads; ++row) {
+        double q_abs = 0;
+        for (int c = 0; c < head_dim; ++c) q_abs += std::fabs(q[static_cast<size_t>(row) * head_dim + c]);
+        const double delta = shape.scale * q_abs * err.k;
+        const double bound = err.v + std::expm1(2 * delta) * max_v + 1e-5;
+        ASSERT_LT(bound, 0.35) << "test data too coarse for a meaningful bound";
+        for (int c = 0; c < head_dim; ++c) {
+          const size_t e = static_cast<size_t>(row) * head_dim + c;
+          ASSERT_LE(std::fabs(got_ops[e] - want[e]), bound)
+              << KvStorageName(storage) << " ops, head_dim " << head_dim << " row " << row;
+          ASSERT_LE(std::fabs(got_ref[e] - want[e]), bound)
+              << KvStorageName(storage) << " ref, head_dim " << head_dim << " row " << row;
+          worst = std::max(worst, std::fabs(got_ops[e] - want[e]));
+        }
+      }
+      EXPECT_GT(worst, 0.f) << KvStorageName(storage) << " should not be exact";
     }
-    EXPECT_GT(worst, 0.f) << "int8 should not be exact";
   }
 }
 

@@ -10,6 +10,7 @@
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/kv_cache.h"
+#include "ops/kv_quant.h"
 
 namespace kvsparse::testing {
 
@@ -59,8 +60,8 @@ struct SpanSet {
   int n_kv_heads = 0, head_dim = 0;
   std::vector<std::vector<float>> k_f32, v_f32;  // each [n, n_kv_heads, head_dim]: the values before conversion
   std::vector<std::vector<f16_bits>> k_f16, v_f16;
-  std::vector<std::vector<int8_t>> k_i8, v_i8;
-  std::vector<std::vector<float>> k_scale, v_scale;  // each [n, n_kv_heads] (int8; v_scale also int8_kivi)
+  std::vector<std::vector<int8_t>> k_i8, v_i8;       // int8 codes, or fp8 codes' bytes
+  std::vector<std::vector<float>> k_scale, v_scale;  // each [n, n_kv_heads] (int8, fp8; v_scale also int8_kivi)
   std::vector<std::vector<float>> k_channel_scale;   // each [n_kv_heads, head_dim] (int8_kivi)
   std::vector<std::vector<int32_t>> positions;
   std::vector<KvSpan> spans;
@@ -119,6 +120,14 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     if (storage == KvStorage::kInt8) {
       QuantizeRowsInt8(k, head_dim, &kq, &ks);
       QuantizeRowsInt8(v, head_dim, &vq, &vs);
+    } else if (IsFp8Storage(storage)) {  // fp8 codes kept in the int8 vectors (one byte each)
+      const int64_t rows = static_cast<int64_t>(n) * n_kv_heads;
+      kq.resize(elems);
+      vq.resize(elems);
+      ks.resize(rows);
+      vs.resize(rows);
+      ops::QuantizeKvRowsFp8(storage, k.data(), rows, head_dim, reinterpret_cast<uint8_t*>(kq.data()), ks.data());
+      ops::QuantizeKvRowsFp8(storage, v.data(), rows, head_dim, reinterpret_cast<uint8_t*>(vq.data()), vs.data());
     } else if (storage == KvStorage::kInt8Kivi) {
       QuantizeColumnsInt8(k, n_kv_heads * head_dim, &kq, &kc);
       QuantizeRowsInt8(v, head_dim, &vq, &vs);
@@ -145,6 +154,8 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
         span.v = set.v_f16[s].data();
         break;
       case KvStorage::kInt8:
+      case KvStorage::kFp8E4M3:
+      case KvStorage::kFp8E5M2:
         span.k = set.k_i8[s].data();
         span.v = set.v_i8[s].data();
         span.k_scale = set.k_scale[s].data();

@@ -7,9 +7,22 @@
 // (channel) over a group of rows (the tokens of one page): scale[c] = max_r |x[r, c]| / 127.
 // Keys have a few channels with large magnitude for every token (KIVI, Liu et al. 2024), so a
 // per-channel scale keeps the other channels' resolution. |x - q * scale| <= scale / 2.
+//
+// fp8 KV rows (KvStorage::kFp8E4M3, kFp8E5M2): one scale per row as int8,
+//   scale = max|x| / kFp8Max (448 e4m3, 57344 e5m2),  code = fp8(x / scale) rounded to nearest even.
+// e4m3 is OCP's "FN" variant (bias 7, no infinities; 0x7F / 0xFF are NaN), e5m2 IEEE-like (bias
+// 15); neither's NaN or infinity is ever produced: values saturate at the largest finite one.
+// The per-row scale puts each row's largest value at the top of the range, so the code's relative
+// precision serves the rest: per element, |x - scale * fp8(code)| <= max(|x| * 2^-(M+1),
+// scale * 2^-(bias+M)) -- half a unit in the last place, or half the subnormal step (M = 3 e4m3,
+// 2 e5m2). Encoding runs once per stored value and is scalar; decoding is the kernels' hot path:
+// an fp8 code widened to f16 bits (Fp8ToF16Bits) converts exactly with the f16 instruction.
 #pragma once
 
 #include <cstdint>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/kv_types.h"
 
 namespace kvsparse {
 
@@ -23,6 +36,28 @@ void DequantizeKvRowsInt8(const int8_t* q, const float* scales, int64_t n_rows, 
 void QuantizeKvColumnsInt8(const float* x, int64_t n_rows, int row_len, int8_t* q, float* channel_scales);
 // q: [n_rows, row_len], channel_scales: [row_len] -> x: [n_rows, row_len] f32 = q * scale.
 void DequantizeKvColumnsInt8(const int8_t* q, const float* channel_scales, int64_t n_rows, int row_len, float* x);
+
+// fp8 codes (format: kFp8E4M3 or kFp8E5M2).
+inline constexpr float kFp8E4M3Max = 448.f;
+inline constexpr float kFp8E5M2Max = 57344.f;
+inline float Fp8Max(KvStorage format) { return format == KvStorage::kFp8E4M3 ? kFp8E4M3Max : kFp8E5M2Max; }
+// The code's sign and magnitude moved into f16 bits: e5m2 is f16's top byte; e4m3's exponent
+// lands in f16's with bias 15 instead of 7, so the f16 reads value / 256 (subnormals included).
+inline uint16_t Fp8ToF16Bits(KvStorage format, uint8_t code) {
+  if (format == KvStorage::kFp8E5M2) return static_cast<uint16_t>(code << 8);
+  return static_cast<uint16_t>(((code & 0x80) << 8) | ((code & 0x7F) << 7));
+}
+inline float DecodeFp8(KvStorage format, uint8_t code) {
+  return F16ToF32(Fp8ToF16Bits(format, code)) * (format == KvStorage::kFp8E4M3 ? 256.f : 1.f);
+}
+// y's nearest code (ties to even), saturating at +-Fp8Max; NaN encodes as 0.
+uint8_t EncodeFp8(KvStorage format, float y);
+// x: [n_rows, row_len] f32 -> codes: [n_rows, row_len], scales: [n_rows] (a row of zeros: scale 0, codes 0).
+void QuantizeKvRowsFp8(KvStorage format, const float* x, int64_t n_rows, int row_len, uint8_t* codes,
+                       float* scales);
+// codes: [n_rows, row_len], scales: [n_rows] -> x: [n_rows, row_len] f32 = scale * fp8(code).
+void DequantizeKvRowsFp8(KvStorage format, const uint8_t* codes, const float* scales, int64_t n_rows,
+                         int row_len, float* x);
 }  // namespace ops
 
 namespace ref {

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -226,6 +228,115 @@ TEST_P(KvQuantTest, ColumnsRequantizationAddsAtMostHalfANewStep) {
 }
 
 KVS_INSTANTIATE_PER_ISA(KvQuantTest);
+
+// fp8 codes (scalar on every family, so plain tests). Each format's parameters, from its definition.
+struct Fp8Format {
+  KvStorage storage;
+  int mantissa_bits, bias;
+  uint8_t max_code;  // the largest finite positive code
+};
+constexpr Fp8Format kFp8Formats[] = {{KvStorage::kFp8E4M3, 3, 7, 0x7E}, {KvStorage::kFp8E5M2, 2, 15, 0x7B}};
+
+// The value of a finite code, straight from the format's definition.
+double Fp8Value(const Fp8Format& f, uint8_t code) {
+  const int exponent = (code & 0x7F) >> f.mantissa_bits;
+  const int mantissa = code & ((1 << f.mantissa_bits) - 1);
+  const double magnitude = exponent == 0 ? std::ldexp(mantissa, 1 - f.bias - f.mantissa_bits)
+                                         : std::ldexp(1.0 + std::ldexp(mantissa, -f.mantissa_bits), exponent - f.bias);
+  return (code & 0x80) ? -magnitude : magnitude;
+}
+
+// Finite codes: e4m3 has no infinities and one NaN per sign (0x7F); e5m2's top exponent is inf/NaN.
+bool IsFiniteCode(const Fp8Format& f, uint8_t code) { return (code & 0x7F) <= f.max_code; }
+
+TEST(Fp8Codec, DecodeFollowsTheFormatDefinition) {
+  for (const Fp8Format& f : kFp8Formats) {
+    for (int code = 0; code < 256; ++code) {
+      if (!IsFiniteCode(f, static_cast<uint8_t>(code))) continue;
+      EXPECT_EQ(ops::DecodeFp8(f.storage, static_cast<uint8_t>(code)), Fp8Value(f, static_cast<uint8_t>(code)))
+          << KvStorageName(f.storage) << " code " << code;
+    }
+    EXPECT_EQ(ops::DecodeFp8(f.storage, f.max_code), ops::Fp8Max(f.storage));
+  }
+}
+
+TEST(Fp8Codec, EncodeRoundsToNearestTiesToEvenAndSaturates) {
+  std::mt19937 rng(77);
+  for (const Fp8Format& f : kFp8Formats) {
+    // Every finite code decodes and encodes back to itself.
+    for (int code = 0; code < 256; ++code) {
+      if (!IsFiniteCode(f, static_cast<uint8_t>(code))) continue;
+      const float value = ops::DecodeFp8(f.storage, static_cast<uint8_t>(code));
+      EXPECT_EQ(ops::EncodeFp8(f.storage, value), code) << KvStorageName(f.storage);
+    }
+    // Midpoints between neighbouring positive codes go to the even code, and points just off a
+    // midpoint to the nearer code.
+    for (uint8_t code = 0; code < f.max_code; ++code) {
+      const double lo = Fp8Value(f, code), hi = Fp8Value(f, code + 1);
+      const double mid = (lo + hi) / 2;
+      const uint8_t even = code % 2 == 0 ? code : code + 1;
+      EXPECT_EQ(ops::EncodeFp8(f.storage, static_cast<float>(mid)), even) << KvStorageName(f.storage) << " " << mid;
+      EXPECT_EQ(ops::EncodeFp8(f.storage, static_cast<float>(-mid)), 0x80 | even);
+      EXPECT_EQ(ops::EncodeFp8(f.storage, std::nextafter(static_cast<float>(mid), 0.f)), code);
+      EXPECT_EQ(ops::EncodeFp8(f.storage, std::nextafter(static_cast<float>(mid), 1e30f)), code + 1);
+    }
+    // Random values: the code is the nearest finite one.
+    std::uniform_real_distribution<float> log_magnitude(-24.f, 18.f);
+    for (int i = 0; i < 5000; ++i) {
+      const float y = (rng() % 2 ? -1.f : 1.f) * std::exp2(log_magnitude(rng));
+      const uint8_t code = ops::EncodeFp8(f.storage, y);
+      ASSERT_TRUE(IsFiniteCode(f, code));
+      const double err = std::fabs(Fp8Value(f, code) - y);
+      const float clamped = std::clamp(y, -ops::Fp8Max(f.storage), ops::Fp8Max(f.storage));
+      for (int other = 0; other < 256; ++other) {
+        if (!IsFiniteCode(f, static_cast<uint8_t>(other))) continue;
+        ASSERT_LE(err, std::fabs(Fp8Value(f, static_cast<uint8_t>(other)) - clamped) + std::fabs(y - clamped))
+            << KvStorageName(f.storage) << " y " << y << " code " << int{code} << " other " << other;
+      }
+    }
+    EXPECT_EQ(ops::EncodeFp8(f.storage, 1e30f), f.max_code);
+    EXPECT_EQ(ops::EncodeFp8(f.storage, -1e30f), 0x80 | f.max_code);
+    EXPECT_EQ(ops::EncodeFp8(f.storage, std::numeric_limits<float>::infinity()), f.max_code);
+    EXPECT_EQ(ops::EncodeFp8(f.storage, std::nanf("")), 0);
+  }
+}
+
+// The documented bound: |x - scale * fp8(code)| <= max(|x| 2^-(M+1), scale 2^-(bias+M)).
+TEST(Fp8Codec, RowQuantizationStaysWithinTheStatedBound) {
+  std::mt19937 rng(5);
+  for (const Fp8Format& f : kFp8Formats) {
+    for (int row_len : kRowLens) {
+      for (int64_t n_rows : kRowCounts) {
+        std::vector<float> x = RandomRows(n_rows, row_len, rng);
+        // Values near zero too, into the subnormal range.
+        for (size_t i = 0; i < x.size(); i += 5) x[i] *= 1e-5f;
+        std::vector<uint8_t> codes(x.size());
+        std::vector<float> scales(n_rows), back(x.size());
+        ops::QuantizeKvRowsFp8(f.storage, x.data(), n_rows, row_len, codes.data(), scales.data());
+        ops::DequantizeKvRowsFp8(f.storage, codes.data(), scales.data(), n_rows, row_len, back.data());
+        for (int64_t r = 0; r < n_rows; ++r) {
+          float amax = 0.f;
+          for (int i = 0; i < row_len; ++i) amax = std::max(amax, std::fabs(x[r * row_len + i]));
+          ASSERT_EQ(scales[r], amax / ops::Fp8Max(f.storage));
+          for (int i = 0; i < row_len; ++i) {
+            const size_t e = static_cast<size_t>(r) * row_len + i;
+            const double bound = std::max<double>(std::ldexp(std::fabs(x[e]), -(f.mantissa_bits + 1)),
+                                          std::ldexp(static_cast<double>(scales[r]), -(f.bias + f.mantissa_bits)));
+            // Slack: the division x / scale and the product scale * fp8 round once each.
+            ASSERT_LE(std::fabs(back[e] - x[e]), bound * (1 + 1e-6) + 1e-6 * std::fabs(x[e]))
+                << KvStorageName(f.storage) << " row_len " << row_len << " element " << e;
+          }
+        }
+      }
+    }
+    const std::vector<float> zeros(16, 0.f);
+    std::vector<uint8_t> codes(16, 0xAB);
+    float scale = -1.f;
+    ops::QuantizeKvRowsFp8(f.storage, zeros.data(), 1, 16, codes.data(), &scale);
+    EXPECT_EQ(scale, 0.f);
+    EXPECT_EQ(codes, std::vector<uint8_t>(16, 0));
+  }
+}
 
 }  // namespace
 }  // namespace kvsparse

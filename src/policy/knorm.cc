@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "kvsparse/dtype.h"
+#include "ops/kv_quant.h"
 #include "policy/per_token_heads.h"
 #include "policy/policy_base.h"
 #include "policy/selection.h"
@@ -45,6 +46,15 @@ float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int he
     case KvStorage::kInt8: {
       const int8_t* k = static_cast<const int8_t*>(keys) + element_offset;
       for (int d = 0; d < head_dim; ++d) sum += static_cast<double>(k[d]) * k[d];
+      return std::fabs(scale) * static_cast<float>(std::sqrt(sum));
+    }
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2: {
+      const uint8_t* k = static_cast<const uint8_t*>(keys) + element_offset;
+      for (int d = 0; d < head_dim; ++d) {
+        const double v = ops::DecodeFp8(storage, k[d]);
+        sum += v * v;
+      }
       return std::fabs(scale) * static_cast<float>(std::sqrt(sum));
     }
     case KvStorage::kInt8Kivi: {
@@ -104,7 +114,7 @@ class KNormPolicy final : public BudgetedPolicy {
         float* row = neg_norms_.row(index + i);
         for (int h = 0; h < heads; ++h) {
           const size_t offset = (static_cast<size_t>(i) * heads + h) * head_dim;  // k: [n, heads, head_dim]
-          const float scale = type == KvStorage::kInt8 ? span.k_scale[static_cast<size_t>(i) * heads + h] : 1.f;
+          const float scale = HasTokenScales(type) ? span.k_scale[static_cast<size_t>(i) * heads + h] : 1.f;
           const float* channel_scale =
               type == KvStorage::kInt8Kivi ? span.k_channel_scale + static_cast<size_t>(h) * head_dim : nullptr;
           row[h] = -KeyNorm(type, span.k, offset, head_dim, scale, channel_scale);

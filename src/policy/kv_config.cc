@@ -19,7 +19,9 @@ using nlohmann::json;
 
 constexpr std::string_view kTopLevelKeys[] = {"default",         "layers",          "evict_interval",   "page_size",
                                               "gqa_aggregation", "prefill_chunk",   "prefill_eviction"};
-constexpr std::string_view kKvTypeNames = "f32, f16, int8, int8_kivi";
+// "fp8" names fp8_e4m3, as vLLM's --kv-cache-dtype does.
+constexpr std::string_view kKvTypeNames = "f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2";
+const std::vector<std::string_view> kKvTypeList = {"f32", "f16", "int8", "int8_kivi", "fp8", "fp8_e4m3", "fp8_e5m2"};
 
 std::string Join(const std::vector<std::string_view>& items) {
   std::string out;
@@ -288,7 +290,7 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
       const std::optional<KvStorage> storage = KvStorageFromName(name);
       if (!storage)
         return where.Error(key, fmt::format("unknown kv_type '{}'{}; valid kv types: {}", name,
-                                            Suggestion(name, {"f32", "f16", "int8", "int8_kivi"}), kKvTypeNames));
+                                            Suggestion(name, kKvTypeList), kKvTypeNames));
       out->kv_type = *storage;
     } else if (key == "per_head") {
       KVS_RETURN_IF_ERROR(ReadBool(value, where, key, &out->per_head));
@@ -431,8 +433,9 @@ std::string DescribeLayer(const LayerKvConfig& l) {
 }  // namespace
 
 std::optional<KvStorage> KvStorageFromName(std::string_view name) {
-  for (KvStorage s : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi})
-    if (name == KvStorageName(s)) return s;
+  if (name == "fp8") return KvStorage::kFp8E4M3;
+  for (int s = 0; s < kNumKvStorage; ++s)
+    if (name == KvStorageName(static_cast<KvStorage>(s))) return static_cast<KvStorage>(s);
   return std::nullopt;
 }
 
@@ -603,7 +606,7 @@ StatusOr<std::vector<LayerKvConfig>> KvLayersWithOverride(const KvSparsityConfig
     storage = KvStorageFromName(kv_type);
     if (!storage) {
       return InvalidArgumentError(fmt::format("kv_type: unknown kv type '{}'{}; valid kv types: {}", kv_type,
-                                              Suggestion(kv_type, {"f32", "f16", "int8", "int8_kivi"}),
+                                              Suggestion(kv_type, kKvTypeList),
                                               kKvTypeNames));
     }
   }

@@ -154,7 +154,8 @@ TEST(QuestSelectTest, ReadsMaxOfThreeAndBudgetPagesWithTheLastAndTiesPickEarlier
 TEST(QuestFilterTest, SpansCoverExactlyTheSelectedPagesOnEveryStorage) {
   std::mt19937 rng(7);
   const KvGeometry g{1, 2, 8};
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
+                           KvStorage::kFp8E5M2}) {
     PagedKvCacheOptions options;
     options.page_size = 16;
     options.layer_storage = {storage};
@@ -215,7 +216,8 @@ TEST(QuestFilterTest, SpansCoverExactlyTheSelectedPagesOnEveryStorage) {
 TEST(QuestIndexTest, IncrementalEqualsFreshOnEveryStorage) {
   std::mt19937 rng(3);
   const KvGeometry g{1, 2, 8};
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
+                           KvStorage::kFp8E5M2}) {
     for (int32_t page_tokens : {16, 6, 32}) {
       PagedKvCacheOptions options;
       options.page_size = 16;
@@ -350,7 +352,8 @@ TEST(QuestQueryHeadTest, SelectionAndAttentionEqualPlainReference) {
   const int n_kv = 2, group = 3, d = 16;
   const int n_heads = n_kv * group;
   const int32_t n = 16 * 19 + 5;  // 20 cache pages, the last partly filled
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
+                           KvStorage::kFp8E5M2}) {
     for (bool per_head : {false, true}) {
       for (int32_t page_tokens : {16, 8, 32}) {
         for (int32_t budget : {40, 100}) {
