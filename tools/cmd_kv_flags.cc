@@ -8,8 +8,12 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
   cmd->add_option("--kv-method", f->method, "KV sparsity method: " + ValidKvMethodNames() + " (default: dense cache)");
   cmd->add_option("--kv-budget", f->budget,
                   "KV tokens kept per layer: a fraction of the tokens seen (0.2) or a count (512)");
-  cmd->add_option("--kv-type", f->kv_type, "KV storage: f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8) or fp8_e5m2 (default " + default_kv_type + ")");
-  cmd->add_option("--kv-config", f->config_file, "per-layer KV sparsity config (JSON); excludes --kv-method/--kv-budget");
+  cmd->add_option(
+      "--kv-type", f->kv_type,
+      "KV storage: f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi or int2_kivi (default " +
+          default_kv_type + ")");
+  cmd->add_option("--kv-config", f->config_file,
+                  "per-layer KV sparsity config (JSON); excludes --kv-method/--kv-budget");
   cmd->add_option("--kv-param", f->params,
                   "a method parameter as KEY=VALUE, repeatable (the config file's keys, e.g. head_budgets=adaptive, "
                   "mode=mask, rerank_period=8, reselect_layer=9)")
@@ -34,7 +38,9 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   const std::optional<KvStorage> storage = KvStorageFromName(kv_type);
   if (!storage) {
     return InvalidArgumentError(
-        fmt::format("--kv-type: expected f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8) or fp8_e5m2, found '{}'", kv_type));
+        fmt::format("--kv-type: expected f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi or "
+                    "int2_kivi, found '{}'",
+                    kv_type));
   }
   *dense_storage = *storage;
 

@@ -14,18 +14,30 @@ namespace kvsparse {
 //   in full precision (kKiviResidualStorage) and are quantized when their page fills.
 // kFp8E4M3, kFp8E5M2: one fp8 code per value and one scale per (token, kv head), value = scale *
 //   fp8(code), as serving engines store fp8 KV; the layout is int8's (ops/kv_quant.h has the codes).
-enum class KvStorage { kF32, kF16, kInt8, kInt8Kivi, kFp8E4M3, kFp8E5M2 };
-inline constexpr int kNumKvStorage = 6;
+// kInt4Kivi, kInt2Kivi (KIVI's own setting): asymmetric 4- or 2-bit codes with a zero point, value =
+//   min + scale * code, code in [0, 2^bits - 1], packed several to a byte; K per (page, kv head,
+//   channel), V per (token, kv head), the residual page in full precision as kInt8Kivi.
+enum class KvStorage { kF32, kF16, kInt8, kInt8Kivi, kFp8E4M3, kFp8E5M2, kInt4Kivi, kInt2Kivi };
+inline constexpr int kNumKvStorage = 8;
 inline constexpr KvStorage kKiviResidualStorage = KvStorage::kF16;
-const char* KvStorageName(KvStorage s);  // "f32", "f16", "int8", "int8_kivi", "fp8_e4m3", "fp8_e5m2"
-size_t KvStorageValueBytes(KvStorage s);  // bytes per stored value (4, 2, 1, 1, 1, 1)
+// "f32", "f16", "int8", "int8_kivi", "fp8_e4m3", "fp8_e5m2", "int4_kivi", "int2_kivi"
+const char* KvStorageName(KvStorage s);
+int KvStorageBits(KvStorage s);  // bits per stored value (32, 16, 8, 8, 8, 8, 4, 2)
+// Bytes of `values` stored values (a row of whole bytes: low-bit rows hold a multiple of 8 / bits values).
+inline size_t KvRowBytes(KvStorage s, size_t values) { return values * KvStorageBits(s) / 8; }
 // Storage with one byte per value and one scale per (token, kv head) for K and V (int8, fp8).
 inline bool HasTokenScales(KvStorage s) {
   return s == KvStorage::kInt8 || s == KvStorage::kFp8E4M3 || s == KvStorage::kFp8E5M2;
 }
 inline bool IsFp8Storage(KvStorage s) { return s == KvStorage::kFp8E4M3 || s == KvStorage::kFp8E5M2; }
-// Storage read as one-byte codes times scales (int8, int8_kivi, fp8).
-inline bool IsScaledCodeStorage(KvStorage s) { return HasTokenScales(s) || s == KvStorage::kInt8Kivi; }
+// KIVI's layout: K per (page, kv head, channel), V per (token, kv head), a full-precision residual.
+inline bool IsKiviStorage(KvStorage s) {
+  return s == KvStorage::kInt8Kivi || s == KvStorage::kInt4Kivi || s == KvStorage::kInt2Kivi;
+}
+// KIVI with a zero point and packed codes (4 and 2 bits).
+inline bool IsLowBitKivi(KvStorage s) { return s == KvStorage::kInt4Kivi || s == KvStorage::kInt2Kivi; }
+// Storage read as codes times scales (int8, fp8, every KIVI type).
+inline bool IsScaledCodeStorage(KvStorage s) { return HasTokenScales(s) || IsKiviStorage(s); }
 
 struct KvSpan {
   // Shared layers: [n, n_kv_heads, head_dim]; HeadSpans of a per-head layer: [n, 1, head_dim].
@@ -33,18 +45,21 @@ struct KvSpan {
   const void* v = nullptr;             // [n, n_kv_heads, head_dim]
   const int32_t* positions = nullptr;  // [n] absolute positions, ascending across spans
   const float* k_scale = nullptr;      // [n, n_kv_heads] (HasTokenScales storage only)
-  const float* v_scale = nullptr;      // [n, n_kv_heads] (HasTokenScales storage and kInt8Kivi)
-  // kInt8Kivi quantized pages: K's per-channel scales, shared by the span's n tokens (value =
-  // k_channel_scale[h, c] * q); v_scale as kInt8. Null on a kInt8Kivi layer's residual span,
-  // whose K/V are kKiviResidualStorage (see SpanStorage).
+  const float* v_scale = nullptr;      // [n, n_kv_heads] (HasTokenScales storage and KIVI pages)
+  // KIVI quantized pages: K's per-channel scales, shared by the span's n tokens (value =
+  // k_channel_scale[h, c] * q, plus k_channel_min[h, c] for 4 and 2 bits); v_scale as kInt8
+  // (plus v_min for 4 and 2 bits). Null on a KIVI layer's residual span, whose K/V are
+  // kKiviResidualStorage (see SpanStorage).
   const float* k_channel_scale = nullptr;  // [n_kv_heads, head_dim] ([1, head_dim] in HeadSpans)
+  const float* k_channel_min = nullptr;    // [n_kv_heads, head_dim] (kInt4Kivi, kInt2Kivi)
+  const float* v_min = nullptr;            // [n, n_kv_heads] (kInt4Kivi, kInt2Kivi)
   int32_t n = 0;
 };
 
-// The storage type of one span of a layer stored as `layer`: a kInt8Kivi layer's residual span
-// (no channel scales) is full precision; every other span has the layer's type.
+// The storage type of one span of a layer stored as `layer`: a KIVI layer's residual span (no
+// channel scales) is full precision; every other span has the layer's type.
 inline KvStorage SpanStorage(KvStorage layer, const KvSpan& span) {
-  return layer == KvStorage::kInt8Kivi && span.k_channel_scale == nullptr ? kKiviResidualStorage : layer;
+  return IsKiviStorage(layer) && span.k_channel_scale == nullptr ? kKiviResidualStorage : layer;
 }
 
 // Token t of `span`'s K, dequantized to f32: out [n_kv_heads, head_dim] (n_kv_heads: heads per

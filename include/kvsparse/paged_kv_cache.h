@@ -210,7 +210,10 @@ class PagedKvCache final : public KvCache {
  private:
   struct PageLayout {
     size_t k_offset = 0, v_offset = 0, positions_offset = 0, k_scale_offset = 0, v_scale_offset = 0;
-    size_t k_channel_scale_offset = 0;  // int8_kivi: [row_heads, head_dim] f32
+    size_t k_channel_scale_offset = 0;  // KIVI: [row_heads, head_dim] f32
+    size_t k_channel_min_offset = 0;    // int4 / int2 KIVI: [row_heads, head_dim] f32
+    size_t v_min_offset = 0;            // int4 / int2 KIVI: [page_size, row_heads] f32
+    size_t page_scale_bytes = 0;        // KIVI: bytes per quantized page for K's channel scales (and mins)
     size_t page_bytes = 0;
     int row_heads = 0;       // heads in one stored row: n_kv_heads, or 1 in a per-head layer
     size_t row_bytes = 0;    // one slot's K (or V): row_heads * head_dim values
@@ -335,11 +338,12 @@ class PagedKvCache final : public KvCache {
   // moved token's V stays bit-identical; K is always regrouped from f32.
   struct KiviStaging {
     std::vector<float> k, v;         // [tokens, row_heads, head_dim] f32
-    std::vector<int8_t> v_codes;     // [tokens, row_heads, head_dim] (where v_coded)
+    std::vector<uint8_t> v_codes;    // [tokens, V row bytes] codes as stored (where v_coded)
     std::vector<float> v_scale;      // [tokens, row_heads] (where v_coded)
+    std::vector<float> v_min;        // [tokens, row_heads] (where v_coded; int4 / int2 KIVI)
     std::vector<uint8_t> v_coded;    // [tokens] 1: V read from a quantized page
     std::vector<int32_t> positions;  // [tokens]
-    void Resize(int32_t tokens, int row_heads, int head_dim);
+    void Resize(int32_t tokens, int row_heads, int head_dim, size_t v_row_bytes);
   };
   // Writes staged tokens [at, at + count) as one full quantized page (slot 0, count ==
   // page_size) or into slots [slot, slot + count) of a residual page.

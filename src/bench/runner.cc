@@ -26,7 +26,6 @@
 namespace kvsparse {
 namespace {
 
-
 constexpr int32_t kFidelityChunk = 64;  // teacher-forced tokens per forward call in the fidelity task
 constexpr const char* kUserTaskPrefix = "user:";
 constexpr const char* kAllSamples = "*";  // aggregation key of every sample of a configuration
@@ -103,7 +102,6 @@ StatusOr<std::unique_ptr<Runtime>> MakeEngine(const Model& model, const KvSparsi
                                               int32_t max_tokens, int n_threads, uint64_t seed) {
   return CreateRuntime(model, &sparsity, KvStorage::kF16, /*n_seqs=*/1, max_tokens, n_threads, seed);
 }
-
 
 double PolicySeconds(const SparseKvController& controller) {
   double s = 0;

@@ -23,8 +23,6 @@
 namespace kvsparse {
 namespace {
 
-
-
 // Deterministic pseudo-random token ids: speed does not depend on which tokens run.
 std::vector<int32_t> BenchTokens(int n, int n_vocab, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -176,7 +174,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   Engine& engine = *runtime->engine;
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
   const double dense_kv_bytes_per_token =
-      2.0 * c.n_layers * c.n_kv_heads * c.head_dim * KvStorageValueBytes(config.kv_storage);
+      2.0 * c.n_layers * c.n_kv_heads * c.head_dim * KvStorageBits(config.kv_storage) / 8;
   const double dense_f16_bytes_per_token = 2.0 * c.n_layers * c.n_kv_heads * c.head_dim * 2;
   // After a test's last repetition: the cache's size and the policy work of its timed part.
   auto finish = [&](SpeedResult& r, double policy_s, int64_t evictions, int reps) {

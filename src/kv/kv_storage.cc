@@ -15,18 +15,29 @@ const char* KvStorageName(KvStorage s) {
     case KvStorage::kInt8Kivi: return "int8_kivi";
     case KvStorage::kFp8E4M3: return "fp8_e4m3";
     case KvStorage::kFp8E5M2: return "fp8_e5m2";
+    case KvStorage::kInt4Kivi:
+      return "int4_kivi";
+    case KvStorage::kInt2Kivi:
+      return "int2_kivi";
   }
   return "?";
 }
 
-size_t KvStorageValueBytes(KvStorage s) {
+int KvStorageBits(KvStorage s) {
   switch (s) {
-    case KvStorage::kF32: return 4;
-    case KvStorage::kF16: return 2;
-    case KvStorage::kInt8: return 1;
-    case KvStorage::kInt8Kivi: return 1;
-    case KvStorage::kFp8E4M3: return 1;
-    case KvStorage::kFp8E5M2: return 1;
+    case KvStorage::kF32:
+      return 32;
+    case KvStorage::kF16:
+      return 16;
+    case KvStorage::kInt8:
+    case KvStorage::kInt8Kivi:
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2:
+      return 8;
+    case KvStorage::kInt4Kivi:
+      return 4;
+    case KvStorage::kInt2Kivi:
+      return 2;
   }
   return 0;
 }
@@ -65,21 +76,27 @@ void LoadSpanKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_head
       for (size_t i = 0; i < row; ++i) out[i] = span.k_channel_scale[i] * k[i];
       return;
     }
+    case KvStorage::kInt4Kivi:
+    case KvStorage::kInt2Kivi:  // min + scale * code, per (page, kv head, channel)
+      ops::DequantizeKvColumnsAsym(KvStorageBits(type), static_cast<const uint8_t*>(span.k) + KvRowBytes(type, at),
+                                   span.k_channel_scale, span.k_channel_min, 1, static_cast<int>(row), out);
+      return;
   }
 }
 
 // `count` tokens of `span` from token `offset`, as a span of their own.
 KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int32_t count, int n_kv_heads,
                int head_dim) {
-  const size_t value_bytes = KvStorageValueBytes(SpanStorage(layer_storage, span));  // K and V alike
   const size_t skip_rows = static_cast<size_t>(offset) * n_kv_heads;
+  const size_t skip_bytes = KvRowBytes(SpanStorage(layer_storage, span), skip_rows * head_dim);  // K and V alike
   KvSpan out = span;
-  out.k = static_cast<const uint8_t*>(span.k) + skip_rows * head_dim * value_bytes;
-  out.v = static_cast<const uint8_t*>(span.v) + skip_rows * head_dim * value_bytes;
+  out.k = static_cast<const uint8_t*>(span.k) + skip_bytes;
+  out.v = static_cast<const uint8_t*>(span.v) + skip_bytes;
   out.positions = span.positions + offset;
   if (span.k_scale != nullptr) out.k_scale = span.k_scale + skip_rows;
   if (span.v_scale != nullptr) out.v_scale = span.v_scale + skip_rows;
-  // k_channel_scale belongs to the whole page: unchanged.
+  if (span.v_min != nullptr) out.v_min = span.v_min + skip_rows;
+  // k_channel_scale and k_channel_min belong to the whole page: unchanged.
   out.n = count;
   return out;
 }

@@ -16,8 +16,20 @@ namespace {
 
 constexpr int32_t kMaxPageSize = 1 << 16;
 
-
 bool IsKnownStorage(KvStorage s) { return static_cast<int>(s) >= 0 && static_cast<int>(s) < kNumKvStorage; }
+
+// Storage `s` can hold rows of head_dim values: packed codes must fill whole bytes per (token,
+// kv head) row.
+Status CheckStorageFits(KvStorage s, int head_dim, const char* where) {
+  if (!IsKnownStorage(s)) return InvalidArgumentError(std::string(where) + ": unknown KV storage type");
+  const int per_byte = std::max(1, 8 / KvStorageBits(s));
+  if (head_dim % per_byte != 0) {
+    return InvalidArgumentError(std::string(where) + ": " + KvStorageName(s) + " packs " + std::to_string(per_byte) +
+                                " values per byte, so head_dim must be a multiple of " + std::to_string(per_byte) +
+                                " (found " + std::to_string(head_dim) + ")");
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -43,7 +55,7 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
                                 " (one per layer)");
   }
   for (KvStorage s : options.layer_storage) {
-    if (!IsKnownStorage(s)) return InvalidArgumentError("paged KV cache: unknown KV storage type");
+    KVS_RETURN_IF_ERROR(CheckStorageFits(s, geometry.head_dim, "paged KV cache"));
   }
   const size_t n_per_head = options.layer_per_head.size();
   if (n_per_head > 1 && n_per_head != static_cast<size_t>(geometry.n_layers)) {
@@ -86,7 +98,7 @@ PagedKvCache::Layer PagedKvCache::MakeLayer(int l, KvStorage storage, bool per_h
   // A per-head layer's pages hold one head: the same sections with H = 1.
   p.row_heads = per_head ? 1 : geometry_.n_kv_heads;
   const size_t H = static_cast<size_t>(p.row_heads);
-  p.row_bytes = H * static_cast<size_t>(geometry_.head_dim) * KvStorageValueBytes(storage);
+  p.row_bytes = KvRowBytes(storage, H * static_cast<size_t>(geometry_.head_dim));
   const bool int8 = HasTokenScales(storage);  // int8 or fp8: a scale per (token, kv head)
   p.k_offset = 0;
   p.v_offset = AlignTo64(P * p.row_bytes);
@@ -99,7 +111,7 @@ PagedKvCache::Layer PagedKvCache::MakeLayer(int l, KvStorage storage, bool per_h
   }
   p.page_bytes = end;
   p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + (int8 ? 2 * H * sizeof(float) : 0);
-  if (storage == KvStorage::kInt8Kivi) SetKiviLayout(&layer);
+  if (IsKiviStorage(storage)) SetKiviLayout(&layer);
   return layer;
 }
 
@@ -155,7 +167,7 @@ Status PagedKvCache::SetSequenceStorage(int seq, std::span<const KvStorage> laye
                                 " storage types; expected 1 (all layers) or " + std::to_string(geometry_.n_layers));
   }
   for (KvStorage st : layer_storage) {
-    if (!IsKnownStorage(st)) return InvalidArgumentError("KV cache set-storage: unknown KV storage type");
+    KVS_RETURN_IF_ERROR(CheckStorageFits(st, geometry_.head_dim, "KV cache set-storage"));
   }
   for (size_t ti = 0; ti < tables_per_seq_; ++ti) {
     if (tables_[static_cast<size_t>(seq) * tables_per_seq_ + ti].n != 0) {
@@ -329,7 +341,9 @@ void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_
         break;
       }
       case KvStorage::kInt8Kivi:
-        KVS_CHECK_MSG(false, "int8_kivi pages are written by AppendKivi");
+      case KvStorage::kInt4Kivi:
+      case KvStorage::kInt2Kivi:
+        KVS_CHECK_MSG(false, "KIVI pages are written by AppendKivi");
         break;
     }
   }
@@ -506,6 +520,10 @@ void PagedKvCache::FillSpans(const Layer& L, const Table& t, std::vector<KvSpan>
     s.k_scale = int8 ? reinterpret_cast<const float*>(page + p.k_scale_offset) : nullptr;
     s.v_scale = int8 || kivi_page ? reinterpret_cast<const float*>(page + p.v_scale_offset) : nullptr;
     s.k_channel_scale = kivi_page ? reinterpret_cast<const float*>(page + p.k_channel_scale_offset) : nullptr;
+    if (kivi_page && IsLowBitKivi(L.storage)) {
+      s.k_channel_min = reinterpret_cast<const float*>(page + p.k_channel_min_offset);
+      s.v_min = reinterpret_cast<const float*>(page + p.v_min_offset);
+    }
     s.n = PageFill(t, i);
     out->push_back(s);
   }
@@ -792,11 +810,9 @@ size_t PagedKvCache::LayerLiveBytes(int layer) const {
   size_t bytes = 0;
   for (int profile = 0; profile < n_profiles(); ++profile) {
     const Layer& L = layers_[profile * geometry_.n_layers + layer];
-    // int8_kivi: each quantized page's K channel scales are live with it; residual slots are f16.
-    const size_t channel_scale_bytes =
-        L.kivi ? static_cast<size_t>(L.layout.row_heads) * geometry_.head_dim * sizeof(float) : 0;
+    // KIVI: each quantized page's K channel scales (and mins) are live with it; residual slots are f16.
     bytes += static_cast<size_t>(L.live_slots) * L.layout.token_bytes +
-             static_cast<size_t>(L.pages) * channel_scale_bytes +
+             static_cast<size_t>(L.pages) * L.layout.page_scale_bytes +
              static_cast<size_t>(L.residual_slots) * L.residual_layout.token_bytes;
   }
   return bytes;
@@ -807,8 +823,7 @@ size_t PagedKvCache::SequenceLiveBytes(int seq) const {
   size_t bytes = 0;
   for (int l = 0; l < geometry_.n_layers; ++l) {
     const Layer& L = LayerOf(seq, l);
-    const size_t channel_scale_bytes =
-        L.kivi ? static_cast<size_t>(L.layout.row_heads) * geometry_.head_dim * sizeof(float) : 0;
+    const size_t channel_scale_bytes = L.layout.page_scale_bytes;  // KIVI quantized pages
     for (int h = 0; h < L.n_tables; ++h) {
       const Table& t = table(seq, l, h);
       for (size_t i = 0; i < t.pages.size(); ++i) {

@@ -1,12 +1,14 @@
-// int8_kivi storage of PagedKvCache (KIVI, Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric
-// 2bit Quantization for KV Cache"; here symmetric int8): keys quantized per channel over the
-// tokens of a page, values per token, the last partly filled page in full precision.
+// KIVI storage of PagedKvCache (KIVI, Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric
+// 2bit Quantization for KV Cache"): keys quantized per channel over the tokens of a page (the
+// paper's group), values per (token, kv head) row, the last partly filled page in full precision
+// (the paper's residual). int8_kivi is symmetric; int4_kivi and int2_kivi are asymmetric with a
+// zero point per group, as in the paper, and pack 2 or 4 codes to a byte.
 //
-// A table of an int8_kivi layer is its full quantized pages followed, when its token count is
+// A table of a KIVI layer is its full quantized pages followed, when its token count is
 // not a multiple of the page size, by one residual page in the f16 layout (from the f16 pool).
 // Append fills the residual page and quantizes it, as one group, when it fills (a run of whole
 // pages in one call is quantized straight from the f32 input). Eviction stages every survivor
-// from the first rewritten page on (K dequantized to f32, V keeping its int8 codes), releases
+// from the first rewritten page on (K dequantized to f32, V keeping its codes), releases
 // the old pages and writes new ones: full pages requantized from their new group, the rest as
 // the residual. Writing fresh pages (never in place) makes shared pages copy-on-write for free;
 // freed pages are reused first (LIFO), so this costs no extra memory.
@@ -22,31 +24,31 @@
 
 namespace kvsparse {
 
-namespace {
-
-
-}  // namespace
-
 void PagedKvCache::SetKiviLayout(Layer* layer) const {
   const size_t P = static_cast<size_t>(page_size_);
   const size_t H = static_cast<size_t>(layer->layout.row_heads);
   const size_t D = static_cast<size_t>(geometry_.head_dim);
+  const bool low_bit = IsLowBitKivi(layer->storage);  // zero points: K per channel, V per token
   layer->kivi = true;
   PageLayout& p = layer->layout;  // quantized page
-  p.row_bytes = H * D;            // int8
+  p.row_bytes = KvRowBytes(layer->storage, H * D);  // codes, packed below 8 bits
   p.k_offset = 0;
   p.v_offset = AlignTo64(P * p.row_bytes);
   p.positions_offset = p.v_offset + AlignTo64(P * p.row_bytes);
   p.v_scale_offset = p.positions_offset + AlignTo64(P * sizeof(int32_t));
-  p.k_channel_scale_offset = p.v_scale_offset + AlignTo64(P * H * sizeof(float));
+  p.v_min_offset = low_bit ? p.v_scale_offset + AlignTo64(P * H * sizeof(float)) : 0;
+  p.k_channel_scale_offset = (low_bit ? p.v_min_offset : p.v_scale_offset) + AlignTo64(P * H * sizeof(float));
+  p.k_channel_min_offset = low_bit ? p.k_channel_scale_offset + AlignTo64(H * D * sizeof(float)) : 0;
   p.k_scale_offset = 0;  // no per-token K scales
-  p.page_bytes = p.k_channel_scale_offset + AlignTo64(H * D * sizeof(float));
-  // The K channel scales belong to the page, not to a token: live bytes add them per page.
-  p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + H * sizeof(float);
+  p.page_bytes = (low_bit ? p.k_channel_min_offset : p.k_channel_scale_offset) + AlignTo64(H * D * sizeof(float));
+  // The K channel scales (and mins) belong to the page, not to a token: live bytes add them per page.
+  const size_t per_row_floats = low_bit ? 2 : 1;  // V's scale (and min) per (token, head)
+  p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + per_row_floats * H * sizeof(float);
+  p.page_scale_bytes = per_row_floats * H * D * sizeof(float);
 
   PageLayout& r = layer->residual_layout;  // the f16 layout, so the f16 pool can serve it
   r.row_heads = p.row_heads;
-  r.row_bytes = H * D * KvStorageValueBytes(kKiviResidualStorage);
+  r.row_bytes = KvRowBytes(kKiviResidualStorage, H * D);
   r.k_offset = 0;
   r.v_offset = AlignTo64(P * r.row_bytes);
   r.positions_offset = r.v_offset + AlignTo64(P * r.row_bytes);
@@ -76,13 +78,14 @@ size_t PagedKvCache::TableReserveBytes(int layer, int32_t max_tokens, KvStorage 
   return full_pages * L.layout.page_bytes + L.residual_layout.page_bytes;
 }
 
-void PagedKvCache::KiviStaging::Resize(int32_t tokens, int row_heads, int head_dim) {
+void PagedKvCache::KiviStaging::Resize(int32_t tokens, int row_heads, int head_dim, size_t v_row_bytes) {
   const size_t n = static_cast<size_t>(tokens);
   const size_t values = n * static_cast<size_t>(row_heads) * head_dim;
   k.resize(values);
   v.resize(values);
-  v_codes.resize(values);
+  v_codes.resize(n * v_row_bytes);
   v_scale.resize(n * static_cast<size_t>(row_heads));
+  v_min.resize(n * static_cast<size_t>(row_heads));
   v_coded.resize(n);
   positions.resize(n);
 }
@@ -106,15 +109,26 @@ void PagedKvCache::ReadKiviSlots(const Layer& L, const Table& t, size_t page_ind
     std::fill(st->v_coded.begin() + at, st->v_coded.begin() + at + count, 0);
     return;
   }
-  const int8_t* k_codes = reinterpret_cast<const int8_t*>(page + p.k_offset) + slot * row_values;
-  const int8_t* v_codes = reinterpret_cast<const int8_t*>(page + p.v_offset) + slot * row_values;
+  const uint8_t* k_codes = page + p.k_offset + slot * p.row_bytes;
+  const uint8_t* v_codes = page + p.v_offset + slot * p.row_bytes;
   const float* channel_scale = reinterpret_cast<const float*>(page + p.k_channel_scale_offset);  // [rh, D]
   const float* v_scale = reinterpret_cast<const float*>(page + p.v_scale_offset) + static_cast<size_t>(slot) * rh;
-  ops::DequantizeKvColumnsInt8(k_codes, channel_scale, count, static_cast<int>(row_values), st->k.data() + first);
-  ops::DequantizeKvRowsInt8(v_codes, v_scale, static_cast<int64_t>(count) * rh, D, st->v.data() + first);
-  std::memcpy(st->v_codes.data() + first, v_codes, values);
-  std::memcpy(st->v_scale.data() + static_cast<size_t>(at) * rh, v_scale,
-              static_cast<size_t>(count) * rh * sizeof(float));
+  const int64_t v_rows = static_cast<int64_t>(count) * rh;
+  if (IsLowBitKivi(L.storage)) {
+    const int bits = KvStorageBits(L.storage);
+    const float* channel_min = reinterpret_cast<const float*>(page + p.k_channel_min_offset);  // [rh, D]
+    const float* v_min = reinterpret_cast<const float*>(page + p.v_min_offset) + static_cast<size_t>(slot) * rh;
+    ops::DequantizeKvColumnsAsym(bits, k_codes, channel_scale, channel_min, count, static_cast<int>(row_values),
+                                 st->k.data() + first);
+    ops::DequantizeKvRowsAsym(bits, v_codes, v_scale, v_min, v_rows, D, st->v.data() + first);
+    std::memcpy(st->v_min.data() + static_cast<size_t>(at) * rh, v_min, v_rows * sizeof(float));
+  } else {
+    ops::DequantizeKvColumnsInt8(reinterpret_cast<const int8_t*>(k_codes), channel_scale, count,
+                                 static_cast<int>(row_values), st->k.data() + first);
+    ops::DequantizeKvRowsInt8(reinterpret_cast<const int8_t*>(v_codes), v_scale, v_rows, D, st->v.data() + first);
+  }
+  std::memcpy(st->v_codes.data() + static_cast<size_t>(at) * p.row_bytes, v_codes, count * p.row_bytes);
+  std::memcpy(st->v_scale.data() + static_cast<size_t>(at) * rh, v_scale, v_rows * sizeof(float));
   std::fill(st->v_coded.begin() + at, st->v_coded.begin() + at + count, 1);
 }
 
@@ -133,21 +147,36 @@ void PagedKvCache::WriteKiviPage(const Layer& L, uint8_t* page, bool residual, i
                      static_cast<int64_t>(values));
     return;
   }
-  KVS_CHECK_MSG(slot == 0 && count == page_size_, "an int8_kivi page is quantized whole");
-  int8_t* k_codes = reinterpret_cast<int8_t*>(page + p.k_offset);
-  int8_t* v_codes = reinterpret_cast<int8_t*>(page + p.v_offset);
+  KVS_CHECK_MSG(slot == 0 && count == page_size_, "a KIVI page is quantized whole");
+  const bool low_bit = IsLowBitKivi(L.storage);
+  const int bits = KvStorageBits(L.storage);
+  uint8_t* k_codes = page + p.k_offset;
+  uint8_t* v_codes = page + p.v_offset;
   float* channel_scale = reinterpret_cast<float*>(page + p.k_channel_scale_offset);  // [rh, D]
   float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset);                 // [P, rh]
-  ops::QuantizeKvColumnsInt8(st.k.data() + first, count, static_cast<int>(row_values), k_codes, channel_scale);
+  float* channel_min = low_bit ? reinterpret_cast<float*>(page + p.k_channel_min_offset) : nullptr;
+  float* v_min = low_bit ? reinterpret_cast<float*>(page + p.v_min_offset) : nullptr;
+  if (low_bit) {
+    ops::QuantizeKvColumnsAsym(bits, st.k.data() + first, count, static_cast<int>(row_values), k_codes, channel_scale,
+                               channel_min);
+  } else {
+    ops::QuantizeKvColumnsInt8(st.k.data() + first, count, static_cast<int>(row_values),
+                               reinterpret_cast<int8_t*>(k_codes), channel_scale);
+  }
   for (int32_t j = 0; j < count; ++j) {
     const size_t src = first + static_cast<size_t>(j) * row_values;
+    const size_t scales_at = static_cast<size_t>(j) * rh, staged_scales_at = static_cast<size_t>(at + j) * rh;
     if (st.v_coded[at + j]) {  // moved from a quantized page: keep its codes bit for bit
-      std::memcpy(v_codes + j * row_values, st.v_codes.data() + src, row_values);
-      std::memcpy(v_scale + static_cast<size_t>(j) * rh, st.v_scale.data() + static_cast<size_t>(at + j) * rh,
-                  rh * sizeof(float));
+      std::memcpy(v_codes + j * p.row_bytes, st.v_codes.data() + static_cast<size_t>(at + j) * p.row_bytes,
+                  p.row_bytes);
+      std::memcpy(v_scale + scales_at, st.v_scale.data() + staged_scales_at, rh * sizeof(float));
+      if (low_bit) std::memcpy(v_min + scales_at, st.v_min.data() + staged_scales_at, rh * sizeof(float));
+    } else if (low_bit) {
+      ops::QuantizeKvRowsAsym(bits, st.v.data() + src, rh, D, v_codes + j * p.row_bytes, v_scale + scales_at,
+                              v_min + scales_at);
     } else {
-      ops::QuantizeKvRowsInt8(st.v.data() + src, rh, D, v_codes + j * row_values,
-                              v_scale + static_cast<size_t>(j) * rh);
+      ops::QuantizeKvRowsInt8(st.v.data() + src, rh, D, reinterpret_cast<int8_t*>(v_codes + j * p.row_bytes),
+                              v_scale + scales_at);
     }
   }
 }
@@ -161,7 +190,7 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
   const size_t row_values = static_cast<size_t>(rh) * D;
   const size_t in_stride = static_cast<size_t>(geometry_.n_kv_heads) * D;  // floats between input tokens
   KiviStaging& st = kivi_stage_;
-  st.Resize(P, rh, D);
+  st.Resize(P, rh, D, L.layout.row_bytes);
   for (int h = 0; h < L.n_tables; ++h) {
     Table& t = table(seq, layer, h);
     const size_t head_offset = L.per_head ? static_cast<size_t>(h) * D : 0;
@@ -246,7 +275,7 @@ void PagedKvCache::ApplyEvictKivi(Table& t, Layer& L, const uint8_t* keep, const
 
   // Stage the survivors of the rewritten pages, run by run within each page.
   KiviStaging& st = kivi_stage_;
-  st.Resize(plan.n_keep - first_page * P, L.layout.row_heads, geometry_.head_dim);
+  st.Resize(plan.n_keep - first_page * P, L.layout.row_heads, geometry_.head_dim, L.layout.row_bytes);
   int32_t at = 0;
   for (int32_t i = first_page * P; i < n_old;) {
     if (!keep[i]) {

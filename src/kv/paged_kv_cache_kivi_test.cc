@@ -1,6 +1,6 @@
-// int8_kivi storage in PagedKvCache: full pages quantized (K per channel, V per token), the
-// last partly filled page in full precision; append, evict (with requantization of the
-// rewritten pages), fork, per-head tables, byte accounting and budgets.
+// KIVI storage in PagedKvCache (int8, and int4 / int2 with zero points): full pages quantized
+// (K per channel, V per token), the last partly filled page in full precision; append, evict
+// (with requantization of the rewritten pages), fork, per-head tables, byte accounting and budgets.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,12 +45,25 @@ ReadBack Read(const PagedKvCache& cache, int seq, int layer, int head = -1) {
   }
   for (const KvSpan& s : r.spans) {
     const KvStorage type = SpanStorage(cache.layer_storage(layer), s);
+    std::vector<float> k_low, v_low;  // int4 / int2: the span dequantized
+    if (IsLowBitKivi(type)) {
+      k_low.resize(static_cast<size_t>(s.n) * row);
+      v_low.resize(k_low.size());
+      ops::DequantizeKvColumnsAsym(KvStorageBits(type), static_cast<const uint8_t*>(s.k), s.k_channel_scale,
+                                   s.k_channel_min, s.n, static_cast<int>(row), k_low.data());
+      ops::DequantizeKvRowsAsym(KvStorageBits(type), static_cast<const uint8_t*>(s.v), s.v_scale, s.v_min,
+                                static_cast<int64_t>(s.n) * H, D, v_low.data());
+    }
     for (int32_t i = 0; i < s.n; ++i) {
       r.positions.push_back(s.positions[i]);
-      r.quantized.push_back(type == KvStorage::kInt8Kivi);
+      r.quantized.push_back(IsKiviStorage(type));
       for (size_t e = 0; e < row; ++e) {
         const size_t at = static_cast<size_t>(i) * row + e;
-        if (type == KvStorage::kInt8Kivi) {
+        if (IsLowBitKivi(type)) {
+          r.k.push_back(k_low[at]);
+          r.v.push_back(v_low[at]);
+          r.k_step.push_back(s.k_channel_scale[e]);
+        } else if (type == KvStorage::kInt8Kivi) {
           r.k.push_back(static_cast<const int8_t*>(s.k)[at] * s.k_channel_scale[e]);
           r.v.push_back(static_cast<const int8_t*>(s.v)[at] * s.v_scale[at / D]);
           r.k_step.push_back(s.k_channel_scale[e]);
@@ -79,7 +92,8 @@ ReadBack Read(const PagedKvCache& cache, int seq, int layer, int head = -1) {
       if (s.k_channel_scale != nullptr || s.v_scale != nullptr || s.n != n % P) {
         return ::testing::AssertionFailure() << "span " << i << " should be the residual of " << n % P << " tokens";
       }
-    } else if (s.k_channel_scale == nullptr || s.v_scale == nullptr || s.n != P || s.k_scale != nullptr) {
+    } else if (s.k_channel_scale == nullptr || s.v_scale == nullptr || s.n != P || s.k_scale != nullptr ||
+               IsLowBitKivi(cache.layer_storage(0)) != (s.k_channel_min != nullptr && s.v_min != nullptr)) {
       return ::testing::AssertionFailure() << "span " << i << " should be a full quantized page";
     }
   }
@@ -118,12 +132,17 @@ Status AppendTokens(PagedKvCache& cache, int seq, int layer, const std::vector<T
   return cache.Append(seq, layer, static_cast<int32_t>(count), k.data(), v.data(), pos.data());
 }
 
-// Live bytes by the layout: quantized slots (K, V codes, position, V scales), each quantized
-// page's K channel scales, f16 residual slots; allocated: the two page sizes.
+// Live bytes by the layout: quantized slots (K, V codes, position, V scales and, for 4 and 2
+// bits, mins), each quantized page's K channel scales (and mins), f16 residual slots; allocated:
+// the two page sizes.
 void ExpectExactAccounting(const PagedKvCache& cache, int layer) {
   const KvGeometry& g = cache.geometry();
   const size_t P = cache.page_size(), H = g.n_kv_heads, D = g.head_dim;
-  const size_t page = 2 * Align64(P * H * D) + Align64(P * 4) + Align64(P * H * 4) + Align64(H * D * 4);
+  const KvStorage storage = cache.layer_storage(layer);
+  const size_t code_bytes = H * D * KvStorageBits(storage) / 8;  // one token's K (or V) codes
+  const size_t per_group = IsLowBitKivi(storage) ? 2 : 1;        // scale, and min for 4 and 2 bits
+  const size_t page =
+      2 * Align64(P * code_bytes) + Align64(P * 4) + per_group * Align64(P * H * 4) + per_group * Align64(H * D * 4);
   const size_t residual_page = 2 * Align64(P * H * D * 2) + Align64(P * 4);
   const PagedKvStats stats = cache.Stats();
   const PagedKvLayerStats& ls = stats.layers[layer];
@@ -131,8 +150,8 @@ void ExpectExactAccounting(const PagedKvCache& cache, int layer) {
   const int64_t quantized_tokens = ls.live_tokens - ls.residual_tokens;
   EXPECT_EQ(ls.page_bytes, page);
   EXPECT_EQ(ls.allocated_bytes, quantized_pages * page + ls.residual_pages * residual_page);
-  EXPECT_EQ(ls.live_bytes, quantized_tokens * (2 * H * D + 4 + 4 * H) + quantized_pages * 4 * H * D +
-                               ls.residual_tokens * (4 * H * D + 4));
+  EXPECT_EQ(ls.live_bytes, quantized_tokens * (2 * code_bytes + 4 + per_group * 4 * H) +
+                               quantized_pages * per_group * 4 * H * D + ls.residual_tokens * (4 * H * D + 4));
   EXPECT_LE(ls.live_bytes, ls.allocated_bytes);
   EXPECT_EQ(cache.LayerAllocatedBytes(layer), ls.allocated_bytes);
   EXPECT_EQ(cache.LayerLiveBytes(layer), ls.live_bytes);
@@ -206,19 +225,26 @@ TEST_P(PagedKvKiviTest, AppendQuantizesEachFullPageOnce) {
 // element moves by at most half a step of its new group's scale (the requantization cost),
 // and by at most f16 rounding when it lands in the residual; V codes of tokens that stay
 // quantized are kept bit for bit.
+// int4 and int2 KIVI take the same path with their coarser steps (V: values in [-2, 2], so half a
+// step is at most 2 / (2^bits - 1)).
 TEST_P(PagedKvKiviTest, EvictRequantizesRewrittenPagesWithinHalfANewStep) {
   const int32_t P = GetParam();
   const KvGeometry geo{1, 3, 16};
   const int row = 3 * 16;
-  for (int trial = 0; trial < 12; ++trial) {
+  for (int trial = 0; trial < 18; ++trial) {
+    const KvStorage storage = trial % 3 == 0   ? KvStorage::kInt8Kivi
+                              : trial % 3 == 1 ? KvStorage::kInt4Kivi
+                                               : KvStorage::kInt2Kivi;
+    const float v_half_step = storage == KvStorage::kInt8Kivi ? 2.f / 254 : 2.f / ((1 << KvStorageBits(storage)) - 1);
+    SCOPED_TRACE(KvStorageName(storage));
     std::mt19937 rng(1000 * P + trial);
-    auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, 1 << 22);
+    auto cache = MakePagedCache(geo, {storage}, 1, P, 1 << 22);
     const std::vector<Token> tokens = RandomTokens(5 * P + static_cast<int32_t>(rng() % P), 0, row, rng);
     const int32_t n = static_cast<int32_t>(tokens.size());
     ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, 0, tokens.size()).ok());
     const ReadBack before = Read(*cache, 0, 0);
     std::vector<uint8_t> keep(n, 1);
-    const double drop_rate = trial % 3 == 0 ? 0.05 : trial % 3 == 1 ? 0.4 : 0.9;
+    const double drop_rate = trial % 4 == 0 ? 0.05 : trial % 4 == 1 ? 0.4 : 0.9;
     std::bernoulli_distribution drop(drop_rate);
     for (int32_t i = (trial % 4) * P / 2; i < n; ++i) keep[i] = drop(rng) ? 0 : 1;
     ASSERT_TRUE(cache->Evict(0, 0, keep).ok());
@@ -253,7 +279,7 @@ TEST_P(PagedKvKiviTest, EvictRequantizesRewrittenPagesWithinHalfANewStep) {
         if (after.quantized[j] && before.quantized[i]) {
           ASSERT_EQ(after.v[a], before.v[b]) << "V codes of a token that stays quantized are kept";
         } else {
-          ASSERT_LE(std::fabs(after.v[a] - before.v[b]), std::fabs(before.v[b]) * 0x1p-11f + 2.f / 254 + 1e-6f);
+          ASSERT_LE(std::fabs(after.v[a] - before.v[b]), std::fabs(before.v[b]) * 0x1p-11f + v_half_step + 1e-6f);
         }
       }
     }
@@ -492,6 +518,28 @@ TEST(PagedKvKiviTest, AttentionOverCacheSpansMatchesReference) {
     ASSERT_NEAR(got[e], want[e], 2e-5f + 2e-4f * std::fabs(want[e]));
     ASSERT_NEAR(got[e], exact[e], 0.05f);
   }
+}
+
+// Packed codes need whole bytes per (token, kv head) row: a head_dim that 2-bit codes cannot
+// pack is refused with a message naming the type and the multiple, for the cache and for a
+// sequence's own storage.
+TEST(PagedKvKiviTest, LowBitNeedsAHeadDimItCanPack) {
+  PagedKvCacheOptions options;
+  options.n_seqs = 1;
+  options.page_size = 16;
+  options.budget_bytes = 1 << 20;
+  options.layer_storage = {KvStorage::kInt2Kivi};
+  const StatusOr<std::unique_ptr<PagedKvCache>> bad = PagedKvCache::Create(KvGeometry{1, 2, 6}, options);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("int2_kivi"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("multiple of 4"), std::string::npos) << bad.status().message();
+  options.layer_storage = {KvStorage::kInt4Kivi};
+  ASSERT_TRUE(PagedKvCache::Create(KvGeometry{1, 2, 6}, options).ok());  // 4 bits: two values per byte
+  options.layer_storage = {KvStorage::kF16};
+  auto cache = PagedKvCache::Create(KvGeometry{1, 2, 6}, options);
+  ASSERT_TRUE(cache.ok());
+  const KvStorage int2[] = {KvStorage::kInt2Kivi};
+  EXPECT_FALSE((*cache)->SetSequenceStorage(0, int2).ok());
 }
 
 }  // namespace

@@ -83,11 +83,17 @@ int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const Key
     int32_t* pos = reinterpret_cast<int32_t*>(page + p.positions_offset);  // [fill]
     const int32_t base = static_cast<int32_t>(pi) * P;
     const KvStorage storage = residual ? kKiviResidualStorage : L.storage;
-    // int8_kivi pages share one scale per channel over the page: the whole page is regrouped.
-    const bool whole_page = storage == KvStorage::kInt8Kivi;
-    int8_t* codes = reinterpret_cast<int8_t*>(page + p.k_offset);
-    if (whole_page) {
-      ops::DequantizeKvColumnsInt8(codes, reinterpret_cast<const float*>(page + p.k_channel_scale_offset), fill,
+    // KIVI pages share one scale (and min) per channel over the page: the whole page is regrouped.
+    const bool whole_page = IsKiviStorage(storage);
+    const bool low_bit = IsLowBitKivi(storage);
+    uint8_t* codes = page + p.k_offset;
+    float* channel_scale = reinterpret_cast<float*>(page + p.k_channel_scale_offset);
+    float* channel_min = low_bit ? reinterpret_cast<float*>(page + p.k_channel_min_offset) : nullptr;
+    if (low_bit) {
+      ops::DequantizeKvColumnsAsym(KvStorageBits(storage), codes, channel_scale, channel_min, fill,
+                                   static_cast<int>(row_values), k32);
+    } else if (whole_page) {
+      ops::DequantizeKvColumnsInt8(reinterpret_cast<const int8_t*>(codes), channel_scale, fill,
                                    static_cast<int>(row_values), k32);
     }
     // Runs of slots with the same delta rotate in one call (same angle for every row).
@@ -125,6 +131,8 @@ int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const Key
             break;
           }
           case KvStorage::kInt8Kivi:
+          case KvStorage::kInt4Kivi:
+          case KvStorage::kInt2Kivi:
             rotate(k32 + static_cast<size_t>(s) * row_values, rows, delta);
             break;
         }
@@ -132,9 +140,12 @@ int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const Key
       }
       s = end;
     }
-    if (whole_page) {
-      ops::QuantizeKvColumnsInt8(k32, fill, static_cast<int>(row_values), codes,
-                                 reinterpret_cast<float*>(page + p.k_channel_scale_offset));
+    if (low_bit) {
+      ops::QuantizeKvColumnsAsym(KvStorageBits(storage), k32, fill, static_cast<int>(row_values), codes, channel_scale,
+                                 channel_min);
+    } else if (whole_page) {
+      ops::QuantizeKvColumnsInt8(k32, fill, static_cast<int>(row_values), reinterpret_cast<int8_t*>(codes),
+                                 channel_scale);
     }
     for (int32_t s = 0; s < fill; ++s) pos[s] = base + s;
   }

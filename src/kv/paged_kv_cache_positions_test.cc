@@ -92,10 +92,15 @@ TableView Read(const PagedKvCache& cache, int seq, int head) {
         ops::DequantizeKvRowsFp8(storage, static_cast<const uint8_t*>(s.k), s.k_scale, static_cast<int64_t>(s.n) * rows,
                                  kHeadDim, k.data());
         break;
+      case KvStorage::kInt4Kivi:
+      case KvStorage::kInt2Kivi:
+        ops::DequantizeKvColumnsAsym(KvStorageBits(storage), static_cast<const uint8_t*>(s.k), s.k_channel_scale,
+                                     s.k_channel_min, s.n, rows * kHeadDim, k.data());
+        break;
     }
     view.k.insert(view.k.end(), k.begin(), k.end());
     view.positions.insert(view.positions.end(), s.positions, s.positions + s.n);
-    const size_t value_bytes = values * KvStorageValueBytes(storage);
+    const size_t value_bytes = KvRowBytes(storage, values);
     const auto* v = static_cast<const uint8_t*>(s.v);
     view.v_bytes.insert(view.v_bytes.end(), v, v + value_bytes);
     if (s.v_scale != nullptr) {
@@ -156,6 +161,8 @@ float MaxPairNorm(const Tokens& t, int head) {
 //   fp8: two roundings by at most 2^-(M+1) relative (ops/kv_quant.h), the first rotated:
 //        (sqrt2 + 1) 2^-4 M < 0.151 M (e4m3), (sqrt2 + 1) 2^-3 M < 0.302 M (e5m2); subnormal
 //        steps are far smaller.
+//   int4 / int2 KIVI: as int8_kivi (about 5 half steps), with steps of up to 2M / 15 and 2M / 3:
+//        0.34 M and 1.7 M -- 2 bits keep little of a key.
 float Tolerance(KvStorage storage) {
   switch (storage) {
     case KvStorage::kF32: return 1e-4f;
@@ -164,6 +171,10 @@ float Tolerance(KvStorage storage) {
     case KvStorage::kInt8Kivi: return 0.02f;
     case KvStorage::kFp8E4M3: return 0.16f;
     case KvStorage::kFp8E5M2: return 0.31f;
+    case KvStorage::kInt4Kivi:
+      return 0.34f;
+    case KvStorage::kInt2Kivi:
+      return 1.7f;
   }
   return 0;
 }
@@ -231,8 +242,8 @@ TEST(RopeNegativePosition, UndoesPositiveAndMatchesReference) {
 // Every storage type, both RoPE styles, pages of 5 (ragged), StreamingLLM and scattered masks.
 TEST(PagedKvCacheRenumber, SurvivorsAreRotatedToTheirNewPositions) {
   const int32_t n = 47;
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
     for (RopeStyle style : {RopeStyle::kAdjacentPairs, RopeStyle::kNeox}) {
       for (int scatter : {0, 9}) {
         const std::string what = std::string(KvStorageName(storage)) +
@@ -261,9 +272,9 @@ TEST(PagedKvCacheRenumber, SurvivorsAreRotatedToTheirNewPositions) {
         EXPECT_EQ(after.v_bytes, evicted.v_bytes) << what << ": V must not change";
         // The sinks' page keeps its bytes (pages of 5, 4 sinks: page 0 starts with them, and
         // with no scattered survivors nothing before the recent window moves).
-        if (!scatter && storage != KvStorage::kInt8Kivi) {
+        if (!scatter && !IsKiviStorage(storage)) {
           EXPECT_EQ(std::memcmp(after.k_page_bytes[0].data(), before.k_page_bytes[0].data(),
-                                4 * kHeads * kHeadDim * KvStorageValueBytes(storage)),
+                                KvRowBytes(storage, 4 * kHeads * kHeadDim)),
                     0)
               << what;
         }
@@ -280,8 +291,8 @@ TEST(PagedKvCacheRenumber, SurvivorsAreRotatedToTheirNewPositions) {
 TEST(PagedKvCacheRenumber, PerHeadTablesRenumberEachHead) {
   const int32_t n = 40;
   const RopeStyle style = RopeStyle::kNeox;
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
     std::mt19937 rng(5);
     const Tokens tokens = MakeTokens(n, 0, style, rng);
     auto cache = MakeCache(storage, true, 1, 8);
@@ -312,7 +323,8 @@ TEST(PagedKvCacheRenumber, PerHeadTablesRenumberEachHead) {
 TEST(PagedKvCacheRenumber, SharedPagesAreCopiedFirst) {
   const int32_t n = 30;
   const RopeStyle style = RopeStyle::kAdjacentPairs;
-  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2}) {
+  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
+                            KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
     const std::string what(KvStorageName(storage));
     std::mt19937 rng(11);
     const Tokens tokens = MakeTokens(n, 0, style, rng);

@@ -38,7 +38,7 @@ struct EncodedRow {
 
 EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads, int head_dim) {
   EncodedRow e;
-  e.values.resize(x.size() * KvStorageValueBytes(storage));
+  e.values.resize(KvRowBytes(storage, x.size()));
   switch (storage) {
     case KvStorage::kF32:
       std::memcpy(e.values.data(), x.data(), x.size() * sizeof(float));
@@ -60,6 +60,8 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
       ops::QuantizeKvRowsFp8(storage, x.data(), n_kv_heads, head_dim, e.values.data(), e.scales.data());
       break;
     case KvStorage::kInt8Kivi:  // groups of tokens, not rows: paged_kv_cache_kivi_test.cc
+    case KvStorage::kInt4Kivi:
+    case KvStorage::kInt2Kivi:
       ADD_FAILURE() << "int8_kivi rows are not encoded one by one";
       break;
   }
@@ -106,7 +108,7 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
     n_cached = cache.NumTokens(seq, layer);
   }
   const ModelTable& model = head >= 0 ? head_model : full_model;
-  const size_t row_bytes = static_cast<size_t>(geo.n_kv_heads) * geo.head_dim * KvStorageValueBytes(storage);
+  const size_t row_bytes = KvRowBytes(storage, static_cast<size_t>(geo.n_kv_heads) * geo.head_dim);
   if (n_cached != static_cast<int32_t>(model.size())) {
     return ::testing::AssertionFailure() << "seq " << seq << " layer " << layer << " head " << head << ": "
                                          << n_cached << " tokens cached, model " << model.size();
@@ -225,7 +227,7 @@ TEST_P(PagedKvCacheStorageTest, AppendGivesOneSpanPerPage) {
 TEST_P(PagedKvCacheStorageTest, ByteAccountingIsExact) {
   const KvGeometry geo{2, 2, 8};
   auto cache = MakePagedCache(geo, {GetParam()}, 1, 4, 1 << 20);
-  const size_t vb = KvStorageValueBytes(GetParam());
+  const size_t vb = KvStorageBits(GetParam()) / 8;
   const bool int8 = HasTokenScales(GetParam());
   const size_t row_bytes = 2 * 8 * vb;
   auto align = [](size_t n) { return (n + 63) / 64 * 64; };
@@ -290,7 +292,7 @@ TEST_P(PagedKvCacheStorageTest, ConcatenatedSpansEqualContiguousCache) {
       ASSERT_TRUE(dense.Append(0, layer, n, k.data(), v.data(), p.data()).ok());
     }
   }
-  const size_t row_bytes = row * KvStorageValueBytes(GetParam());
+  const size_t row_bytes = KvRowBytes(GetParam(), row);
   for (int layer = 0; layer < 2; ++layer) {
     std::vector<KvSpan> dense_spans, paged_spans;
     dense.Spans(0, layer, &dense_spans);
@@ -726,7 +728,7 @@ TEST_P(PagedKvCachePerHeadTest, HeadsKeepDifferentTokensWithExactAccounting) {
   const int32_t P = 4;
   const KvGeometry geo{2, H, D};
   auto cache = MakePagedCache(geo, {GetParam()}, 2, P, 1 << 20, {0, 1});  // layer 1 per-head
-  const size_t vb = KvStorageValueBytes(GetParam());
+  const size_t vb = KvStorageBits(GetParam()) / 8;
   const bool int8 = HasTokenScales(GetParam());
   auto align = [](size_t n) { return (n + 63) / 64 * 64; };
   const size_t shared_page = 2 * align(P * H * D * vb) + align(P * sizeof(int32_t)) +

@@ -16,8 +16,6 @@ namespace kvsparse {
 
 namespace {
 
-
-
 std::string MiB(size_t bytes) { return fmt::format("{:.3f}", static_cast<double>(bytes) / (1 << 20)); }
 
 }  // namespace

@@ -127,11 +127,17 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   std::fill(acc, acc + q_floats, 0.f);
   std::fill(l_lanes, l_lanes + static_cast<size_t>(rows) * kBlock, 0.f);
 
-  const bool int8 = IsScaledCodeStorage(storage);  // int8, int8_kivi or fp8: scaled codes
-  const bool kivi = storage == KvStorage::kInt8Kivi;
-  const size_t elem_bytes = KvStorageValueBytes(storage);
-  const size_t token_bytes = static_cast<size_t>(plan.row_heads) * d * elem_bytes;  // one token row, all its heads
-  const size_t head_bytes = static_cast<size_t>(d) * elem_bytes;
+  const bool int8 = IsScaledCodeStorage(storage);  // int8, fp8 or KIVI: scaled codes
+  const bool kivi = IsKiviStorage(storage);
+  const bool low_bit = IsLowBitKivi(storage);  // packed codes with zero points: dequantized into scratch rows
+  const int bits = KvStorageBits(storage);
+  const size_t token_bytes =
+      KvRowBytes(storage, static_cast<size_t>(plan.row_heads) * d);  // one token row, all its heads
+  const size_t head_bytes = KvRowBytes(storage, d);
+  static thread_local std::vector<uint8_t> low_bit_codes;  // [head_dim] unpacked codes
+  static thread_local AlignedBuffer low_bit_k;             // [kBlock, dp] a low-bit K block as f32 rows
+  float* k_rows = low_bit ? low_bit_k.Get(static_cast<size_t>(kBlock) * dp) : nullptr;
+  if (low_bit) low_bit_codes.resize(d);
   const size_t span_stride = static_cast<size_t>(plan.row_heads) * d;  // elements between rows in a span
   // Prefetches of one block are spread over a head's row pairs (see below).
   const int prefetch_per_pair = (kBlock + (head_rows + 1) / 2 - 1) / ((head_rows + 1) / 2);
@@ -153,15 +159,15 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
     }
     BlockRows block;  // this block's token rows (head 0) in storage type
     GatherBlockRows(seq, t0, n_block, token_bytes, plan.row_heads, int8, &block_span, &block);
-    const bool v_in_place = plan.v_in_place && block.one_span;
+    const bool v_in_place = plan.v_in_place && block.one_span && !low_bit;
 
     for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
       const int stored_head = plan.first_kv_head + kv_head;  // its place in the stored rows
       const size_t head_offset = static_cast<size_t>(stored_head) * head_bytes;
       const uint8_t* k_head[kBlock];
       float k_scale[kBlock];         // int8 and fp8: token j's K scale for this head
-      const float* k_chan[kBlock];   // int8_kivi only: token j's K channel scales for this head [d]
-      float v_scale[kBlock];         // int8, int8_kivi and fp8: token j's V scale for this head
+      const float* k_chan[kBlock];   // KIVI only: token j's K channel scales for this head [d]
+      float v_scale[kBlock];         // int8, fp8 and KIVI: token j's V scale for this head
       for (int j = 0; j < n_block; ++j) k_head[j] = block.k[j] + head_offset;
       if (int8) {
         for (int j = 0; j < n_block; ++j) {
@@ -173,7 +179,18 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           v_scale[j] = block.v_scale[j][stored_head];
         }
       }
-      PackK(storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
+      if (low_bit) {
+        for (int j = 0; j < n_block; ++j) {
+          const size_t chan = static_cast<size_t>(stored_head) * d;
+          float* row = k_rows + static_cast<size_t>(j) * dp;
+          DequantizeLowBitRow(bits, k_head[j], block.k_chan[j] + chan, block.k_chan_min[j] + chan,
+                              /*channel_wise=*/true, d, dp, low_bit_codes.data(), row);
+          k_head[j] = reinterpret_cast<const uint8_t*>(row);
+        }
+        PackK(KvStorage::kF32, k_head, k_scale, k_chan, n_block, d, dp, k_block);
+      } else {
+        PackK(storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
+      }
       // V is read in place (converted on the fly) when it needs no padding and the block is
       // whole and inside one span; otherwise it is converted into zero-padded scratch rows.
       const void* v_rows = v_block;
@@ -185,8 +202,13 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         v_type = storage;
       } else {
         for (int j = 0; j < n_block; ++j) {
-          LoadRowF32(storage, block.v[j] + head_offset, int8 ? v_scale[j] : 1.f, d,
-                     v_block + static_cast<size_t>(j) * dp);
+          float* row = v_block + static_cast<size_t>(j) * dp;
+          if (low_bit) {
+            DequantizeLowBitRow(bits, block.v[j] + head_offset, &v_scale[j], block.v_min[j] + stored_head,
+                                /*channel_wise=*/false, d, dp, low_bit_codes.data(), row);
+          } else {
+            LoadRowF32(storage, block.v[j] + head_offset, int8 ? v_scale[j] : 1.f, d, row);
+          }
         }
         // Rows past the block end must be finite: their p is 0, but 0 * NaN is not.
         std::fill(v_block + static_cast<size_t>(n_block) * dp, v_block + kv_floats, 0.f);
@@ -255,6 +277,10 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           }
           break;
         }
+        case KvStorage::kInt4Kivi:
+        case KvStorage::kInt2Kivi:  // never in place: dequantized into v_block (kF32)
+          KVS_CHECK_MSG(false, "low-bit KIVI V is read from scratch rows");
+          break;
       }
     }
   }

@@ -33,15 +33,16 @@ struct BenchCache {
   KvStorage storage;
   std::vector<uint8_t> k, v;         // [depth, heads, kHeadDim] in storage type
   std::vector<float> k_scale, v_scale;  // [depth, heads] (int8, fp8; v_scale also int8_kivi)
-  std::vector<float> k_channel_scale;   // [spans, heads, kHeadDim] (int8_kivi: one page per span)
+  std::vector<float> k_channel_scale;   // [spans, heads, kHeadDim] (KIVI: one page per span)
+  std::vector<float> k_channel_min;     // [spans, heads, kHeadDim] (int4 / int2 KIVI)
+  std::vector<float> v_min;             // [depth, heads] (int4 / int2 KIVI)
   std::vector<int32_t> positions;    // [depth]
   std::vector<KvSpan> spans;
 
   BenchCache(KvStorage st, int64_t depth, int64_t span_tokens, int heads = kKvHeads) : storage(st) {
     const size_t elems = static_cast<size_t>(depth) * heads * kHeadDim;
-    const size_t elem_bytes = KvStorageValueBytes(st);
-    k.resize(elems * elem_bytes);
-    v.resize(elems * elem_bytes);
+    k.resize(KvRowBytes(st, elems));
+    v.resize(KvRowBytes(st, elems));
     std::mt19937 rng(1);
     std::uniform_real_distribution<float> dist(-1.f, 1.f);
     std::uniform_int_distribution<int> code(-127, 127);
@@ -66,17 +67,26 @@ struct BenchCache {
           k[i] = ops::EncodeFp8(st, kv[0] * ops::Fp8Max(st));
           v[i] = ops::EncodeFp8(st, kv[1] * ops::Fp8Max(st));
           break;
+        case KvStorage::kInt4Kivi:
+        case KvStorage::kInt2Kivi:  // random bytes are random packed codes
+          if (i < k.size()) {
+            k[i] = static_cast<uint8_t>(rng());
+            v[i] = static_cast<uint8_t>(rng());
+          }
+          break;
       }
     }
     if (HasTokenScales(st)) k_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
     if (IsScaledCodeStorage(st)) v_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
     const int64_t n_spans = (depth + span_tokens - 1) / span_tokens;
-    if (st == KvStorage::kInt8Kivi) {
-      k_channel_scale.assign(static_cast<size_t>(n_spans) * heads * kHeadDim, 1.f / 127);
+    if (IsKiviStorage(st)) k_channel_scale.assign(static_cast<size_t>(n_spans) * heads * kHeadDim, 1.f / 127);
+    if (IsLowBitKivi(st)) {
+      k_channel_min.assign(k_channel_scale.size(), -0.5f);
+      v_min.assign(v_scale.size(), -0.5f);
     }
     positions.resize(depth);
     for (int64_t t = 0; t < depth; ++t) positions[t] = static_cast<int32_t>(t);
-    const size_t row_bytes = heads * kHeadDim * elem_bytes;
+    const size_t row_bytes = KvRowBytes(st, heads * kHeadDim);
     for (int64_t t0 = 0; t0 < depth; t0 += span_tokens) {
       KvSpan span;
       span.k = k.data() + t0 * row_bytes;
@@ -84,20 +94,24 @@ struct BenchCache {
       span.positions = positions.data() + t0;
       if (HasTokenScales(st)) span.k_scale = k_scale.data() + t0 * heads;
       if (!v_scale.empty()) span.v_scale = v_scale.data() + t0 * heads;
-      if (st == KvStorage::kInt8Kivi) {
-        span.k_channel_scale = k_channel_scale.data() + (t0 / span_tokens) * heads * kHeadDim;
+      if (IsKiviStorage(st)) span.k_channel_scale = k_channel_scale.data() + (t0 / span_tokens) * heads * kHeadDim;
+      if (IsLowBitKivi(st)) {
+        span.k_channel_min = k_channel_min.data() + (t0 / span_tokens) * heads * kHeadDim;
+        span.v_min = v_min.data() + t0 * heads;
       }
       span.n = static_cast<int32_t>(std::min(span_tokens, depth - t0));
       spans.push_back(span);
     }
   }
   size_t Bytes() const {
-    return k.size() + v.size() + (k_scale.size() + v_scale.size() + k_channel_scale.size()) * sizeof(float);
+    return k.size() + v.size() +
+           (k_scale.size() + v_scale.size() + k_channel_scale.size() + k_channel_min.size() + v_min.size()) *
+               sizeof(float);
   }
 };
 
 // The benchmarks' storage argument is KvStorage's value: 0 = f32, 1 = f16, 2 = int8, 3 = int8_kivi,
-// 4 = fp8_e4m3, 5 = fp8_e5m2.
+// 4 = fp8_e4m3, 5 = fp8_e5m2, 6 = int4_kivi, 7 = int2_kivi.
 KvStorage StorageArg(int64_t arg) { return static_cast<KvStorage>(arg); }
 
 // Makes the benchmark's kernel family (argument `arg`) the active one; false (and the run
@@ -292,7 +306,8 @@ BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMil
 BENCHMARK(BM_AttentionDecode)
     ->ArgNames({"isa", "depth", "storage", "threads", "span"})
     ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512, 4096, 32768}, {1, 0, 2}, {1, 2}, {0}})
-    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {4096}, {1, 2, 3, 4, 5}, {2}, {16}})  // paged: one span per 16-token page
+    ->ArgsProduct(
+        {{kScalar, kAvx2, kAvx512}, {4096}, {1, 2, 3, 4, 5, 6, 7}, {2}, {16}})  // paged: one span per 16-token page
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionDecode22Layers)

@@ -107,6 +107,9 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       }
       break;
     }
+    case KvStorage::kInt4Kivi:
+    case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+      break;
   }
 }
 
@@ -377,6 +380,9 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       for (; c < head_dim; ++c) dst[c] = f[c];
       break;
     }
+    case KvStorage::kInt4Kivi:
+    case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+      break;
   }
   for (c = head_dim; c < RoundUp(head_dim, kLanes); ++c) dst[c] = 0.f;
 }
@@ -445,6 +451,9 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
             _mm256_store_ps(dst + c * 64, _mm256_mul_ps(Int8ToF32(codes), s));
           }
           break;
+        case KvStorage::kInt4Kivi:
+        case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+          break;
       }
     }
     // The rest (a pair past the block end, a partial last chunk, padding): element by element.
@@ -464,6 +473,9 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
               break;
             case KvStorage::kInt8Kivi:
               value = static_cast<float>(reinterpret_cast<const int8_t*>(rows[j])[dim]) * channel_scales[j][dim];
+              break;
+            case KvStorage::kInt4Kivi:
+            case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
               break;
           }
         }
@@ -685,6 +697,9 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
     }
     case KvStorage::kF32:
       std::memcpy(dst, src, head_dim * sizeof(float));
+      break;
+    case KvStorage::kInt4Kivi:
+    case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
       break;
   }
   for (int c = head_dim; c < RoundUp(head_dim, kLanes); ++c) dst[c] = 0.f;

@@ -127,7 +127,9 @@ inline std::vector<KvSegment> KvSegments(KvStorage storage, const KvSpan* spans,
     const KvStorage type = SpanStorage(storage, span);
     KVS_CHECK_MSG(!HasTokenScales(type) || (span.k_scale != nullptr && span.v_scale != nullptr),
                   "int8 and fp8 KV spans need k_scale and v_scale");
-    KVS_CHECK_MSG(type != KvStorage::kInt8Kivi || span.v_scale != nullptr, "int8_kivi KV spans need v_scale");
+    KVS_CHECK_MSG(!IsKiviStorage(type) || span.v_scale != nullptr, "KIVI KV spans need v_scale");
+    KVS_CHECK_MSG(!IsLowBitKivi(type) || (span.v_min != nullptr && span.k_channel_min != nullptr),
+                  "int4 / int2 KIVI KV spans need v_min and k_channel_min");
     if (segments.empty() || segments.back().storage != type) {
       if (!segments.empty()) segments.back().n_spans = i - segments.back().first_span;
       segments.push_back({segments.empty() ? 0 : i, 0, type, tokens});
@@ -199,7 +201,9 @@ struct BlockRows {
   const uint8_t* v[kBlock];
   const float* k_scale[kBlock];  // [n_kv_heads] token j's scales (filled only with_scales)
   const float* v_scale[kBlock];
-  const float* k_chan[kBlock];   // [n_kv_heads, head_dim] token j's span's K channel scales (int8_kivi)
+  const float* k_chan[kBlock];      // [n_kv_heads, head_dim] token j's span's K channel scales (KIVI)
+  const float* k_chan_min[kBlock];  // [n_kv_heads, head_dim] its K channel mins (int4 / int2 KIVI)
+  const float* v_min[kBlock];       // [n_kv_heads] token j's V mins (int4 / int2 KIVI)
   bool one_span = false;       // all kBlock tokens lie in one span (V may be read in place)
 };
 
@@ -240,6 +244,8 @@ inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, s
         rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + (local + j) * n_kv_heads : nullptr;
         rows->v_scale[j] = s.v_scale + (local + j) * n_kv_heads;
         rows->k_chan[j] = s.k_channel_scale;
+        rows->k_chan_min[j] = s.k_channel_min;
+        rows->v_min[j] = s.v_min != nullptr ? s.v_min + (local + j) * n_kv_heads : nullptr;
       }
     }
     rows->one_span = n_block == kBlock;
@@ -256,9 +262,25 @@ inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, s
       rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + local * n_kv_heads : nullptr;
       rows->v_scale[j] = s.v_scale + local * n_kv_heads;
       rows->k_chan[j] = s.k_channel_scale;
+      rows->k_chan_min[j] = s.k_channel_min;
+      rows->v_min[j] = s.v_min != nullptr ? s.v_min + local * n_kv_heads : nullptr;
     }
   }
   rows->one_span = false;
+}
+
+// One kv head's row of a low-bit KIVI token (head_dim packed codes) as f32, zero-padded to dp:
+// min + scale * code with K's per-channel (scale[c], min[c]) or V's per-token (scale[0], min[0])
+// (channel_wise). codes: head_dim bytes of scratch. The kernels pack these rows as f32 ones.
+inline void DequantizeLowBitRow(int bits, const uint8_t* packed, const float* scale, const float* min,
+                                bool channel_wise, int head_dim, int dp, uint8_t* codes, float* dst) {
+  ops::UnpackCodes(bits, packed, head_dim, codes);
+  if (channel_wise) {
+    for (int c = 0; c < head_dim; ++c) dst[c] = std::fma(static_cast<float>(codes[c]), scale[c], min[c]);
+  } else {
+    for (int c = 0; c < head_dim; ++c) dst[c] = std::fma(static_cast<float>(codes[c]), scale[0], min[0]);
+  }
+  std::fill(dst + head_dim, dst + dp, 0.f);
 }
 
 // Copies and pre-scales one query head row into a padded scratch row (log2 domain:

@@ -20,18 +20,34 @@ struct KvElementReader {
 
   double K(const KvSpan& span, int32_t t, int kv_head, int c) const {
     const KvStorage type = SpanStorage(storage, span);
+    const size_t index = (static_cast<size_t>(t) * n_kv_heads + kv_head) * head_dim + c;
+    const size_t channel = static_cast<size_t>(kv_head) * head_dim + c;
     if (type == KvStorage::kInt8Kivi) {  // one scale per (page, kv head, channel)
-      const size_t index = (static_cast<size_t>(t) * n_kv_heads + kv_head) * head_dim + c;
-      return static_cast<double>(span.k_channel_scale[static_cast<size_t>(kv_head) * head_dim + c]) *
-             static_cast<const int8_t*>(span.k)[index];
+      return static_cast<double>(span.k_channel_scale[channel]) * static_cast<const int8_t*>(span.k)[index];
+    }
+    if (IsLowBitKivi(type)) {  // min + scale * code per (page, kv head, channel)
+      return span.k_channel_min[channel] +
+             static_cast<double>(span.k_channel_scale[channel]) * Code(type, span.k, index);
     }
     return Load(type, span.k, span.k_scale, t, kv_head, c);
   }
   double V(const KvSpan& span, int32_t t, int kv_head, int c) const {
-    return Load(SpanStorage(storage, span), span.v, span.v_scale, t, kv_head, c);
+    const KvStorage type = SpanStorage(storage, span);
+    if (IsLowBitKivi(type)) {  // min + scale * code per (token, kv head)
+      const size_t head_row = static_cast<size_t>(t) * n_kv_heads + kv_head;
+      return span.v_min[head_row] +
+             static_cast<double>(span.v_scale[head_row]) * Code(type, span.v, head_row * head_dim + c);
+    }
+    return Load(type, span.v, span.v_scale, t, kv_head, c);
   }
 
  private:
+  // Code `index` of a packed low-bit array (low bits first, ops/kv_quant.h).
+  static int Code(KvStorage type, const void* base, size_t index) {
+    const int bits = KvStorageBits(type);
+    const size_t bit = index * bits;
+    return (static_cast<const uint8_t*>(base)[bit / 8] >> (bit % 8)) & ((1 << bits) - 1);
+  }
   double Load(KvStorage type, const void* base, const float* scale, int32_t t, int kv_head, int c) const {
     const size_t head_row = static_cast<size_t>(t) * n_kv_heads + kv_head;  // [n, n_kv_heads]
     const size_t index = head_row * head_dim + c;
@@ -44,6 +60,9 @@ struct KvElementReader {
       case KvStorage::kFp8E4M3:
       case KvStorage::kFp8E5M2:  // exact decode (a 256-entry table's worth of values)
         return static_cast<double>(scale[head_row]) * ops::DecodeFp8(type, static_cast<const uint8_t*>(base)[index]);
+      case KvStorage::kInt4Kivi:
+      case KvStorage::kInt2Kivi:  // read by K() and V() above
+        break;
     }
     return 0.0;
   }

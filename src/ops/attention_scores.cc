@@ -76,10 +76,14 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
   float* row_inv_sum = row_max + max_rows;  // [rows] 1 / softmax sum (0: row sees nothing)
 
   const bool int8 = IsScaledCodeStorage(segment.storage);
-  const bool kivi = segment.storage == KvStorage::kInt8Kivi;
-  const size_t elem_bytes = KvStorageValueBytes(segment.storage);
-  const size_t token_bytes = static_cast<size_t>(shape.n_kv_heads) * d * elem_bytes;
-  const size_t head_offset = static_cast<size_t>(kv_head) * d * elem_bytes;
+  const bool kivi = IsKiviStorage(segment.storage);
+  const bool low_bit = IsLowBitKivi(segment.storage);  // packed codes with zero points: f32 scratch rows
+  const size_t token_bytes = KvRowBytes(segment.storage, static_cast<size_t>(shape.n_kv_heads) * d);
+  const size_t head_offset = KvRowBytes(segment.storage, static_cast<size_t>(kv_head) * d);
+  static thread_local std::vector<uint8_t> low_bit_codes;  // [head_dim] unpacked codes
+  static thread_local AlignedBuffer low_bit_k;             // [kBlock, dp] a low-bit K block as f32 rows
+  float* k_rows = low_bit ? low_bit_k.Get(static_cast<size_t>(kBlock) * dp) : nullptr;
+  if (low_bit) low_bit_codes.resize(d);
   const bool max_fold = plan.gathering.aggregation == GqaAggregation::kMax;
   const float fold_scale = max_fold ? 1.f : 1.f / static_cast<float>(group);
   const ScoreOutputs& out = plan.outputs;
@@ -120,7 +124,18 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
           k_scale[j] = block.k_scale[j][kv_head];
         }
       }
-      PackK(segment.storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
+      if (low_bit) {
+        for (int j = 0; j < n_block; ++j) {
+          const size_t chan = static_cast<size_t>(kv_head) * d;
+          float* row = k_rows + static_cast<size_t>(j) * dp;
+          DequantizeLowBitRow(KvStorageBits(segment.storage), k_head[j], block.k_chan[j] + chan,
+                              block.k_chan_min[j] + chan, /*channel_wise=*/true, d, dp, low_bit_codes.data(), row);
+          k_head[j] = reinterpret_cast<const uint8_t*>(row);
+        }
+        PackK(KvStorage::kF32, k_head, k_scale, k_chan, n_block, d, dp, k_block);
+      } else {
+        PackK(segment.storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
+      }
 
       // Probabilities of every row, two rows at a time so they share the K loads.
       auto valid_of = [&](int r) {

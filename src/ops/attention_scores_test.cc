@@ -141,8 +141,8 @@ std::vector<ScoreCase> AllScoreCases() {
   for (int n_q : {1, 4, 19})
     for (int head_dim : {64, 20})
       for (int group : {1, 2, 8})
-        for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2})
+        for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
+                                  KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi})
           for (GqaAggregation aggregation : {GqaAggregation::kMean, GqaAggregation::kMax})
             for (int n_threads : {1, 3}) cases.push_back({n_q, head_dim, group, storage, aggregation, n_threads});
   return cases;
@@ -298,11 +298,11 @@ TEST_P(AttentionScoresTest, EmptyInputs) {
 // the second pass for every storage type, both folds and a window covering the query.
 TEST_P(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
   std::mt19937 rng(16);
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
     AttentionShape shape{32, 4, 64, 0.125f};
     SpanSet set = MakeSpans(storage, {16, 16, 5, 16, 700, 16, 3, 333, 9}, 4, 64, rng);
-    if (storage == KvStorage::kInt8Kivi) set.MakeResidual(4);
+    if (IsKiviStorage(storage)) set.MakeResidual(4);
     const int32_t last = LastPosition(set);
     std::vector<int32_t> q_pos = {last};
     std::vector<float> q = RandomQueries(32 * 64, rng, 3.f);
@@ -323,12 +323,13 @@ TEST_P(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
 // tokens differently: a token's packed K must not depend on the block it falls in.
 TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactly) {
   std::mt19937 rng(17);
-  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2}) {
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
     for (int head_dim : {64, 20, 37}) {
+      if (!testing::StorageFits(storage, head_dim)) continue;
       AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
       SpanSet set = MakeSpans(storage, {16, 5, 40, 16, 300, 7, 16, 200, 9}, 2, head_dim, rng);
-      if (storage == KvStorage::kInt8Kivi) set.MakeResidual(4);
+      if (IsKiviStorage(storage)) set.MakeResidual(4);
       const int32_t last = LastPosition(set);
       int64_t n_tokens = 0;
       for (const KvSpan& s : set.spans) n_tokens += s.n;

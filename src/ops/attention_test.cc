@@ -23,8 +23,9 @@ using testing::RandomQueries;
 using testing::SpanSet;
 
 // int8_kivi span sets end with a full-precision residual span (see MakeSpans).
-constexpr KvStorage kAllStorage[] = {KvStorage::kF32,      KvStorage::kF16,      KvStorage::kInt8,
-                                     KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2};
+constexpr KvStorage kAllStorage[] = {KvStorage::kF32,      KvStorage::kF16,     KvStorage::kInt8,
+                                     KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2,
+                                     KvStorage::kInt4Kivi, KvStorage::kInt2Kivi};
 
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size());
@@ -105,6 +106,7 @@ TEST_P(AttentionTest, OddHeadDimsMatchReference) {
   std::mt19937 rng(77);
   for (int head_dim : {1, 6, 8, 20, 37, 48, 80, 100, 256}) {
     for (KvStorage storage : kAllStorage) {
+      if (!testing::StorageFits(storage, head_dim)) continue;
       AttentionShape shape{6, 3, head_dim, 0.37f};
       SpanSet set = MakeSpans(storage, {3, 19, 7}, shape.n_kv_heads, head_dim, rng);
       const int n_q = 5;

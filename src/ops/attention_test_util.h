@@ -52,7 +52,7 @@ inline void QuantizeColumnsInt8(const std::vector<float>& x, int row_len, std::v
 }
 
 // Owns the K/V/position buffers behind a list of spans, in the given storage type.
-// int8_kivi: every span is a quantized page (K per channel, V per token) except the last,
+// KIVI: every span is a quantized page (K per channel, V per token) except the last,
 // which is the layer's full-precision residual (kKiviResidualStorage); MakeResidual turns
 // another span into a residual one.
 struct SpanSet {
@@ -62,7 +62,9 @@ struct SpanSet {
   std::vector<std::vector<f16_bits>> k_f16, v_f16;
   std::vector<std::vector<int8_t>> k_i8, v_i8;       // int8 codes, or fp8 codes' bytes
   std::vector<std::vector<float>> k_scale, v_scale;  // each [n, n_kv_heads] (int8, fp8; v_scale also int8_kivi)
-  std::vector<std::vector<float>> k_channel_scale;   // each [n_kv_heads, head_dim] (int8_kivi)
+  std::vector<std::vector<float>> k_channel_scale;   // each [n_kv_heads, head_dim] (KIVI)
+  std::vector<std::vector<float>> k_channel_min,
+      v_min;  // each [n_kv_heads, head_dim], [n, n_kv_heads] (int4 / int2 KIVI)
   std::vector<std::vector<int32_t>> positions;
   std::vector<KvSpan> spans;
 
@@ -72,7 +74,7 @@ struct SpanSet {
     for (size_t s = 0; s < out.size(); ++s) {
       out[s].k = k_f32[s].data();
       out[s].v = v_f32[s].data();
-      out[s].k_scale = out[s].v_scale = out[s].k_channel_scale = nullptr;
+      out[s].k_scale = out[s].v_scale = out[s].k_channel_scale = out[s].k_channel_min = out[s].v_min = nullptr;
     }
     return out;
   }
@@ -81,9 +83,12 @@ struct SpanSet {
   void MakeResidual(size_t s) {
     spans[s].k = k_f16[s].data();
     spans[s].v = v_f16[s].data();
-    spans[s].k_scale = spans[s].v_scale = spans[s].k_channel_scale = nullptr;
+    spans[s].k_scale = spans[s].v_scale = spans[s].k_channel_scale = spans[s].k_channel_min = spans[s].v_min = nullptr;
   }
 };
+
+// Whether `storage` can hold rows of head_dim values (packed codes fill whole bytes per row).
+inline bool StorageFits(KvStorage storage, int head_dim) { return head_dim * KvStorageBits(storage) % 8 == 0; }
 
 // Spans of the given lengths; positions increase with random gaps (as after eviction).
 inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int n_kv_heads, int head_dim,
@@ -108,8 +113,8 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     set.positions.push_back(std::move(p));
     std::vector<f16_bits> kh, vh;
     std::vector<int8_t> kq, vq;
-    std::vector<float> ks, vs, kc;
-    if (storage == KvStorage::kF16 || storage == KvStorage::kInt8Kivi) {
+    std::vector<float> ks, vs, kc, kmin, vmin;
+    if (storage == KvStorage::kF16 || IsKiviStorage(storage)) {
       kh.resize(elems);
       vh.resize(elems);
       for (size_t i = 0; i < elems; ++i) {
@@ -131,6 +136,18 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     } else if (storage == KvStorage::kInt8Kivi) {
       QuantizeColumnsInt8(k, n_kv_heads * head_dim, &kq, &kc);
       QuantizeRowsInt8(v, head_dim, &vq, &vs);
+    } else if (IsLowBitKivi(storage)) {  // packed codes kept in the int8 vectors
+      const int bits = KvStorageBits(storage), row = n_kv_heads * head_dim;
+      const int64_t rows = static_cast<int64_t>(n) * n_kv_heads;
+      kq.resize(KvRowBytes(storage, elems));
+      vq.resize(KvRowBytes(storage, elems));
+      kc.resize(row);
+      kmin.resize(row);
+      vs.resize(rows);
+      vmin.resize(rows);
+      ops::QuantizeKvColumnsAsym(bits, k.data(), n, row, reinterpret_cast<uint8_t*>(kq.data()), kc.data(), kmin.data());
+      ops::QuantizeKvRowsAsym(bits, v.data(), rows, head_dim, reinterpret_cast<uint8_t*>(vq.data()), vs.data(),
+                              vmin.data());
     }
     set.k_f32.push_back(std::move(k));
     set.v_f32.push_back(std::move(v));
@@ -141,6 +158,8 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     set.k_scale.push_back(std::move(ks));
     set.v_scale.push_back(std::move(vs));
     set.k_channel_scale.push_back(std::move(kc));
+    set.k_channel_min.push_back(std::move(kmin));
+    set.v_min.push_back(std::move(vmin));
   }
   for (size_t s = 0; s < lengths.size(); ++s) {
     KvSpan span;
@@ -167,12 +186,21 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
         span.v_scale = set.v_scale[s].data();
         span.k_channel_scale = set.k_channel_scale[s].data();
         break;
+      case KvStorage::kInt4Kivi:
+      case KvStorage::kInt2Kivi:
+        span.k = set.k_i8[s].data();
+        span.v = set.v_i8[s].data();
+        span.v_scale = set.v_scale[s].data();
+        span.v_min = set.v_min[s].data();
+        span.k_channel_scale = set.k_channel_scale[s].data();
+        span.k_channel_min = set.k_channel_min[s].data();
+        break;
     }
     span.positions = set.positions[s].data();
     span.n = lengths[s];
     set.spans.push_back(span);
   }
-  if (storage == KvStorage::kInt8Kivi && !lengths.empty()) set.MakeResidual(lengths.size() - 1);
+  if (IsKiviStorage(storage) && !lengths.empty()) set.MakeResidual(lengths.size() - 1);
   return set;
 }
 

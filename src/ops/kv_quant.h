@@ -58,6 +58,29 @@ void QuantizeKvRowsFp8(KvStorage format, const float* x, int64_t n_rows, int row
 // codes: [n_rows, row_len], scales: [n_rows] -> x: [n_rows, row_len] f32 = scale * fp8(code).
 void DequantizeKvRowsFp8(KvStorage format, const uint8_t* codes, const float* scales, int64_t n_rows,
                          int row_len, float* x);
+
+// Low-bit KIVI codes (KvStorage::kInt4Kivi, kInt2Kivi): asymmetric with a zero point, as KIVI
+// (Liu et al., ICML 2024) quantizes. Over a group (K: one channel's values over a page's tokens;
+// V: one (token, kv head) row) its min and max give
+//   scale = (max - min) / (2^bits - 1),  code = round((x - min) / scale) in [0, 2^bits - 1],
+//   x ~ min + scale * code,  |x - (min + scale * code)| <= scale / 2 (plus f32 rounding);
+// a constant group has scale 0 and codes 0 (exact). Codes are packed low bits first: value i of a
+// row is in byte i * bits / 8 at bit (i * bits) % 8, so a row of n values (n a multiple of
+// 8 / bits) takes n * bits / 8 bytes and every (token, kv head) row starts on a byte.
+// Scalar: quantization runs once per page (K) or token (V); kernels unpack codes (UnpackCodes)
+// and apply scale and min while packing.
+// x: [n_rows, row_len] -> packed: [n_rows, row_len * bits / 8], scales / mins: [n_rows].
+void QuantizeKvRowsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, float* scales,
+                        float* mins);
+void DequantizeKvRowsAsym(int bits, const uint8_t* packed, const float* scales, const float* mins, int64_t n_rows,
+                          int row_len, float* x);
+// x: [n_rows, row_len] -> packed: [n_rows, row_len * bits / 8], scales / mins: [row_len] (one per column).
+void QuantizeKvColumnsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, float* scales,
+                           float* mins);
+void DequantizeKvColumnsAsym(int bits, const uint8_t* packed, const float* scales, const float* mins, int64_t n_rows,
+                             int row_len, float* x);
+// n codes of a packed row -> codes[n], one byte each.
+void UnpackCodes(int bits, const uint8_t* packed, int n, uint8_t* codes);
 }  // namespace ops
 
 namespace ref {

@@ -338,5 +338,84 @@ TEST(Fp8Codec, RowQuantizationStaysWithinTheStatedBound) {
   }
 }
 
+// Low-bit KIVI codes (scalar on every family): |x - (min + scale * code)| <= scale / 2 per group,
+// the group's min and max coded exactly, a constant group exact, packing and unpacking agree.
+TEST(KiviLowBitCodec, RowsAndColumnsStayWithinHalfAStep) {
+  std::mt19937 rng(21);
+  for (int bits : {4, 2}) {
+    const int max_code = (1 << bits) - 1;
+    for (int row_len : {4, 8, 12, 16, 20, 64, 128}) {
+      for (int64_t n_rows : {1, 2, 5, 16}) {
+        const std::vector<float> x = RandomRows(n_rows, row_len, rng);
+        const size_t row_bytes = static_cast<size_t>(row_len) * bits / 8;
+        std::vector<uint8_t> packed(n_rows * row_bytes);
+        std::vector<float> back(x.size());
+        // Rows: one scale and min per row.
+        std::vector<float> scales(n_rows), mins(n_rows);
+        ops::QuantizeKvRowsAsym(bits, x.data(), n_rows, row_len, packed.data(), scales.data(), mins.data());
+        ops::DequantizeKvRowsAsym(bits, packed.data(), scales.data(), mins.data(), n_rows, row_len, back.data());
+        std::vector<uint8_t> codes(row_len);
+        for (int64_t r = 0; r < n_rows; ++r) {
+          const float* xr = x.data() + r * row_len;
+          const auto [lo, hi] = std::minmax_element(xr, xr + row_len);
+          ASSERT_EQ(mins[r], *lo);
+          ASSERT_EQ(scales[r], (*hi - *lo) / max_code);
+          ops::UnpackCodes(bits, packed.data() + r * row_bytes, row_len, codes.data());
+          for (int i = 0; i < row_len; ++i) {
+            ASSERT_LE(codes[i], max_code);
+            if (xr[i] == *lo) {
+              ASSERT_EQ(codes[i], 0);
+            }
+            if (xr[i] == *hi) {
+              ASSERT_EQ(codes[i], max_code);
+            }
+            const float err = std::fabs(back[r * row_len + i] - xr[i]);
+            ASSERT_LE(err, scales[r] / 2 * (1 + 1e-5f) + 1e-6f * std::fabs(xr[i])) << bits << " bits, row " << r;
+          }
+        }
+        // Columns: one scale and min per column over the rows (KIVI's keys over a page).
+        std::vector<float> col_scales(row_len), col_mins(row_len);
+        ops::QuantizeKvColumnsAsym(bits, x.data(), n_rows, row_len, packed.data(), col_scales.data(), col_mins.data());
+        ops::DequantizeKvColumnsAsym(bits, packed.data(), col_scales.data(), col_mins.data(), n_rows, row_len,
+                                     back.data());
+        for (int64_t r = 0; r < n_rows; ++r) {
+          for (int c = 0; c < row_len; ++c) {
+            const size_t e = static_cast<size_t>(r) * row_len + c;
+            ASSERT_LE(std::fabs(back[e] - x[e]), col_scales[c] / 2 * (1 + 1e-5f) + 1e-6f * std::fabs(x[e]))
+                << bits << " bits, column " << c;
+          }
+        }
+      }
+    }
+    // A constant row is exact (scale 0, codes 0).
+    const std::vector<float> constant(8, -1.25f);
+    std::vector<uint8_t> packed(8 * bits / 8, 0xFF);
+    float scale = -1.f, min = 0.f;
+    std::vector<float> back(8);
+    ops::QuantizeKvRowsAsym(bits, constant.data(), 1, 8, packed.data(), &scale, &min);
+    ops::DequantizeKvRowsAsym(bits, packed.data(), &scale, &min, 1, 8, back.data());
+    EXPECT_EQ(scale, 0.f);
+    EXPECT_EQ(back, constant);
+  }
+}
+
+// Packing puts value i at bit (i * bits) % 8 of byte i * bits / 8 (low bits first).
+TEST(KiviLowBitCodec, PackingIsLowBitsFirst) {
+  const std::vector<float> x = {0.f, 1.f, 2.f, 3.f, 3.f, 2.f, 1.f, 0.f};  // codes = values with 2 bits
+  std::vector<uint8_t> packed(2);
+  float scale, min;
+  ops::QuantizeKvRowsAsym(2, x.data(), 1, 8, packed.data(), &scale, &min);
+  ASSERT_EQ(scale, 1.f);
+  EXPECT_EQ(packed[0], 0b11100100);
+  EXPECT_EQ(packed[1], 0b00011011);
+  std::vector<uint8_t> codes(8);
+  ops::UnpackCodes(2, packed.data(), 8, codes.data());
+  EXPECT_EQ(codes, (std::vector<uint8_t>{0, 1, 2, 3, 3, 2, 1, 0}));
+  const std::vector<float> y = {0.f, 15.f, 7.f, 8.f};
+  ops::QuantizeKvRowsAsym(4, y.data(), 1, 4, packed.data(), &scale, &min);
+  EXPECT_EQ(packed[0], 0xF0);
+  EXPECT_EQ(packed[1], 0x87);
+}
+
 }  // namespace
 }  // namespace kvsparse

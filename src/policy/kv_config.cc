@@ -20,8 +20,10 @@ using nlohmann::json;
 constexpr std::string_view kTopLevelKeys[] = {"default",         "layers",          "evict_interval",   "page_size",
                                               "gqa_aggregation", "prefill_chunk",   "prefill_eviction"};
 // "fp8" names fp8_e4m3, as vLLM's --kv-cache-dtype does.
-constexpr std::string_view kKvTypeNames = "f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2";
-const std::vector<std::string_view> kKvTypeList = {"f32", "f16", "int8", "int8_kivi", "fp8", "fp8_e4m3", "fp8_e5m2"};
+constexpr std::string_view kKvTypeNames =
+    "f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi, int2_kivi";
+const std::vector<std::string_view> kKvTypeList = {"f32",      "f16",      "int8",      "int8_kivi", "fp8",
+                                                   "fp8_e4m3", "fp8_e5m2", "int4_kivi", "int2_kivi"};
 
 std::string Join(const std::vector<std::string_view>& items) {
   std::string out;

@@ -11,8 +11,6 @@ namespace kvsparse {
 
 namespace {
 
-
-
 // Prompt chunks never exceed what one Engine::Forward chunk may hold.
 constexpr int32_t kMaxPromptChunk = 512;
 

@@ -20,13 +20,24 @@ inline std::optional<std::string> SharedPath(const std::string& rel) {
   return p.string();
 }
 
+// The process's scratch folder, removed when the process exits (by the process that made it,
+// not by a forked child), so the thousands of test processes ctest runs leave nothing behind.
+struct ProcessTempDir {
+  std::filesystem::path path =
+      std::filesystem::temp_directory_path() / "kvsparse_tests" / std::to_string(static_cast<long>(getpid()));
+  pid_t owner = getpid();
+  ~ProcessTempDir() {
+    std::error_code ignored;
+    if (getpid() == owner) std::filesystem::remove_all(path, ignored);
+  }
+};
+
 // Scratch path for a file a test writes. The folder is unique per process, because ctest
 // runs the tests of one binary as parallel processes that would otherwise share file names.
 inline std::string TempPath(const std::string& name) {
-  std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / "kvsparse_tests" / std::to_string(static_cast<long>(getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
+  static ProcessTempDir dir;
+  std::filesystem::create_directories(dir.path);
+  return (dir.path / name).string();
 }
 
 }  // namespace kvsparse::testing
