@@ -76,6 +76,7 @@ void QuantizeKvColumnsAsym(int bits, const float* x, int64_t n_rows, int row_len
     mins[c] = lo;
     scales[c] = (hi - lo) / static_cast<float>(max_code);
   }
+  if (n_rows == 0) return;  // (packed may be null: no memset on it)
   std::memset(packed, 0, static_cast<size_t>(n_rows) * row_bytes);
   for (int64_t r = 0; r < n_rows; ++r) {
     for (int c = 0; c < row_len; ++c) {
