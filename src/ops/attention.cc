@@ -134,10 +134,8 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   const size_t token_bytes =
       KvRowBytes(storage, static_cast<size_t>(plan.row_heads) * d);  // one token row, all its heads
   const size_t head_bytes = KvRowBytes(storage, d);
-  static thread_local std::vector<uint8_t> low_bit_codes;  // [head_dim] unpacked codes
-  static thread_local AlignedBuffer low_bit_k;             // [kBlock, dp] a low-bit K block as f32 rows
-  float* k_rows = low_bit ? low_bit_k.Get(static_cast<size_t>(kBlock) * dp) : nullptr;
-  if (low_bit) low_bit_codes.resize(d);
+  static thread_local LowBitScratch low_bit_scratch;
+  if (low_bit) low_bit_scratch.codes.resize(d);  // (V rows use it too)
   const size_t span_stride = static_cast<size_t>(plan.row_heads) * d;  // elements between rows in a span
   // Prefetches of one block are spread over a head's row pairs (see below).
   const int prefetch_per_pair = (kBlock + (head_rows + 1) / 2 - 1) / ((head_rows + 1) / 2);
@@ -180,13 +178,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
       }
       if (low_bit) {
-        for (int j = 0; j < n_block; ++j) {
-          const size_t chan = static_cast<size_t>(stored_head) * d;
-          float* row = k_rows + static_cast<size_t>(j) * dp;
-          DequantizeLowBitRow(bits, k_head[j], block.k_chan[j] + chan, block.k_chan_min[j] + chan,
-                              /*channel_wise=*/true, d, dp, low_bit_codes.data(), row);
-          k_head[j] = reinterpret_cast<const uint8_t*>(row);
-        }
+        DequantizeLowBitKBlock(bits, block, stored_head, n_block, d, dp, &low_bit_scratch, k_head);
         PackK(KvStorage::kF32, k_head, k_scale, k_chan, n_block, d, dp, k_block);
       } else {
         PackK(storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
@@ -205,7 +197,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           float* row = v_block + static_cast<size_t>(j) * dp;
           if (low_bit) {
             DequantizeLowBitRow(bits, block.v[j] + head_offset, &v_scale[j], block.v_min[j] + stored_head,
-                                /*channel_wise=*/false, d, dp, low_bit_codes.data(), row);
+                                /*channel_wise=*/false, d, dp, low_bit_scratch.codes.data(), row);
           } else {
             LoadRowF32(storage, block.v[j] + head_offset, int8 ? v_scale[j] : 1.f, d, row);
           }

@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "kvsparse/dtype.h"
-#include "ops/kv_quant.h"
 #include "kvsparse/kv_cache.h"
 #include "kvsparse/status.h"
+#include "ops/kv_quant.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>  // for the families' intrinsics (GCC declares each with its own target)
@@ -281,6 +281,27 @@ inline void DequantizeLowBitRow(int bits, const uint8_t* packed, const float* sc
     for (int c = 0; c < head_dim; ++c) dst[c] = std::fma(static_cast<float>(codes[c]), scale[0], min[0]);
   }
   std::fill(dst + head_dim, dst + dp, 0.f);
+}
+
+// Per-thread scratch of the low-bit KIVI path: one row's unpacked codes and a K block as f32 rows.
+struct LowBitScratch {
+  std::vector<uint8_t> codes;  // [head_dim]
+  AlignedBuffer k_rows;        // [kBlock, dp]
+};
+
+// One kv head's K rows of a low-bit KIVI block dequantized into scratch, k_head[j] repointed at
+// token j's f32 row, so that PackK(kF32, ...) packs the block.
+inline void DequantizeLowBitKBlock(int bits, const BlockRows& block, int stored_head, int n_block, int head_dim,
+                                   int dp, LowBitScratch* scratch, const uint8_t** k_head) {
+  scratch->codes.resize(head_dim);
+  float* k_rows = scratch->k_rows.Get(static_cast<size_t>(kBlock) * dp);
+  const size_t channel = static_cast<size_t>(stored_head) * head_dim;
+  for (int j = 0; j < n_block; ++j) {
+    float* row = k_rows + static_cast<size_t>(j) * dp;
+    DequantizeLowBitRow(bits, k_head[j], block.k_chan[j] + channel, block.k_chan_min[j] + channel,
+                        /*channel_wise=*/true, head_dim, dp, scratch->codes.data(), row);
+    k_head[j] = reinterpret_cast<const uint8_t*>(row);
+  }
 }
 
 // Copies and pre-scales one query head row into a padded scratch row (log2 domain:

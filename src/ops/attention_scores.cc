@@ -80,10 +80,7 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
   const bool low_bit = IsLowBitKivi(segment.storage);  // packed codes with zero points: f32 scratch rows
   const size_t token_bytes = KvRowBytes(segment.storage, static_cast<size_t>(shape.n_kv_heads) * d);
   const size_t head_offset = KvRowBytes(segment.storage, static_cast<size_t>(kv_head) * d);
-  static thread_local std::vector<uint8_t> low_bit_codes;  // [head_dim] unpacked codes
-  static thread_local AlignedBuffer low_bit_k;             // [kBlock, dp] a low-bit K block as f32 rows
-  float* k_rows = low_bit ? low_bit_k.Get(static_cast<size_t>(kBlock) * dp) : nullptr;
-  if (low_bit) low_bit_codes.resize(d);
+  static thread_local LowBitScratch low_bit_scratch;
   const bool max_fold = plan.gathering.aggregation == GqaAggregation::kMax;
   const float fold_scale = max_fold ? 1.f : 1.f / static_cast<float>(group);
   const ScoreOutputs& out = plan.outputs;
@@ -125,13 +122,8 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
         }
       }
       if (low_bit) {
-        for (int j = 0; j < n_block; ++j) {
-          const size_t chan = static_cast<size_t>(kv_head) * d;
-          float* row = k_rows + static_cast<size_t>(j) * dp;
-          DequantizeLowBitRow(KvStorageBits(segment.storage), k_head[j], block.k_chan[j] + chan,
-                              block.k_chan_min[j] + chan, /*channel_wise=*/true, d, dp, low_bit_codes.data(), row);
-          k_head[j] = reinterpret_cast<const uint8_t*>(row);
-        }
+        DequantizeLowBitKBlock(KvStorageBits(segment.storage), block, kv_head, n_block, d, dp, &low_bit_scratch,
+                               k_head);
         PackK(KvStorage::kF32, k_head, k_scale, k_chan, n_block, d, dp, k_block);
       } else {
         PackK(segment.storage, k_head, k_scale, k_chan, n_block, d, dp, k_block);
