@@ -49,13 +49,22 @@ std::string CaseName(const Case& c) {
   return name.str();
 }
 
+// Every storage type meets every query count and group; the head dims and thread counts rotate
+// through those cases (each type still sees every head dim and both thread counts), which keeps
+// the sanitizer run short without losing a (type, shape) pairing that has its own code path.
 std::vector<Case> AllCases() {
+  constexpr int kHeadDims[] = {64, 128, 32, 20};
   std::vector<Case> cases;
-  for (int n_q : {1, 3, 17})
-    for (int head_dim : {64, 128, 32, 20})
-      for (int group : {1, 2, 8})
-        for (KvStorage storage : kAllStorage)
-          for (int n_threads : {1, 2}) cases.push_back({n_q, head_dim, group, storage, n_threads});
+  int rotation = 0;
+  for (KvStorage storage : kAllStorage) {
+    for (int n_q : {1, 3, 17}) {
+      for (int group : {1, 2, 8}) {
+        cases.push_back({n_q, kHeadDims[rotation % 4], group, storage, 1 + (rotation / 4) % 2});
+        ++rotation;
+      }
+    }
+    ++rotation;  // so the next type starts its rotation elsewhere
+  }
   return cases;
 }
 
@@ -135,7 +144,7 @@ TEST_P(AttentionTest, LongContextDecodeAndPrefillMatchReference) {
       std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * 64, rng, 3.f);
       std::vector<float> want(q.size());
       ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, want.data());
-      for (int n_threads : {1, 2, 3}) {
+      for (int n_threads : {1, 3}) {
         std::vector<float> got(q.size());
         ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, got.data(), n_threads);
         ExpectClose(got, want, "n_q " + std::to_string(n_q) + " threads " + std::to_string(n_threads));
