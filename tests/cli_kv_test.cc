@@ -81,6 +81,26 @@ TEST(CliKv, FlagMistakesAreCleanErrors) {
   ExpectCleanFailure(RunCli("bench-speed -m " + model + " -p 8 -n 0 -r 1 --kv-method h2o --kv-budget 0"), "budget");
 }
 
+// --sparse-prefill and bench-speed --compare-prefill: a sparse run reports its share of pairs next
+// to the dense one; mistakes are clean errors naming the flag.
+TEST(CliKv, SparsePrefillFlags) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const Result compared = RunCli("bench-speed -m " + model + " -p 300 -n 0 -r 1 --warmup 0 --no-bandwidth -t 2 " +
+                                 "--kv-method full --compare-prefill block_sparse:top_blocks=1:min_context=0");
+  ASSERT_EQ(compared.exit_code, 0) << compared.all;
+  EXPECT_NE(compared.out.find("pairs computed"), std::string::npos) << compared.out;
+  EXPECT_NE(compared.out.find("prefill=block_sparse block=64 top_blocks=1"), std::string::npos) << compared.out;
+  const Result generated =
+      RunCli("generate -m " + model + " -n 4 --temp 0 -t 2 --tokens 1,2,3 --sparse-prefill xattention");
+  EXPECT_EQ(generated.exit_code, 0) << generated.all;
+  const std::string base = "generate -m " + model + " -n 4 ";
+  ExpectCleanFailure(RunCli(base + "--sparse-prefill minference"), "--sparse-prefill");
+  ExpectCleanFailure(RunCli(base + "--sparse-prefill xattention:threshold=3"), "threshold");
+  ExpectCleanFailure(RunCli(base + "--kv-config /nonexistent/kv.json --sparse-prefill xattention"), "--sparse-prefill");
+  ExpectCleanFailure(RunCli("bench-speed -m " + model + " -p 8 -n 0 -r 1 --compare-prefill xattention"),
+                     "--compare-prefill");
+}
+
 // --kv-per-head: Full per head prints exactly the dense tokens, a sparse method marks its
 // per-head layers in the stats, and it conflicts with --kv-config (which says "per_head").
 TEST(CliKv, PerHeadFlag) {

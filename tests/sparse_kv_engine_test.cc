@@ -19,12 +19,13 @@
 #include <string>
 #include <vector>
 
-#include "kvsparse/engine.h"
 #include "kvsparse/contiguous_kv_cache.h"
+#include "kvsparse/engine.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/paged_kv_cache.h"
 #include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/sparse_prefill.h"
 #include "kvsparse/synth.h"
 #include "ops/kv_quant.h"
 #include "support/shared_data.h"
@@ -813,6 +814,67 @@ TEST(SparseKvEnginePerHead, Int8KiviH2OPerHead) {
   EXPECT_NE(spans[0].k_channel_scale, nullptr);
   ASSERT_TRUE(run.kv.controller->ResetSequence(0).ok());
   EXPECT_EQ(run.kv.cache->pages_in_use(), 0);
+}
+
+// ---- sparse prefill (sparse_prefill.h) ----
+
+// Every layer's prompt chunks sparse, from min_context 0 and min_queries 1 (the test's chunks are small).
+void SetPrefill(KvSparsityConfig* config, const std::string& spec) {
+  auto prefill = ParsePrefillSparsity(spec + ":min_context=0:min_queries=1", "test");
+  ASSERT_TRUE(prefill.ok()) << prefill.status().ToString();
+  for (LayerKvConfig& layer : config->layers) layer.prefill = *prefill;
+}
+
+// A selection of every token reproduces dense prefill bit for bit, on shared and per-head
+// layers: the per-kv-head jobs compute each row exactly as the shared call does.
+TEST_F(SparseKvEngine, SparsePrefillSelectingEveryTokenIsBitIdenticalToDense) {
+  LOAD_STORIES_OR_SKIP();
+  const std::vector<int32_t> prompt = StoriesPrompt(400);
+  for (bool per_head : {false, true}) {
+    KvSparsityConfig dense_config = MakeConfig(*model_, "full", "", "f32");
+    for (LayerKvConfig& layer : dense_config.layers) layer.per_head = per_head;
+    SparseRun dense = NewSparseRun(*model_, dense_config, 440);
+    const RunOutput want = RunEngine(*dense.engine, prompt, 200, 20);
+    for (const std::string spec : {"vertical_slash:vertical=100000:slash=100000", "block_sparse:top_blocks=100000"}) {
+      KvSparsityConfig config = dense_config;
+      SetPrefill(&config, spec);
+      SparseRun run = NewSparseRun(*model_, config, 440);
+      const RunOutput got = RunEngine(*run.engine, prompt, 200, 20);
+      ExpectBitIdentical(got, want, spec + (per_head ? " per head" : ""));
+      const SparseKvLayerStats& stats = run.kv.controller->layer_stats()[2];
+      EXPECT_EQ(stats.sparse_prefill_chunks, 2) << spec;
+      EXPECT_EQ(stats.prefill_selected_pairs, stats.prefill_causal_pairs) << spec;
+      EXPECT_GT(stats.prefill_estimate_s, 0.0);
+    }
+  }
+}
+
+// Sparse prefill composes with eviction during prefill (H2O observes the sparse chunks) and with
+// every storage type, shared and per-head: the run completes, computes fewer pairs than causal
+// attention, keeps the budget, and its logits stay finite.
+TEST_F(SparseKvEngine, SparsePrefillComposesWithEvictionAndStorage) {
+  LOAD_STORIES_OR_SKIP();
+  const std::vector<int32_t> prompt = StoriesPrompt(384);
+  for (const char* kv_type : {"f16", "int8", "fp8", "int8_kivi", "int4_kivi", "int2_kivi"}) {
+    for (bool per_head : {false, true}) {
+      const std::string what = std::string(kv_type) + (per_head ? " per head" : "");
+      KvSparsityConfig config = MakeConfig(*model_, "h2o", "96", kv_type);
+      for (LayerKvConfig& layer : config.layers) layer.per_head = per_head;
+      SetPrefill(&config, "xattention:block=32:stride=8:threshold=0.5");
+      SparseRun run = NewSparseRun(*model_, config, 420);
+      ASSERT_TRUE(run.engine) << what;
+      const RunOutput got = RunEngine(*run.engine, prompt, 128, 8);
+      ASSERT_EQ(got.logits.size(), 3u + 8u) << what;
+      for (const std::vector<float>& logits : got.logits) {
+        for (float x : logits) ASSERT_TRUE(std::isfinite(x)) << what;
+      }
+      const SparseKvLayerStats& stats = run.kv.controller->layer_stats()[1];
+      EXPECT_EQ(stats.sparse_prefill_chunks, 3) << what;
+      EXPECT_LT(stats.prefill_selected_pairs, stats.prefill_causal_pairs) << what;
+      EXPECT_GT(stats.evictions, 0) << what;
+      EXPECT_LE(per_head ? run.kv.cache->NumHeadTokens(0, 1, 0) : run.kv.cache->NumTokens(0, 1), 96 + 16) << what;
+    }
+  }
 }
 
 }  // namespace

@@ -21,6 +21,7 @@ namespace fs = std::filesystem;
 
 struct BenchArgs {
   std::string model, out_dir = "bench-out", shard = "0/1", kv_config, suite = "all", prefill_eviction;
+  std::string sparse_prefill;
   std::string fidelity_text, fidelity_tokens;
   std::vector<std::string> methods, budgets, lengths, kv_types, tasks, protocols;
   std::vector<double> depths;
@@ -89,6 +90,7 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
     }
     s.kv_config_file = a.kv_config;
     if (!a.prefill_eviction.empty()) s.prefill_eviction = a.prefill_eviction;
+    s.sparse_prefill = a.sparse_prefill;
     s.n_threads = a.threads;
     s.seed = a.seed;
     s.evict_interval = a.evict_interval;
@@ -283,6 +285,9 @@ void RegisterBench(CLI::App& app, int* exit_code) {
                   "compressed cache)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--kv-config", a->kv_config, "per-layer KV config file: replaces methods x budgets x kv types");
+  cmd->add_option("--sparse-prefill", a->sparse_prefill,
+                  "attend every layer's prompt chunks sparsely in every method row: vertical_slash, block_sparse "
+                  "or xattention, as METHOD:KEY=VALUE:... (not with --kv-config: set \"prefill\" in the file)");
   cmd->add_option("--prefill-eviction", a->prefill_eviction,
                   "prompt_end (compress after the whole prompt; default of the accuracy runs) or chunk (after every "
                   "prompt chunk: bounded memory; default of the latency runs)")

@@ -17,6 +17,7 @@ struct BenchArgs {
   std::string model, output = "md", out_file, fill = "prefill";
   bool compare_dense = false;
   std::vector<std::string> compare_methods;  // --compare-method METHOD[:KEY=VALUE...]
+  std::vector<std::string> compare_prefill;  // --compare-prefill METHOD[:KEY=VALUE...]
   KvFlags kv;
   SpeedBenchConfig config;
 };
@@ -58,7 +59,28 @@ int Run(BenchArgs& a) {
     }
   }
   std::string text;
-  if ((a.compare_dense || !others.empty()) && a.config.kv_sparsity) {
+  if (!a.compare_prefill.empty()) {
+    // --compare-prefill: this run's prompt attention (usually dense) against sparse prefill
+    // methods, every layer, in this process.
+    if (!a.config.kv_sparsity) {
+      return Fail(InvalidArgumentError("--compare-prefill needs the paged cache: add --kv-method full (or a method)"));
+    }
+    auto base = RunSpeedBench(**model, a.config);
+    if (!base.ok()) return Fail(base.status());
+    const std::string base_label(PrefillMethodName(a.config.kv_sparsity->layers[0].prefill.method));
+    text = SpeedReportMarkdown(*base) + "\n";
+    for (const std::string& spec_text : a.compare_prefill) {
+      auto prefill = ParsePrefillSparsity(spec_text, "--compare-prefill");
+      if (!prefill.ok()) return Fail(prefill.status());
+      SpeedBenchConfig config = a.config;
+      for (LayerKvConfig& layer : config.kv_sparsity->layers) layer.prefill = *prefill;
+      config.known_bandwidth_gbs = base->read_bandwidth_gbs;
+      auto report = RunSpeedBench(**model, config);
+      if (!report.ok()) return Fail(report.status());
+      text +=
+          SpeedReportMarkdown(*report) + "\n" + PrefillComparisonMarkdown(*base, *report, base_label, spec_text) + "\n";
+    }
+  } else if ((a.compare_dense || !others.empty()) && a.config.kv_sparsity) {
     // The dense f16 baseline first, in the same process and with the same bandwidth figure.
     SpeedBenchConfig dense_config = a.config;
     dense_config.kv_sparsity.reset();
@@ -132,6 +154,9 @@ void RegisterBenchSpeed(CLI::App& app, int* exit_code) {
                   "time one decode step's attention over the final cache this many times (0 = off)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--compare-prefill", a->compare_prefill,
+                  "also run every layer with this sparse prefill (vertical_slash, block_sparse, xattention; "
+                  "METHOD:KEY=VALUE:...) and compare prompt speed and attention time (repeatable; md output)");
   cmd->add_flag("--compare-dense", a->compare_dense,
                 "with a sparse KV method: also run the same tests with the dense f16 cache and print both side by side");
   cmd->add_option("--compare-method", a->compare_methods,

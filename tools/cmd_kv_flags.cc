@@ -30,6 +30,9 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
   cmd->add_flag("--kv-shared-heads", f->shared_heads,
                 "every KV head of a layer keeps the same tokens, scores folded over heads (JSON: \"per_head\": false)")
       ->excludes(per_head);
+  cmd->add_option("--sparse-prefill", f->sparse_prefill,
+                  "attend every layer's prompt chunks sparsely: vertical_slash, block_sparse or xattention, with "
+                  "parameters as METHOD:KEY=VALUE:... (e.g. xattention:threshold=0.8; JSON: \"prefill\")");
 }
 
 StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const std::string& default_kv_type,
@@ -61,14 +64,19 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
       return InvalidArgumentError("--kv-config sets method parameters per layer; drop --kv-param (or set the keys in "
                                   "the file)");
     }
+    if (!f.sparse_prefill.empty()) {
+      return InvalidArgumentError(
+          "--kv-config sets sparse prefill per layer; drop --sparse-prefill (or set "
+          "\"prefill\" in the file)");
+    }
     KVS_ASSIGN_OR_RETURN(config, LoadKvSparsityConfig(f.config_file, n_layers));
   } else if (!f.method.empty()) {
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags(f.method, f.budget, kv_type, n_layers));
   } else if (!f.budget.empty() || !f.params.empty()) {
     return InvalidArgumentError(fmt::format("{} needs --kv-method (one of {})",
                                             f.budget.empty() ? "--kv-param" : "--kv-budget", ValidKvMethodNames()));
-  } else if (IsScaledCodeStorage(*storage) || f.page_size > 0 || f.evict_interval > 0 || f.per_head ||
-             f.shared_heads) {  // int8 and fp8 types need the paged cache
+  } else if (IsScaledCodeStorage(*storage) || f.page_size > 0 || f.evict_interval > 0 || f.per_head || f.shared_heads ||
+             !f.sparse_prefill.empty()) {  // int8 and fp8 types need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
   } else {
     return std::optional<KvSparsityConfig>();  // dense
@@ -77,6 +85,10 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
     for (LayerKvConfig& layer : config.layers) layer.per_head = f.per_head;
   }
   KVS_RETURN_IF_ERROR(ApplyKvParams(f.params, &config));
+  if (!f.sparse_prefill.empty()) {
+    KVS_ASSIGN_OR_RETURN(const PrefillSparsity prefill, ParsePrefillSparsity(f.sparse_prefill, "--sparse-prefill"));
+    for (LayerKvConfig& layer : config.layers) layer.prefill = prefill;
+  }
   if (f.page_size > 0) config.page_size = f.page_size;
   if (f.evict_interval > 0) config.evict_interval = f.evict_interval;
   KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(config));

@@ -23,14 +23,15 @@ struct KvFlags {
   bool stats = false;       // --kv-stats
   bool per_head = false;    // --kv-per-head: every layer keeps its tokens per KV head
   bool shared_heads = false;  // --kv-shared-heads: every head of a layer keeps the same tokens
+  std::string sparse_prefill;  // --sparse-prefill METHOD[:KEY=VALUE...]: every layer's prompt chunks
 };
 
 void AddKvFlags(CLI::App* cmd, KvFlags* flags, const std::string& default_kv_type);
 
 // The paged, policy-driven cache is used when a method or config file is given, or when the
 // KV type is int8 (the dense cache stores f32/f16 only), or --page-size / --evict-interval /
-// --kv-per-head / --kv-shared-heads is set; a method-less run is then "full". Otherwise nullopt: the dense cache of type
-// *dense_storage. Conflicting or incomplete flags are errors naming the flag.
+// --kv-per-head / --kv-shared-heads / --sparse-prefill is set; a method-less run is then "full". Otherwise nullopt: the
+// dense cache of type *dense_storage. Conflicting or incomplete flags are errors naming the flag.
 StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& flags, const std::string& default_kv_type,
                                                          int n_layers, KvStorage* dense_storage);
 

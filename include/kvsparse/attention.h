@@ -35,6 +35,18 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
                float* raw_scores = nullptr);
 }  // namespace ops
 
+// Sparse prefill (sparse_prefill.h): the key tokens each block of a prompt chunk's queries
+// attends to. Query i of the call belongs to block i / query_block; key tokens are numbered
+// 0 .. n_tokens-1 over the job's spans in span order. Query block b attends to the token ranges
+// ranges[2r] .. ranges[2r+1] - 1 for r in [range_offsets[b], range_offsets[b+1]), ascending and
+// disjoint, and within them, as always, only to tokens its query's position sees. A query none
+// of whose selected tokens it sees gets zeros.
+struct KeySelection {
+  int query_block = 0;                     // > 0
+  const int64_t* range_offsets = nullptr;  // [n_query_blocks + 1], range_offsets[0] == 0
+  const int64_t* ranges = nullptr;         // [2 * range_offsets[n_query_blocks]] (begin, end) pairs
+};
+
 // One attention problem of an AttentionBatch call: query heads over their own spans.
 struct AttentionJob {
   const KvSpan* spans = nullptr;  // token rows [n, row_heads, head_dim] (see AttentionBatch)
@@ -45,6 +57,9 @@ struct AttentionJob {
   float* out = nullptr;          // [n_q, shape.n_heads, head_dim]
   float* row_max_sum = nullptr;  // optional, [n_q, shape.n_heads, 2] as in Attention
   float* raw_scores = nullptr;   // optional, [n_q, shape.n_heads, tokens of the job's spans] as in Attention
+  // Optional: attend only to these tokens (sparse prefill). The kernel walks only the selected
+  // tokens, so its cost follows the selection. Not with raw_scores.
+  const KeySelection* selection = nullptr;
 };
 
 namespace ops {

@@ -53,6 +53,9 @@ struct BenchSpec {
   // the end of the prompt can steer selection; the protocols then differ). "chunk": after every
   // prompt chunk (bounded prefill memory; the last chunk alone sees the question).
   std::string prefill_eviction = "prompt_end";
+  // Sparse prefill for every layer of every method row ("xattention:threshold=0.8", as
+  // --sparse-prefill takes it; sparse_prefill.h); empty: dense prompt attention.
+  std::string sparse_prefill;
   // The fidelity stream; both empty: sampled from the model (seeded by `seed`). At most one.
   std::string fidelity_text;    // the user's text, encoded by the model's tokenizer
   std::string fidelity_tokens;  // whitespace-separated token ids

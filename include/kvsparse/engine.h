@@ -17,6 +17,7 @@ namespace kvsparse {
 
 class SparseKvController;
 struct AttentionShape;
+struct PrefillSparsity;
 
 // One sequence's rows in a batch. The phase says what the sparsity policies may do after it
 // (kv_policy.h): kPrefillChunk, a prompt chunk more chunks follow (trim to budget unless the
@@ -75,6 +76,8 @@ class Engine {
   Status Attend(const Entry& e, int layer, const AttentionShape& shape);
   // With a SparseKvController attached, on a layer shared by all kv heads.
   Status SparseAttention(const Entry& e, int layer, const AttentionShape& shape);
+  // A prompt chunk of a layer with sparse prefill (LayerKvConfig::prefill), shared or per-head.
+  Status SparsePrefillAttention(const Entry& e, int layer, const AttentionShape& shape, const PrefillSparsity& prefill);
   // A per-head layer (KvCache::per_head): one call per kv head, with or without a controller.
   Status PerHeadAttention(const Entry& e, int layer, const AttentionShape& shape);
   const Model& model_;

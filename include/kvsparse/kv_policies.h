@@ -39,6 +39,7 @@
 #include "kvsparse/kv_budget.h"
 #include "kvsparse/kv_cache.h"
 #include "kvsparse/kv_policy.h"
+#include "kvsparse/sparse_prefill.h"
 #include "kvsparse/status.h"
 
 namespace kvsparse {
@@ -176,6 +177,8 @@ struct LayerKvConfig {
   // One policy and one page table per KV head, so each head keeps its own tokens
   // (PagedKvCacheOptions::layer_per_head). False: every head keeps the same tokens.
   bool per_head = false;
+  // How this layer attends prompt chunks (sparse_prefill.h); dense by default.
+  PrefillSparsity prefill;
 };
 
 // Checks a layer's values (budget range, parameter ranges, sinks/windows that cannot fit

@@ -69,6 +69,15 @@ struct SparseKvLayerStats {
   // ran them (the shallowest cumulative layer); their time is part of select_s.
   int64_t reranks = 0;
   double rerank_s = 0;
+  // Prompt chunks: the attention kernel's time (dense or sparse, without the gathering pass).
+  double prefill_attention_s = 0;
+  // Sparse prefill (LayerKvConfig::prefill): chunks attended over a selection, their estimates'
+  // time, and the (query, key) pairs computed of those causal attention would have (summed
+  // over kv heads).
+  int64_t sparse_prefill_chunks = 0;
+  double prefill_estimate_s = 0;
+  int64_t prefill_selected_pairs = 0;
+  int64_t prefill_causal_pairs = 0;
   double policy_s() const { return score_s + select_s + compact_s; }
 };
 
@@ -109,6 +118,23 @@ class SparseKvController {
   // Position the next token of (seq, layer) gets: the layer's live token count. Renumbers the
   // layer first when its positions are not 0..n-1 (e.g. after RemoveRange).
   StatusOr<int32_t> NextCachePosition(int seq, int layer);
+
+  // How seq's layer attends prompt chunks (its LayerKvConfig::prefill).
+  const PrefillSparsity& prefill_sparsity(int seq, int layer) const { return LayerConfig(seq, layer).prefill; }
+  // The engine's record of one sparsely attended prompt chunk of `layer`.
+  void RecordSparsePrefill(int layer, double estimate_s, double attention_s, const PrefillWork& work) {
+    SparseKvLayerStats& st = stats_[static_cast<size_t>(layer)];
+    ++st.sparse_prefill_chunks;
+    st.prefill_estimate_s += estimate_s;
+    st.prefill_attention_s += attention_s;
+    st.prefill_selected_pairs += work.selected_pairs;
+    st.prefill_causal_pairs += work.causal_pairs;
+  }
+
+  // The engine's record of a densely attended prompt chunk's attention time.
+  void RecordPrefillAttention(int layer, double attention_s) {
+    stats_[static_cast<size_t>(layer)].prefill_attention_s += attention_s;
+  }
 
   // ---- Engine hooks (same seq / layer order as the forward pass) ----
   // Every policy of the layer (each head's, in a per-head layer) grows by n_new tokens, the

@@ -64,6 +64,12 @@ struct SpeedResult {
   double dense_f16_kv_bytes = 0;
   size_t peak_rss_bytes = 0;       // the process's peak resident set so far (getrusage)
   std::string kv_stats_table;      // SparseKvController::FormatStats() (with kv_stats)
+  // ppN with a controller: the prompt chunks' attention kernel time and (sparse prefill) the
+  // estimates' time, all layers, per repetition; the share of causal (query, key) pairs the
+  // sparse chunks computed (1 when dense).
+  double prefill_attention_s = 0;
+  double prefill_estimate_s = 0;
+  double prefill_computed_share = 1;
 };
 
 struct SpeedReport {
@@ -85,6 +91,12 @@ std::string SpeedReportJson(const SpeedReport& report);
 // The same tests run with a dense cache and with a sparse one, side by side: tokens/s,
 // decode attention time and KV bytes, with the sparse/dense ratios.
 // `base_label` / `label` name the two runs in the table (the dense cache against a sparse one by default).
+// Prefill of `base` (dense prompt attention) against `other` (sparse prefill), test by test:
+// throughput, the attention part (kernel time; the estimates' time beside it and in the
+// ratio) and the share of (query, key) pairs computed.
+std::string PrefillComparisonMarkdown(const SpeedReport& base, const SpeedReport& other, std::string_view base_label,
+                                      std::string_view label);
+
 std::string SpeedComparisonMarkdown(const SpeedReport& base, const SpeedReport& other, std::string_view base_label = "dense",
                                     std::string_view label = "sparse");
 

@@ -89,6 +89,10 @@ StatusOr<KvSparsityConfig> SparsityFor(const BenchSpec& spec, const BenchConfig&
   KVS_ASSIGN_OR_RETURN(const KvMethodSpec method, ParseKvMethodSpec(config.method, "--methods"));
   KVS_ASSIGN_OR_RETURN(sparsity, KvSparsityConfigFromFlags(method.name, config.budget, config.kv_type, n_layers));
   KVS_RETURN_IF_ERROR(ApplyKvParams(method.params, &sparsity));
+  if (!spec.sparse_prefill.empty()) {
+    KVS_ASSIGN_OR_RETURN(const PrefillSparsity prefill, ParsePrefillSparsity(spec.sparse_prefill, "--sparse-prefill"));
+    for (LayerKvConfig& layer : sparsity.layers) layer.prefill = prefill;
+  }
   sparsity.evict_interval = BenchEvictInterval(spec, config);
   sparsity.page_size = spec.page_size;
   sparsity.prefill_chunk = spec.prefill_chunk;
@@ -280,6 +284,7 @@ std::string BenchConfig::Key(const BenchSpec& spec) const {
                                 budget.empty() ? "-" : budget, kv_type.empty() ? "-" : kv_type, length, spec.samples,
                                 spec.seed, schedule, spec.value_tokens, depths, spec.latency_gen);
   if (task == "fidelity") key += "|" + BenchFidelitySource(spec).Label();
+  if (!spec.sparse_prefill.empty() && method != "config") key += "|prefill=" + spec.sparse_prefill;
   return key;
 }
 
@@ -381,6 +386,9 @@ Status ValidateBenchSpec(const BenchSpec& spec) {
     }
     const std::string& path = spec.fidelity_text.empty() ? spec.fidelity_tokens : spec.fidelity_text;
     if (!std::ifstream(path)) return InvalidArgumentError(fmt::format("{}: cannot read {}", flag, path));
+  }
+  if (!spec.sparse_prefill.empty()) {
+    KVS_RETURN_IF_ERROR(ParsePrefillSparsity(spec.sparse_prefill, "--sparse-prefill").status());
   }
   if (spec.prefill_eviction != "chunk" && spec.prefill_eviction != "prompt_end") {
     return InvalidArgumentError(
@@ -494,6 +502,7 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
                                                                   : samples.size());
   row["seed"] = spec.seed;
   row["prefill_eviction"] = sparsity.prefill_eviction == PrefillEviction::kPromptEnd ? "prompt_end" : "chunk";
+  row["prefill"] = PrefillSparsitySummary(sparsity.layers.empty() ? PrefillSparsity{} : sparsity.layers[0].prefill);
   row["evict_interval"] = sparsity.evict_interval;  // what ran: the paper cadence, the flag or the file's
   if (fidelity_streams != nullptr) {
     row["stream"] = BenchFidelitySource(spec).Label();

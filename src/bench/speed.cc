@@ -218,8 +218,8 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       r.n_tokens = n;
       r.n_threads = n_threads;
       const std::vector<int32_t> prompt = BenchTokens(n, c.n_vocab, 11);
-      double policy_s = 0;
-      int64_t evictions = 0;
+      double policy_s = 0, attention_s = 0, estimate_s = 0;
+      int64_t evictions = 0, selected_pairs = 0, causal_pairs = 0;
       for (int rep = config.warmup ? 0 : 1; rep <= config.repetitions; ++rep) {  // rep 0 warms up
         KVS_RETURN_IF_ERROR(reset_to_depth());
         const auto t0 = start_timing();
@@ -228,8 +228,21 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
         if (rep > 0) {
           r.samples_tokens_per_s.push_back(n / s);
           policy_s += timed_policy_s(&evictions);
+          if (controller != nullptr) {
+            for (const SparseKvLayerStats& l : controller->layer_stats()) {
+              attention_s += l.prefill_attention_s;
+              estimate_s += l.prefill_estimate_s;
+              selected_pairs += l.prefill_selected_pairs;
+              causal_pairs += l.prefill_causal_pairs;
+            }
+          }
         }
       }
+      r.prefill_attention_s = attention_s / config.repetitions;
+      r.prefill_estimate_s = estimate_s / config.repetitions;
+      // Layers (or chunks) attended densely compute all their pairs; the share counts the
+      // sparse chunks' pairs (a mixed config's dense layers are not in it).
+      r.prefill_computed_share = causal_pairs > 0 ? static_cast<double>(selected_pairs) / causal_pairs : 1.0;
       MeanStd(r.samples_tokens_per_s, &r.tokens_per_s_mean, &r.tokens_per_s_stddev);
       finish(r, policy_s, evictions, config.repetitions);
       report.results.push_back(r);
@@ -315,6 +328,32 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   return out;
 }
 
+std::string PrefillComparisonMarkdown(const SpeedReport& base, const SpeedReport& other, std::string_view base_label,
+                                      std::string_view label) {
+  const std::string_view b = base_label, o = label;
+  std::string out = fmt::format("{}: {}\n{}: {}\n\n", b, base.kv_desc, o, other.kv_desc);
+  out += fmt::format(
+      "| test | depth | {0} t/s | {1} t/s | speedup | {0} attn s | {1} attn s | {1} estimate s | "
+      "attn speedup | {1} pairs computed |\n",
+      b, o);
+  out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const SpeedResult& s : other.results) {
+    for (const SpeedResult& d : base.results) {
+      if (d.test != s.test || d.depth != s.depth || s.test.rfind("pp", 0) != 0) continue;
+      const double sparse_s = s.prefill_attention_s + s.prefill_estimate_s;
+      out += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.2f}x | {:.2f} | {:.2f} | {:.2f} | {:.2f}x | {:.1f}% |\n",
+                         s.test, s.depth, d.tokens_per_s_mean, s.tokens_per_s_mean,
+                         s.tokens_per_s_mean / std::max(1e-12, d.tokens_per_s_mean), d.prefill_attention_s,
+                         s.prefill_attention_s, s.prefill_estimate_s, d.prefill_attention_s / std::max(1e-12, sparse_s),
+                         100.0 * s.prefill_computed_share);
+    }
+  }
+  out +=
+      "\nattn s = the prompt chunks' attention kernel, all layers, per repetition; attn speedup = dense attn / "
+      "(sparse attn + estimate); pairs computed = (query, key) pairs attended / those causal attention attends\n";
+  return out;
+}
+
 std::string SpeedComparisonMarkdown(const SpeedReport& base, const SpeedReport& other, std::string_view base_label,
                                     std::string_view label) {
   const std::string_view b = base_label, o = label;
@@ -370,7 +409,10 @@ std::string SpeedReportJson(const SpeedReport& report) {
                             {"attention_ms_per_token", r.attention_ms_per_token},
                             {"kv_peak_allocated_bytes", r.kv_peak_allocated_bytes},
                             {"dense_f16_kv_bytes", r.dense_f16_kv_bytes},
-                            {"peak_rss_bytes", r.peak_rss_bytes}});
+                            {"peak_rss_bytes", r.peak_rss_bytes},
+                            {"prefill_attention_s", r.prefill_attention_s},
+                            {"prefill_estimate_s", r.prefill_estimate_s},
+                            {"prefill_computed_share", r.prefill_computed_share}});
     if (!r.kv_stats_table.empty()) j["results"].back()["kv_stats"] = r.kv_stats_table;
   }
   return j.dump(2);

@@ -2,7 +2,6 @@
 // full cache (dense, and paged with int8 KV), and fails a deep needle exactly when the sparse
 // cache drops it (StreamingLLM with a small budget). The tasks are built here from
 // RetrievalModelVocab(); the benchmark's own generators live in src/bench.
-#include "kvsparse/engine.h"
 #include "kvsparse/retrieval_model.h"
 
 #include <gtest/gtest.h>
@@ -18,9 +17,11 @@
 #include <vector>
 
 #include "kvsparse/contiguous_kv_cache.h"
+#include "kvsparse/engine.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/sparse_prefill.h"
 #include "support/retrieval_model_file.h"
 #include "support/shared_data.h"
 
@@ -135,11 +136,17 @@ double DenseAccuracy(const Model& model, const std::vector<Task>& tasks) {
   return static_cast<double>(solved) / static_cast<double>(tasks.size());
 }
 
-// The same through the paged cache and the sparsity controller, every layer configured alike.
+// The same through the paged cache and the sparsity controller, every layer configured alike
+// (prefill: a --sparse-prefill spec for every layer, or dense).
 double SparseAccuracy(const Model& model, const std::vector<Task>& tasks, const std::string& method,
-                      const std::string& budget, const std::string& kv_type) {
+                      const std::string& budget, const std::string& kv_type, const std::string& prefill = "") {
   auto config = KvSparsityConfigFromFlags(method, budget, kv_type, model.config().n_layers);
   EXPECT_TRUE(config.ok()) << config.status().ToString();
+  if (!prefill.empty()) {
+    auto sparsity = ParsePrefillSparsity(prefill, "prefill");
+    EXPECT_TRUE(sparsity.ok()) << sparsity.status().ToString();
+    for (LayerKvConfig& layer : config->layers) layer.prefill = *sparsity;
+  }
   int solved = 0;
   for (const Task& task : tasks) {
     auto setup = CreateSparseKv(Geometry(model), *config, 1,
@@ -270,6 +277,26 @@ TEST_F(RetrievalModelTest, PagedFullPassesAndStreamingLlmFailsADeepNeedle) {
                                        "streaming_llm", "64", "f32");
   Report("recent needle, paged streaming_llm budget 64, length 1024", recent);
   EXPECT_GE(recent, 0.95);
+}
+
+// Sparse prefill must find the needle for the question: a needle in the first of four prompt
+// chunks, the question in the last, which is attended sparsely (so are chunks 2 and 3).
+// Vertical-Slash scores the chunk's last 64 queries one by one, so the question's column is
+// found. The block estimators dilute a needle that one query alone attends to: Block-Sparse's
+// pooled query averages it with 63 others, XAttention's strided antidiagonals see the pair only
+// when the two align in their tile. They are reported, not required.
+TEST_F(RetrievalModelTest, SparsePrefillFindsADeepNeedle) {
+  const auto tasks = Tasks(8, 16, [&](std::mt19937& rng) { return NeedleTask(vocab_, 2048, 16, 400, rng); });
+  const double dense = SparseAccuracy(model(), tasks, "full", "", "f32");
+  const double vertical_slash = SparseAccuracy(model(), tasks, "full", "", "f32", "vertical_slash:vertical=64:slash=8");
+  const double block_sparse = SparseAccuracy(model(), tasks, "full", "", "f32", "block_sparse:top_blocks=4");
+  const double xattention = SparseAccuracy(model(), tasks, "full", "", "f32", "xattention");
+  Report("deep needle, dense prefill, length 2048", dense);
+  Report("deep needle, vertical_slash prefill, length 2048", vertical_slash);
+  Report("deep needle, block_sparse prefill (4 blocks), length 2048", block_sparse);
+  Report("deep needle, xattention prefill, length 2048", xattention);
+  EXPECT_GE(dense, 0.95);
+  EXPECT_GE(vertical_slash, dense);
 }
 
 // One prompt chunk with the question last and a three-token answer: the first token comes from

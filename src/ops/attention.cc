@@ -57,6 +57,7 @@ struct Plan {
   int64_t n_tokens = 0;       // all tokens of the spans: the length of a raw_scores row
   int row_heads = 0;          // kv heads per stored token row (>= shape.n_kv_heads)
   int first_kv_head = 0;      // the row's head that is this call's kv head 0
+  const KeySelection* selection = nullptr;  // sparse prefill: only these tokens (tiles lie inside a query block)
 };
 
 // Unnormalized per-row state of one token chunk, for the split-K merge.
@@ -99,6 +100,21 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   for (int i = q_begin; i < q_begin + tile_queries; ++i) max_visible = std::max(max_visible, visible[i]);
   const int64_t t_begin = static_cast<int64_t>(chunk) * segment.chunk_tokens;
   const int64_t t_end = std::min(max_visible, t_begin + segment.chunk_tokens);
+  // Sparse prefill: the tile's selected tokens of [t_begin, t_end), as segment-local indices.
+  // The walk below takes them kBlock at a time, so unselected tokens cost nothing.
+  static thread_local std::vector<int64_t> selected;
+  selected.clear();
+  if (plan.selection != nullptr) {
+    const KeySelection& sel = *plan.selection;
+    const int block = q_begin / sel.query_block;
+    for (int64_t r = sel.range_offsets[block]; r < sel.range_offsets[block + 1]; ++r) {
+      const int64_t begin = std::max(t_begin, sel.ranges[2 * r] - segment.first_token);
+      const int64_t end = std::min(t_end, sel.ranges[2 * r + 1] - segment.first_token);
+      for (int64_t t = begin; t < end; ++t) selected.push_back(t);
+    }
+  }
+  const bool sparse = plan.selection != nullptr;
+  const int64_t n_walk = sparse ? static_cast<int64_t>(selected.size()) : t_end - t_begin;
 
   // Per-thread scratch, reused across calls.
   static thread_local AlignedBuffer buffer;
@@ -139,16 +155,21 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   const size_t span_stride = static_cast<size_t>(plan.row_heads) * d;  // elements between rows in a span
   // Prefetches of one block are spread over a head's row pairs (see below).
   const int prefetch_per_pair = (kBlock + (head_rows + 1) / 2 - 1) / ((head_rows + 1) / 2);
-  int32_t block_span = t_begin < t_end ? seq.SpanOf(t_begin) : 0;
+  int32_t block_span = n_walk > 0 ? seq.SpanOf(sparse ? selected[0] : t_begin) : 0;
   int32_t prefetch_span = block_span;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kBlock) {
-    const int n_block = static_cast<int>(std::min<int64_t>(kBlock, t_end - t0));
+  for (int64_t w0 = 0; w0 < n_walk; w0 += kBlock) {
+    const int n_block = static_cast<int>(std::min<int64_t>(kBlock, n_walk - w0));
+    // The block's tokens: t0 .. t0 + n_block - 1, or (sparse) block_tokens[0 .. n_block - 1].
+    const int64_t* block_tokens = sparse ? selected.data() + w0 : nullptr;
+    const int64_t t0 = sparse ? block_tokens[0] : t_begin + w0;
+    const bool consecutive = !sparse || block_tokens[n_block - 1] - t0 == n_block - 1;
     // Addresses of the token rows kPrefetchTokens ahead; each kv head below prefetches its
-    // part of them, which spreads the requests over the block's math.
+    // part of them, which spreads the requests over the block's math. (A sparse walk's next
+    // tokens are not consecutive: it does not prefetch.)
     const uint8_t* prefetch_k[kBlock];
     const uint8_t* prefetch_v[kBlock];
     int n_prefetch = 0;
-    for (int64_t t = t0 + kPrefetchTokens; t < std::min(t_end, t0 + kPrefetchTokens + kBlock); ++t) {
+    for (int64_t t = t0 + kPrefetchTokens; !sparse && t < std::min(t_end, t0 + kPrefetchTokens + kBlock); ++t) {
       while (t >= seq.span_start[prefetch_span + 1]) ++prefetch_span;
       const KvSpan& s = seq.spans[prefetch_span];
       const size_t offset = static_cast<size_t>(t - seq.span_start[prefetch_span]) * token_bytes;
@@ -156,7 +177,11 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       prefetch_v[n_prefetch++] = static_cast<const uint8_t*>(s.v) + offset;
     }
     BlockRows block;  // this block's token rows (head 0) in storage type
-    GatherBlockRows(seq, t0, n_block, token_bytes, plan.row_heads, int8, &block_span, &block);
+    if (consecutive) {
+      GatherBlockRows(seq, t0, n_block, token_bytes, plan.row_heads, int8, &block_span, &block);
+    } else {
+      GatherTokenRows(seq, block_tokens, n_block, token_bytes, plan.row_heads, int8, &block_span, &block);
+    }
     const bool v_in_place = plan.v_in_place && block.one_span && !low_bit;
 
     for (int kv_head = 0; kv_head < shape.n_kv_heads; ++kv_head) {
@@ -225,8 +250,11 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
         }
         for (int i = 0; i < n_pair; ++i) {
-          // Rows whose query sees none of this block contribute nothing.
-          const int64_t valid = std::min<int64_t>(n_block, row_visible[r + i] - t0);
+          // Rows whose query sees none of this block contribute nothing. The tokens ascend, so
+          // the ones a row sees are a prefix of the block.
+          const int64_t valid =
+              consecutive ? std::min<int64_t>(n_block, row_visible[r + i] - t0)
+                          : std::lower_bound(block_tokens, block_tokens + n_block, row_visible[r + i]) - block_tokens;
           float* p_row = p + static_cast<size_t>(r + i) * kBlock;
           if (valid <= 0) {
             std::fill(p_row, p_row + kBlock, 0.f);
@@ -354,13 +382,24 @@ void PlanJob(const AttentionShape& shape, int row_heads, KvStorage storage, cons
   plan.n_tokens = n_tokens;
   plan.row_heads = row_heads;
   plan.first_kv_head = job.first_kv_head;
+  plan.selection = job.selection;
+  if (job.selection != nullptr) {
+    const KeySelection& sel = *job.selection;
+    KVS_CHECK_MSG(sel.query_block > 0 && sel.range_offsets != nullptr && sel.range_offsets[0] == 0,
+                  "AttentionBatch: a malformed key selection");
+    KVS_CHECK_MSG(job.raw_scores == nullptr, "AttentionBatch: a key selection cannot keep raw scores");
+    // A tile must lie inside one query block: the largest tile size that divides the block.
+    while (sel.query_block % plan.tile_queries != 0) --plan.tile_queries;
+    plan.n_tiles = (n_q + plan.tile_queries - 1) / plan.tile_queries;
+  }
 
   // Split the tokens (flash-decoding split-K) when query tiles alone give fewer than
   // kUnitsPerThread units per thread: decode has a single tile, so it always splits
   // once the context is long enough, and a late thread then costs little. Segments share
   // the wanted chunks in proportion to their tokens.
   int wanted = 1;
-  if (n_threads > 1 && plan.n_tiles < kUnitsPerThread * n_threads) {
+  // (A sparse walk is not split: its tiles attend to different tokens.)
+  if (n_threads > 1 && plan.n_tiles < kUnitsPerThread * n_threads && job.selection == nullptr) {
     wanted = (kUnitsPerThread * n_threads + plan.n_tiles - 1) / plan.n_tiles;
   }
   // Segments no query sees are dropped (they cost nothing).

@@ -268,6 +268,67 @@ void BM_AttentionPrefill(benchmark::State& state) {
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
 }
 
+// Sparse prefill's kernel: a 512-query prompt chunk at the end of `depth` tokens, each kv head a
+// job over the shared rows with its own key selection (as the engine runs it). keep: percent of
+// each query block's 64-token key blocks selected at random (its own block always); 100 = the
+// jobs without a selection, 0 = the shared-layer dense call the engine makes without sparse
+// prefill. Args: isa, depth, keep, threads. GFLOPS counts the pairs actually computed.
+void BM_SparsePrefillChunk(benchmark::State& state) {
+  if (!UseIsa(state, state.range(0))) return;
+  const int64_t depth = state.range(1);
+  const int keep = static_cast<int>(state.range(2));
+  const int threads = static_cast<int>(state.range(3));
+  constexpr int32_t kChunk = 512;
+  constexpr int kBlockTokens = 64;
+  constexpr int kGroup = kHeads / kKvHeads;
+  BenchCache cache(KvStorage::kF16, depth, depth);
+  std::vector<int32_t> q_pos(kChunk);
+  for (int32_t i = 0; i < kChunk; ++i) q_pos[i] = static_cast<int32_t>(depth - kChunk + i);
+  const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  const AttentionShape head_shape{kGroup, 1, kHeadDim, shape.scale};
+  std::vector<float> q = RandomQ(static_cast<size_t>(kChunk) * kHeads * kHeadDim), out(q.size());
+  // Selections: per kv head, per query block, random key blocks (ascending) plus its own.
+  std::mt19937 rng(9);
+  std::vector<std::vector<int64_t>> offsets(kKvHeads), ranges(kKvHeads);
+  std::vector<KeySelection> selections(kKvHeads);
+  double pairs = 0;
+  for (int h = 0; h < kKvHeads; ++h) {
+    offsets[h].push_back(0);
+    for (int32_t b = 0; b < kChunk / kBlockTokens; ++b) {
+      const int64_t visible_end = depth - kChunk + (b + 1) * kBlockTokens;
+      const int64_t own = visible_end / kBlockTokens - 1;
+      for (int64_t kb = 0; kb <= own; ++kb) {
+        if (kb == own || static_cast<int>(rng() % 100) < keep) {
+          ranges[h].insert(ranges[h].end(), {kb * kBlockTokens, (kb + 1) * kBlockTokens});
+          pairs += kBlockTokens * static_cast<double>(kb == own ? kBlockTokens / 2 : kBlockTokens) * kGroup;
+        }
+      }
+      offsets[h].push_back(static_cast<int64_t>(ranges[h].size() / 2));
+    }
+    selections[h] = KeySelection{kBlockTokens, offsets[h].data(), ranges[h].data()};
+  }
+  if (keep == 0 || keep == 100)
+    pairs = kHeads * (kChunk * static_cast<double>(depth - kChunk) + kChunk * (kChunk + 1) / 2.0);
+  std::vector<AttentionJob> jobs(kKvHeads);
+  for (int h = 0; h < kKvHeads; ++h) {
+    jobs[h] = AttentionJob{cache.spans.data(), static_cast<int32_t>(cache.spans.size()), h,
+                           q.data() + static_cast<size_t>(h) * kChunk * kGroup * kHeadDim,
+                           out.data() + static_cast<size_t>(h) * kChunk * kGroup * kHeadDim};
+    if (keep > 0 && keep < 100) jobs[h].selection = &selections[h];
+  }
+  for (auto _ : state) {
+    if (keep == 0) {
+      ops::Attention(shape, KvStorage::kF16, q.data(), q_pos.data(), kChunk, cache.spans.data(),
+                     static_cast<int32_t>(cache.spans.size()), out.data(), threads);
+    } else {
+      ops::AttentionBatch(head_shape, kKvHeads, KvStorage::kF16, q_pos.data(), kChunk, jobs.data(), kKvHeads, threads);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["GFLOPS"] =
+      benchmark::Counter(4.0 * kHeadDim * pairs * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
+}
+
 // Score gathering (the second pass that sparsity policies pay for) after a decode or prefill
 // call. Args: isa, queries, depth, storage, threads.
 void BM_AttentionScores(benchmark::State& state) {
@@ -326,6 +387,12 @@ BENCHMARK(BM_AttentionScores)
     ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {1, 512}, {4096}, {1, 3}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_SparsePrefillChunk)
+    ->ArgNames({"isa", "depth", "keep", "threads"})
+    ->ArgsProduct({{kAvx2, kAvx512}, {8192}, {0, 100, 20, 10}, {2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 BENCHMARK(BM_AttentionPrefill)
     ->ArgNames({"isa", "n", "storage", "threads"})
     ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512}, {1, 0, 2}, {1, 2}})

@@ -222,6 +222,24 @@ inline float CodeToF32(KvStorage s, uint8_t code) {
 enum class Fp8E4M3Code : uint8_t {};
 enum class Fp8E5M2Code : uint8_t {};
 
+// Row j of a block is token t (>= the span cursor's first token); advances the cursor.
+inline void FillTokenRow(const TokenSequence& seq, int64_t t, int j, size_t token_bytes, int n_kv_heads,
+                         bool with_scales, int32_t* span, BlockRows* rows) {
+  while (t >= seq.span_start[*span + 1]) ++*span;
+  const KvSpan& s = seq.spans[*span];
+  const int64_t local = t - seq.span_start[*span];
+  const size_t offset = static_cast<size_t>(local) * token_bytes;
+  rows->k[j] = static_cast<const uint8_t*>(s.k) + offset;
+  rows->v[j] = static_cast<const uint8_t*>(s.v) + offset;
+  if (with_scales) {
+    rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + local * n_kv_heads : nullptr;
+    rows->v_scale[j] = s.v_scale + local * n_kv_heads;
+    rows->k_chan[j] = s.k_channel_scale;
+    rows->k_chan_min[j] = s.k_channel_min;
+    rows->v_min[j] = s.v_min != nullptr ? s.v_min + local * n_kv_heads : nullptr;
+  }
+}
+
 // with_scales: also fill k_scale / v_scale / k_chan (IsScaledCodeStorage spans); skipped
 // otherwise, since this runs once per block on the decode hot path.
 inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, size_t token_bytes, int n_kv_heads,
@@ -251,21 +269,16 @@ inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, s
     rows->one_span = n_block == kBlock;
     return;
   }
-  for (int j = 0, s_index = *span; j < n_block; ++j) {
-    while (t0 + j >= seq.span_start[s_index + 1]) ++s_index;
-    const KvSpan& s = seq.spans[s_index];
-    const int64_t local = t0 + j - seq.span_start[s_index];
-    const size_t offset = static_cast<size_t>(local) * token_bytes;
-    rows->k[j] = static_cast<const uint8_t*>(s.k) + offset;
-    rows->v[j] = static_cast<const uint8_t*>(s.v) + offset;
-    if (with_scales) {
-      rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + local * n_kv_heads : nullptr;
-      rows->v_scale[j] = s.v_scale + local * n_kv_heads;
-      rows->k_chan[j] = s.k_channel_scale;
-      rows->k_chan_min[j] = s.k_channel_min;
-      rows->v_min[j] = s.v_min != nullptr ? s.v_min + local * n_kv_heads : nullptr;
-    }
-  }
+  for (int j = 0, s_index = *span; j < n_block; ++j)
+    FillTokenRow(seq, t0 + j, j, token_bytes, n_kv_heads, with_scales, &s_index, rows);
+  rows->one_span = false;
+}
+
+// The rows of n ascending (not necessarily consecutive) tokens: a sparse prefill's selected
+// tokens. `span` is a cursor as in GatherBlockRows.
+inline void GatherTokenRows(const TokenSequence& seq, const int64_t* tokens, int n, size_t token_bytes, int n_kv_heads,
+                            bool with_scales, int32_t* span, BlockRows* rows) {
+  for (int j = 0; j < n; ++j) FillTokenRow(seq, tokens[j], j, token_bytes, n_kv_heads, with_scales, span, rows);
   rows->one_span = false;
 }
 

@@ -773,5 +773,119 @@ TEST_P(AttentionTest, BatchEmptyJobsGiveZeros) {
   }
 }
 
+// ---- sparse prefill: a key selection per block of queries (KeySelection) ----
+
+// A prompt chunk's queries over ragged spans: n_q ascending positions ending at the last one.
+std::vector<int32_t> ChunkPositions(const SpanSet& set, int32_t n_q) {
+  std::vector<int32_t> positions;
+  for (const KvSpan& span : set.spans) positions.insert(positions.end(), span.positions, span.positions + span.n);
+  std::vector<int32_t> q_pos(positions.end() - n_q, positions.end());
+  q_pos[0] = positions[0] - 1;  // one query that sees nothing
+  return q_pos;
+}
+
+// Random ascending, disjoint ranges per query block: bands, single tokens, and gaps.
+struct RandomSelection {
+  std::vector<int64_t> offsets{0}, ranges;
+  KeySelection view;
+  RandomSelection(int query_block, int32_t n_q, int64_t n_tokens, std::mt19937& rng) {
+    std::uniform_int_distribution<int64_t> step(0, 40), width(1, 50);
+    for (int32_t b = 0; b * query_block < n_q; ++b) {
+      for (int64_t t = step(rng); t < n_tokens; t += step(rng) + 1) {
+        const int64_t end = std::min(n_tokens, t + (rng() % 3 == 0 ? 1 : width(rng)));
+        ranges.push_back(t);
+        ranges.push_back(end);
+        t = end;
+      }
+      offsets.push_back(static_cast<int64_t>(ranges.size() / 2));
+    }
+    view = KeySelection{query_block, offsets.data(), ranges.data()};
+  }
+};
+
+// Each kv head of a shared layer as a job over the shared rows, with its own selection.
+TEST_P(AttentionTest, KeySelectionMatchesMaskedReference) {
+  std::mt19937 rng(31);
+  for (KvStorage storage : kAllStorage) {
+    for (int head_dim : {64, 20}) {
+      if (!testing::StorageFits(storage, head_dim)) continue;
+      const int n_kv = 2, group = head_dim == 64 ? 2 : 3;
+      const AttentionShape head_shape{group, 1, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
+      SpanSet set = MakeSpans(storage, {70, 16, 3, 200, 40}, n_kv, head_dim, rng);
+      int64_t n_tokens = 0;
+      for (const KvSpan& span : set.spans) n_tokens += span.n;
+      const int32_t n_q = 150;
+      const std::vector<int32_t> q_pos = ChunkPositions(set, n_q);
+      std::vector<RandomSelection> selections;
+      for (int h = 0; h < n_kv; ++h) selections.emplace_back(64, n_q, n_tokens, rng);
+      std::vector<std::vector<float>> q(n_kv);
+      for (auto& rows : q) rows = RandomQueries(static_cast<size_t>(n_q) * group * head_dim, rng, 3.f);
+      std::vector<std::vector<float>> want(n_kv, std::vector<float>(q[0].size())), stats_want(n_kv);
+      std::vector<AttentionJob> jobs(n_kv);
+      for (int h = 0; h < n_kv; ++h) {
+        stats_want[h].resize(static_cast<size_t>(n_q) * group * 2);
+        jobs[h] =
+            AttentionJob{set.spans.data(),    static_cast<int32_t>(set.spans.size()), h, q[h].data(), want[h].data(),
+                         stats_want[h].data()};
+        jobs[h].selection = &selections[h].view;
+      }
+      ref::AttentionBatch(head_shape, n_kv, storage, q_pos.data(), n_q, jobs.data(), n_kv);
+      for (int n_threads : {1, 3}) {
+        std::vector<std::vector<float>> got(n_kv, std::vector<float>(q[0].size(), 7.f)), stats(n_kv);
+        for (int h = 0; h < n_kv; ++h) {
+          stats[h].resize(stats_want[h].size());
+          jobs[h].out = got[h].data();
+          jobs[h].row_max_sum = stats[h].data();
+        }
+        ops::AttentionBatch(head_shape, n_kv, storage, q_pos.data(), n_q, jobs.data(), n_kv, n_threads);
+        for (int h = 0; h < n_kv; ++h) {
+          const std::string what = std::string(KvStorageName(storage)) + " d" + std::to_string(head_dim) + " head " +
+                                   std::to_string(h) + " threads " + std::to_string(n_threads);
+          ExpectClose(got[h], want[h], what);
+          for (size_t e = 0; e < stats[h].size(); ++e) {  // (-inf for the query that sees nothing)
+            if (std::isinf(stats_want[h][e])) {
+              ASSERT_EQ(stats[h][e], stats_want[h][e]) << what << " row_max_sum " << e;
+            } else {
+              ASSERT_NEAR(stats[h][e], stats_want[h][e], 2e-5f + 2e-4f * std::fabs(stats_want[h][e])) << what;
+            }
+          }
+          for (int e = 0; e < group * head_dim; ++e) ASSERT_EQ(got[h][e], 0.f) << what << ": a query that sees nothing";
+        }
+      }
+    }
+  }
+}
+
+// Selecting every token gives exactly the dense result: the same blocks in the same order.
+TEST_P(AttentionTest, KeySelectionOfEveryTokenIsBitIdenticalToDense) {
+  std::mt19937 rng(32);
+  for (KvStorage storage : kAllStorage) {
+    const AttentionShape head_shape{2, 1, 64, 0.125f};
+    SpanSet set = MakeSpans(storage, {300, 5, 100}, 1, 64, rng);
+    int64_t n_tokens = 0;
+    for (const KvSpan& span : set.spans) n_tokens += span.n;
+    const int32_t n_q = 200;
+    const std::vector<int32_t> q_pos = ChunkPositions(set, n_q);
+    std::vector<int64_t> offsets, ranges;
+    for (int32_t b = 0; b * 64 < n_q; ++b) {
+      offsets.push_back(b);
+      ranges.insert(ranges.end(), {0, n_tokens});
+    }
+    offsets.push_back(static_cast<int64_t>(offsets.size()));
+    const KeySelection every{64, offsets.data(), ranges.data()};
+    const std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 2 * 64, rng, 3.f);
+    for (int n_threads : {1, 2}) {  // enough query tiles that dense does not split the tokens
+      std::vector<float> dense(q.size()), sparse(q.size());
+      AttentionJob job{set.spans.data(), static_cast<int32_t>(set.spans.size()), 0, q.data(), dense.data()};
+      ops::AttentionBatch(head_shape, 1, storage, q_pos.data(), n_q, &job, 1, n_threads);
+      job.out = sparse.data();
+      job.selection = &every;
+      ops::AttentionBatch(head_shape, 1, storage, q_pos.data(), n_q, &job, 1, n_threads);
+      for (size_t e = 0; e < q.size(); ++e)
+        ASSERT_EQ(sparse[e], dense[e]) << KvStorageName(storage) << " element " << e;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvsparse

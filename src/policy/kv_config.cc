@@ -258,6 +258,32 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   return where.Error(key, "internal: parameter without a reader");
 }
 
+// "prefill": "xattention" (its defaults) or {"method": "xattention", "threshold": 0.8, ...}.
+Status ReadPrefill(const json& v, const Where& where, PrefillSparsity* out) {
+  if (v.is_string()) {
+    StatusOr<PrefillSparsity> parsed = ParsePrefillSparsity(v.get<std::string>(), "prefill");
+    if (!parsed.ok()) return where.Error("prefill", parsed.status().message());
+    *out = *parsed;
+    return Status::Ok();
+  }
+  if (!v.is_object() || !v.contains("method") || !v["method"].is_string()) {
+    return where.Error("prefill",
+                       "expected a method name or an object with \"method\" and its parameters, found " + Describe(v));
+  }
+  StatusOr<PrefillSparsity> parsed = ParsePrefillSparsity(v["method"].get<std::string>(), "prefill");
+  if (!parsed.ok()) return where.Error("prefill", parsed.status().message());
+  for (const auto& [key, value] : v.items()) {
+    if (key == "method") continue;
+    if (!value.is_number()) return where.Error("prefill." + key, "expected a number, found " + Describe(value));
+    if (Status s = SetPrefillParam(key, value.get<double>(), &*parsed); !s.ok()) {
+      return where.Error("prefill." + key, s.message());
+    }
+  }
+  if (Status s = ValidatePrefillSparsity(*parsed); !s.ok()) return where.Error("prefill", s.message());
+  *out = *parsed;
+  return Status::Ok();
+}
+
 // Reads method, budget, kv_type and method parameters of one object on top of `base`.
 Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const LayerKvConfig& base,
                        bool base_has_budget, LayerKvConfig* out, bool* has_budget) {
@@ -296,6 +322,8 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
       out->kv_type = *storage;
     } else if (key == "per_head") {
       KVS_RETURN_IF_ERROR(ReadBool(value, where, key, &out->per_head));
+    } else if (key == "prefill") {
+      KVS_RETURN_IF_ERROR(ReadPrefill(value, where, &out->prefill));
     } else if (MethodUses(out->method, key)) {
       KVS_RETURN_IF_ERROR(ReadParam(value, where, key, &out->params));
     } else {
@@ -303,7 +331,7 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
       if (is_entry) valid.push_back("layers");
       valid.insert(valid.end(), {"method", "budget", "kv_type"});
       for (std::string_view k : KvMethodParamKeys(out->method)) valid.push_back(k);
-      valid.push_back("per_head");
+      valid.insert(valid.end(), {"per_head", "prefill"});
       const std::string users = MethodsUsing(key);
       if (!users.empty())
         return where.Error(key, fmt::format("is not a parameter of method '{}' (it belongs to {}); valid keys: {}",
@@ -396,6 +424,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
   if (l.method != KvMethod::kFull) s += " budget=" + KvBudgetToString(l.budget);
   s += fmt::format(" kv={}", KvStorageName(l.kv_type));
   if (l.per_head) s += " per_head";
+  if (l.prefill.method != PrefillMethod::kDense) s += " prefill=" + PrefillSparsitySummary(l.prefill);
   const KvMethodParams& p = l.params;
   const bool cake_allocation = l.method == KvMethod::kCake || p.layer_budgets == LayerBudgets::kCake;
   for (std::string_view key : KvMethodParamKeys(l.method)) {

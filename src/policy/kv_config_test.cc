@@ -396,5 +396,35 @@ TEST(KvParams, PerHeadSetsTheLayerField) {
   EXPECT_NE(status.message().find("per_head"), std::string::npos) << status.ToString();
 }
 
+// "prefill" per layer: a method name (its defaults) or an object with parameters; mistakes name
+// the object and the parameter.
+TEST(KvConfigTest, SparsePrefillPerLayer) {
+  StatusOr<KvSparsityConfig> config = ParseKvSparsityConfig(
+      R"({"default": {"method": "h2o", "budget": 0.2, "prefill": "vertical_slash"},
+          "layers": [{"layers": "0-1", "method": "full", "prefill": "dense"},
+                     {"layers": 4, "prefill": {"method": "xattention", "threshold": 0.8, "stride": 16}}]})",
+      kLayers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->layers[0].prefill.method, PrefillMethod::kDense);
+  EXPECT_EQ(config->layers[2].prefill.method, PrefillMethod::kVerticalSlash);
+  EXPECT_EQ(config->layers[2].prefill.vertical, 1000);
+  EXPECT_EQ(config->layers[4].prefill.method, PrefillMethod::kXAttention);
+  EXPECT_EQ(config->layers[4].prefill.block, 128);
+  EXPECT_EQ(config->layers[4].prefill.stride, 16);
+  EXPECT_DOUBLE_EQ(config->layers[4].prefill.threshold, 0.8);
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "prefill=xattention block=128 stride=16 threshold=0.8");
+
+  std::string m = Rejection(R"({"layers": [{"layers": 1, "prefill": {"method": "xattention", "top_blocks": 3}}]})");
+  EXPECT_MENTIONS(m, "layers[0]");
+  EXPECT_MENTIONS(m, "prefill.top_blocks");
+  EXPECT_MENTIONS(m, "stride, threshold");
+  m = Rejection(R"({"default": {"prefill": "minference"}})");
+  EXPECT_MENTIONS(m, "unknown sparse prefill method 'minference'");
+  m = Rejection(R"({"default": {"prefill": {"method": "block_sparse", "block": 0}}})");
+  EXPECT_MENTIONS(m, "'block' must be in [1, 8192]");
+  m = Rejection(R"({"default": {"prefill": {"threshold": 0.5}}})");
+  EXPECT_MENTIONS(m, "\"method\"");
+}
+
 }  // namespace
 }  // namespace kvsparse

@@ -175,6 +175,8 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
   auto error = [&](std::string_view field, const std::string& what) {
     return InvalidArgumentError(fmt::format("layer {} ({}): field '{}': {}", layer, KvMethodName(method), field, what));
   };
+  if (Status prefill = ValidatePrefillSparsity(config.prefill); !prefill.ok())
+    return error("prefill", prefill.message());
   const KvBudget& budget = config.budget;
   if (budget.is_fraction()) {
     if (!(budget.fraction > 0.0 && budget.fraction <= 1.0))

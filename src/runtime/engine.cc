@@ -1,13 +1,16 @@
 // The batched forward pass of a llama-family decoder (llama, qwen2) over a KvCache.
 #include "kvsparse/engine.h"
 
-#include <algorithm>
-#include <cmath>
 #include <fmt/format.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
+
+#include "common/timing.h"
 #include "kvsparse/attention.h"
 #include "kvsparse/sparse_kv_controller.h"
+#include "kvsparse/sparse_prefill.h"
 
 namespace kvsparse {
 
@@ -17,6 +20,28 @@ namespace {
 constexpr int32_t kMaxChunkTokens = 512;
 // Per-row elementwise work is spread over threads only when there are enough rows to pay for it.
 constexpr int32_t kParallelRowThreshold = 16;
+
+// rows [n, n_kv_heads, width] (a chunk's query rows: each kv head's group of query heads) ->
+// out [n_kv_heads, n, width], so that each kv head's rows are one job's contiguous input.
+void GroupRowsByKvHead(const float* rows, int32_t n, int n_kv_heads, size_t width, std::vector<float>* out) {
+  out->resize(static_cast<size_t>(n_kv_heads) * n * width);
+  for (int h = 0; h < n_kv_heads; ++h) {
+    for (int32_t i = 0; i < n; ++i) {
+      std::copy_n(rows + (static_cast<size_t>(i) * n_kv_heads + h) * width, width,
+                  out->data() + (static_cast<size_t>(h) * n + i) * width);
+    }
+  }
+}
+
+// The inverse: grouped [n_kv_heads, n, width] -> rows [n, n_kv_heads, width].
+void UngroupRows(const float* grouped, int32_t n, int n_kv_heads, size_t width, float* rows) {
+  for (int h = 0; h < n_kv_heads; ++h) {
+    for (int32_t i = 0; i < n; ++i) {
+      std::copy_n(grouped + (static_cast<size_t>(h) * n + i) * width, width,
+                  rows + (static_cast<size_t>(i) * n_kv_heads + h) * width);
+    }
+  }
+}
 }  // namespace
 
 struct Engine::Entry {
@@ -64,6 +89,16 @@ struct Engine::Scratch {
   std::vector<KvAppendPlan> plans; // [batch] what the step appends, checked before it runs
   std::vector<uint8_t> relative_positions;  // [n_layers] 1: StreamingLLM cache-position layer
   std::vector<Entry> entries;      // [batch] the step's sequences and their first rows
+  // Sparse prefill: the keys as f32 (a shared layer: one [n_kv_heads, rows, head_dim] matrix in
+  // [0]; a per-head layer: each head's [rows, head_dim]), each query's visible token count
+  // ([n_q], per head likewise), and per kv head its selector and selection.
+  std::vector<std::vector<float>> prefill_keys;
+  std::vector<int64_t> prefill_key_rows;  // rows of each prefill_keys matrix (n_tokens rounded up)
+  std::vector<std::vector<int64_t>> visible;
+  std::vector<PrefillSelector> selectors;
+  std::vector<PrefillSelection> selections;
+  std::vector<float> head_row_max_sum;  // [n_kv_heads, rows, group, 2] (observing policies)
+  std::vector<KeySelection> selection_views;
 
   void Reserve(const ModelConfig& c, int32_t n) {
     if (n <= rows) return;
@@ -327,6 +362,13 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
 
 Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {
   Scratch& s = *scratch_;
+  if (controller_ != nullptr && e.phase != EvictionPoint::kDecodeStep) {
+    const PrefillSparsity& prefill = controller_->prefill_sparsity(e.seq, layer);
+    if (prefill.method != PrefillMethod::kDense && e.n >= prefill.min_queries &&
+        cache_->NumTokens(e.seq, layer) >= prefill.min_context) {
+      return SparsePrefillAttention(e, layer, shape, prefill);
+    }
+  }
   if (cache_->per_head(layer)) return PerHeadAttention(e, layer, shape);
   if (controller_ != nullptr) {
     cache_->Spans(e.seq, layer, &s.spans);
@@ -337,6 +379,101 @@ Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {
   ops::Attention(shape, cache_->sequence_storage(e.seq, layer), s.q.data() + q_off, s.positions.data() + e.row0, e.n,
                  s.spans.data(), static_cast<int32_t>(s.spans.size()), s.att.data() + q_off, n_threads_);
   return Status::Ok();
+}
+
+// A prompt chunk's attention over the tokens its estimator selects (sparse_prefill.h), for a
+// shared or a per-head layer: each kv head's query heads are one job with that head's
+// selection. The policies see the chunk as on the dense path: OnAppend before, the gathering
+// pass (over every live token, with the sparse attention's softmax statistics: the selected
+// tokens' probabilities as attended, the others' relative to the same sum) and the eviction after.
+Status Engine::SparsePrefillAttention(const Entry& e, int layer, const AttentionShape& shape,
+                                      const PrefillSparsity& prefill) {
+  Scratch& s = *scratch_;
+  const KvStorage storage = cache_->sequence_storage(e.seq, layer);
+  const int32_t n = e.n;
+  const int n_kv = shape.n_kv_heads;
+  const int group = shape.n_heads / n_kv;
+  const int d = shape.head_dim;
+  const AttentionShape head_shape{group, 1, d, shape.scale};
+  const size_t group_values = static_cast<size_t>(group) * d;
+  const size_t head_stride = static_cast<size_t>(n) * group_values;  // one kv head's rows in q_head / att_head
+  const float* q_rows = s.q.data() + static_cast<size_t>(e.row0) * shape.n_heads * d;  // [n, n_heads, head_dim]
+  float* att_rows = s.att.data() + static_cast<size_t>(e.row0) * shape.n_heads * d;
+  const int32_t* q_pos = s.positions.data() + e.row0;
+  const EvictionPoint point = e.phase;
+  const bool per_head = cache_->per_head(layer);
+  controller_->OnAppend(e.seq, layer, n, e.pos0 + n - 1);
+  const bool scores = controller_->WantsScores(e.seq, layer, point);
+
+  const Clock::time_point estimate_start = Clock::now();
+  GroupRowsByKvHead(q_rows, n, n_kv, group_values, &s.q_head);  // [n_kv, n, group, head_dim]
+  s.att_head.resize(s.q_head.size());
+  s.selections.resize(static_cast<size_t>(n_kv));
+  s.selectors.resize(static_cast<size_t>(n_kv));
+  s.selection_views.resize(static_cast<size_t>(n_kv));
+  s.jobs.resize(static_cast<size_t>(n_kv));
+  if (scores) s.head_row_max_sum.resize(static_cast<size_t>(n_kv) * n * group * 2);  // [n_kv, n, group, 2]
+  // A shared layer's keys are loaded once for all heads; a per-head layer's heads keep their own tokens.
+  const int n_tables = per_head ? n_kv : 1;
+  s.prefill_keys.resize(static_cast<size_t>(n_tables));
+  s.visible.resize(static_cast<size_t>(n_tables));
+  s.prefill_key_rows.resize(static_cast<size_t>(n_tables));
+  if (!per_head) cache_->Spans(e.seq, layer, &s.spans);
+  const int round_to = prefill.method == PrefillMethod::kXAttention ? prefill.stride : 1;
+  for (int table = 0; table < n_tables; ++table) {
+    if (per_head) cache_->HeadSpans(e.seq, layer, table, &s.head_spans[static_cast<size_t>(table)]);
+    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(table)] : s.spans;
+    LoadKeyMatrices(storage, spans.data(), static_cast<int32_t>(spans.size()), per_head ? 1 : n_kv, d, round_to,
+                    n_threads_, &s.prefill_keys[table], &s.prefill_key_rows[table]);
+    VisibleCounts(spans.data(), static_cast<int32_t>(spans.size()), q_pos, n, &s.visible[table]);
+  }
+  // The heads' estimates in parallel, one selector (and one thread) each: their serial parts
+  // (softmaxes, sums, top-k) would otherwise leave the other threads idle.
+  const int estimate_threads = std::min(n_threads_, n_kv);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(estimate_threads) if (estimate_threads > 1)
+  for (int h = 0; h < n_kv; ++h) {
+    const int table = per_head ? h : 0;
+    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(h)] : s.spans;
+    int64_t n_tokens = 0;
+    for (const KvSpan& span : spans) n_tokens += span.n;
+    const float* keys =
+        s.prefill_keys[table].data() + (per_head ? 0 : static_cast<size_t>(h) * s.prefill_key_rows[0] * d);
+    s.selectors[h].Select(prefill, head_shape, s.q_head.data() + h * head_stride, s.visible[table].data(), n, keys,
+                          n_tokens, /*n_threads=*/1, &s.selections[h]);
+  }
+  PrefillWork work;
+  for (int h = 0; h < n_kv; ++h) {
+    const int table = per_head ? h : 0;
+    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(h)] : s.spans;
+    const PrefillWork head_work = CountPrefillWork(s.selections[h], s.visible[table].data(), n);
+    work.selected_pairs += head_work.selected_pairs;
+    work.causal_pairs += head_work.causal_pairs;
+    s.selection_views[h] = s.selections[h].view();
+    AttentionJob& job = s.jobs[h];
+    job = AttentionJob{spans.data(), static_cast<int32_t>(spans.size()), per_head ? 0 : h,
+                       s.q_head.data() + h * head_stride, s.att_head.data() + h * head_stride};
+    if (scores) job.row_max_sum = s.head_row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
+    job.selection = &s.selection_views[h];
+  }
+  const Clock::time_point attention_start = Clock::now();
+  ops::AttentionBatch(head_shape, per_head ? 1 : n_kv, storage, q_pos, n, s.jobs.data(), n_kv, n_threads_);
+  const Clock::time_point attention_end = Clock::now();
+  UngroupRows(s.att_head.data(), n, n_kv, group_values, att_rows);
+  controller_->RecordSparsePrefill(layer, Seconds(estimate_start, attention_start),
+                                   Seconds(attention_start, attention_end), work);
+  if (scores) {
+    if (per_head) {
+      controller_->ObserveHeadsAttention(e.seq, layer, head_shape, s.jobs.data(), n_kv, q_pos, n, n_threads_);
+    } else {
+      // The statistics in the layer's order [n, n_heads, 2], as ObserveAttention reads them.
+      s.row_max_sum.resize(s.head_row_max_sum.size());
+      UngroupRows(s.head_row_max_sum.data(), n, n_kv, static_cast<size_t>(group) * 2, s.row_max_sum.data());
+      controller_->ObserveAttention(e.seq, layer, shape, q_rows, q_pos, n, s.spans.data(),
+                                    static_cast<int32_t>(s.spans.size()), s.row_max_sum.data(), n_threads_);
+    }
+  }
+  return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),
+                                     /*current_position=*/e.pos0 + n - 1);
 }
 
 // Attention of one layer with the controller's hooks: the policy sees the chunk's K/V
@@ -390,12 +527,16 @@ Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& 
       s.raw_scores.resize(static_cast<size_t>(shape.n_heads) * n_live);
       raw_scores = s.raw_scores.data();
     }
+    const Clock::time_point start = Clock::now();
     ops::Attention(shape, storage, q, q_pos, n, s.spans.data(), n_spans, att, n_threads_, s.row_max_sum.data(),
                    raw_scores);
+    if (point != EvictionPoint::kDecodeStep) controller_->RecordPrefillAttention(layer, Seconds(start, Clock::now()));
     controller_->ObserveAttention(e.seq, layer, shape, q, q_pos, n, s.spans.data(), n_spans, s.row_max_sum.data(),
                                   n_threads_, raw_scores);
   } else {
+    const Clock::time_point start = Clock::now();
     ops::Attention(shape, storage, q, q_pos, n, s.spans.data(), n_spans, att, n_threads_);
+    if (point != EvictionPoint::kDecodeStep) controller_->RecordPrefillAttention(layer, Seconds(start, Clock::now()));
   }
   return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),
                                      /*current_position=*/e.pos0 + n - 1);
@@ -463,14 +604,8 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
     const float* q_all = q_rows;  // [n_kv, n, group, head_dim] once gathered
     float* att_all = att_rows;
     if (!decode) {
-      s.q_head.resize(static_cast<size_t>(n_kv) * n * group_values);
+      GroupRowsByKvHead(q_rows, n, n_kv, group_values, &s.q_head);
       s.att_head.resize(s.q_head.size());
-      for (int h = 0; h < n_kv; ++h) {
-        for (int32_t i = 0; i < n; ++i) {
-          std::copy_n(q_rows + i * row + h * group_values, group_values,
-                      s.q_head.data() + (static_cast<size_t>(h) * n + i) * group_values);
-        }
-      }
       q_all = s.q_head.data();
       att_all = s.att_head.data();
     }
@@ -497,20 +632,17 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
       if (scores) job.row_max_sum = s.row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
       if (scores && decode) job.raw_scores = s.raw_scores.data() + s.raw_offset[h];
     }
+    const Clock::time_point start = Clock::now();
     ops::AttentionBatch(head_shape, 1, storage, q_pos, n, s.jobs.data(), n_kv, n_threads_);
+    if (controller_ != nullptr && point != EvictionPoint::kDecodeStep) {
+      controller_->RecordPrefillAttention(layer, Seconds(start, Clock::now()));
+    }
     if (scores) {
       // Decode: the heads' raw scores are gathered in one parallel region; chunks take the
       // parallel QK pass head after head.
       controller_->ObserveHeadsAttention(e.seq, layer, head_shape, s.jobs.data(), n_kv, q_pos, n, n_threads_);
     }
-    if (!decode) {
-      for (int h = 0; h < n_kv; ++h) {
-        for (int32_t i = 0; i < n; ++i) {
-          std::copy_n(s.att_head.data() + (static_cast<size_t>(h) * n + i) * group_values, group_values,
-                      att_rows + i * row + h * group_values);
-        }
-      }
-    }
+    if (!decode) UngroupRows(s.att_head.data(), n, n_kv, group_values, att_rows);
   }
   if (controller_ == nullptr) return Status::Ok();
   return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),

@@ -1,0 +1,129 @@
+// Sparse prefill: a prompt chunk's attention over a selection of key tokens per block of
+// queries, estimated per kv head from the chunk's own queries and the cached keys. Decode is
+// unchanged, and so is what the cache keeps: sparse prefill saves attention time, eviction
+// (kv_policy.h) saves memory; a layer may use both.
+//
+// Methods (per layer, LayerKvConfig::prefill; JSON "prefill": {"method": ..., params}):
+// - vertical_slash: MInference (Jiang et al., NeurIPS 2024), its "vertical and slash" pattern.
+//   The last `last_q` (64) queries of the chunk attend to every key; their softmax
+//   probabilities, averaged over the kv head's query heads, are summed per key column
+//   (vertical) and per diagonal (slash: the distance from a query's newest key). The first
+//   `sink_columns` (30) columns and the `local_diagonals` (100) nearest diagonals are always
+//   kept, and the top `vertical` (1000) and top `slash` (6096) others. Each query
+//   block attends to its columns one by one and to each diagonal as a `block`-wide (64) band
+//   that follows the diagonal through the block, as MInference's kernel does.
+// - block_sparse: MInference's block-sparse pattern. Queries and keys are mean-pooled over
+//   blocks of `block` (64); the pooled products (no scaling, no softmax), averaged over the
+//   query heads, rank the causal key blocks of each query block; the top `top_blocks` (100)
+//   are kept, and, unlike MInference, so are the blocks holding the query block's own tokens
+//   (so no query is left with nothing to attend to).
+// - xattention: XAttention (Xu et al., ICML 2025). Strided antidiagonal scores: with stride S
+//   (`stride`, 8), query tile a and key tile b score sum_t q[aS+S-1-t] . k[bS+t], scaled by
+//   1/(sqrt(head_dim) S); a softmax over each query tile's visible key tiles, averaged over the
+//   query heads, summed into `block` x `block` (128) blocks; per query block the sink block and
+//   the blocks of its own tokens are kept, then the others by descending score while the kept
+//   share is below `threshold` (0.9) of the row (the block that crosses it is kept).
+// Estimates are made per kv head (GQA: a group's query heads share one selection, from the
+// mean of their scores) on f32 copies of the keys. A chunk with fewer than `min_queries` (128)
+// queries, or whose layer holds fewer than `min_context` (1024) tokens, is attended densely.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvsparse/attention.h"
+#include "kvsparse/kv_types.h"
+#include "kvsparse/status.h"
+
+namespace kvsparse {
+
+enum class PrefillMethod { kDense, kVerticalSlash, kBlockSparse, kXAttention };
+
+std::string_view PrefillMethodName(PrefillMethod method);  // "dense", "vertical_slash", ...
+std::optional<PrefillMethod> PrefillMethodFromName(std::string_view name);
+
+struct PrefillSparsity {
+  PrefillMethod method = PrefillMethod::kDense;
+  int block = 64;          // query block = key block, tokens (XAttention's default: 128)
+  int min_queries = 128;   // smaller chunks are attended densely
+  int min_context = 1024;  // so are chunks over fewer cached tokens
+  // vertical_slash
+  int last_q = 64;
+  int vertical = 1000;
+  int slash = 6096;
+  int sink_columns = 30;
+  int local_diagonals = 100;
+  // block_sparse
+  int top_blocks = 100;
+  // xattention
+  int stride = 8;
+  double threshold = 0.9;
+};
+
+// A method's paper defaults (block 128 for xattention, 64 otherwise).
+PrefillSparsity DefaultPrefillSparsity(PrefillMethod method);
+
+// Parameter keys of a method (block, min_queries, min_context, then the method's own).
+std::vector<std::string_view> PrefillParamKeys(PrefillMethod method);
+// Sets one parameter (an integer parameter needs an integral value). Errors name the key and
+// the method's valid keys; ranges are checked by ValidatePrefillSparsity.
+Status SetPrefillParam(std::string_view key, double value, PrefillSparsity* p);
+// Ranges: block in [1, 8192], stride in [1, block] dividing it, threshold in (0, 1], last_q >= 1,
+// counts >= 0, min_queries >= 1.
+Status ValidatePrefillSparsity(const PrefillSparsity& p);
+// "xattention:threshold=0.8:stride=16" (the paper defaults, then the parameters), as the
+// --sparse-prefill flag takes it. Messages start with `flag`.
+StatusOr<PrefillSparsity> ParsePrefillSparsity(std::string_view text, std::string_view flag);
+// "xattention block=128 stride=8 threshold=0.9" (only the method's own parameters).
+std::string PrefillSparsitySummary(const PrefillSparsity& p);
+
+// One kv head's selection, owning the ranges a KeySelection points at.
+struct PrefillSelection {
+  int query_block = 0;
+  std::vector<int64_t> range_offsets;  // [n_query_blocks + 1]
+  std::vector<int64_t> ranges;         // [2 * n_ranges] (begin, end) token index pairs
+  KeySelection view() const { return KeySelection{query_block, range_offsets.data(), ranges.data()}; }
+};
+
+// (query, key) pairs a selection computes among those causal attention would: the share of
+// the work sparse prefill does. visible: [n_q] tokens each query sees (a prefix, in span order).
+struct PrefillWork {
+  int64_t selected_pairs = 0;
+  int64_t causal_pairs = 0;
+};
+PrefillWork CountPrefillWork(const PrefillSelection& selection, const int64_t* visible, int32_t n_q);
+
+// The estimators. Their scratch is kept between calls; one selector per thread (the engine
+// estimates a layer's kv heads in parallel, one selector each, with n_threads 1).
+class PrefillSelector {
+ public:
+  // One kv head: q [n_q, group, head_dim] its query heads' rows (rotated), visible [n_q] the
+  // tokens each query sees, keys [n_tokens rounded up to config.stride (xattention), head_dim]
+  // f32 (rows past n_tokens zero). head_shape: {group, 1, head_dim, scale}.
+  void Select(const PrefillSparsity& config, const AttentionShape& head_shape, const float* q, const int64_t* visible,
+              int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
+
+ private:
+  void VerticalSlash(const PrefillSparsity& c, const AttentionShape& s, const float* q, const int64_t* visible,
+                     int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
+  void BlockSparse(const PrefillSparsity& c, const AttentionShape& s, const float* q, const int64_t* visible,
+                   int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
+  void XAttention(const PrefillSparsity& c, const AttentionShape& s, const float* q, const int64_t* visible,
+                  int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
+  std::vector<float> a_, b_, c_, d_;  // scratch
+  std::vector<int64_t> index_;
+};
+
+// Every kv head's keys of the spans as f32: out [row_heads, n_rows, head_dim] with n_rows =
+// n_tokens rounded up to `round_to` (the extra rows zero). storage: the layer's type.
+void LoadKeyMatrices(KvStorage storage, const KvSpan* spans, int32_t n_spans, int row_heads, int head_dim, int round_to,
+                     int n_threads, std::vector<float>* out, int64_t* n_rows);
+
+// Tokens each query sees: visible[i] = the spans' tokens with position <= q_pos[i].
+void VisibleCounts(const KvSpan* spans, int32_t n_spans, const int32_t* q_pos, int32_t n_q,
+                   std::vector<int64_t>* visible);
+
+}  // namespace kvsparse

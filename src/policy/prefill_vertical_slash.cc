@@ -1,0 +1,94 @@
+// Vertical-Slash sparse prefill (MInference, Jiang et al., NeurIPS 2024; see sparse_prefill.h).
+// Defaults: last_q 64, vertical 1000, slash 6096, the first 30 columns and 100 nearest
+// diagonals always kept, 64-query blocks.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "kvsparse/ops.h"
+#include "kvsparse/sparse_prefill.h"
+#include "policy/sparse_prefill_internal.h"
+
+namespace kvsparse {
+
+namespace {
+
+// Indices of the `count` largest scores (all of them when there are fewer), ascending.
+void TopIndices(const std::vector<float>& score, int64_t n, int64_t count, std::vector<int64_t>* index) {
+  index->resize(static_cast<size_t>(n));
+  std::iota(index->begin(), index->end(), int64_t{0});
+  if (count < n) {
+    std::nth_element(index->begin(), index->begin() + count, index->end(),
+                     [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+    index->resize(static_cast<size_t>(count));
+  }
+  std::sort(index->begin(), index->end());
+}
+
+}  // namespace
+
+void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionShape& s, const float* q,
+                                    const int64_t* visible, int32_t n_q, const float* keys, int64_t n_tokens,
+                                    int n_threads, PrefillSelection* out) {
+  using namespace prefill_detail;  // NOLINT
+  const int group = s.n_heads, d = s.head_dim;
+  const int32_t last_q = std::min<int32_t>(c.last_q, n_q);
+  const int32_t first = n_q - last_q;        // the estimating queries: first .. n_q - 1
+  const int64_t horizon = visible[n_q - 1];  // the last query sees the most
+  std::vector<float>& vertical = b_;         // [horizon] column sums
+  std::vector<float>& slash = c_;            // [horizon] diagonal sums: offset o = newest seen - key
+  vertical.assign(static_cast<size_t>(horizon), 0.f);
+  slash.assign(static_cast<size_t>(horizon), 0.f);
+  std::vector<float>& mean = d_;  // [n_tokens] one query's probabilities, mean over its group
+  const float inv_group = 1.f / static_cast<float>(group);
+  // The estimating queries' scores against every key, kSlab queries at a time (a_: [kSlab * group,
+  // n_tokens]), which bounds the scratch at long contexts.
+  constexpr int32_t kSlab = 8;
+  for (int32_t i = 0; i < last_q; ++i) {
+    const int32_t slab_row = i % kSlab;
+    if (slab_row == 0) {
+      const int32_t slab = std::min(kSlab, last_q - i);
+      ScoreProducts(q + static_cast<size_t>(first + i) * group * d, static_cast<int64_t>(slab) * group, keys, n_tokens,
+                    d, n_threads, &a_);
+    }
+    const int64_t seen = visible[first + i];
+    if (seen == 0) continue;
+    mean.assign(static_cast<size_t>(seen), 0.f);
+    for (int g = 0; g < group; ++g) {
+      float* row = a_.data() + (static_cast<size_t>(slab_row) * group + g) * n_tokens;  // causal: its first `seen` keys
+      for (int64_t t = 0; t < seen; ++t) row[t] *= s.scale;
+      ops::Softmax(row, seen);
+      ops::Add(mean.data(), row, seen);
+    }
+    for (int64_t t = 0; t < seen; ++t) {
+      const float p = mean[t] * inv_group;
+      vertical[t] += p;
+      slash[seen - 1 - t] += p;
+    }
+  }
+  const float kKeep = std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < std::min<int64_t>(c.sink_columns, horizon); ++t) vertical[t] = kKeep;
+  for (int64_t o = 0; o < std::min<int64_t>(c.local_diagonals, horizon); ++o) slash[o] = kKeep;
+  std::vector<int64_t> columns, diagonals;
+  // The forced ones (scored +inf) come on top of the counts.
+  TopIndices(vertical, horizon, static_cast<int64_t>(c.vertical) + c.sink_columns, &columns);
+  TopIndices(slash, horizon, static_cast<int64_t>(c.slash) + c.local_diagonals, &diagonals);
+
+  RangeAssembler ranges(c.block, out);
+  for (int32_t b0 = 0; b0 < n_q; b0 += c.block) {
+    const int32_t b1 = std::min<int32_t>(n_q, b0 + c.block) - 1;  // the block's last query
+    const int64_t limit = visible[b1];
+    // Diagonal o of query i is its key visible[i] - 1 - o: over the block, a band.
+    for (int64_t o : diagonals) ranges.Add(visible[b0] - 1 - o, visible[b1] - o);
+    for (int64_t t : columns) {
+      if (t >= limit) break;
+      ranges.Add(t, t + 1);
+    }
+    const auto [own_begin, own_end] = OwnTokens(visible, b0, b1);
+    ranges.Add(own_begin, own_end);
+    ranges.EndBlock(limit);
+  }
+}
+
+}  // namespace kvsparse

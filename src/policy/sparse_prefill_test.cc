@@ -1,0 +1,178 @@
+// The sparse prefill estimators (sparse_prefill.h): what each must keep, what it may drop, and
+// the selections' shape; the kernel that reads them is tested in ops/attention_test.cc.
+#include "kvsparse/sparse_prefill.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kvsparse/attention.h"
+
+namespace kvsparse {
+namespace {
+
+constexpr int kHeadDim = 16;
+constexpr int kGroup = 2;
+
+// A prompt chunk: n_q queries, the newest n_q of n_tokens keys their own (no eviction).
+struct Chunk {
+  int32_t n_q;
+  int64_t n_tokens;
+  std::vector<float> q;     // [n_q, group, head_dim]
+  std::vector<float> keys;  // [n_tokens rounded up to 8, head_dim]
+  std::vector<int64_t> visible;
+  Chunk(int32_t queries, int64_t tokens, std::mt19937& rng) : n_q(queries), n_tokens(tokens) {
+    std::normal_distribution<float> noise(0.f, 0.3f);
+    q.resize(static_cast<size_t>(n_q) * kGroup * kHeadDim);
+    keys.assign(static_cast<size_t>((n_tokens + 7) / 8 * 8) * kHeadDim, 0.f);
+    for (float& x : q) x = noise(rng);
+    for (int64_t t = 0; t < n_tokens * kHeadDim; ++t) keys[t] = noise(rng);
+    for (int32_t i = 0; i < n_q; ++i) visible.push_back(n_tokens - n_q + i + 1);
+  }
+  // Key t answers every query strongly (a "vertical" token: a needle or a sink).
+  void Plant(int64_t t) {
+    for (int c = 0; c < kHeadDim; ++c) keys[t * kHeadDim + c] = 0.f;
+    keys[t * kHeadDim] = 8.f;
+    for (size_t r = 0; r < q.size() / kHeadDim; ++r) q[r * kHeadDim] = 3.f;
+  }
+  PrefillSelection Select(const PrefillSparsity& config) {
+    PrefillSelection out;
+    PrefillSelector selector;
+    const AttentionShape shape{kGroup, 1, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+    selector.Select(config, shape, q.data(), visible.data(), n_q, keys.data(), n_tokens, 2, &out);
+    return out;
+  }
+};
+
+// Whether query block b's ranges hold token t.
+bool Holds(const PrefillSelection& s, int block, int64_t t) {
+  for (int64_t r = s.range_offsets[block]; r < s.range_offsets[block + 1]; ++r) {
+    if (s.ranges[2 * r] <= t && t < s.ranges[2 * r + 1]) return true;
+  }
+  return false;
+}
+
+// Ascending, disjoint, non-empty ranges inside what the block's last query sees, and every
+// query's own token kept.
+void ExpectWellFormed(const PrefillSelection& s, const Chunk& chunk) {
+  const int n_blocks = (chunk.n_q + s.query_block - 1) / s.query_block;
+  ASSERT_EQ(static_cast<int>(s.range_offsets.size()), n_blocks + 1);
+  for (int b = 0; b < n_blocks; ++b) {
+    const int32_t last = std::min(chunk.n_q, (b + 1) * s.query_block) - 1;
+    int64_t previous_end = -1;
+    for (int64_t r = s.range_offsets[b]; r < s.range_offsets[b + 1]; ++r) {
+      EXPECT_LT(s.ranges[2 * r], s.ranges[2 * r + 1]) << "block " << b;
+      EXPECT_GT(s.ranges[2 * r], previous_end) << "block " << b << ": ranges ascend, disjoint and merged";
+      EXPECT_LE(s.ranges[2 * r + 1], chunk.visible[last]) << "block " << b;
+      previous_end = s.ranges[2 * r + 1];
+    }
+    for (int32_t i = b * s.query_block; i <= last; ++i) {
+      EXPECT_TRUE(Holds(s, b, chunk.visible[i] - 1)) << "query " << i << " keeps its own token";
+    }
+  }
+}
+
+double ComputedShare(const PrefillSelection& s, const Chunk& chunk) {
+  const PrefillWork work = CountPrefillWork(s, chunk.visible.data(), chunk.n_q);
+  return static_cast<double>(work.selected_pairs) / work.causal_pairs;
+}
+
+TEST(SparsePrefill, DenseSelectsEveryCausalPair) {
+  std::mt19937 rng(1);
+  Chunk chunk(150, 1000, rng);
+  const PrefillSelection s = chunk.Select(DefaultPrefillSparsity(PrefillMethod::kDense));
+  ExpectWellFormed(s, chunk);
+  EXPECT_EQ(ComputedShare(s, chunk), 1.0);
+}
+
+TEST(SparsePrefill, GenerousBudgetsSelectEverything) {
+  std::mt19937 rng(2);
+  Chunk chunk(130, 700, rng);
+  for (PrefillMethod method :
+       {PrefillMethod::kVerticalSlash, PrefillMethod::kBlockSparse, PrefillMethod::kXAttention}) {
+    PrefillSparsity config = DefaultPrefillSparsity(method);
+    config.threshold = 1.0;  // (defaults for the others already cover 700 tokens)
+    const PrefillSelection s = chunk.Select(config);
+    ExpectWellFormed(s, chunk);
+    EXPECT_EQ(ComputedShare(s, chunk), 1.0) << PrefillMethodName(method);
+  }
+}
+
+TEST(SparsePrefill, VerticalSlashKeepsSinksLocalBandAndAPlantedColumn) {
+  std::mt19937 rng(3);
+  Chunk chunk(128, 4000, rng);
+  chunk.Plant(1777);
+  PrefillSparsity config = DefaultPrefillSparsity(PrefillMethod::kVerticalSlash);
+  config.vertical = 40;
+  config.slash = 4;
+  config.sink_columns = 4;
+  config.local_diagonals = 16;
+  const PrefillSelection s = chunk.Select(config);
+  ExpectWellFormed(s, chunk);
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_TRUE(Holds(s, b, 1777)) << "the column every query attends to";
+    for (int64_t t = 0; t < 4; ++t) EXPECT_TRUE(Holds(s, b, t)) << "sink " << t;
+    const int32_t first = b * 64;
+    for (int64_t o = 0; o < 16; ++o) EXPECT_TRUE(Holds(s, b, chunk.visible[first] - 1 - o)) << "diagonal " << o;
+  }
+  const double share = ComputedShare(s, chunk);
+  EXPECT_LT(share, 0.15) << "40 columns and 4 + 16 diagonals of ~4000 keys";
+}
+
+TEST(SparsePrefill, BlockSparseKeepsTopBlocksAndOwnBlocks) {
+  std::mt19937 rng(4);
+  Chunk chunk(128, 4096, rng);
+  for (int64_t t = 640; t < 704; ++t) chunk.Plant(t);  // key block 10 matches every query
+  PrefillSparsity config = DefaultPrefillSparsity(PrefillMethod::kBlockSparse);
+  config.top_blocks = 2;
+  const PrefillSelection s = chunk.Select(config);
+  ExpectWellFormed(s, chunk);
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_TRUE(Holds(s, b, 640) && Holds(s, b, 703)) << "block " << b << " keeps the planted key block";
+    int64_t kept = 0;
+    for (int64_t r = s.range_offsets[b]; r < s.range_offsets[b + 1]; ++r) kept += s.ranges[2 * r + 1] - s.ranges[2 * r];
+    EXPECT_LE(kept, 3 * 64) << "two top blocks and its own";
+  }
+}
+
+TEST(SparsePrefill, XAttentionThresholdBoundsTheKeptBlocks) {
+  std::mt19937 rng(5);
+  Chunk chunk(256, 4096, rng);
+  for (int64_t t = 1280; t < 1408; ++t) chunk.Plant(t);  // key block 10 (of 128) matches every query
+  PrefillSparsity config = DefaultPrefillSparsity(PrefillMethod::kXAttention);
+  config.threshold = 0.3;
+  const PrefillSelection low = chunk.Select(config);
+  ExpectWellFormed(low, chunk);
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_TRUE(Holds(low, b, 0)) << "sink block";
+    EXPECT_TRUE(Holds(low, b, 1300)) << "the block holding most of the attention";
+  }
+  EXPECT_LT(ComputedShare(low, chunk), 0.2);
+  config.threshold = 1.0;
+  const PrefillSelection all = chunk.Select(config);
+  ExpectWellFormed(all, chunk);
+  EXPECT_EQ(ComputedShare(all, chunk), 1.0) << "a threshold of 1 keeps every block";
+}
+
+TEST(SparsePrefill, ParsesAndValidatesSpecs) {
+  StatusOr<PrefillSparsity> p = ParsePrefillSparsity("xattention:threshold=0.8:stride=16", "--sparse-prefill");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->method, PrefillMethod::kXAttention);
+  EXPECT_EQ(p->block, 128);
+  EXPECT_EQ(p->stride, 16);
+  EXPECT_DOUBLE_EQ(p->threshold, 0.8);
+  for (const char* bad :
+       {"xattn", "xattention:threshold=2", "xattention:stride=7", "block_sparse:vertical=3", "vertical_slash:slash=-1",
+        "vertical_slash:slash", "block_sparse:top_blocks=1.5", "block_sparse:block=0", "vertical_slash:last_q=x"}) {
+    StatusOr<PrefillSparsity> parsed = ParsePrefillSparsity(bad, "--sparse-prefill");
+    EXPECT_FALSE(parsed.ok()) << bad;
+    if (!parsed.ok()) {
+      EXPECT_NE(parsed.status().message().find("--sparse-prefill"), std::string::npos) << bad;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsparse
