@@ -108,7 +108,7 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       break;
     }
     case KvStorage::kInt4Kivi:
-    case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+    case KvStorage::kInt2Kivi:  // dequantized by the caller (LowBitRowToF32)
       break;
   }
 }
@@ -381,7 +381,7 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       break;
     }
     case KvStorage::kInt4Kivi:
-    case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+    case KvStorage::kInt2Kivi:  // dequantized by the caller (LowBitRowToF32)
       break;
   }
   for (c = head_dim; c < RoundUp(head_dim, kLanes); ++c) dst[c] = 0.f;
@@ -452,7 +452,7 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
           }
           break;
         case KvStorage::kInt4Kivi:
-        case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+        case KvStorage::kInt2Kivi:  // dequantized by the caller (LowBitRowToF32)
           break;
       }
     }
@@ -475,7 +475,7 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
               value = static_cast<float>(reinterpret_cast<const int8_t*>(rows[j])[dim]) * channel_scales[j][dim];
               break;
             case KvStorage::kInt4Kivi:
-            case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+            case KvStorage::kInt2Kivi:  // dequantized by the caller (LowBitRowToF32)
               break;
           }
         }
@@ -699,7 +699,7 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       std::memcpy(dst, src, head_dim * sizeof(float));
       break;
     case KvStorage::kInt4Kivi:
-    case KvStorage::kInt2Kivi:  // dequantized by the caller (DequantizeLowBitRow)
+    case KvStorage::kInt2Kivi:  // dequantized by the caller (LowBitRowToF32)
       break;
   }
   for (int c = head_dim; c < RoundUp(head_dim, kLanes); ++c) dst[c] = 0.f;
@@ -796,6 +796,76 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
 }
 
 #endif
+
+#if KVS_ISA_AVX512 || KVS_ISA_AVX2
+// 16 codes of a packed int4 (8 bytes) or int2 (4 bytes) row, one per byte in channel order
+// (codes are packed low bits first: ops/kv_quant.h).
+inline __m128i UnpackSixteenCodes(int bits, const uint8_t* packed) {
+  if (bits == 4) {  // byte i -> 16-bit lane i = (low nibble, high nibble) as two bytes
+    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed)));
+    return _mm_or_si128(_mm_and_si128(bytes, _mm_set1_epi16(0x0F)), _mm_slli_epi16(_mm_srli_epi16(bytes, 4), 8));
+  }
+  int32_t word;  // bits == 2: byte i -> 32-bit lane i = its four 2-bit codes as four bytes
+  std::memcpy(&word, packed, sizeof(word));
+  const __m128i bytes = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+  const __m128i three = _mm_set1_epi32(3);
+  __m128i codes = _mm_and_si128(bytes, three);
+  codes = _mm_or_si128(codes, _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(bytes, 2), three), 8));
+  codes = _mm_or_si128(codes, _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(bytes, 4), three), 16));
+  return _mm_or_si128(codes, _mm_slli_epi32(_mm_srli_epi32(bytes, 6), 24));
+}
+#endif
+
+// One kv head's low-bit KIVI row as f32, zero-padded to dp: DequantizeLowBitRow (its scalar
+// twin, which the scalar family runs) 16 codes at a time. Both fuse the multiply-add, so the
+// rows are bit-identical.
+inline void LowBitRowToF32(int bits, const uint8_t* packed, const float* scale, const float* min, bool channel_wise,
+                           int head_dim, int dp, uint8_t* codes, float* dst) {
+#if KVS_ISA_SCALAR
+  DequantizeLowBitRow(bits, packed, scale, min, channel_wise, head_dim, dp, codes, dst);
+#else
+  int c = 0;
+  for (; c + 16 <= head_dim; c += 16) {
+    const __m128i codes16 = UnpackSixteenCodes(bits, packed + c * bits / 8);
+#if KVS_ISA_AVX512
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes16));
+    const __m512 s = channel_wise ? _mm512_loadu_ps(scale + c) : _mm512_set1_ps(scale[0]);
+    const __m512 m = channel_wise ? _mm512_loadu_ps(min + c) : _mm512_set1_ps(min[0]);
+    _mm512_storeu_ps(dst + c, _mm512_fmadd_ps(x, s, m));
+#else
+    for (int half = 0; half < 2; ++half) {
+      const int ch = c + 8 * half;
+      const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(codes16, 8) : codes16));
+      const __m256 s = channel_wise ? _mm256_loadu_ps(scale + ch) : _mm256_set1_ps(scale[0]);
+      const __m256 m = channel_wise ? _mm256_loadu_ps(min + ch) : _mm256_set1_ps(min[0]);
+      _mm256_storeu_ps(dst + ch, _mm256_fmadd_ps(x, s, m));
+    }
+#endif
+  }
+  const int mask = (1 << bits) - 1;
+  for (; c < head_dim; ++c) {  // the last head_dim % 16 values, as the twin computes them
+    const int code = (packed[c * bits / 8] >> (c * bits % 8)) & mask;
+    const int i = channel_wise ? c : 0;
+    dst[c] = std::fma(static_cast<float>(code), scale[i], min[i]);
+  }
+  std::fill(dst + head_dim, dst + dp, 0.f);
+#endif
+}
+
+// One kv head's K rows of a low-bit KIVI block dequantized into scratch, k_head[j] repointed at
+// token j's f32 row, so that PackK(kF32, ...) packs the block.
+inline void DequantizeLowBitKBlock(int bits, const BlockRows& block, int stored_head, int n_block, int head_dim, int dp,
+                                   LowBitScratch* scratch, const uint8_t** k_head) {
+  scratch->codes.resize(head_dim);
+  float* k_rows = scratch->k_rows.Get(static_cast<size_t>(kBlock) * dp);
+  const size_t channel = static_cast<size_t>(stored_head) * head_dim;
+  for (int j = 0; j < n_block; ++j) {
+    float* row = k_rows + static_cast<size_t>(j) * dp;
+    LowBitRowToF32(bits, k_head[j], block.k_chan[j] + channel, block.k_chan_min[j] + channel,
+                   /*channel_wise=*/true, head_dim, dp, scratch->codes.data(), row);
+    k_head[j] = reinterpret_cast<const uint8_t*>(row);
+  }
+}
 
 // AccumulateRows over rows [r_begin, r_end), in groups that share each V load.
 template <typename T>

@@ -285,6 +285,7 @@ inline void GatherTokenRows(const TokenSequence& seq, const int64_t* tokens, int
 // One kv head's row of a low-bit KIVI token (head_dim packed codes) as f32, zero-padded to dp:
 // min + scale * code with K's per-channel (scale[c], min[c]) or V's per-token (scale[0], min[0])
 // (channel_wise). codes: head_dim bytes of scratch. The kernels pack these rows as f32 ones.
+// The scalar twin of each family's LowBitRowToF32 (attention_kernels-inl.h), and the scalar family's.
 inline void DequantizeLowBitRow(int bits, const uint8_t* packed, const float* scale, const float* min,
                                 bool channel_wise, int head_dim, int dp, uint8_t* codes, float* dst) {
   ops::UnpackCodes(bits, packed, head_dim, codes);
@@ -301,21 +302,6 @@ struct LowBitScratch {
   std::vector<uint8_t> codes;  // [head_dim]
   AlignedBuffer k_rows;        // [kBlock, dp]
 };
-
-// One kv head's K rows of a low-bit KIVI block dequantized into scratch, k_head[j] repointed at
-// token j's f32 row, so that PackK(kF32, ...) packs the block.
-inline void DequantizeLowBitKBlock(int bits, const BlockRows& block, int stored_head, int n_block, int head_dim,
-                                   int dp, LowBitScratch* scratch, const uint8_t** k_head) {
-  scratch->codes.resize(head_dim);
-  float* k_rows = scratch->k_rows.Get(static_cast<size_t>(kBlock) * dp);
-  const size_t channel = static_cast<size_t>(stored_head) * head_dim;
-  for (int j = 0; j < n_block; ++j) {
-    float* row = k_rows + static_cast<size_t>(j) * dp;
-    DequantizeLowBitRow(bits, k_head[j], block.k_chan[j] + channel, block.k_chan_min[j] + channel,
-                        /*channel_wise=*/true, head_dim, dp, scratch->codes.data(), row);
-    k_head[j] = reinterpret_cast<const uint8_t*>(row);
-  }
-}
 
 // Copies and pre-scales one query head row into a padded scratch row (log2 domain:
 // scale * log2(e), so the softmax can use exp2).
