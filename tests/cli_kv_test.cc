@@ -101,6 +101,22 @@ TEST(CliKv, SparsePrefillFlags) {
                      "--compare-prefill");
 }
 
+// --kivi-residual: a window longer than the whole run never quantizes, so int8_kivi prints
+// exactly f16's tokens; a window that is not whole pages is refused, naming the field.
+TEST(CliKv, KiviResidualFlag) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string base = "generate -m " + model + " -n 40 --temp 0 -t 2 --kv-method full --page-size 16";
+  const Result f16 = RunCli(base + " --kv-type f16");
+  ASSERT_EQ(f16.exit_code, 0) << f16.all;
+  const Result windowed = RunCli(base + " --kv-type int8_kivi --kivi-residual 512");
+  ASSERT_EQ(windowed.exit_code, 0) << windowed.all;
+  EXPECT_EQ(windowed.out, f16.out);
+  const Result quantized = RunCli(base + " --kv-type int2_kivi --kivi-residual 16 --kv-stats");
+  ASSERT_EQ(quantized.exit_code, 0) << quantized.all;
+  EXPECT_NE(quantized.out, f16.out);
+  ExpectCleanFailure(RunCli(base + " --kv-type int8_kivi --kivi-residual 24"), "kivi_residual");
+}
+
 // --kv-per-head: Full per head prints exactly the dense tokens, a sparse method marks its
 // per-head layers in the stats, and it conflicts with --kv-config (which says "per_head").
 TEST(CliKv, PerHeadFlag) {

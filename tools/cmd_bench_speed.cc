@@ -49,6 +49,7 @@ int Run(BenchArgs& a) {
       const KvSparsityConfig& main = *a.config.kv_sparsity;
       other->evict_interval = main.evict_interval;
       other->page_size = main.page_size;
+      other->kivi_residual = main.kivi_residual;
       other->prefill_chunk = main.prefill_chunk;
       other->prefill_eviction = main.prefill_eviction;
       other->agg = main.agg;

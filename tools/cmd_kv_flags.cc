@@ -19,6 +19,10 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
                   "mode=mask, rerank_period=8, reselect_layer=9)")
       ->allow_extra_args(false);
   cmd->add_option("--page-size", f->page_size, "tokens per KV page (default 16)")->check(CLI::PositiveNumber);
+  cmd->add_option("--kivi-residual", f->kivi_residual,
+                  "KIVI types: the newest N tokens stay in f16 besides the partly filled page, KIVI's residual "
+                  "length (a multiple of --page-size; default 0; JSON: \"kivi_residual\")")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--evict-interval", f->evict_interval,
                   "decode steps a layer may grow past its budget before evicting (default 16)")
       ->check(CLI::PositiveNumber);
@@ -90,6 +94,7 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
     for (LayerKvConfig& layer : config.layers) layer.prefill = prefill;
   }
   if (f.page_size > 0) config.page_size = f.page_size;
+  if (f.kivi_residual >= 0) config.kivi_residual = f.kivi_residual;
   if (f.evict_interval > 0) config.evict_interval = f.evict_interval;
   KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(config));
   return std::optional<KvSparsityConfig>(std::move(config));

@@ -19,6 +19,7 @@ struct KvFlags {
   std::string config_file;  // --kv-config FILE.json
   std::vector<std::string> params;  // --kv-param KEY=VALUE (repeatable): method parameters
   int page_size = 0;        // --page-size; 0: the config's (16)
+  int kivi_residual = -1;   // --kivi-residual; -1: the config's (0)
   int evict_interval = 0;   // --evict-interval; 0: the config's (16)
   bool stats = false;       // --kv-stats
   bool per_head = false;    // --kv-per-head: every layer keeps its tokens per KV head

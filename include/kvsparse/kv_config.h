@@ -7,7 +7,8 @@
 //                 "per_head": false},
 //     "layers": [{"layers": "0-1", "method": "full", "kv_type": "f16"},
 //                {"layers": 7, "budget": 64}],
-//     "evict_interval": 16, "page_size": 16, "gqa_aggregation": "mean", "prefill_chunk": 512
+//     "evict_interval": 16, "page_size": 16, "gqa_aggregation": "mean", "prefill_chunk": 512,
+//     "kivi_residual": 0
 //   }
 // - "budget": an integer is a token count (>= 1); a non-integer number is a fraction in
 //   (0, 1] of the tokens seen so far (see kv_budget.h).
@@ -21,6 +22,9 @@
 //   parameters when it keeps the default's method; naming another method starts from
 //   that method's paper defaults.
 // - Without "default", uncovered layers are "full".
+// - kivi_residual R: KIVI layers (int8_kivi, int4_kivi, int2_kivi) keep their newest R tokens
+//   in f16 besides the partly filled page, KIVI's residual length (a multiple of page_size;
+//   default 0: only the partly filled page). The group is the page.
 // - evict_interval N: a decoding layer grows to budget + N tokens, then N are evicted at
 //   once (1 = every step). Prompt chunks are trimmed to the budget after each chunk.
 // Mistakes (unknown keys or values, wrong types, bad ranges, overlaps, windows that do
@@ -51,6 +55,7 @@ struct KvSparsityConfig {
   std::vector<LayerKvConfig> layers;  // [n_layers]
   int evict_interval = 16;
   int page_size = 16;
+  int kivi_residual = 0;  // tokens; a multiple of page_size
   GqaAggregation agg = GqaAggregation::kMean;
   int prefill_chunk = 512;
   PrefillEviction prefill_eviction = PrefillEviction::kEveryChunk;  // JSON "prefill_eviction": "chunk" | "prompt_end"

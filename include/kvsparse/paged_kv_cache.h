@@ -16,14 +16,16 @@
 // table stores its own positions. Such a layer counts slots per (token, head): its
 // token_bytes is one head's K + V + position (+ 2 scales), so live bytes stay exact and
 // include the n_kv_heads position copies a token costs there.
-// int8_kivi layers (KIVI, Liu et al. 2024) store full pages quantized and the last, partly
-// filled page in full precision (the residual window):
+// KIVI layers (int8_kivi, int4_kivi, int2_kivi; Liu et al. 2024) store full pages quantized and
+// the last, partly filled page in full precision, with the whole pages of the newest
+// kivi_residual tokens (the residual window):
 //   full page:     K int8 [P, H, D], V int8 [P, H, D], positions [P], v_scale [P, H] f32,
 //                  k_channel_scale [H, D] f32 (K value = k_channel_scale[h, d] * q: one scale
 //                  per (page, kv head, channel)); V is per (token, kv head) as int8.
 //   residual page: the f16 layout above (kKiviResidualStorage), from the f16 pool.
-// A residual page is quantized, as one group, when its page fills; every key is quantized once
-// with the scales of its whole page. Eviction compaction regroups tokens: the rewritten pages
+// A residual page is quantized, as one group, once kivi_residual newer tokens follow it (with
+// kivi_residual 0: when it fills); every key is quantized once with the scales of its whole
+// page. Eviction compaction regroups tokens: the rewritten pages
 // are dequantized and requantized (per-channel K) from their new group, which adds at most half
 // a step of the new scale per K element (and at most f16 rounding to a V moved back into the
 // residual); tokens before the first dropped one keep their pages and codes.
@@ -41,6 +43,7 @@
 // between sequences of one profile: Fork gives the destination its source's profile.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -69,6 +72,10 @@ struct PagedKvCacheOptions {
   // Per layer, or a single entry for all layers (empty: none): nonzero makes the layer
   // per-head (one table per kv head, single-head pages; see above).
   std::vector<uint8_t> layer_per_head = {0};
+  // KIVI layers: the newest kivi_residual tokens of a table stay in f16 on whole pages besides
+  // the partly filled one (a multiple of page_size; 0: only the partly filled page). KIVI's
+  // residual length R: a page is quantized once R newer tokens follow it.
+  int32_t kivi_residual = 0;
 };
 
 // In a per-head layer a slot is one (token, kv head): token_bytes, live_tokens and the
@@ -244,6 +251,10 @@ class PagedKvCache final : public KvCache {
   struct Table {
     std::vector<PageId> pages;  // [ceil(n / page_size)]
     int32_t n = 0;
+    // KIVI layers: pages [0, quantized_pages) are quantized, the rest residual (f16), with
+    // QuantizedPagesFor(n) <= quantized_pages <= n / page_size (an eviction may leave the
+    // window shorter than kivi_residual; it never requantizes a page to lengthen it).
+    int32_t quantized_pages = 0;
   };
   // What an eviction of one table will do, computed before anything changes.
   struct EvictPlan {
@@ -316,10 +327,19 @@ class PagedKvCache final : public KvCache {
   int64_t RenumberTable(Table& t, Layer& L, int32_t first, const KeyRotateFn& rotate);
 
   // ---- int8_kivi (paged_kv_cache_kivi.cc) ----
-  // An int8_kivi table's last page, while not full, is its residual page (residual pool and
-  // layout); every other page has the layer's.
+  // A KIVI table's pages from quantized_pages on are residual pages (residual pool and layout):
+  // the partly filled last one and the kivi_residual tokens' whole ones; the others have the layer's.
   bool IsResidualPage(const Layer& L, const Table& t, size_t page_index) const {
-    return L.kivi && page_index + 1 == t.pages.size() && t.n % page_size_ != 0;
+    return L.kivi && static_cast<int64_t>(page_index) >= t.quantized_pages;
+  }
+  // The pages of an n-token KIVI table that must be quantized: those kivi_residual tokens behind the last.
+  int32_t QuantizedPagesFor(int32_t n) const { return std::max(0, n / page_size_ - kivi_residual_pages_); }
+  // Quantizes residual page t.quantized_pages (whole) into a fresh page and frees the f16 one.
+  void QuantizeOldestResidualPage(Layer& L, Table& t);
+  // A KIVI table's quantized pages after an eviction: the pages before the first rewritten one
+  // keep their form; the rewritten ones are quantized as far as the window requires.
+  int32_t QuantizedPagesAfterEvict(const Table& t, const EvictPlan& plan) const {
+    return std::max(QuantizedPagesFor(plan.n_keep), std::min(t.quantized_pages, plan.first_drop / page_size_));
   }
   PagePool* PoolOf(const Layer& L, const Table& t, size_t page_index) const {
     return IsResidualPage(L, t, page_index) ? L.residual_pool : L.pool;
@@ -356,6 +376,7 @@ class PagedKvCache final : public KvCache {
   KvGeometry geometry_;
   int n_seqs_;
   int32_t page_size_;
+  int32_t kivi_residual_pages_ = 0;               // options.kivi_residual / page_size
   PageBudget budget_;                             // declared before pools_: they refund into it
   // One pool per distinct page layout in use: (storage type, per-head or not).
   std::vector<std::unique_ptr<PagePool>> pools_;

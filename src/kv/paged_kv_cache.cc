@@ -48,6 +48,11 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
     return InvalidArgumentError("paged KV cache: page size must be in [1, " + std::to_string(kMaxPageSize) +
                                 "] tokens (got " + std::to_string(options.page_size) + ")");
   }
+  if (options.kivi_residual < 0 || options.kivi_residual % options.page_size != 0) {
+    return InvalidArgumentError("paged KV cache: the KIVI residual must be a multiple of the page size (" +
+                                std::to_string(options.page_size) + " tokens) and >= 0 (got " +
+                                std::to_string(options.kivi_residual) + ")");
+  }
   const size_t n_storage = options.layer_storage.size();
   if (n_storage != 1 && n_storage != static_cast<size_t>(geometry.n_layers)) {
     return InvalidArgumentError("paged KV cache: layer_storage lists " + std::to_string(n_storage) +
@@ -72,7 +77,11 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
 }
 
 PagedKvCache::PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions& options, size_t budget_bytes)
-    : geometry_(geometry), n_seqs_(options.n_seqs), page_size_(options.page_size), budget_(budget_bytes) {
+    : geometry_(geometry),
+      n_seqs_(options.n_seqs),
+      page_size_(options.page_size),
+      kivi_residual_pages_(options.kivi_residual / options.page_size),
+      budget_(budget_bytes) {
   layers_.reserve(geometry.n_layers);
   for (int l = 0; l < geometry.n_layers; ++l) {
     const KvStorage storage = options.layer_storage.size() == 1 ? options.layer_storage[0] : options.layer_storage[l];
@@ -389,7 +398,7 @@ size_t PagedKvCache::TableAppendBytes(const Layer& L, const Table& t, int32_t n,
     *pages += fresh;
     return static_cast<size_t>(fresh) * L.layout.page_bytes;
   }
-  // int8_kivi: walk the steps AppendKivi takes.
+  // KIVI: walk the steps AppendKivi takes.
   const int64_t page_bytes = static_cast<int64_t>(L.layout.page_bytes);
   const int64_t residual_bytes = static_cast<int64_t>(L.residual_layout.page_bytes);
   int64_t extra = 0, peak = 0;
@@ -398,20 +407,26 @@ size_t PagedKvCache::TableAppendBytes(const Layer& L, const Table& t, int32_t n,
     peak = std::max(peak, extra);
     ++*pages;
   };
-  int32_t r = t.n % P;
+  int32_t r = t.n % P, n_now = t.n, quantized = t.quantized_pages;
   bool shared = r > 0 && L.residual_pool->refcount(t.pages.back()) > 1;
   for (int32_t left = n; left > 0;) {
     const int32_t c = std::min(left, P - r);
-    if (r + c == P) {  // a page fills: quantize it, free the residual
+    if (r + c == P && kivi_residual_pages_ == 0) {  // a page fills: quantize it, free the residual
       allocate(page_bytes);
       if (r > 0 && !shared) extra -= residual_bytes;
-      r = 0;
-      shared = false;
+      ++quantized;
     } else {  // into the residual page: a new one, or a copy of a shared one
       if (r == 0 || shared) allocate(residual_bytes);
-      r += c;
-      shared = false;
+      if (r + c == P && QuantizedPagesFor(n_now + c) > quantized) {
+        // The oldest residual page leaves the window: quantized, its f16 page freed unless shared.
+        allocate(page_bytes);
+        const size_t leaving = static_cast<size_t>(quantized++);
+        if (leaving >= t.pages.size() || L.residual_pool->refcount(t.pages[leaving]) == 1) extra -= residual_bytes;
+      }
     }
+    r = (r + c) % P;
+    shared = false;
+    n_now += c;
     left -= c;
   }
   return static_cast<size_t>(peak);
@@ -570,6 +585,7 @@ void PagedKvCache::ClearTable(Table& t, Layer& L) {
   }
   t.pages.clear();
   t.n = 0;
+  t.quantized_pages = 0;
 }
 
 void PagedKvCache::ClearLayer(int seq, int layer) {
@@ -772,6 +788,7 @@ Status PagedKvCache::Fork(int src, int dst) {
       Table& to = table(dst, l, h);
       to.pages = from.pages;
       to.n = from.n;
+      to.quantized_pages = from.quantized_pages;
       for (size_t i = 0; i < to.pages.size(); ++i) PoolOf(L, to, i)->Retain(to.pages[i]);
     }
   }
@@ -927,6 +944,8 @@ void PagedKvCache::CheckInvariants() const {
                             static_cast<int64_t>(ti);
       KVS_CHECK(t.n >= 0);
       KVS_CHECK(t.pages.size() == static_cast<size_t>((t.n + page_size_ - 1) / page_size_));
+      KVS_CHECK(L.kivi ? t.quantized_pages >= QuantizedPagesFor(t.n) && t.quantized_pages <= t.n / page_size_
+                       : t.quantized_pages == 0);
       bool has_prev = false;
       int32_t prev = 0;
       for (size_t i = 0; i < t.pages.size(); ++i) {

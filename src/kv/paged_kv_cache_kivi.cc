@@ -1,17 +1,19 @@
 // KIVI storage of PagedKvCache (KIVI, Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric
 // 2bit Quantization for KV Cache"): keys quantized per channel over the tokens of a page (the
-// paper's group), values per (token, kv head) row, the last partly filled page in full precision
-// (the paper's residual). int8_kivi is symmetric; int4_kivi and int2_kivi are asymmetric with a
-// zero point per group, as in the paper, and pack 2 or 4 codes to a byte.
+// paper's group), values per (token, kv head) row, the newest tokens in full precision (the
+// paper's residual: the partly filled page and kivi_residual tokens of whole pages). int8_kivi is
+// symmetric; int4_kivi and int2_kivi are asymmetric with a zero point per group, as in the paper,
+// and pack 2 or 4 codes to a byte.
 //
-// A table of a KIVI layer is its full quantized pages followed, when its token count is
-// not a multiple of the page size, by one residual page in the f16 layout (from the f16 pool).
-// Append fills the residual page and quantizes it, as one group, when it fills (a run of whole
+// A table of a KIVI layer is its quantized pages (quantized_pages of them) followed by residual
+// pages in the f16 layout (from the f16 pool): whole ones for the window, then the partly filled
+// one. Append fills the last residual page; when it fills, the residual page that the window
+// leaves behind is quantized as one group (with no window: the page itself, and a run of whole
 // pages in one call is quantized straight from the f32 input). Eviction stages every survivor
 // from the first rewritten page on (K dequantized to f32, V keeping its codes), releases
-// the old pages and writes new ones: full pages requantized from their new group, the rest as
-// the residual. Writing fresh pages (never in place) makes shared pages copy-on-write for free;
-// freed pages are reused first (LIFO), so this costs no extra memory.
+// the old pages and writes new ones: pages the window has left requantized from their new group,
+// the rest as residual pages. Writing fresh pages (never in place) makes shared pages
+// copy-on-write for free; freed pages are reused first (LIFO), so this costs no extra memory.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -73,9 +75,11 @@ size_t PagedKvCache::TableReserveBytes(int layer, int32_t max_tokens, KvStorage 
     const size_t pages = static_cast<size_t>((max_tokens + page_size_ - 1) / page_size_) + 1;
     return pages * L.layout.page_bytes;
   }
-  // Full pages, the residual, and the page a filling residual is quantized into before it is freed.
+  // Quantized pages, the residual window's whole pages and its partly filled one, and the page a
+  // residual page is quantized into before it is freed.
   const size_t full_pages = static_cast<size_t>(max_tokens / page_size_) + 1;
-  return full_pages * L.layout.page_bytes + L.residual_layout.page_bytes;
+  const size_t residual_pages = static_cast<size_t>(std::min(kivi_residual_pages_, max_tokens / page_size_)) + 1;
+  return full_pages * L.layout.page_bytes + residual_pages * L.residual_layout.page_bytes;
 }
 
 void PagedKvCache::KiviStaging::Resize(int32_t tokens, int row_heads, int head_dim, size_t v_row_bytes) {
@@ -208,7 +212,7 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
     for (int32_t done = 0; done < n;) {
       const int32_t r = t.n % P;
       const int32_t c = std::min(n - done, P - r);
-      if (r + c == P) {
+      if (r + c == P && kivi_residual_pages_ == 0) {
         // The page fills: its residual tokens and the new ones are quantized as one group.
         if (r > 0) ReadKiviSlots(L, t, t.pages.size() - 1, 0, r, &st, 0);
         stage_input(done, c, r);
@@ -221,6 +225,7 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
           t.pages.push_back(id);
         }
         L.live_slots += P;
+        ++t.quantized_pages;
       } else {
         if (r == 0) {
           t.pages.push_back(AllocateResidualPage(L));
@@ -238,6 +243,8 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
         stage_input(done, c, 0);
         WriteKiviPage(L, L.residual_pool->data(t.pages.back()), /*residual=*/true, r, st, 0, c);
         L.residual_slots += c;
+        // A whole f16 page stays in the window; the page kivi_residual tokens behind leaves it.
+        if (r + c == P && QuantizedPagesFor(t.n + c) > t.quantized_pages) QuantizeOldestResidualPage(L, t);
       }
       t.n += c;
       done += c;
@@ -246,18 +253,31 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
   return Status::Ok();
 }
 
+void PagedKvCache::QuantizeOldestResidualPage(Layer& L, Table& t) {
+  const size_t index = static_cast<size_t>(t.quantized_pages);
+  KVS_CHECK(IsResidualPage(L, t, index) && index + 1 < t.pages.size());
+  KiviStaging& st = kivi_stage_;
+  ReadKiviSlots(L, t, index, 0, page_size_, &st, 0);
+  const PageId id = AllocatePage(L);
+  WriteKiviPage(L, L.pool->data(id), /*residual=*/false, 0, st, 0, page_size_);
+  ReleaseResidualPage(L, t.pages[index], page_size_);
+  t.pages[index] = id;
+  L.live_slots += page_size_;
+  ++t.quantized_pages;
+}
+
 PagedKvCache::EvictPlan PagedKvCache::PlanEvictKivi(const Table& t, const Layer& L, const uint8_t* keep) const {
   EvictPlan plan = CountKept(t, keep);
   if (plan.first_drop < 0) return plan;
   // Pages from the first dropped token's on are released (exclusive ones free their bytes
-  // first) and rewritten: full pages quantized, the rest as a residual page.
+  // first) and rewritten: quantized up to RewrittenQuantizedPages, the rest as residual pages.
   const int32_t P = page_size_;
   const int32_t first_page = plan.first_drop / P;
-  const int32_t full_pages = plan.n_keep / P;
-  const bool residual = plan.n_keep % P != 0;
-  plan.fresh_pages = full_pages - first_page + (residual ? 1 : 0);
-  const size_t needed = static_cast<size_t>(full_pages - first_page) * L.layout.page_bytes +
-                        (residual ? L.residual_layout.page_bytes : 0);
+  const int32_t new_pages = (plan.n_keep + P - 1) / P;
+  const int32_t quantized = std::max(first_page, QuantizedPagesAfterEvict(t, plan));
+  plan.fresh_pages = new_pages - first_page;
+  const size_t needed = static_cast<size_t>(quantized - first_page) * L.layout.page_bytes +
+                        static_cast<size_t>(new_pages - quantized) * L.residual_layout.page_bytes;
   size_t freed = 0;
   for (size_t d = static_cast<size_t>(first_page); d < t.pages.size(); ++d) {
     if (PoolOf(L, t, d)->refcount(t.pages[d]) == 1) freed += LayoutOf(L, t, d).page_bytes;
@@ -270,8 +290,7 @@ void PagedKvCache::ApplyEvictKivi(Table& t, Layer& L, const uint8_t* keep, const
   const int32_t P = page_size_;
   const int32_t n_old = t.n;
   const int32_t first_page = plan.first_drop / P;
-  const int32_t full_pages = plan.n_keep / P;
-  const int32_t residual = plan.n_keep % P;
+  const int32_t quantized = QuantizedPagesAfterEvict(t, plan);
 
   // Stage the survivors of the rewritten pages, run by run within each page.
   KiviStaging& st = kivi_stage_;
@@ -292,7 +311,7 @@ void PagedKvCache::ApplyEvictKivi(Table& t, Layer& L, const uint8_t* keep, const
   moved_tokens_ += plan.n_keep - plan.first_drop;
 
   // Release the old pages (shared ones stay for their other tables), then write new ones.
-  const int32_t new_count = full_pages + (residual > 0 ? 1 : 0);
+  const int32_t new_count = (plan.n_keep + P - 1) / P;
   for (size_t d = static_cast<size_t>(first_page); d < t.pages.size(); ++d) {
     const bool is_residual = IsResidualPage(L, t, d);
     if (static_cast<int32_t>(d) < new_count && PoolOf(L, t, d)->refcount(t.pages[d]) > 1) ++cow_pages_;
@@ -304,19 +323,22 @@ void PagedKvCache::ApplyEvictKivi(Table& t, Layer& L, const uint8_t* keep, const
   }
   t.pages.resize(first_page);
   t.n = first_page * P;
-  for (int32_t d = first_page; d < full_pages; ++d) {
-    const PageId id = AllocatePage(L);
-    WriteKiviPage(L, L.pool->data(id), /*residual=*/false, 0, st, (d - first_page) * P, P);
-    t.pages.push_back(id);
-    t.n += P;
-    L.live_slots += P;
-  }
-  if (residual > 0) {
-    const PageId id = AllocateResidualPage(L);
-    WriteKiviPage(L, L.residual_pool->data(id), /*residual=*/true, 0, st, (full_pages - first_page) * P, residual);
-    t.pages.push_back(id);
-    t.n += residual;
-    L.residual_slots += residual;
+  t.quantized_pages = quantized;
+  for (int32_t d = first_page; d < new_count; ++d) {
+    const int32_t fill = std::min(P, plan.n_keep - d * P);
+    const int32_t at = (d - first_page) * P;
+    if (d < quantized) {
+      const PageId id = AllocatePage(L);
+      WriteKiviPage(L, L.pool->data(id), /*residual=*/false, 0, st, at, P);
+      t.pages.push_back(id);
+      L.live_slots += P;
+    } else {
+      const PageId id = AllocateResidualPage(L);
+      WriteKiviPage(L, L.residual_pool->data(id), /*residual=*/true, 0, st, at, fill);
+      t.pages.push_back(id);
+      L.residual_slots += fill;
+    }
+    t.n += fill;
   }
   KVS_CHECK(t.n == plan.n_keep);
 }

@@ -79,20 +79,27 @@ ReadBack Read(const PagedKvCache& cache, int seq, int layer, int head = -1) {
   return r;
 }
 
-// The structure every int8_kivi table keeps: full quantized pages, then at most one residual
-// span holding n % page_size tokens.
-::testing::AssertionResult KiviStructure(const PagedKvCache& cache, const ReadBack& r, int32_t n) {
+// The structure every KIVI table keeps: `quantized` full quantized pages (-1: any number the
+// residual window allows), then residual (f16) spans, full but for a last one of n % page_size tokens.
+::testing::AssertionResult KiviStructure(const PagedKvCache& cache, const ReadBack& r, int32_t n, int32_t quantized) {
   const int32_t P = cache.page_size();
   const size_t want_spans = static_cast<size_t>((n + P - 1) / P);
   if (r.spans.size() != want_spans) return ::testing::AssertionFailure() << r.spans.size() << " spans for " << n;
+  int32_t found = 0;
+  while (found < static_cast<int32_t>(r.spans.size()) && r.spans[found].k_channel_scale != nullptr) ++found;
+  if (quantized >= 0 && found != quantized) {
+    return ::testing::AssertionFailure() << found << " quantized pages, expected " << quantized;
+  }
   for (size_t i = 0; i < r.spans.size(); ++i) {
     const KvSpan& s = r.spans[i];
     const bool last_partial = i + 1 == r.spans.size() && n % P != 0;
-    if (last_partial) {
-      if (s.k_channel_scale != nullptr || s.v_scale != nullptr || s.n != n % P) {
-        return ::testing::AssertionFailure() << "span " << i << " should be the residual of " << n % P << " tokens";
+    if (static_cast<int32_t>(i) >= found) {
+      const int32_t fill = last_partial ? n % P : P;
+      if (s.k_channel_scale != nullptr || s.v_scale != nullptr || s.n != fill) {
+        return ::testing::AssertionFailure() << "span " << i << " should be a residual span of " << fill << " tokens";
       }
-    } else if (s.k_channel_scale == nullptr || s.v_scale == nullptr || s.n != P || s.k_scale != nullptr ||
+    } else if (last_partial || s.k_channel_scale == nullptr || s.v_scale == nullptr || s.n != P ||
+               s.k_scale != nullptr ||
                IsLowBitKivi(cache.layer_storage(0)) != (s.k_channel_min != nullptr && s.v_min != nullptr)) {
       return ::testing::AssertionFailure() << "span " << i << " should be a full quantized page";
     }
@@ -159,17 +166,19 @@ void ExpectExactAccounting(const PagedKvCache& cache, int layer) {
   EXPECT_EQ(cache.AllocatedBytes(), cache.budget().used_bytes());
 }
 
-class PagedKvKiviTest : public ::testing::TestWithParam<int32_t> {};  // page size
+// Page size, and the residual window in pages (0: only the partly filled page).
+class PagedKvKiviTest : public ::testing::TestWithParam<std::tuple<int32_t, int32_t>> {};
 
 // Ragged appends: full pages are quantized, exactly as QuantizeKvColumnsInt8 of their group
-// (through f16 for tokens that waited in the residual), the residual is f16.
+// (through f16 for tokens that waited in the residual), once kivi_residual newer tokens follow;
+// the residual is f16.
 TEST_P(PagedKvKiviTest, AppendQuantizesEachFullPageOnce) {
-  const int32_t P = GetParam();
+  const auto [P, residual_pages] = GetParam();
   const KvGeometry geo{2, 2, 24};
   const int row = 2 * 24;
   std::mt19937 rng(100 + P);
   // Layer 0 int8_kivi, layer 1 f16: the residual pages share the f16 pool.
-  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi, KvStorage::kF16}, 1, P, 1 << 22);
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi, KvStorage::kF16}, 1, P, 1 << 22, {}, residual_pages * P);
   const std::vector<Token> tokens = RandomTokens(7 * P + 3, 5, row, rng);
   size_t done = 0;
   std::vector<uint8_t> via_residual(tokens.size(), 0);  // waited in the residual before quantization
@@ -177,19 +186,22 @@ TEST_P(PagedKvKiviTest, AppendQuantizesEachFullPageOnce) {
                        static_cast<size_t>(P - 1), size_t{2}, tokens.size()}) {
     const size_t count = std::min(chunk, tokens.size() - done);
     if (count == 0) break;
-    // A token is stored in the residual (as f16) unless its page fills within this call; a
-    // page that fills is quantized from its stored residual tokens and this call's f32 ones.
-    for (size_t i = done; i < done + count; ++i) via_residual[i] = i / P * P + P > done + count;
+    // A token is stored in the residual (as f16) unless its page fills within this call and is
+    // quantized at once (no residual window); a page that fills is quantized from its stored
+    // residual tokens and this call's f32 ones.
+    for (size_t i = done; i < done + count; ++i) via_residual[i] = residual_pages > 0 || i / P * P + P > done + count;
     ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, done, count).ok());
     ASSERT_TRUE(AppendTokens(*cache, 0, 1, tokens, done, count).ok());
     done += count;
     cache->CheckInvariants();
     ExpectExactAccounting(*cache, 0);
     const ReadBack r = Read(*cache, 0, 0);
-    ASSERT_TRUE(KiviStructure(*cache, r, static_cast<int32_t>(done)));
+    const int32_t quantized = std::max<int32_t>(0, static_cast<int32_t>(done) / P - residual_pages);
+    ASSERT_TRUE(KiviStructure(*cache, r, static_cast<int32_t>(done), quantized));
+    EXPECT_EQ(cache->Stats().layers[0].residual_tokens, static_cast<int64_t>(done) - quantized * P);
     for (size_t i = 0; i < done; ++i) ASSERT_EQ(r.positions[i], tokens[i].pos);
-    // Each full page, bit for bit.
-    for (size_t page = 0; page < done / P; ++page) {
+    // Each quantized page, bit for bit.
+    for (size_t page = 0; page < static_cast<size_t>(quantized); ++page) {
       std::vector<float> k_group, v_group;
       for (size_t i = page * P; i < (page + 1) * P; ++i) {
         for (int e = 0; e < row; ++e) {
@@ -208,7 +220,7 @@ TEST_P(PagedKvKiviTest, AppendQuantizesEachFullPageOnce) {
       ASSERT_EQ(0, std::memcmp(s.v, vq.data(), vq.size())) << "page " << page;
       ASSERT_EQ(0, std::memcmp(s.v_scale, vs.data(), vs.size() * 4)) << "page " << page;
     }
-    for (size_t i = done / P * P; i < done; ++i) {
+    for (size_t i = static_cast<size_t>(quantized) * P; i < done; ++i) {
       for (int e = 0; e < row; ++e) {
         ASSERT_EQ(r.k[i * row + e], F16ToF32(F32ToF16(tokens[i].k[e])));
         ASSERT_EQ(r.v[i * row + e], F16ToF32(F32ToF16(tokens[i].v[e])));
@@ -228,7 +240,7 @@ TEST_P(PagedKvKiviTest, AppendQuantizesEachFullPageOnce) {
 // int4 and int2 KIVI take the same path with their coarser steps (V: values in [-2, 2], so half a
 // step is at most 2 / (2^bits - 1)).
 TEST_P(PagedKvKiviTest, EvictRequantizesRewrittenPagesWithinHalfANewStep) {
-  const int32_t P = GetParam();
+  const auto [P, residual_pages] = GetParam();
   const KvGeometry geo{1, 3, 16};
   const int row = 3 * 16;
   for (int trial = 0; trial < 18; ++trial) {
@@ -238,7 +250,7 @@ TEST_P(PagedKvKiviTest, EvictRequantizesRewrittenPagesWithinHalfANewStep) {
     const float v_half_step = storage == KvStorage::kInt8Kivi ? 2.f / 254 : 2.f / ((1 << KvStorageBits(storage)) - 1);
     SCOPED_TRACE(KvStorageName(storage));
     std::mt19937 rng(1000 * P + trial);
-    auto cache = MakePagedCache(geo, {storage}, 1, P, 1 << 22);
+    auto cache = MakePagedCache(geo, {storage}, 1, P, 1 << 22, {}, residual_pages * P);
     const std::vector<Token> tokens = RandomTokens(5 * P + static_cast<int32_t>(rng() % P), 0, row, rng);
     const int32_t n = static_cast<int32_t>(tokens.size());
     ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, 0, tokens.size()).ok());
@@ -256,7 +268,12 @@ TEST_P(PagedKvKiviTest, EvictRequantizesRewrittenPagesWithinHalfANewStep) {
     std::vector<int32_t> survivors;
     for (int32_t i = 0; i < n; ++i)
       if (keep[i]) survivors.push_back(i);
-    ASSERT_TRUE(KiviStructure(*cache, after, static_cast<int32_t>(survivors.size())));
+    // Pages before the first rewritten one keep their form; rewritten ones are quantized as far
+    // as the window requires.
+    const int32_t n_keep = static_cast<int32_t>(survivors.size());
+    const int32_t quantized = std::max(std::max(0, n_keep / P - residual_pages),
+                                       std::min(std::max(0, n / P - residual_pages), first_drop / P));
+    ASSERT_TRUE(KiviStructure(*cache, after, n_keep, quantized));
     for (size_t j = 0; j < survivors.size(); ++j) {
       const int32_t i = survivors[j];
       ASSERT_EQ(after.positions[j], tokens[i].pos);
@@ -286,20 +303,22 @@ TEST_P(PagedKvKiviTest, EvictRequantizesRewrittenPagesWithinHalfANewStep) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(PageSizes, PagedKvKiviTest, ::testing::Values(16, 5, 1),
-                         [](const ::testing::TestParamInfo<int32_t>& info) {
-                           return "page" + std::to_string(info.param);
+INSTANTIATE_TEST_SUITE_P(PageSizes, PagedKvKiviTest,
+                         ::testing::Combine(::testing::Values(16, 5, 1), ::testing::Values(0, 2)),
+                         [](const ::testing::TestParamInfo<std::tuple<int32_t, int32_t>>& info) {
+                           return "page" + std::to_string(std::get<0>(info.param)) + "_residual" +
+                                  std::to_string(std::get<1>(info.param));
                          });
 
 // Random appends, evictions, forks and range removals over two sequences: structure, positions,
 // invariants and accounting hold after every step; K stays within one half step per
 // (re)quantization of the largest magnitude of its channel; nothing leaks.
-TEST(PagedKvKiviTest, RandomOperationsKeepInvariants) {
+void RandomOperations(int32_t residual_pages) {
   const KvGeometry geo{2, 2, 16};
   const int row = 2 * 16;
   const int32_t P = 4;
-  std::mt19937 rng(7);
-  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi, KvStorage::kInt8Kivi}, 2, P, 1 << 22);
+  std::mt19937 rng(7 + residual_pages);
+  auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi, KvStorage::kInt8Kivi}, 2, P, 1 << 22, {}, residual_pages * P);
   struct Live {
     std::vector<Token> tokens;
     int regroups = 0;  // evictions and range removals so far (each may requantize a token once)
@@ -354,7 +373,7 @@ TEST(PagedKvKiviTest, RandomOperationsKeepInvariants) {
       for (int layer = 0; layer < 2; ++layer) {
         const Live& m = model[s][layer];
         const ReadBack r = Read(*cache, s, layer);
-        ASSERT_TRUE(KiviStructure(*cache, r, static_cast<int32_t>(m.tokens.size()))) << "step " << step;
+        ASSERT_TRUE(KiviStructure(*cache, r, static_cast<int32_t>(m.tokens.size()), -1)) << "step " << step;
         ASSERT_EQ(r.positions.size(), m.tokens.size());
         const float quantizations = 1.f + static_cast<float>(m.regroups);
         for (size_t i = 0; i < m.tokens.size(); ++i) {
@@ -372,6 +391,14 @@ TEST(PagedKvKiviTest, RandomOperationsKeepInvariants) {
   cache->CheckInvariants();
   EXPECT_EQ(cache->pages_in_use(), 0);
   EXPECT_EQ(cache->budget().used_bytes(), 0u);
+}
+
+// With a residual window of 2 pages too: pages leave it quantized, forks share its f16 pages.
+TEST(PagedKvKiviTest, RandomOperationsKeepInvariants) {
+  for (const int32_t residual_pages : {0, 2}) {
+    SCOPED_TRACE("residual pages " + std::to_string(residual_pages));
+    RandomOperations(residual_pages);
+  }
 }
 
 // Fork shares every page, the residual too; appending to or evicting from the fork copies
@@ -434,7 +461,7 @@ TEST(PagedKvKiviTest, PerHeadTablesQuantizeEachHeadOnItsOwn) {
     std::vector<int32_t> kept;
     for (size_t i = 0; i < keep.size(); ++i)
       if (keep[i]) kept.push_back(static_cast<int32_t>(i));
-    ASSERT_TRUE(KiviStructure(*cache, r, static_cast<int32_t>(kept.size())));
+    ASSERT_TRUE(KiviStructure(*cache, r, static_cast<int32_t>(kept.size()), static_cast<int32_t>(kept.size()) / 8));
     for (size_t j = 0; j < kept.size(); ++j) {
       EXPECT_EQ(r.positions[j], tokens[kept[j]].pos);
       for (int c = 0; c < 16; ++c) {
@@ -456,16 +483,19 @@ TEST(PagedKvKiviTest, TableReserveBytesIsEnoughAndBudgetFailuresAreClean) {
   const int row = 32;
   const int32_t P = 8, max_tokens = 4 * P + 3;
   std::mt19937 rng(9);
-  size_t reserve = 0;
-  {
-    auto probe = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, 1 << 20);
-    reserve = probe->TableReserveBytes(0, max_tokens);
-  }
   const std::vector<Token> tokens = RandomTokens(max_tokens, 0, row, rng);
-  for (int pattern = 0; pattern < 3; ++pattern) {
-    auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, reserve);
+  for (int pattern = 0; pattern < 6; ++pattern) {
+    const int32_t residual = pattern < 3 ? 0 : 2 * P;  // with a residual window of 2 pages too
+    size_t reserve = 0;
+    {
+      auto probe = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, 1 << 20, {}, residual);
+      reserve = probe->TableReserveBytes(0, max_tokens);
+    }
+    auto cache = MakePagedCache(geo, {KvStorage::kInt8Kivi}, 1, P, reserve, {}, residual);
     for (size_t done = 0; done < tokens.size();) {
-      const size_t count = std::min(tokens.size() - done, static_cast<size_t>(pattern == 0 ? 1 : pattern == 1 ? 5 : P));
+      const size_t count = std::min(tokens.size() - done, static_cast<size_t>(pattern % 3 == 0   ? 1
+                                                                              : pattern % 3 == 1 ? 5
+                                                                                                 : P));
       ASSERT_TRUE(AppendTokens(*cache, 0, 0, tokens, done, count).ok()) << "pattern " << pattern << " at " << done;
       done += count;
     }

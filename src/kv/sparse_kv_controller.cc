@@ -802,6 +802,7 @@ PagedKvCacheOptions CacheOptionsFor(const KvSparsityConfig& config, int n_seqs) 
   PagedKvCacheOptions options;
   options.n_seqs = n_seqs;
   options.page_size = config.page_size;
+  options.kivi_residual = config.kivi_residual;
   options.layer_storage.clear();
   options.layer_per_head.clear();
   for (const LayerKvConfig& l : config.layers) {

@@ -17,8 +17,8 @@ namespace {
 
 using nlohmann::json;
 
-constexpr std::string_view kTopLevelKeys[] = {"default",         "layers",          "evict_interval",   "page_size",
-                                              "gqa_aggregation", "prefill_chunk",   "prefill_eviction"};
+constexpr std::string_view kTopLevelKeys[] = {"default",       "layers",          "evict_interval", "page_size",
+                                              "kivi_residual", "gqa_aggregation", "prefill_chunk",  "prefill_eviction"};
 // "fp8" names fp8_e4m3, as vLLM's --kv-cache-dtype does.
 constexpr std::string_view kKvTypeNames =
     "f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi, int2_kivi";
@@ -550,6 +550,14 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
     KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "evict_interval", &config.evict_interval));
   if (auto it = root.find("page_size"); it != root.end())
     KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "page_size", &config.page_size));
+  if (auto it = root.find("kivi_residual"); it != root.end()) {
+    KVS_RETURN_IF_ERROR(ReadInt(*it, top, "kivi_residual", &config.kivi_residual));
+    if (config.kivi_residual < 0 || config.kivi_residual % config.page_size != 0) {
+      return top.Error("kivi_residual", fmt::format("kivi_residual must be a multiple of page_size ({}) and >= 0; "
+                                                    "found {}",
+                                                    config.page_size, config.kivi_residual));
+    }
+  }
   if (auto it = root.find("prefill_chunk"); it != root.end())
     KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "prefill_chunk", &config.prefill_chunk));
   if (auto it = root.find("gqa_aggregation"); it != root.end()) {
@@ -754,6 +762,11 @@ Status ValidateKvSparsityConfig(const KvSparsityConfig& config) {
     return InvalidArgumentError(fmt::format("kv config: evict_interval must be >= 1; found {}", config.evict_interval));
   if (config.page_size < 1)
     return InvalidArgumentError(fmt::format("kv config: page_size must be >= 1; found {}", config.page_size));
+  if (config.kivi_residual < 0 || config.kivi_residual % config.page_size != 0)
+    return InvalidArgumentError(
+        fmt::format("kv config: kivi_residual must be a multiple of page_size ({}) and >= 0; "
+                    "found {}",
+                    config.page_size, config.kivi_residual));
   if (config.prefill_chunk < 1)
     return InvalidArgumentError(fmt::format("kv config: prefill_chunk must be >= 1; found {}", config.prefill_chunk));
   for (size_t l = 0; l < config.layers.size(); ++l)
@@ -777,6 +790,7 @@ std::string KvSparsityConfigSummary(const KvSparsityConfig& config) {
   if (config.prefill_eviction == PrefillEviction::kPromptEnd) out += "; prefill_eviction=prompt_end";
   out += fmt::format("; evict_interval={} page_size={} gqa_aggregation={} prefill_chunk={}", config.evict_interval,
                      config.page_size, config.agg == GqaAggregation::kMean ? "mean" : "max", config.prefill_chunk);
+  if (config.kivi_residual > 0) out += fmt::format(" kivi_residual={}", config.kivi_residual);
   return out;
 }
 

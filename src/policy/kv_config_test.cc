@@ -229,7 +229,7 @@ TEST(KvConfigErrorTest, UnknownTopLevelKey) {
   EXPECT_MENTIONS(m, "top level");
   EXPECT_MENTIONS(m, "field 'evict_intervall'");
   EXPECT_MENTIONS(m, "did you mean 'evict_interval'");
-  EXPECT_MENTIONS(m, "default, layers, evict_interval, page_size, gqa_aggregation, prefill_chunk");
+  EXPECT_MENTIONS(m, "default, layers, evict_interval, page_size, kivi_residual, gqa_aggregation, prefill_chunk");
 }
 
 TEST(KvConfigErrorTest, WrongJsonTypes) {
@@ -424,6 +424,23 @@ TEST(KvConfigTest, SparsePrefillPerLayer) {
   EXPECT_MENTIONS(m, "'block' must be in [1, 8192]");
   m = Rejection(R"({"default": {"prefill": {"threshold": 0.5}}})");
   EXPECT_MENTIONS(m, "\"method\"");
+}
+
+// KIVI's residual length: whole pages, named in the summary; anything else is refused.
+TEST(KvConfigTest, KiviResidualIsWholePages) {
+  StatusOr<KvSparsityConfig> config =
+      ParseKvSparsityConfig(R"({"default": {"kv_type": "int2_kivi"}, "page_size": 32, "kivi_residual": 128})", kLayers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->kivi_residual, 128);
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "page_size=32");
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "kivi_residual=128");
+  std::string m = Rejection(R"({"page_size": 32, "kivi_residual": 48})");
+  EXPECT_MENTIONS(m, "kivi_residual must be a multiple of page_size (32)");
+  EXPECT_MENTIONS(m, "found 48");
+  m = Rejection(R"({"kivi_residual": -16})");
+  EXPECT_MENTIONS(m, "found -16");
+  m = Rejection(R"({"kivi_residual": "128"})");
+  EXPECT_MENTIONS(m, "field 'kivi_residual'");
 }
 
 }  // namespace
