@@ -25,6 +25,8 @@ const char* KvStorageName(KvStorage s);
 int KvStorageBits(KvStorage s);  // bits per stored value (32, 16, 8, 8, 8, 8, 4, 2)
 // Bytes of `values` stored values (a row of whole bytes: low-bit rows hold a multiple of 8 / bits values).
 inline size_t KvRowBytes(KvStorage s, size_t values) { return values * KvStorageBits(s) / 8; }
+// Whether s can hold (token, kv head) rows of head_dim values: packed codes must fill whole bytes.
+inline bool KvStorageFits(KvStorage s, int head_dim) { return head_dim * KvStorageBits(s) % 8 == 0; }
 // Storage with one byte per value and one scale per (token, kv head) for K and V (int8, fp8).
 inline bool HasTokenScales(KvStorage s) {
   return s == KvStorage::kInt8 || s == KvStorage::kFp8E4M3 || s == KvStorage::kFp8E5M2;

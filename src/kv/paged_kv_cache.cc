@@ -22,8 +22,8 @@ bool IsKnownStorage(KvStorage s) { return static_cast<int>(s) >= 0 && static_cas
 // kv head) row.
 Status CheckStorageFits(KvStorage s, int head_dim, const char* where) {
   if (!IsKnownStorage(s)) return InvalidArgumentError(std::string(where) + ": unknown KV storage type");
-  const int per_byte = std::max(1, 8 / KvStorageBits(s));
-  if (head_dim % per_byte != 0) {
+  if (!KvStorageFits(s, head_dim)) {
+    const int per_byte = 8 / KvStorageBits(s);
     return InvalidArgumentError(std::string(where) + ": " + KvStorageName(s) + " packs " + std::to_string(per_byte) +
                                 " values per byte, so head_dim must be a multiple of " + std::to_string(per_byte) +
                                 " (found " + std::to_string(head_dim) + ")");

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops/kv_quant.h"
+#include "common/align.h"
 #include "kv/paged_kv_cache_test_util.h"
 #include "kvsparse/attention.h"
 #include "kvsparse/dtype.h"
@@ -19,8 +20,6 @@
 
 namespace kvsparse {
 namespace {
-
-size_t Align64(size_t n) { return (n + 63) / 64 * 64; }
 
 using testing::MakePagedCache;
 
@@ -148,9 +147,9 @@ void ExpectExactAccounting(const PagedKvCache& cache, int layer) {
   const KvStorage storage = cache.layer_storage(layer);
   const size_t code_bytes = H * D * KvStorageBits(storage) / 8;  // one token's K (or V) codes
   const size_t per_group = IsLowBitKivi(storage) ? 2 : 1;        // scale, and min for 4 and 2 bits
-  const size_t page =
-      2 * Align64(P * code_bytes) + Align64(P * 4) + per_group * Align64(P * H * 4) + per_group * Align64(H * D * 4);
-  const size_t residual_page = 2 * Align64(P * H * D * 2) + Align64(P * 4);
+  const size_t page = 2 * AlignTo64(P * code_bytes) + AlignTo64(P * 4) + per_group * AlignTo64(P * H * 4) +
+                      per_group * AlignTo64(H * D * 4);
+  const size_t residual_page = 2 * AlignTo64(P * H * D * 2) + AlignTo64(P * 4);
   const PagedKvStats stats = cache.Stats();
   const PagedKvLayerStats& ls = stats.layers[layer];
   const int64_t quantized_pages = ls.pages - ls.residual_pages;

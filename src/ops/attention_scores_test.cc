@@ -332,7 +332,7 @@ TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactly) {
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
                             KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
     for (int head_dim : {64, 20, 37}) {
-      if (!testing::StorageFits(storage, head_dim)) continue;
+      if (!KvStorageFits(storage, head_dim)) continue;
       AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
       SpanSet set = MakeSpans(storage, {16, 5, 40, 16, 300, 7, 16, 200, 9}, 2, head_dim, rng);
       if (IsKiviStorage(storage)) set.MakeResidual(4);

@@ -115,7 +115,7 @@ TEST_P(AttentionTest, OddHeadDimsMatchReference) {
   std::mt19937 rng(77);
   for (int head_dim : {1, 6, 8, 20, 37, 48, 80, 100, 256}) {
     for (KvStorage storage : kAllStorage) {
-      if (!testing::StorageFits(storage, head_dim)) continue;
+      if (!KvStorageFits(storage, head_dim)) continue;
       AttentionShape shape{6, 3, head_dim, 0.37f};
       SpanSet set = MakeSpans(storage, {3, 19, 7}, shape.n_kv_heads, head_dim, rng);
       const int n_q = 5;
@@ -808,7 +808,7 @@ TEST_P(AttentionTest, KeySelectionMatchesMaskedReference) {
   std::mt19937 rng(31);
   for (KvStorage storage : kAllStorage) {
     for (int head_dim : {64, 20}) {
-      if (!testing::StorageFits(storage, head_dim)) continue;
+      if (!KvStorageFits(storage, head_dim)) continue;
       const int n_kv = 2, group = head_dim == 64 ? 2 : 3;
       const AttentionShape head_shape{group, 1, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
       SpanSet set = MakeSpans(storage, {70, 16, 3, 200, 40}, n_kv, head_dim, rng);

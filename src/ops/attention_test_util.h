@@ -87,9 +87,6 @@ struct SpanSet {
   }
 };
 
-// Whether `storage` can hold rows of head_dim values (packed codes fill whole bytes per row).
-inline bool StorageFits(KvStorage storage, int head_dim) { return head_dim * KvStorageBits(storage) % 8 == 0; }
-
 // Spans of the given lengths; positions increase with random gaps (as after eviction).
 inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int n_kv_heads, int head_dim,
                          std::mt19937& rng, int32_t first_position = 0) {
