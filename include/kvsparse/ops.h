@@ -41,6 +41,11 @@ void QuantizeRow(DType type, const float* src, void* dst, int64_t n);
 // calling thread). With n_tokens <= 4 the weights are streamed once (decode, bandwidth-bound);
 // larger n_tokens use register-tiled GEMM (compute-bound).
 void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads);
+// out[r, t] = rows[r] . keys[t]: rows [n_rows, dim], keys [n_keys, dim], out [n_rows, n_keys], all
+// f32, on n_threads threads (<= 0: all). The attention kernel's QK blocks: for many rows against
+// a short inner dimension (query rows against keys), where MatMul's weight tiling is slow.
+void ScoreMatrix(const float* rows, int64_t n_rows, const float* keys, int64_t n_keys, int dim, float* out,
+                 int n_threads);
 
 // ---- vector kernels ----
 float Dot(const float* a, const float* b, int64_t n);
@@ -69,6 +74,7 @@ namespace ref {
 void DequantizeRow(DType type, const void* src, float* dst, int64_t n);
 void QuantizeRow(DType type, const float* src, void* dst, int64_t n);
 void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y);
+void ScoreMatrix(const float* rows, int64_t n_rows, const float* keys, int64_t n_keys, int dim, float* out);
 float Dot(const float* a, const float* b, int64_t n);
 void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps);
 void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style);

@@ -151,6 +151,32 @@ TEST_P(MatMulTest, LargeShapesCrossTokenBlocks) {
   }
 }
 
+// ScoreMatrix (the attention kernel's QK blocks) against its scalar twin: ragged row counts (odd:
+// a single-row tail), key counts around the 16-key block and inner dimensions around its padding.
+TEST_P(MatMulTest, ScoreMatrixMatchesReference) {
+  uint32_t seed = 90;
+  for (int64_t n_rows : {1, 2, 7, 65}) {
+    for (int64_t n_keys : {1, 15, 16, 17, 300}) {
+      for (int dim : {1, 5, 16, 64, 100, 512}) {
+        const auto rows = testing::RandomFloats(n_rows * dim, seed++),
+                   keys = testing::RandomFloats(n_keys * dim, seed++);
+        std::vector<float> got(n_rows * n_keys, -1.f), want(n_rows * n_keys);
+        ops::ScoreMatrix(rows.data(), n_rows, keys.data(), n_keys, dim, got.data(), 1 + static_cast<int>(seed % 3));
+        ref::ScoreMatrix(rows.data(), n_rows, keys.data(), n_keys, dim, want.data());
+        for (int64_t r = 0; r < n_rows; ++r) {
+          for (int64_t t = 0; t < n_keys; ++t) {
+            double magnitude = 0;
+            for (int c = 0; c < dim; ++c) magnitude += std::fabs(rows[r * dim + c] * keys[t * dim + c]);
+            // f32 sums of dim products: within dim units of rounding of the magnitude.
+            ASSERT_NEAR(got[r * n_keys + t], want[r * n_keys + t], dim * 0x1p-24 * magnitude + 1e-7)
+                << n_rows << "x" << n_keys << " dim " << dim << " at " << r << ", " << t;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(MatMulTest, EmptyShapesDoNothing) {
   const std::vector<float> x(64, 1.f);
   std::vector<float> y(4, 7.f);

@@ -260,8 +260,7 @@ namespace prefill_detail {
 void ScoreProducts(const float* rows, int64_t n_rows, const float* keys, int64_t n_keys, int dim, int n_threads,
                    std::vector<float>* scores) {
   scores->resize(static_cast<size_t>(n_rows) * n_keys);
-  const WeightView key_matrix{DType::kF32, keys, n_keys, dim};
-  ops::MatMul(key_matrix, rows, n_rows, scores->data(), n_threads);
+  ops::ScoreMatrix(rows, n_rows, keys, n_keys, dim, scores->data(), n_threads);
 }
 
 RangeAssembler::RangeAssembler(int query_block, PrefillSelection* out) : out_(out) {

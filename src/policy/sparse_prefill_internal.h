@@ -10,7 +10,7 @@
 
 namespace kvsparse::prefill_detail {
 
-// scores [n_rows, n_keys] = rows [n_rows, dim] . keys [n_keys, dim]^T (f32 GEMM, n_threads).
+// scores [n_rows, n_keys] = rows [n_rows, dim] . keys [n_keys, dim]^T (ops::ScoreMatrix, n_threads).
 void ScoreProducts(const float* rows, int64_t n_rows, const float* keys, int64_t n_keys, int dim, int n_threads,
                    std::vector<float>* scores);
 
