@@ -326,7 +326,7 @@ class PagedKvCache final : public KvCache {
   // Renumbers t from token `first` on (budget already checked); returns the slots rotated.
   int64_t RenumberTable(Table& t, Layer& L, int32_t first, const KeyRotateFn& rotate);
 
-  // ---- int8_kivi (paged_kv_cache_kivi.cc) ----
+  // ---- KIVI storage (paged_kv_cache_kivi.cc) ----
   // A KIVI table's pages from quantized_pages on are residual pages (residual pool and layout):
   // the partly filled last one and the kivi_residual tokens' whole ones; the others have the layer's.
   bool IsResidualPage(const Layer& L, const Table& t, size_t page_index) const {

@@ -270,7 +270,7 @@ PagedKvCache::EvictPlan PagedKvCache::PlanEvictKivi(const Table& t, const Layer&
   EvictPlan plan = CountKept(t, keep);
   if (plan.first_drop < 0) return plan;
   // Pages from the first dropped token's on are released (exclusive ones free their bytes
-  // first) and rewritten: quantized up to RewrittenQuantizedPages, the rest as residual pages.
+  // first) and rewritten: quantized up to QuantizedPagesAfterEvict, the rest as residual pages.
   const int32_t P = page_size_;
   const int32_t first_page = plan.first_drop / P;
   const int32_t new_pages = (plan.n_keep + P - 1) / P;

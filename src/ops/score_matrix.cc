@@ -16,9 +16,13 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
-#include "ops/attention_kernels-inl.h"
-#include "ops/family_begin-inl.h"
 #include "ops/simd_family.h"
+
+// The family region's pragmas come before the kernel primitives it compiles.
+// clang-format off
+#include "ops/family_begin-inl.h"
+#include "ops/attention_kernels-inl.h"
+// clang-format on
 namespace kvsparse::ops::HWY_NAMESPACE {
 
 namespace {
