@@ -1,6 +1,7 @@
 // KIVI storage in PagedKvCache (int8, and int4 / int2 with zero points): full pages quantized
-// (K per channel, V per token), the last partly filled page in full precision; append, evict
-// (with requantization of the rewritten pages), fork, per-head tables, byte accounting and budgets.
+// (K per channel, V per token), the last partly filled page and the residual window's whole pages
+// in full precision; append, evict (with requantization of the rewritten pages), fork, per-head
+// tables, byte accounting and budgets.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops/kv_quant.h"

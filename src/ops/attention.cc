@@ -222,7 +222,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           float* row = v_block + static_cast<size_t>(j) * dp;
           if (low_bit) {
             LowBitRowToF32(bits, block.v[j] + head_offset, &v_scale[j], block.v_min[j] + stored_head,
-                                /*channel_wise=*/false, d, dp, low_bit_scratch.codes.data(), row);
+                           /*channel_wise=*/false, d, dp, low_bit_scratch.codes.data(), row);
           } else {
             LoadRowF32(storage, block.v[j] + head_offset, int8 ? v_scale[j] : 1.f, d, row);
           }

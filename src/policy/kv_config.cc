@@ -91,6 +91,13 @@ Status ReadInt(const json& v, const Where& where, std::string_view field, int32_
   return Status::Ok();
 }
 
+// Empty when kivi_residual is whole pages, else what is wrong with it.
+std::string KiviResidualProblem(const KvSparsityConfig& config) {
+  if (config.kivi_residual >= 0 && config.kivi_residual % config.page_size == 0) return {};
+  return fmt::format("kivi_residual must be a multiple of page_size ({}) and >= 0; found {}", config.page_size,
+                     config.kivi_residual);
+}
+
 Status ReadPositiveInt(const json& v, const Where& where, std::string_view field, int* out) {
   int32_t value = 0;
   KVS_RETURN_IF_ERROR(ReadInt(v, where, field, &value));
@@ -552,11 +559,8 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
     KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "page_size", &config.page_size));
   if (auto it = root.find("kivi_residual"); it != root.end()) {
     KVS_RETURN_IF_ERROR(ReadInt(*it, top, "kivi_residual", &config.kivi_residual));
-    if (config.kivi_residual < 0 || config.kivi_residual % config.page_size != 0) {
-      return top.Error("kivi_residual", fmt::format("kivi_residual must be a multiple of page_size ({}) and >= 0; "
-                                                    "found {}",
-                                                    config.page_size, config.kivi_residual));
-    }
+    if (const std::string problem = KiviResidualProblem(config); !problem.empty())
+      return top.Error("kivi_residual", problem);
   }
   if (auto it = root.find("prefill_chunk"); it != root.end())
     KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "prefill_chunk", &config.prefill_chunk));
@@ -762,11 +766,8 @@ Status ValidateKvSparsityConfig(const KvSparsityConfig& config) {
     return InvalidArgumentError(fmt::format("kv config: evict_interval must be >= 1; found {}", config.evict_interval));
   if (config.page_size < 1)
     return InvalidArgumentError(fmt::format("kv config: page_size must be >= 1; found {}", config.page_size));
-  if (config.kivi_residual < 0 || config.kivi_residual % config.page_size != 0)
-    return InvalidArgumentError(
-        fmt::format("kv config: kivi_residual must be a multiple of page_size ({}) and >= 0; "
-                    "found {}",
-                    config.page_size, config.kivi_residual));
+  if (const std::string problem = KiviResidualProblem(config); !problem.empty())
+    return InvalidArgumentError("kv config: " + problem);
   if (config.prefill_chunk < 1)
     return InvalidArgumentError(fmt::format("kv config: prefill_chunk must be >= 1; found {}", config.prefill_chunk));
   for (size_t l = 0; l < config.layers.size(); ++l)
