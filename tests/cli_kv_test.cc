@@ -18,15 +18,20 @@ using testing::ExpectCleanFailure;
 using testing::RunCli;
 using Result = CliResult;
 
+// Runs the CLI, expecting it to succeed (the failure shows the command and its output).
+Result RunOk(const std::string& args) {
+  Result result = RunCli(args);
+  EXPECT_EQ(result.exit_code, 0) << args << "\n" << result.all;
+  return result;
+}
+
 TEST(CliKv, FullPagedGeneratesExactlyTheDenseTokens) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   const std::string base = "generate -m " + model + " -n 80 --temp 0 -t 2";
-  const Result dense = RunCli(base + " --kv-type f32");
-  ASSERT_EQ(dense.exit_code, 0) << dense.all;
+  const Result dense = RunOk(base + " --kv-type f32");
   for (const std::string extra : {"--kv-method full --kv-type f32", "--kv-method full --kv-type f32 --page-size 5",
                                   "--kv-method h2o --kv-budget 1.0 --kv-type f32"}) {
-    const Result paged = RunCli(base + " " + extra);
-    ASSERT_EQ(paged.exit_code, 0) << paged.all;
+    const Result paged = RunOk(base + " " + extra);
     EXPECT_EQ(paged.out, dense.out) << extra;
   }
 }
@@ -38,14 +43,13 @@ TEST(CliKv, SparseMethodsRunWithStats) {
                                   "--kv-method snapkv --kv-budget 48 --kv-type int8",
                                   "--kv-method tova --kv-budget 0.5 --kv-type f16 --page-size 8",
                                   "--kv-method h2o --kv-budget 0.3 --kv-type int8_kivi --evict-interval 4"}) {
-    const Result r = RunCli(base + " " + extra);
-    ASSERT_EQ(r.exit_code, 0) << extra << "\n" << r.all;
+    const Result r = RunOk(base + " " + extra);
     EXPECT_NE(r.all.find("| layer | method"), std::string::npos) << r.all;
     EXPECT_NE(r.all.find("policy time:"), std::string::npos) << r.all;
+    EXPECT_NE(r.all.find("live KV bytes: K and V values"), std::string::npos) << r.all;
   }
-  const Result bench = RunCli("bench-speed -m " + model +
-                              " -p 32 -n 16 -d 0 -r 1 -t 2 --kv-method h2o --kv-budget 16 --kv-stats");
-  ASSERT_EQ(bench.exit_code, 0) << bench.all;
+  const Result bench =
+      RunOk("bench-speed -m " + model + " -p 32 -n 16 -d 0 -r 1 -t 2 --kv-method h2o --kv-budget 16 --kv-stats");
   EXPECT_NE(bench.out.find("policy ms/tok"), std::string::npos) << bench.out;
   EXPECT_NE(bench.out.find("KV stats after tg16"), std::string::npos) << bench.out;
 }
@@ -59,8 +63,7 @@ TEST(CliKv, ConfigFile) {
              "layers": [{"layers": "0-1", "method": "full", "kv_type": "f16"}],
              "evict_interval": 4})";
   }
-  const Result r = RunCli("generate -m " + model + " -n 50 --temp 0 -t 2 --kv-stats --kv-config " + path);
-  ASSERT_EQ(r.exit_code, 0) << r.all;
+  const Result r = RunOk("generate -m " + model + " -n 50 --temp 0 -t 2 --kv-stats --kv-config " + path);
   EXPECT_NE(r.all.find("| 0 | full | f16"), std::string::npos) << r.all;
   EXPECT_NE(r.all.find("| 4 | h2o | int8"), std::string::npos) << r.all;
 }
@@ -85,14 +88,11 @@ TEST(CliKv, FlagMistakesAreCleanErrors) {
 // to the dense one; mistakes are clean errors naming the flag.
 TEST(CliKv, SparsePrefillFlags) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
-  const Result compared = RunCli("bench-speed -m " + model + " -p 300 -n 0 -r 1 --warmup 0 --no-bandwidth -t 2 " +
-                                 "--kv-method full --compare-prefill block_sparse:top_blocks=1:min_context=0");
-  ASSERT_EQ(compared.exit_code, 0) << compared.all;
+  const Result compared = RunOk("bench-speed -m " + model + " -p 300 -n 0 -r 1 --warmup 0 --no-bandwidth -t 2 " +
+                                "--kv-method full --compare-prefill block_sparse:top_blocks=1:min_context=0");
   EXPECT_NE(compared.out.find("pairs computed"), std::string::npos) << compared.out;
   EXPECT_NE(compared.out.find("prefill=block_sparse block=64 top_blocks=1"), std::string::npos) << compared.out;
-  const Result generated =
-      RunCli("generate -m " + model + " -n 4 --temp 0 -t 2 --tokens 1,2,3 --sparse-prefill xattention");
-  EXPECT_EQ(generated.exit_code, 0) << generated.all;
+  RunOk("generate -m " + model + " -n 4 --temp 0 -t 2 --tokens 1,2,3 --sparse-prefill xattention");
   const std::string base = "generate -m " + model + " -n 4 ";
   ExpectCleanFailure(RunCli(base + "--sparse-prefill minference"), "--sparse-prefill");
   ExpectCleanFailure(RunCli(base + "--sparse-prefill xattention:threshold=3"), "threshold");
@@ -106,15 +106,15 @@ TEST(CliKv, SparsePrefillFlags) {
 TEST(CliKv, KiviResidualFlag) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   const std::string base = "generate -m " + model + " -n 40 --temp 0 -t 2 --kv-method full --page-size 16";
-  const Result f16 = RunCli(base + " --kv-type f16");
-  ASSERT_EQ(f16.exit_code, 0) << f16.all;
-  const Result windowed = RunCli(base + " --kv-type int8_kivi --kivi-residual 512");
-  ASSERT_EQ(windowed.exit_code, 0) << windowed.all;
+  const Result f16 = RunOk(base + " --kv-type f16");
+  const Result windowed = RunOk(base + " --kv-type int8_kivi --kivi-residual 512");
   EXPECT_EQ(windowed.out, f16.out);
-  const Result quantized = RunCli(base + " --kv-type int2_kivi --kivi-residual 16 --kv-stats");
-  ASSERT_EQ(quantized.exit_code, 0) << quantized.all;
+  const Result quantized = RunOk(base + " --kv-type int2_kivi --kivi-residual 16 --kv-stats");
   EXPECT_NE(quantized.out, f16.out);
   ExpectCleanFailure(RunCli(base + " --kv-type int8_kivi --kivi-residual 24"), "kivi_residual");
+  // Nothing to keep in f16 on an f16 cache, paged or dense: refused rather than ignored.
+  ExpectCleanFailure(RunCli(base + " --kv-type f16 --kivi-residual 16"), "--kivi-residual applies to the KIVI");
+  ExpectCleanFailure(RunCli("generate -m " + model + " -n 4 --kv-type f16 --kivi-residual 16"), "--kv-type is f16");
 }
 
 // --kv-per-head: Full per head prints exactly the dense tokens, a sparse method marks its
@@ -122,13 +122,10 @@ TEST(CliKv, KiviResidualFlag) {
 TEST(CliKv, PerHeadFlag) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   const std::string base = "generate -m " + model + " -n 40 --temp 0 -t 2";
-  const Result dense = RunCli(base + " --kv-type f32");
-  ASSERT_EQ(dense.exit_code, 0) << dense.all;
-  const Result full = RunCli(base + " --kv-method full --kv-type f32 --kv-per-head");
-  ASSERT_EQ(full.exit_code, 0) << full.all;
+  const Result dense = RunOk(base + " --kv-type f32");
+  const Result full = RunOk(base + " --kv-method full --kv-type f32 --kv-per-head");
   EXPECT_EQ(full.out, dense.out);
-  const Result h2o = RunCli(base + " --kv-method h2o --kv-budget 24 --kv-type f16 --kv-per-head --kv-stats");
-  ASSERT_EQ(h2o.exit_code, 0) << h2o.all;
+  const Result h2o = RunOk(base + " --kv-method h2o --kv-budget 24 --kv-type f16 --kv-per-head --kv-stats");
   EXPECT_NE(h2o.all.find("| 0 | h2o | f16/head"), std::string::npos) << h2o.all;
   ExpectCleanFailure(RunCli(base + " --kv-config /nonexistent/kv.json --kv-per-head"), "--kv-per-head");
 }
@@ -139,13 +136,13 @@ TEST(CliKv, PerHeadFlag) {
 TEST(CliKv, MethodParamsFromFlags) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   const std::string base = "generate -m " + model + " -n 40 --temp 0 -t 2 --kv-stats";
-  const Result ada = RunCli(base + " --kv-method snapkv --kv-budget 0.5 --kv-param head_budgets=adaptive "
-                                   "--kv-param floor=0.25 --kv-param decode_evict=true");
-  ASSERT_EQ(ada.exit_code, 0) << ada.all;
+  const Result ada = RunOk(base +
+                           " --kv-method snapkv --kv-budget 0.5 --kv-param head_budgets=adaptive "
+                           "--kv-param floor=0.25 --kv-param decode_evict=true");
   EXPECT_NE(ada.all.find("| 0 | snapkv | f16/head"), std::string::npos) << ada.all;
-  const Result mask = RunCli(base + " --kv-method cumulative --kv-budget 0.5 --kv-param mode=mask "
-                                    "--kv-param rerank_period=4");
-  ASSERT_EQ(mask.exit_code, 0) << mask.all;
+  const Result mask = RunOk(base +
+                            " --kv-method cumulative --kv-budget 0.5 --kv-param mode=mask "
+                            "--kv-param rerank_period=4");
   EXPECT_NE(mask.all.find("global re-ranks"), std::string::npos) << mask.all;
   EXPECT_NE(mask.all.find("query-aware selection"), std::string::npos) << mask.all;
   ExpectCleanFailure(RunCli(base + " --kv-method h2o --kv-budget 24 --kv-param hed_budgets=adaptive"), "head_budgets");

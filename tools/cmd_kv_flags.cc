@@ -1,5 +1,7 @@
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "kv_flags.h"
 
 namespace kvsparse::cli {
@@ -42,6 +44,11 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
 StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const std::string& default_kv_type,
                                                          int n_layers, KvStorage* dense_storage) {
   const std::string kv_type = f.kv_type.empty() ? default_kv_type : f.kv_type;
+  // A window on a cache that quantizes nothing would do nothing: refused rather than ignored.
+  auto residual_without_kivi = [](const std::string& found) {
+    return InvalidArgumentError(
+        fmt::format("--kivi-residual applies to the KIVI kv types (int8_kivi, int4_kivi, int2_kivi); {}", found));
+  };
   const std::optional<KvStorage> storage = KvStorageFromName(kv_type);
   if (!storage) {
     return InvalidArgumentError(
@@ -83,6 +90,7 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
              !f.sparse_prefill.empty()) {  // int8 and fp8 types need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
   } else {
+    if (f.kivi_residual > 0) return residual_without_kivi("--kv-type is " + kv_type);  // the dense cache
     return std::optional<KvSparsityConfig>();  // dense
   }
   if (f.per_head || f.shared_heads) {
@@ -96,6 +104,11 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   if (f.page_size > 0) config.page_size = f.page_size;
   if (f.kivi_residual >= 0) config.kivi_residual = f.kivi_residual;
   if (f.evict_interval > 0) config.evict_interval = f.evict_interval;
+  if (f.kivi_residual > 0 && std::none_of(config.layers.begin(), config.layers.end(),
+                                          [](const LayerKvConfig& layer) { return IsKiviStorage(layer.kv_type); })) {
+    return residual_without_kivi(f.config_file.empty() ? "--kv-type is " + kv_type
+                                                       : "no layer of " + f.config_file + " stores one");
+  }
   KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(config));
   return std::optional<KvSparsityConfig>(std::move(config));
 }

@@ -99,6 +99,18 @@ struct PagedKvLayerStats {
   int64_t removed_tokens = 0;   // dropped by RemoveRange
 };
 
+// Live bytes by what they hold. Quantized and full-precision slots count their K and V elements
+// (codes, or f16 / f32 values), their scales and zero points (per (token, head), and a KIVI
+// page's per-channel K scales and mins) and their int32 position; a KIVI layer's f16 residual
+// slots count whole (K, V and position).
+struct KvLiveBytesByPart {
+  size_t values = 0;
+  size_t scales = 0;
+  size_t positions = 0;
+  size_t residual = 0;
+  size_t total() const { return values + scales + positions + residual; }
+};
+
 struct PagedKvStats {
   std::vector<PagedKvLayerStats> layers;
   int32_t page_size = 0;
@@ -186,7 +198,8 @@ class PagedKvCache final : public KvCache {
 
   // Every profile's pages of the layer together.
   size_t LayerAllocatedBytes(int layer) const;
-  size_t LayerLiveBytes(int layer) const;
+  size_t LayerLiveBytes(int layer) const;  // LayerLiveBytesByPart(layer).total()
+  KvLiveBytesByPart LayerLiveBytesByPart(int layer) const;
   // Live bytes of seq's tables (a page shared with other sequences counts in each), in its
   // own storage: slots × token bytes, int8_kivi channel scales per quantized page.
   size_t SequenceLiveBytes(int seq) const;

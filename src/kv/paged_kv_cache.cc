@@ -822,15 +822,22 @@ size_t PagedKvCache::LayerAllocatedBytes(int layer) const {
   return bytes;
 }
 
-size_t PagedKvCache::LayerLiveBytes(int layer) const {
+size_t PagedKvCache::LayerLiveBytes(int layer) const { return LayerLiveBytesByPart(layer).total(); }
+
+KvLiveBytesByPart PagedKvCache::LayerLiveBytesByPart(int layer) const {
   KVS_CHECK(layer >= 0 && layer < geometry_.n_layers);
-  size_t bytes = 0;
+  KvLiveBytesByPart bytes;
   for (int profile = 0; profile < n_profiles(); ++profile) {
     const Layer& L = layers_[profile * geometry_.n_layers + layer];
-    // KIVI: each quantized page's K channel scales (and mins) are live with it; residual slots are f16.
-    bytes += static_cast<size_t>(L.live_slots) * L.layout.token_bytes +
-             static_cast<size_t>(L.pages) * L.layout.page_scale_bytes +
-             static_cast<size_t>(L.residual_slots) * L.residual_layout.token_bytes;
+    const size_t slots = static_cast<size_t>(L.live_slots);
+    const size_t values = 2 * L.layout.row_bytes, position = sizeof(int32_t);
+    bytes.values += slots * values;
+    bytes.positions += slots * position;
+    // Per-slot scales (int8, fp8: K and V; KIVI: V's scale and min), and each quantized KIVI
+    // page's K channel scales (and mins), live with it.
+    bytes.scales +=
+        slots * (L.layout.token_bytes - values - position) + static_cast<size_t>(L.pages) * L.layout.page_scale_bytes;
+    bytes.residual += static_cast<size_t>(L.residual_slots) * L.residual_layout.token_bytes;
   }
   return bytes;
 }

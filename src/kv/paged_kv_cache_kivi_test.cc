@@ -140,9 +140,9 @@ Status AppendTokens(PagedKvCache& cache, int seq, int layer, const std::vector<T
   return cache.Append(seq, layer, static_cast<int32_t>(count), k.data(), v.data(), pos.data());
 }
 
-// Live bytes by the layout: quantized slots (K, V codes, position, V scales and, for 4 and 2
-// bits, mins), each quantized page's K channel scales (and mins), f16 residual slots; allocated:
-// the two page sizes.
+// Live bytes by the layout, in all and by part: quantized slots (K, V codes, position, V scales
+// and, for 4 and 2 bits, mins), each quantized page's K channel scales (and mins), f16 residual
+// slots; allocated: the two page sizes.
 void ExpectExactAccounting(const PagedKvCache& cache, int layer) {
   const KvGeometry& g = cache.geometry();
   const size_t P = cache.page_size(), H = g.n_kv_heads, D = g.head_dim;
@@ -161,6 +161,12 @@ void ExpectExactAccounting(const PagedKvCache& cache, int layer) {
   EXPECT_EQ(ls.live_bytes, quantized_tokens * (2 * code_bytes + 4 + per_group * 4 * H) +
                                quantized_pages * per_group * 4 * H * D + ls.residual_tokens * (4 * H * D + 4));
   EXPECT_LE(ls.live_bytes, ls.allocated_bytes);
+  const KvLiveBytesByPart parts = cache.LayerLiveBytesByPart(layer);
+  EXPECT_EQ(parts.values, quantized_tokens * 2 * code_bytes);
+  EXPECT_EQ(parts.scales, quantized_tokens * per_group * 4 * H + quantized_pages * per_group * 4 * H * D);
+  EXPECT_EQ(parts.positions, quantized_tokens * 4);
+  EXPECT_EQ(parts.residual, ls.residual_tokens * (4 * H * D + 4));
+  EXPECT_EQ(parts.total(), ls.live_bytes);
   EXPECT_EQ(cache.LayerAllocatedBytes(layer), ls.allocated_bytes);
   EXPECT_EQ(cache.LayerLiveBytes(layer), ls.live_bytes);
   EXPECT_EQ(stats.allocated_bytes, cache.AllocatedBytes());

@@ -246,6 +246,12 @@ TEST_P(PagedKvCacheStorageTest, ByteAccountingIsExact) {
   EXPECT_EQ(cache->LayerLiveBytes(1), token_bytes);
   EXPECT_EQ(cache->AllocatedBytes(), 3 * page_bytes);
   EXPECT_EQ(cache->LiveBytes(), 7 * token_bytes);
+  const KvLiveBytesByPart parts = cache->LayerLiveBytesByPart(0);  // 6 slots
+  EXPECT_EQ(parts.values, 6 * 2 * row_bytes);
+  EXPECT_EQ(parts.scales, int8 ? 6 * 2 * 2 * sizeof(float) : 0);  // K and V, per (token, head)
+  EXPECT_EQ(parts.positions, 6 * sizeof(int32_t));
+  EXPECT_EQ(parts.residual, 0u);
+  EXPECT_EQ(parts.total(), cache->LayerLiveBytes(0));
   EXPECT_EQ(cache->FragmentationBytes(), 3 * page_bytes - 7 * token_bytes);
   EXPECT_EQ(cache->budget().used_bytes(), 3 * page_bytes);
 

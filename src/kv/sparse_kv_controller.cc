@@ -754,6 +754,24 @@ std::string SparseKvController::FormatStats() const {
   out += fmt::format("| all | | | {} | {} | {} | | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n",
                      MiB(cache_->AllocatedBytes()), MiB(cache_->LiveBytes()), total_live, total.evictions,
                      total.evicted_tokens, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3);
+  KvLiveBytesByPart parts;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    const KvLiveBytesByPart p = cache_->LayerLiveBytesByPart(layer);
+    parts.values += p.values;
+    parts.scales += p.scales;
+    parts.positions += p.positions;
+    parts.residual += p.residual;
+  }
+  const size_t live_bytes = parts.total();
+  auto share = [&](size_t bytes) {
+    return fmt::format("{} MiB ({:.1f}%)", MiB(bytes),
+                       live_bytes > 0 ? 100.0 * static_cast<double>(bytes) / static_cast<double>(live_bytes) : 0.0);
+  };
+  out += fmt::format(
+      "live KV bytes: K and V values {}, scales and zero points {}, positions {}, f16 residual {}; "
+      "allocated but not live (unfilled slots, padding) {} MiB\n",
+      share(parts.values), share(parts.scales), share(parts.positions), share(parts.residual),
+      MiB(cache_->AllocatedBytes() - live_bytes));
   out += fmt::format("policy time: {:.2f} ms (scoring {:.2f}, selection {:.2f}, compaction {:.2f}); "
                      "peak KV allocated {} MiB\n",
                      total.policy_s() * 1e3, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3,

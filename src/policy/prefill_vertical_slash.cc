@@ -45,19 +45,22 @@ void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionSha
   // The estimating queries' scores against every key, kSlab queries at a time (a_: [kSlab * group,
   // n_tokens]), which bounds the scratch at long contexts.
   constexpr int32_t kSlab = 8;
+  // The estimating queries times the softmax scale, so the products come out scaled.
+  std::vector<float> scaled_q(q + static_cast<size_t>(first) * group * d,  // [last_q, group, head_dim]
+                              q + static_cast<size_t>(n_q) * group * d);
+  for (float& x : scaled_q) x *= s.scale;
   for (int32_t i = 0; i < last_q; ++i) {
     const int32_t slab_row = i % kSlab;
     if (slab_row == 0) {
       const int32_t slab = std::min(kSlab, last_q - i);
-      ScoreProducts(q + static_cast<size_t>(first + i) * group * d, static_cast<int64_t>(slab) * group, keys, n_tokens,
-                    d, n_threads, &a_);
+      ScoreProducts(scaled_q.data() + static_cast<size_t>(i) * group * d, static_cast<int64_t>(slab) * group, keys,
+                    n_tokens, d, n_threads, &a_);
     }
     const int64_t seen = visible[first + i];
     if (seen == 0) continue;
     mean.assign(static_cast<size_t>(seen), 0.f);
     for (int g = 0; g < group; ++g) {
       float* row = a_.data() + (static_cast<size_t>(slab_row) * group + g) * n_tokens;  // causal: its first `seen` keys
-      for (int64_t t = 0; t < seen; ++t) row[t] *= s.scale;
       ops::Softmax(row, seen);
       ops::Add(mean.data(), row, seen);
     }
@@ -79,14 +82,22 @@ void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionSha
   for (int32_t b0 = 0; b0 < n_q; b0 += c.block) {
     const int32_t b1 = std::min<int32_t>(n_q, b0 + c.block) - 1;  // the block's last query
     const int64_t limit = visible[b1];
-    // Diagonal o of query i is its key visible[i] - 1 - o: over the block, a band.
-    for (int64_t o : diagonals) ranges.Add(visible[b0] - 1 - o, visible[b1] - o);
-    for (int64_t t : columns) {
-      if (t >= limit) break;
-      ranges.Add(t, t + 1);
+    // Diagonal o of query i is its key visible[i] - 1 - o: over the block, a band. The bands
+    // come farthest first (ascending begins) with the columns and the block's own tokens merged
+    // in, so a block's ranges (about 7000 at the defaults) arrive sorted and EndBlock skips its sort.
+    auto column = columns.begin();
+    auto add_columns_up_to = [&](int64_t begin) {  // the columns t <= begin still to add, t < limit
+      for (; column != columns.end() && *column <= begin && *column < limit; ++column) ranges.Add(*column, *column + 1);
+    };
+    for (auto o = diagonals.rbegin(); o != diagonals.rend(); ++o) {
+      const int64_t band_begin = visible[b0] - 1 - *o;
+      add_columns_up_to(band_begin);
+      ranges.Add(band_begin, visible[b1] - *o);
     }
     const auto [own_begin, own_end] = OwnTokens(visible, b0, b1);
+    add_columns_up_to(own_begin);
     ranges.Add(own_begin, own_end);
+    add_columns_up_to(limit);
     ranges.EndBlock(limit);
   }
 }

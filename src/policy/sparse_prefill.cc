@@ -270,7 +270,8 @@ RangeAssembler::RangeAssembler(int query_block, PrefillSelection* out) : out_(ou
 }
 
 void RangeAssembler::EndBlock(int64_t limit) {
-  std::sort(pending_.begin(), pending_.end());
+  if (!ascending_) std::sort(pending_.begin(), pending_.end());
+  ascending_ = true;
   int64_t open_begin = -1, open_end = -1;
   auto flush = [&] {
     if (open_end > open_begin) {

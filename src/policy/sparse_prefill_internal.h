@@ -15,19 +15,22 @@ void ScoreProducts(const float* rows, int64_t n_rows, const float* keys, int64_t
                    std::vector<float>* scores);
 
 // Builds a PrefillSelection block by block: Add() the (begin, end) token ranges of the current
-// query block in any order, overlapping or not; EndBlock() sorts, merges and clips them to
-// [0, limit) and starts the next block.
+// query block in any order, overlapping or not; EndBlock() sorts (unless they came in ascending
+// order), merges and clips them to [0, limit) and starts the next block.
 class RangeAssembler {
  public:
   RangeAssembler(int query_block, PrefillSelection* out);
   void Add(int64_t begin, int64_t end) {
-    if (begin < end) pending_.emplace_back(begin, end);
+    if (begin >= end) return;
+    if (!pending_.empty() && std::pair(begin, end) < pending_.back()) ascending_ = false;
+    pending_.emplace_back(begin, end);
   }
   void EndBlock(int64_t limit);
 
  private:
   PrefillSelection* out_;
   std::vector<std::pair<int64_t, int64_t>> pending_;
+  bool ascending_ = true;  // pending_ arrived sorted: EndBlock skips the sort
 };
 
 // The key tokens a query block [first, last] sees of its own: from the newest token its first
