@@ -98,6 +98,12 @@ TEST(BenchRunnerTest, FullSolvesAndSmallStreamingWindowLosesTheNeedle) {
     }
     EXPECT_EQ(row["samples"].get<int>(), 3);
     EXPECT_GT(row["kv_allocated_bytes"].get<double>(), 0);
+    // The live bytes by part add up; int8 pays for its scales, f16 has none.
+    EXPECT_DOUBLE_EQ(row["kv_live_value_bytes"].get<double>() + row["kv_live_scale_bytes"].get<double>() +
+                         row["kv_live_position_bytes"].get<double>() + row["kv_live_residual_bytes"].get<double>(),
+                     row["kv_live_bytes"].get<double>());
+    EXPECT_GT(row["kv_live_value_bytes"].get<double>(), 0);
+    EXPECT_EQ(row["kv_live_scale_bytes"].get<double>() > 0, row["kv_type"] == "int8");
     EXPECT_EQ(row["layer_live_tokens"].size(), 4u);
     EXPECT_TRUE(row["subtasks"].contains("depth=0.3")) << row["subtasks"].dump();
   }

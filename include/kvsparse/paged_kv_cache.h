@@ -109,6 +109,12 @@ struct KvLiveBytesByPart {
   size_t positions = 0;
   size_t residual = 0;
   size_t total() const { return values + scales + positions + residual; }
+  void Add(const KvLiveBytesByPart& other) {
+    values += other.values;
+    scales += other.scales;
+    positions += other.positions;
+    residual += other.residual;
+  }
 };
 
 struct PagedKvStats {
@@ -200,6 +206,7 @@ class PagedKvCache final : public KvCache {
   size_t LayerAllocatedBytes(int layer) const;
   size_t LayerLiveBytes(int layer) const;  // LayerLiveBytesByPart(layer).total()
   KvLiveBytesByPart LayerLiveBytesByPart(int layer) const;
+  KvLiveBytesByPart LiveBytesByPart() const;  // every layer's
   // Live bytes of seq's tables (a page shared with other sequences counts in each), in its
   // own storage: slots × token bytes, int8_kivi channel scales per quantized page.
   size_t SequenceLiveBytes(int seq) const;

@@ -118,6 +118,7 @@ struct RowAccumulator {
   BenchAggregator scores;               // (task, subtask, "score")
   std::vector<double> ttft_ms, decode_ms, generated_len, distinct2, policy_share;
   std::vector<double> kv_allocated, kv_live, kv_dense, kv_peak, policy_state;
+  std::vector<double> kv_live_values, kv_live_scales, kv_live_positions, kv_live_residual;  // kv_live by part
   std::vector<std::vector<double>> layer_live;  // [n_layers][samples] live tokens after the prompt
   FidelityAccumulator fidelity;
   double seconds = 0;
@@ -144,6 +145,11 @@ void RecordKv(const PagedKvCache& cache, const SparseKvController& controller, d
   acc.policy_state.push_back(static_cast<double>(controller.PolicyStateBytes()));
   acc.kv_allocated.push_back(static_cast<double>(cache.AllocatedBytes()));
   acc.kv_live.push_back(static_cast<double>(cache.LiveBytes()));
+  const KvLiveBytesByPart parts = cache.LiveBytesByPart();
+  acc.kv_live_values.push_back(static_cast<double>(parts.values));
+  acc.kv_live_scales.push_back(static_cast<double>(parts.scales));
+  acc.kv_live_positions.push_back(static_cast<double>(parts.positions));
+  acc.kv_live_residual.push_back(static_cast<double>(parts.residual));
   acc.kv_peak.push_back(static_cast<double>(cache.Stats().peak_allocated_bytes));
   acc.kv_dense.push_back(dense_f16_bytes);
 }
@@ -535,6 +541,11 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
   row["decode_tokens_per_s"] = decode_median > 0 ? 1e3 / decode_median : 0.0;
   row["kv_allocated_bytes"] = Mean(acc.kv_allocated);
   row["kv_live_bytes"] = Mean(acc.kv_live);
+  // What the live bytes hold: K/V values (codes), scales and zero points, positions, KIVI's f16 residual.
+  row["kv_live_value_bytes"] = Mean(acc.kv_live_values);
+  row["kv_live_scale_bytes"] = Mean(acc.kv_live_scales);
+  row["kv_live_position_bytes"] = Mean(acc.kv_live_positions);
+  row["kv_live_residual_bytes"] = Mean(acc.kv_live_residual);
   row["kv_peak_allocated_bytes"] = Max(acc.kv_peak);
   // The policies' own memory (scores, rings, rankings, page metadata) at the end of a sample.
   row["policy_state_bytes"] = Mean(acc.policy_state);

@@ -842,6 +842,12 @@ KvLiveBytesByPart PagedKvCache::LayerLiveBytesByPart(int layer) const {
   return bytes;
 }
 
+KvLiveBytesByPart PagedKvCache::LiveBytesByPart() const {
+  KvLiveBytesByPart bytes;
+  for (int l = 0; l < geometry_.n_layers; ++l) bytes.Add(LayerLiveBytesByPart(l));
+  return bytes;
+}
+
 size_t PagedKvCache::SequenceLiveBytes(int seq) const {
   KVS_CHECK_MSG(seq >= 0 && seq < n_seqs_, "SequenceLiveBytes: seq " + std::to_string(seq) + " out of range");
   size_t bytes = 0;

@@ -754,14 +754,7 @@ std::string SparseKvController::FormatStats() const {
   out += fmt::format("| all | | | {} | {} | {} | | {} | {} | {:.2f} | {:.2f} | {:.2f} |\n",
                      MiB(cache_->AllocatedBytes()), MiB(cache_->LiveBytes()), total_live, total.evictions,
                      total.evicted_tokens, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3);
-  KvLiveBytesByPart parts;
-  for (int layer = 0; layer < n_layers_; ++layer) {
-    const KvLiveBytesByPart p = cache_->LayerLiveBytesByPart(layer);
-    parts.values += p.values;
-    parts.scales += p.scales;
-    parts.positions += p.positions;
-    parts.residual += p.residual;
-  }
+  const KvLiveBytesByPart parts = cache_->LiveBytesByPart();
   const size_t live_bytes = parts.total();
   auto share = [&](size_t bytes) {
     return fmt::format("{} MiB ({:.1f}%)", MiB(bytes),
