@@ -113,7 +113,7 @@ class PrefillSelector {
                    int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
   void XAttention(const PrefillSparsity& c, const AttentionShape& s, const float* q, const int64_t* visible,
                   int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
-  std::vector<float> a_, b_, c_, d_;  // scratch
+  std::vector<float> a_, b_, c_, d_, e_;  // scratch
   std::vector<int64_t> index_;
 };
 

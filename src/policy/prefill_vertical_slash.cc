@@ -46,8 +46,8 @@ void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionSha
   // n_tokens]), which bounds the scratch at long contexts.
   constexpr int32_t kSlab = 8;
   // The estimating queries times the softmax scale, so the products come out scaled.
-  std::vector<float> scaled_q(q + static_cast<size_t>(first) * group * d,  // [last_q, group, head_dim]
-                              q + static_cast<size_t>(n_q) * group * d);
+  std::vector<float>& scaled_q = e_;  // [last_q, group, head_dim]
+  scaled_q.assign(q + static_cast<size_t>(first) * group * d, q + static_cast<size_t>(n_q) * group * d);
   for (float& x : scaled_q) x *= s.scale;
   for (int32_t i = 0; i < last_q; ++i) {
     const int32_t slab_row = i % kSlab;
