@@ -54,6 +54,28 @@ TEST(CliKv, SparseMethodsRunWithStats) {
   EXPECT_NE(bench.out.find("KV stats after tg16"), std::string::npos) << bench.out;
 }
 
+// Every method family and KV type runs on the new architectures and weight mixes: qwen3 (Q/K norms,
+// 64-wide heads over a 256-wide residual, so per-head and page layouts use key_length, not
+// dim / n_heads) and a Q4_K_M llama. A full paged cache prints the dense cache's tokens.
+TEST(CliKv, MethodsAndKvTypesOnNewArchitectures) {
+  for (const std::string shape_and_type : {"tiny-qwen3 --type q4_k_m", "tiny-mix --type q4_k_m"}) {
+    const std::string model = testing::TempPath("cli_kv_arch.gguf");
+    RunOk("synth --shape " + shape_and_type + " -o " + model);
+    const std::string base = "generate -m " + model + " --tokens 1,17,99,42,300,7,256,500 -n 40 --temp 0 -t 2";
+    const Result dense = RunOk(base + " --kv-type f32 --print-ids");
+    EXPECT_EQ(RunOk(base + " --kv-method full --kv-type f32 --print-ids").out, dense.out) << shape_and_type;
+    for (const std::string extra :
+         {"--kv-method h2o --kv-budget 0.5 --kv-type int8", "--kv-method snapkv --kv-budget 40 --kv-type f16",
+          "--kv-method streaming_llm --kv-budget 0.25 --kv-type fp8_e4m3", "--kv-method quest --kv-budget 0.5",
+          "--kv-method tova --kv-budget 0.5 --kv-type int4_kivi --page-size 8",
+          "--kv-method cumulative --kv-budget 0.5 --kv-type int8_kivi",
+          "--kv-method h2o --kv-budget 0.5 --kv-type int2_kivi --kv-shared-heads"}) {
+      const Result r = RunOk(base + " --kv-stats " + extra);
+      EXPECT_NE(r.all.find("| layer | method"), std::string::npos) << shape_and_type << " " << extra << r.all;
+    }
+  }
+}
+
 TEST(CliKv, ConfigFile) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   const std::string path = testing::TempPath("cli_kv_config.json");

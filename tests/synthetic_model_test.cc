@@ -71,6 +71,15 @@ std::vector<Variant> Variants() {
     s.tied_output = false;
     v.push_back({"Qwen2BiasNeox", s});
   }
+  {
+    // Qwen3: per-head Q/K norms, no biases, and a head size decoupled from dim (8 x 64 = 512 > 256).
+    TinyModelSpec s = BaseSpec();
+    s.arch = "qwen3";
+    s.head_dim = 64;
+    s.qk_norm = true;
+    s.rope_theta = 1000000.f;
+    v.push_back({"Qwen3QkNormWideHeads", s});
+  }
   return v;
 }
 
@@ -146,14 +155,15 @@ class SyntheticModelTest : public ::testing::TestWithParam<std::tuple<int, DType
 
 TEST_P(SyntheticModelTest, ConfigMatchesSpec) {
   const ModelConfig& c = model_->config();
-  EXPECT_EQ(c.arch, spec_.arch == "qwen2" ? Arch::kQwen2 : Arch::kLlama);
-  EXPECT_EQ(c.rope_style, spec_.arch == "qwen2" ? RopeStyle::kNeox : RopeStyle::kAdjacentPairs);
+  EXPECT_EQ(ArchName(c.arch), spec_.arch);
+  EXPECT_EQ(c.rope_style, spec_.arch == "llama" ? RopeStyle::kAdjacentPairs : RopeStyle::kNeox);
+  EXPECT_EQ(c.qk_norm, spec_.qk_norm);
   EXPECT_EQ(c.n_vocab, spec_.n_vocab);
   EXPECT_EQ(c.dim, spec_.dim);
   EXPECT_EQ(c.hidden_dim, spec_.hidden_dim);
   EXPECT_EQ(c.n_heads, spec_.n_heads);
   EXPECT_EQ(c.n_kv_heads, spec_.n_kv_heads);
-  EXPECT_EQ(c.head_dim, spec_.dim / spec_.n_heads);
+  EXPECT_EQ(c.head_dim, spec_.head_dim > 0 ? spec_.head_dim : spec_.dim / spec_.n_heads);
   EXPECT_EQ(c.max_context, spec_.context);
   EXPECT_EQ(c.tied_output, spec_.tied_output);
   EXPECT_FLOAT_EQ(c.rope_theta, spec_.rope_theta.value_or(10000.f));
@@ -201,6 +211,17 @@ INSTANTIATE_TEST_SUITE_P(AllVariantsAndTypes, SyntheticModelTest,
                          ::testing::Combine(::testing::Range(0, static_cast<int>(Variants().size())),
                                             ::testing::Values(DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0,
                                                               DType::kQ4_0, DType::kQ4_K),
+                                            ::testing::ValuesIn(CompiledIsas())),
+                         ParamName);
+
+// The other block types llama-quantize writes (its mixes and fallbacks), on the base variant: the
+// kernels are checked shape by shape in matmul_test, this checks that the loader and forward pass
+// take them.
+INSTANTIATE_TEST_SUITE_P(MixWeightTypes, SyntheticModelTest,
+                         ::testing::Combine(::testing::Values(0),
+                                            ::testing::Values(DType::kQ4_1, DType::kQ5_0, DType::kQ5_1, DType::kQ2_K,
+                                                              DType::kQ3_K, DType::kQ5_K, DType::kQ6_K,
+                                                              DType::kIQ4_NL, DType::kIQ4_XS),
                                             ::testing::ValuesIn(CompiledIsas())),
                          ParamName);
 

@@ -3,6 +3,7 @@
 
 #include "commands.h"
 #include "kvsparse/convert.h"
+#include "kvsparse/model.h"
 
 namespace kvsparse::cli {
 namespace {
@@ -16,12 +17,14 @@ void RegisterConvert(CLI::App& app, int* exit_code) {
   CLI::App* cmd = app.add_subcommand("convert", "Convert a llama2.c checkpoint (.bin) to GGUF");
   cmd->add_option("input", a->in, "llama2.c checkpoint")->required();
   cmd->add_option("-o,--output", a->out, "GGUF file to write")->required();
-  cmd->add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0, q4_0, q4_k")->capture_default_str();
+  cmd->add_option("--type", a->type, std::string("weight type: ") + std::string(SupportedWeightTypeNames()))
+      ->capture_default_str();
   cmd->add_option("--vocab", a->vocab, "vocab-only GGUF whose tokenizer to embed (token count must match)");
   cmd->callback([a, exit_code] {
     auto type = DTypeFromName(a->type);
-    if (!type || *type == DType::kQ8_K) {
-      *exit_code = Fail(InvalidArgumentError("--type: expected f32, f16, bf16, q8_0, q4_0 or q4_k, found '" + a->type + "'"));
+    if (!type || !IsSupportedWeightType(*type)) {
+      *exit_code = Fail(InvalidArgumentError("--type: expected one of " + std::string(SupportedWeightTypeNames()) +
+                                             ", found '" + a->type + "'"));
       return;
     }
     ConvertOptions options;

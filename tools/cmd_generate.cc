@@ -29,6 +29,7 @@ struct GenerateArgs {
   KvFlags kv;
   SamplerParams sampling;
   bool ignore_eos = false;
+  bool print_ids = false;
 };
 
 StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
@@ -97,6 +98,8 @@ int Run(const GenerateArgs& a) {
   Sampler sampler(a.sampling);
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
 
+  // --print-ids: token ids instead of text (to compare greedy ids with another engine).
+  if (a.print_ids) tokenizer.reset();
   auto emit = [&](int32_t token) {
     if (tokenizer) {
       std::fputs(tokenizer->TokenToPiece(token).c_str(), stdout);
@@ -171,6 +174,7 @@ void RegisterGenerate(CLI::App& app, int* exit_code) {
   cmd->add_option("--repeat-last-n", args->sampling.repeat_last_n, "tokens the penalty looks back")->capture_default_str();
   cmd->add_option("-s,--seed", args->sampling.seed, "sampling seed")->capture_default_str();
   cmd->add_flag("--ignore-eos", args->ignore_eos, "keep generating past end-of-generation tokens");
+  cmd->add_flag("--print-ids", args->print_ids, "print token ids, not text (implies --ignore-eos)");
   cmd->callback([args, exit_code] { *exit_code = Run(*args); });
 }
 

@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "commands.h"
+#include "kvsparse/quant_mix.h"
 #include "kvsparse/retrieval_model.h"
 #include "kvsparse/synth.h"
 
@@ -12,6 +13,7 @@ struct SynthArgs {
   uint64_t seed = 1;
   int layers = 0;
   bool list = false;
+  bool pure = false;
 };
 }  // namespace
 
@@ -19,11 +21,15 @@ void RegisterSynth(CLI::App& app, int* exit_code) {
   auto a = std::make_shared<SynthArgs>();
   CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight GGUF with the exact shape of a real model");
   cmd->add_option("--shape", a->shape, "shape name (see --list); 'retrieval' and 'retrieval-mha' write the built-in retrieval models");
-  cmd->add_option("--type", a->type, "weight type: f32, f16, bf16, q8_0, q4_0, q4_k")->capture_default_str();
+  cmd->add_option("--type", a->type,
+                  "weight type (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k ... q6_k, iq4_nl, iq4_xs) or a "
+                  "llama-quantize mix (q4_k_m, q5_k_m, q3_k_m, q2_k, ...)")
+      ->capture_default_str();
   cmd->add_option("-o,--output", a->out, "GGUF file to write");
   cmd->add_option("--vocab", a->vocab, "vocab-only GGUF to copy the tokenizer from (token count must match)");
   cmd->add_option("--seed", a->seed, "weight seed")->capture_default_str();
   cmd->add_option("--layers", a->layers, "override the layer count (0 = the shape's)")->capture_default_str();
+  cmd->add_flag("--pure", a->pure, "every matrix gets the --type's base type (llama-quantize --pure)");
   cmd->add_flag("--list", a->list, "list the known shapes");
   cmd->callback([a, exit_code, cmd] {
     if (a->list) {
@@ -67,13 +73,17 @@ void RegisterSynth(CLI::App& app, int* exit_code) {
       *exit_code = Fail(shape.status());
       return;
     }
-    auto type = DTypeFromName(a->type);
-    if (!type || *type == DType::kQ8_K) {
-      *exit_code = Fail(InvalidArgumentError("--type: expected f32, f16, bf16, q8_0, q4_0 or q4_k, found '" + a->type + "'"));
+    auto mix = FindQuantMix(a->type);
+    if (!mix.ok()) {
+      *exit_code = Fail(InvalidArgumentError("--type: " + mix.status().message()));
       return;
     }
     SynthOptions options;
-    options.weight_type = *type;
+    if (a->pure || !mix->mixed) {
+      options.weight_type = mix->base;
+    } else {
+      options.mix = mix->name;
+    }
     options.seed = a->seed;
     options.vocab_gguf = a->vocab;
     options.n_layers_override = a->layers;

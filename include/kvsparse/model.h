@@ -13,12 +13,12 @@
 
 namespace kvsparse {
 
-enum class Arch { kLlama, kQwen2 };
+enum class Arch { kLlama, kQwen2, kQwen3 };
 std::string_view ArchName(Arch a);
 
 // Weight types the forward pass computes with (what loaders accept and converters write).
 bool IsSupportedWeightType(DType t);
-std::string_view SupportedWeightTypeNames();  // "f32, f16, bf16, q8_0, q4_0, q4_K"
+std::string_view SupportedWeightTypeNames();  // "f32, f16, bf16, q8_0, ..."
 
 struct ModelConfig {
   Arch arch = Arch::kLlama;
@@ -28,12 +28,13 @@ struct ModelConfig {
   int n_layers = 0;
   int n_heads = 0;
   int n_kv_heads = 0;
-  int head_dim = 0;    // dim / n_heads
+  int head_dim = 0;    // attention.key_length, else dim / n_heads (n_heads * head_dim may differ from dim)
   int max_context = 0; // training context length
   float rms_eps = 1e-5f;
   float rope_theta = 10000.0f;
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
   bool tied_output = false;  // output projection shares the token embedding
+  bool qk_norm = false;      // qwen3: RMSNorm of each query and key head before RoPE
 };
 
 struct LayerWeights {
@@ -42,6 +43,8 @@ struct LayerWeights {
   const float* bq = nullptr;         // [n_heads*head_dim] (qwen2 only)
   const float* bk = nullptr;         // [n_kv_heads*head_dim]
   const float* bv = nullptr;         // [n_kv_heads*head_dim]
+  const float* q_norm = nullptr;     // [head_dim] qwen3: RMSNorm weight of every query head, before RoPE
+  const float* k_norm = nullptr;     // [head_dim] the same for every key head
   const float* ffn_norm = nullptr;   // [dim]
   WeightView w_gate, w_up, w_down;   // [hidden, dim], [hidden, dim], [dim, hidden]
 };

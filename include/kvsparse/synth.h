@@ -15,7 +15,7 @@ namespace kvsparse {
 
 struct SynthShape {
   std::string name;  // "tinyllama-1.1b", "tiny-llama", ...
-  std::string arch;  // GGUF general.architecture: "llama" | "qwen2"
+  std::string arch;  // GGUF general.architecture: "llama" | "qwen2" | "qwen3"
   int n_vocab = 0;
   int dim = 0;         // embedding length
   int hidden_dim = 0;  // feed-forward length
@@ -30,6 +30,9 @@ struct SynthShape {
   // Llama 3.1/3.2 "llama3" RoPE scaling factor (low 1, high 4, original context 8192),
   // written as llama.cpp does: a rope_freqs.weight tensor [head_dim/2]. 0 = none.
   float rope_llama3_factor = 0.0f;
+  // > 0: the head size, written as attention.key_length / value_length (qwen3: n_heads * head_dim
+  // may differ from dim). 0: dim / n_heads.
+  int head_dim = 0;
 };
 
 // Real shapes (tinyllama-1.1b, llama-3.2-1b, qwen2.5-0.5b, llama-3.1-8b) and tiny test shapes.
@@ -39,6 +42,9 @@ StatusOr<SynthShape> FindSynthShape(std::string_view name);
 
 struct SynthOptions {
   DType weight_type = DType::kQ8_0;  // 2-D weights; norms and biases are always f32
+  // A llama-quantize file type ("q4_k_m", "q5_k_m", ...; quant_mix.h): each matrix gets the type
+  // llama-quantize would give it. Empty: every matrix `weight_type` (falling back per row length).
+  std::string mix;
   uint64_t seed = 1;
   std::string vocab_gguf;  // copy tokenizer.* keys from this vocab GGUF when non-empty
   int n_layers_override = 0;  // > 0: use this many layers instead of the shape's

@@ -15,13 +15,22 @@ struct DTypeInfo {
   size_t block_bytes;
 };
 
-constexpr std::array<DTypeInfo, 7> kDTypes = {{
+constexpr std::array<DTypeInfo, 16> kDTypes = {{
     {DType::kF32, "f32", 1, sizeof(float)},
     {DType::kF16, "f16", 1, sizeof(f16_bits)},
     {DType::kQ4_0, "q4_0", kQK4_0, sizeof(BlockQ4_0)},
+    {DType::kQ4_1, "q4_1", kQK4_1, sizeof(BlockQ4_1)},
+    {DType::kQ5_0, "q5_0", kQK5_0, sizeof(BlockQ5_0)},
+    {DType::kQ5_1, "q5_1", kQK5_0, sizeof(BlockQ5_1)},
     {DType::kQ8_0, "q8_0", kQK8_0, sizeof(BlockQ8_0)},
+    {DType::kQ2_K, "q2_K", kQK_K, sizeof(BlockQ2_K)},
+    {DType::kQ3_K, "q3_K", kQK_K, sizeof(BlockQ3_K)},
     {DType::kQ4_K, "q4_K", kQK_K, sizeof(BlockQ4_K)},
+    {DType::kQ5_K, "q5_K", kQK_K, sizeof(BlockQ5_K)},
+    {DType::kQ6_K, "q6_K", kQK_K, sizeof(BlockQ6_K)},
     {DType::kQ8_K, "q8_K", kQK_K, sizeof(BlockQ8_K)},
+    {DType::kIQ4_NL, "iq4_nl", kQK4_NL, sizeof(BlockIQ4_NL)},
+    {DType::kIQ4_XS, "iq4_xs", kQK_K, sizeof(BlockIQ4_XS)},
     {DType::kBF16, "bf16", 1, sizeof(bf16_bits)},
 }};
 

@@ -38,12 +38,19 @@ TEST(DTypeTest, Metadata) {
   EXPECT_EQ(DTypeName(DType::kQ4_K), "q4_K");
   EXPECT_EQ(DTypeFromId(8), DType::kQ8_0);
   EXPECT_EQ(DTypeFromId(30), DType::kBF16);
-  EXPECT_EQ(DTypeFromId(3), std::nullopt);  // q4_1: not supported
+  EXPECT_EQ(DTypeFromId(3), DType::kQ4_1);
+  EXPECT_EQ(DTypeFromId(14), DType::kQ6_K);
+  EXPECT_EQ(DTypeFromId(23), DType::kIQ4_XS);
+  EXPECT_EQ(DTypeFromId(16), std::nullopt);  // iq2_xxs: not supported
+  EXPECT_EQ(DTypeBlockBytes(DType::kQ6_K), 210u);
+  EXPECT_EQ(DTypeBlockSize(DType::kIQ4_NL), 32);
   EXPECT_EQ(DTypeFromId(1000), std::nullopt);
   EXPECT_EQ(DTypeFromName("Q8_0"), DType::kQ8_0);
   EXPECT_EQ(DTypeFromName("q4_k"), DType::kQ4_K);
   EXPECT_EQ(DTypeFromName("bf16"), DType::kBF16);
-  EXPECT_EQ(DTypeFromName("q5_0"), std::nullopt);
+  EXPECT_EQ(DTypeFromName("q5_0"), DType::kQ5_0);
+  EXPECT_EQ(DTypeFromName("IQ4_XS"), DType::kIQ4_XS);
+  EXPECT_EQ(DTypeFromName("iq2_xxs"), std::nullopt);
   EXPECT_EQ(DTypeFromName(""), std::nullopt);
 }
 

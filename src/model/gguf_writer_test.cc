@@ -199,11 +199,11 @@ TEST(GgufWriter, RejectsBadTensorsAndKeepsExistingFile) {
 }
 
 TEST(GgufWriter, WritesAnyGgmlTypeIdByRawId) {
-  // q5_K (13) and i32 (26) are sized by GgmlTypeBytes although kvsparse does not compute with them.
-  const std::vector<uint8_t> q5k = RandomBytes(*GgmlTypeBytes(13, 256 * 3), 11);
+  // iq2_xxs (16) and i32 (26) are sized by GgmlTypeBytes although kvsparse does not compute with them.
+  const std::vector<uint8_t> iq2xxs = RandomBytes(*GgmlTypeBytes(16, 256 * 3), 11);
   const std::vector<uint8_t> i32 = RandomBytes(*GgmlTypeBytes(26, 5), 12);
   GgufWriter w;
-  w.AddTensor("q5k", uint32_t{13}, {256, 3}, q5k.data());
+  w.AddTensor("iq2xxs", uint32_t{16}, {256, 3}, iq2xxs.data());
   w.AddTensor("i32", uint32_t{26}, {5}, [&i32](void* dst, size_t nbytes) {
     ASSERT_EQ(nbytes, i32.size());
     std::memcpy(dst, i32.data(), nbytes);
@@ -212,13 +212,13 @@ TEST(GgufWriter, WritesAnyGgmlTypeIdByRawId) {
   ASSERT_TRUE(w.Write(path).ok());
   auto f = GgufFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
-  const GgufTensorInfo* t = (*f)->FindTensor("q5k");
+  const GgufTensorInfo* t = (*f)->FindTensor("iq2xxs");
   ASSERT_NE(t, nullptr);
-  EXPECT_EQ(t->ggml_type, 13u);
+  EXPECT_EQ(t->ggml_type, 16u);
   EXPECT_FALSE(t->type.has_value());
   EXPECT_EQ(t->ne, (std::vector<int64_t>{256, 3}));
-  ASSERT_EQ(t->nbytes, q5k.size());
-  EXPECT_EQ(std::memcmp(t->data, q5k.data(), t->nbytes), 0);
+  ASSERT_EQ(t->nbytes, iq2xxs.size());
+  EXPECT_EQ(std::memcmp(t->data, iq2xxs.data(), t->nbytes), 0);
   t = (*f)->FindTensor("i32");
   ASSERT_NE(t, nullptr);
   EXPECT_EQ(t->ggml_type, 26u);

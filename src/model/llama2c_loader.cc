@@ -79,7 +79,10 @@ StatusOr<std::unique_ptr<Model>> Llama2cModelBuilder::Build(const std::string& p
   c.rms_eps = 1e-5f;
   c.rope_theta = 10000.0f;
   c.rope_style = RopeStyle::kAdjacentPairs;
-  Status valid = ValidateModelConfig(c, source);
+  // llama2.c has no separate head size: the heads must split dim exactly.
+  Status valid = n_heads > 0 && dim % n_heads != 0
+                     ? DataLossError(fmt::format("{}: dim ({}) must be a multiple of n_heads ({})", source, dim, n_heads))
+                     : ValidateModelConfig(c, source);
   if (!valid.ok()) {
     return DataLossError(valid.message() + fmt::format(" (header: dim={} hidden_dim={} n_layers={} n_heads={} "
                                                        "n_kv_heads={} vocab_size={} seq_len={})",

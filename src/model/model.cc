@@ -16,6 +16,7 @@ std::string_view ArchName(Arch a) {
   switch (a) {
     case Arch::kLlama: return "llama";
     case Arch::kQwen2: return "qwen2";
+    case Arch::kQwen3: return "qwen3";
   }
   return "unknown";
 }
@@ -27,7 +28,16 @@ bool IsSupportedWeightType(DType t) {
     case DType::kBF16:
     case DType::kQ8_0:
     case DType::kQ4_0:
+    case DType::kQ4_1:
+    case DType::kQ5_0:
+    case DType::kQ5_1:
+    case DType::kQ2_K:
+    case DType::kQ3_K:
     case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K:
+    case DType::kIQ4_NL:
+    case DType::kIQ4_XS:
       return true;
     case DType::kQ8_K:  // activation-side only
       return false;
@@ -35,7 +45,9 @@ bool IsSupportedWeightType(DType t) {
   return false;
 }
 
-std::string_view SupportedWeightTypeNames() { return "f32, f16, bf16, q8_0, q4_0, q4_K"; }
+std::string_view SupportedWeightTypeNames() {
+  return "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs";
+}
 
 Model::~Model() = default;
 
@@ -118,9 +130,12 @@ Status ValidateModelConfig(const ModelConfig& c, const std::string& source) {
       return DataLossError(fmt::format("{}: {} must be positive, found {}", source, f.name, f.value));
     }
   }
-  if (c.dim % c.n_heads != 0 || c.head_dim != c.dim / c.n_heads) {
-    return DataLossError(fmt::format("{}: dim ({}) must be a multiple of n_heads ({}) with head_dim = dim / n_heads",
-                                     source, c.dim, c.n_heads));
+  // Real head sizes are 64..256; the bound keeps hostile key_length values from sizing buffers.
+  constexpr int kMaxHeadDim = 1024;
+  if (c.head_dim <= 0 || c.head_dim > kMaxHeadDim) {
+    return DataLossError(fmt::format("{}: head_dim must be in [1, {}], found {} (attention.key_length, or "
+                                     "embedding_length / head_count = {} / {})",
+                                     source, kMaxHeadDim, c.head_dim, c.dim, c.n_heads));
   }
   if (c.n_heads % c.n_kv_heads != 0) {
     return DataLossError(fmt::format("{}: n_heads ({}) must be a multiple of n_kv_heads ({})", source, c.n_heads,

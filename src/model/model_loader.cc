@@ -29,7 +29,7 @@ bool SameShape(const std::vector<int64_t>& ne, const std::vector<int64_t>& want)
   return true;
 }
 
-constexpr std::string_view kSupportedArchs = "llama (Llama 2/3, TinyLlama, Mistral), qwen2";
+constexpr std::string_view kSupportedArchs = "llama (Llama 2/3, TinyLlama, Mistral), qwen2, qwen3";
 
 }  // namespace
 
@@ -85,6 +85,10 @@ class GgufModelBuilder {
     } else if (arch == "qwen2") {
       config_.arch = Arch::kQwen2;
       config_.rope_style = RopeStyle::kNeox;
+    } else if (arch == "qwen3") {
+      config_.arch = Arch::kQwen3;
+      config_.rope_style = RopeStyle::kNeox;
+      config_.qk_norm = true;
     } else {
       return UnimplementedError(
           fmt::format("{}: unsupported architecture '{}' (general.architecture); supported: {}", source_, arch,
@@ -113,7 +117,17 @@ class GgufModelBuilder {
     StatusOr<double> theta = file_.GetFloatOr(p + "rope.freq_base", 10000.0);
     if (!theta.ok()) return theta.status();
     config_.rope_theta = static_cast<float>(*theta);
-    config_.head_dim = config_.dim / config_.n_heads;
+    // Head size: attention.key_length where present (Qwen3, Gemma: n_heads * head_dim != dim),
+    // else embedding_length / head_count. V must have the same size (value_length).
+    if (file_.Find(p + "attention.key_length") != nullptr) {
+      KVS_ASSIGN_OR_RETURN(config_.head_dim, RequiredCount(p + "attention.key_length"));
+    } else if (config_.dim % config_.n_heads == 0) {
+      config_.head_dim = config_.dim / config_.n_heads;
+    } else {
+      return DataLossError(fmt::format("{}: embedding_length {} is not a multiple of head_count {} and '{}attention."
+                                       "key_length' is missing, so the head size is unknown",
+                                       source_, config_.dim, config_.n_heads, p));
+    }
 
     // n_vocab comes from the embedding's shape; everything else is validated against the config.
     // Checking ne[0] here also bounds dim by the file's size before anything is sized by it.
@@ -128,13 +142,12 @@ class GgufModelBuilder {
     KVS_RETURN_IF_ERROR(ValidateModelConfig(config_, source_));
 
     // Features we do not implement must fail loudly rather than compute garbage.
-    for (const char* key : {"attention.key_length", "attention.value_length"}) {
-      if (file_.Find(p + key) == nullptr) continue;
-      KVS_ASSIGN_OR_RETURN(const int length, RequiredCount(p + key));
-      if (length != config_.head_dim) {
-        return UnimplementedError(fmt::format("{}: '{}{}' = {} differs from embedding_length / head_count = {}; "
-                                              "decoupled head sizes are not supported",
-                                              source_, p, key, length, config_.head_dim));
+    if (file_.Find(p + "attention.value_length") != nullptr) {
+      KVS_ASSIGN_OR_RETURN(const int value_length, RequiredCount(p + "attention.value_length"));
+      if (value_length != config_.head_dim) {
+        return UnimplementedError(fmt::format("{}: '{}attention.value_length' = {} differs from the key head size {}; "
+                                              "different K and V head sizes are not supported",
+                                              source_, p, value_length, config_.head_dim));
       }
     }
     if (file_.Find(p + "rope.dimension_count") != nullptr) {
@@ -276,6 +289,10 @@ class GgufModelBuilder {
       KVS_ASSIGN_OR_RETURN(l.wk, Matrix(b + "attn_k.weight", kv_dim, dim));
       KVS_ASSIGN_OR_RETURN(l.wv, Matrix(b + "attn_v.weight", kv_dim, dim));
       KVS_ASSIGN_OR_RETURN(l.wo, Matrix(b + "attn_output.weight", dim, q_dim));
+      if (config_.qk_norm) {
+        KVS_ASSIGN_OR_RETURN(l.q_norm, Vector(b + "attn_q_norm.weight", config_.head_dim));
+        KVS_ASSIGN_OR_RETURN(l.k_norm, Vector(b + "attn_k_norm.weight", config_.head_dim));
+      }
       KVS_ASSIGN_OR_RETURN(l.ffn_norm, Vector(b + "ffn_norm.weight", dim));
       KVS_ASSIGN_OR_RETURN(l.w_gate, Matrix(b + "ffn_gate.weight", hidden, dim));
       KVS_ASSIGN_OR_RETURN(l.w_up, Matrix(b + "ffn_up.weight", hidden, dim));

@@ -201,17 +201,44 @@ TEST(ModelLoaderError, WrongShapeNamesExpectedAndFound) {
 
 TEST(ModelLoaderError, UnsupportedTensorTypeIsNamed) {
   TinyModelSpec spec;
-  spec.dim = 256;  // Q5_K rows are 256-element blocks
+  spec.dim = 256;  // IQ2_XXS rows are 256-element blocks
   spec.hidden_dim = 256;
   spec.retype_tensor = "blk.0.ffn_down.weight";
-  spec.retype_id = 13;  // q5_K
-  auto model = LoadSpec(spec, "err_q5k.gguf");
+  spec.retype_id = 16;  // iq2_xxs: a real ggml type kvsparse does not compute with
+  auto model = LoadSpec(spec, "err_iq2xxs.gguf");
   ASSERT_FALSE(model.ok());
   const std::string& m = model.status().message();
   EXPECT_EQ(model.status().code(), StatusCode::kUnimplemented);
   EXPECT_TRUE(Contains(m, "'blk.0.ffn_down.weight'")) << m;
-  EXPECT_TRUE(Contains(m, "q5_k")) << m;
-  EXPECT_TRUE(Contains(m, "q4_K")) << m;  // lists the supported types
+  EXPECT_TRUE(Contains(m, "iq2_xxs")) << m;
+  EXPECT_TRUE(Contains(m, "q6_K")) << m;  // lists the supported types
+}
+
+TEST(ModelLoaderError, HeadSizesAreCheckedAgainstTheFile) {
+  {  // A hostile key_length is refused before anything is sized by it.
+    TinyModelSpec spec;
+    spec.extra_metadata = [](GgufWriter& w) { w.SetU32("llama.attention.key_length", 1u << 30); };
+    auto model = LoadSpec(spec, "err_key_length.gguf");
+    ASSERT_FALSE(model.ok());
+    EXPECT_EQ(model.status().code(), StatusCode::kDataLoss);
+    EXPECT_TRUE(Contains(model.status().message(), "head_dim must be in")) << model.status().message();
+  }
+  {  // A key_length the tensors do not have: the Q projection's shape is named.
+    TinyModelSpec spec;
+    spec.extra_metadata = [](GgufWriter& w) { w.SetU32("llama.attention.key_length", 32); };
+    auto model = LoadSpec(spec, "err_key_length_shape.gguf");
+    ASSERT_FALSE(model.ok());
+    EXPECT_TRUE(Contains(model.status().message(), "attn_q.weight")) << model.status().message();
+  }
+  {  // K and V head sizes must agree.
+    TinyModelSpec spec;
+    spec.head_dim = 16;
+    spec.extra_metadata = [](GgufWriter& w) { w.SetU32("llama.attention.value_length", 32); };
+    auto model = LoadSpec(spec, "err_value_length.gguf");
+    ASSERT_FALSE(model.ok());
+    EXPECT_EQ(model.status().code(), StatusCode::kUnimplemented);
+    EXPECT_TRUE(Contains(model.status().message(), "value_length")) << model.status().message();
+  }
 }
 
 TEST(ModelLoaderError, UnknownArchitectureListsSupportedOnes) {

@@ -16,6 +16,7 @@
 #include "kvsparse/gguf.h"
 #include "kvsparse/model.h"
 #include "kvsparse/ops.h"
+#include "kvsparse/quant_mix.h"
 #include "model/model_loader.h"
 
 namespace kvsparse {
@@ -39,6 +40,11 @@ SynthShape Shape(std::string name, std::string arch, int n_vocab, int dim, int h
   s.tied_output = tied;
   s.qkv_bias = bias;
   s.rope_llama3_factor = llama3_factor;
+  return s;
+}
+
+SynthShape WithHeadDim(SynthShape s, int head_dim) {
+  s.head_dim = head_dim;
   return s;
 }
 
@@ -70,19 +76,6 @@ void UniformRow(uint64_t stream, int64_t row, float center, float half_width, fl
   }
 }
 
-// llama.cpp's general.file_type (llama_ftype) for a uniform weight type.
-uint32_t FileType(DType t) {
-  switch (t) {
-    case DType::kF32: return 0;
-    case DType::kF16: return 1;
-    case DType::kQ4_0: return 2;
-    case DType::kQ8_0: return 7;
-    case DType::kQ4_K: return 14;  // Q4_K_S: every matrix q4_k
-    case DType::kBF16: return 32;
-    default: return 0;
-  }
-}
-
 // Per-frequency divisors of llama3 RoPE scaling, as llama.cpp's converter writes them
 // into rope_freqs.weight: long wavelengths are slowed by `factor`, short ones kept, and
 // the band between interpolated smoothly.
@@ -104,15 +97,6 @@ std::vector<float> Llama3RopeFactors(int64_t head_dim, float theta, float factor
     factors[static_cast<size_t>(i)] = static_cast<float>(f);
   }
   return factors;
-}
-
-// Type used for a matrix with `cols` inputs: the requested one when its block divides the
-// row, else (like llama.cpp's quantizer) q8_0, f16 or f32.
-DType MatrixType(DType wanted, int64_t cols) {
-  for (DType t : {wanted, DType::kQ8_0, DType::kF16}) {
-    if (cols % DTypeBlockSize(t) == 0) return t;
-  }
-  return DType::kF32;
 }
 
 // A generated SentencePiece-style vocab: <unk> <s> </s>, 256 byte tokens, then unique
@@ -183,7 +167,9 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
   auto bad = [&](const std::string& what) {
     return InvalidArgumentError("synth shape '" + s.name + "': " + what);
   };
-  if (s.arch != "llama" && s.arch != "qwen2") return bad("arch must be llama or qwen2, found '" + s.arch + "'");
+  if (s.arch != "llama" && s.arch != "qwen2" && s.arch != "qwen3") {
+    return bad("arch must be llama, qwen2 or qwen3, found '" + s.arch + "'");
+  }
   // The checks every loaded model passes, so synth never writes a file the loader refuses.
   ModelConfig c;
   c.n_vocab = s.n_vocab;
@@ -192,7 +178,7 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
   c.n_layers = n_layers;
   c.n_heads = s.n_heads;
   c.n_kv_heads = s.n_kv_heads;
-  c.head_dim = s.n_heads > 0 ? s.dim / s.n_heads : 0;
+  c.head_dim = s.head_dim > 0 ? s.head_dim : s.n_heads > 0 ? s.dim / s.n_heads : 0;
   c.max_context = s.context;
   c.rms_eps = s.rms_eps;
   c.rope_theta = s.rope_theta;
@@ -215,6 +201,7 @@ const std::vector<SynthShape>& SynthShapes() {
       Shape("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 131072, 500000.0f, 1e-5f, true, false, 32.0f),
       Shape("qwen2.5-0.5b", "qwen2", 151936, 896, 4864, 24, 14, 2, 32768, 1000000.0f, 1e-6f, true, true),
       Shape("llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 131072, 500000.0f, 1e-5f, false, false, 8.0f),
+      WithHeadDim(Shape("qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 40960, 1000000.0f, 1e-6f, true, false), 128),
       // Tiny shapes for tests (seconds to write, milliseconds to run).
       Shape("tiny-llama", "llama", 512, 64, 160, 2, 4, 4, 256, 10000.0f, 1e-5f, false, false),
       Shape("tiny-qwen2", "qwen2", 512, 64, 128, 2, 4, 2, 256, 1000000.0f, 1e-6f, true, true),
@@ -222,6 +209,11 @@ const std::vector<SynthShape>& SynthShapes() {
       Shape("tiny-gqa-untied", "llama", 512, 128, 256, 3, 8, 2, 512, 10000.0f, 1e-5f, false, false, 8.0f),
       // Every row a multiple of 256, so q4_k applies to every matrix without fallback.
       Shape("tiny-llama-256", "llama", 1024, 256, 512, 2, 4, 2, 512, 10000.0f, 1e-5f, false, false),
+      // For llama-quantize mixes: rows of 256 take K-quants, ffn_down's 640-wide rows (2.5 super-blocks)
+      // take the 32-element fallbacks; 8 layers spread attn_v / ffn_down over the mixes' layer rules.
+      Shape("tiny-mix", "llama", 1024, 256, 640, 8, 4, 1, 1024, 10000.0f, 1e-5f, false, false),
+      // Qwen3's features at test size: Q/K norms, no biases, 8 heads of 64 over a 256-wide residual.
+      WithHeadDim(Shape("tiny-qwen3", "qwen3", 1024, 256, 768, 4, 8, 2, 1024, 1000000.0f, 1e-6f, true, false), 64),
   };
   return shapes;
 }
@@ -238,13 +230,19 @@ StatusOr<SynthShape> FindSynthShape(std::string_view name) {
 Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, const std::string& out_path) {
   const int n_layers = options.n_layers_override > 0 ? options.n_layers_override : shape.n_layers;
   KVS_RETURN_IF_ERROR(ValidateShape(shape, n_layers));
-  if (!IsSupportedWeightType(options.weight_type)) {
-    return InvalidArgumentError("synth weight type must be one of " + std::string(SupportedWeightTypeNames()) +
-                                ", found " + std::string(DTypeName(options.weight_type)));
+  QuantMix mix;
+  if (!options.mix.empty()) {
+    KVS_ASSIGN_OR_RETURN(mix, FindQuantMix(options.mix));
+  } else {
+    if (!IsSupportedWeightType(options.weight_type)) {
+      return InvalidArgumentError("synth weight type must be one of " + std::string(SupportedWeightTypeNames()) +
+                                  ", found " + std::string(DTypeName(options.weight_type)));
+    }
+    mix = PureQuantMix(options.weight_type);
   }
   const std::string& arch = shape.arch;
   const int64_t dim = shape.dim;
-  const int64_t head_dim = shape.dim / shape.n_heads;
+  const int64_t head_dim = shape.head_dim > 0 ? shape.head_dim : shape.dim / shape.n_heads;
   const int64_t q_dim = shape.n_heads * head_dim;
   const int64_t kv_dim = shape.n_kv_heads * head_dim;
   const int64_t hidden = shape.hidden_dim;
@@ -253,7 +251,7 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
   GgufWriter w;
   w.SetString("general.architecture", arch);
   w.SetString("general.name", shape.name + " (synthetic random weights)");
-  w.SetU32("general.file_type", FileType(options.weight_type));
+  w.SetU32("general.file_type", mix.file_type);
   w.SetU32(arch + ".context_length", static_cast<uint32_t>(shape.context));
   w.SetU32(arch + ".embedding_length", static_cast<uint32_t>(dim));
   w.SetU32(arch + ".block_count", static_cast<uint32_t>(n_layers));
@@ -263,6 +261,10 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
   w.SetF32(arch + ".attention.layer_norm_rms_epsilon", shape.rms_eps);
   w.SetF32(arch + ".rope.freq_base", shape.rope_theta);
   w.SetU32(arch + ".rope.dimension_count", static_cast<uint32_t>(head_dim));
+  if (shape.head_dim > 0) {
+    w.SetU32(arch + ".attention.key_length", static_cast<uint32_t>(head_dim));
+    w.SetU32(arch + ".attention.value_length", static_cast<uint32_t>(head_dim));
+  }
   w.SetU32(arch + ".vocab_size", static_cast<uint32_t>(n_vocab));
 
   if (!options.vocab_gguf.empty()) {
@@ -277,8 +279,14 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
 
   // A [rows, cols] matrix (GGUF ne = {cols, rows}) with uniform values of std 1/sqrt(cols),
   // so y = W x keeps the scale of a unit-RMS input.
+  MixTensor mix_tensor;
+  mix_tensor.n_layers = n_layers;
+  mix_tensor.model_has_output = !shape.tied_output;
+  mix_tensor.n_gqa = shape.n_heads / shape.n_kv_heads;
   auto add_matrix = [&](const std::string& name, int64_t rows, int64_t cols) {
-    const DType type = MatrixType(options.weight_type, cols);
+    mix_tensor.name = name;
+    mix_tensor.cols = cols;
+    const DType type = MixTensorType(mix, mix_tensor);
     const uint64_t stream = next_stream();
     const float half_width = std::sqrt(3.0f / static_cast<float>(cols));
     w.AddTensor(name, type, {cols, rows}, [=](void* dst, size_t nbytes) {
@@ -318,6 +326,7 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
   if (!shape.tied_output) add_matrix("output.weight", n_vocab, dim);
   for (int l = 0; l < n_layers; ++l) {
     const std::string b = "blk." + std::to_string(l) + ".";
+    mix_tensor.layer = l;
     add_vector(b + "attn_norm.weight", dim, 1.0f, 0.05f);
     add_matrix(b + "attn_q.weight", q_dim, dim);
     add_matrix(b + "attn_k.weight", kv_dim, dim);
@@ -328,6 +337,10 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
       add_vector(b + "attn_v.bias", kv_dim, 0.0f, 0.1f);
     }
     add_matrix(b + "attn_output.weight", dim, q_dim);
+    if (arch == "qwen3") {
+      add_vector(b + "attn_q_norm.weight", head_dim, 1.0f, 0.05f);
+      add_vector(b + "attn_k_norm.weight", head_dim, 1.0f, 0.05f);
+    }
     add_vector(b + "ffn_norm.weight", dim, 1.0f, 0.05f);
     add_matrix(b + "ffn_gate.weight", hidden, dim);
     add_matrix(b + "ffn_up.weight", hidden, dim);

@@ -44,7 +44,7 @@ void CheckModel(const GgufFile& f, const SynthShape& s, DType weight_type, int n
   EXPECT_EQ(f.GetUInt(a + "attention.head_count_kv").value(), static_cast<uint64_t>(s.n_kv_heads));
   EXPECT_FLOAT_EQ(static_cast<float>(f.GetFloat(a + "attention.layer_norm_rms_epsilon").value()), s.rms_eps);
   EXPECT_FLOAT_EQ(static_cast<float>(f.GetFloat(a + "rope.freq_base").value()), s.rope_theta);
-  const int64_t hd = s.dim / s.n_heads;
+  const int64_t hd = s.head_dim > 0 ? s.head_dim : s.dim / s.n_heads;
   EXPECT_EQ(f.GetUInt(a + "rope.dimension_count").value(), static_cast<uint64_t>(hd));
   EXPECT_EQ(f.GetUInt(a + "vocab_size").value(), static_cast<uint64_t>(s.n_vocab));
   EXPECT_EQ(f.GetStringArray("tokenizer.ggml.tokens").value()->size(), static_cast<size_t>(s.n_vocab));
@@ -59,7 +59,7 @@ void CheckModel(const GgufFile& f, const SynthShape& s, DType weight_type, int n
   } else {
     ExpectTensor(f, "output.weight", {s.dim, s.n_vocab}, wt(s.dim));
   }
-  size_t per_layer = s.qkv_bias ? 12 : 9;
+  size_t per_layer = s.qkv_bias ? 12 : s.arch == "qwen3" ? 11 : 9;
   const bool llama3_rope = s.rope_llama3_factor > 0;
   EXPECT_EQ(f.tensors().size(), 2 + (s.tied_output ? 0 : 1) + (llama3_rope ? 1 : 0) + per_layer * n_layers);
   if (llama3_rope) {

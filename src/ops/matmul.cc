@@ -33,6 +33,15 @@ const Kernel* KernelFor(DType type) {
     case DType::kQ8_0: return &KernelQ8_0();
     case DType::kQ4_0: return &KernelQ4_0();
     case DType::kQ4_K: return &KernelQ4_K();
+    case DType::kQ4_1: return &KernelQ4_1();
+    case DType::kQ5_0: return &KernelQ5_0();
+    case DType::kQ5_1: return &KernelQ5_1();
+    case DType::kQ2_K: return &KernelQ2_K();
+    case DType::kQ3_K: return &KernelQ3_K();
+    case DType::kQ5_K: return &KernelQ5_K();
+    case DType::kQ6_K: return &KernelQ6_K();
+    case DType::kIQ4_NL: return &KernelIQ4_NL();
+    case DType::kIQ4_XS: return &KernelIQ4_XS();
     case DType::kF32: return &KernelF32();
     case DType::kF16: return &KernelF16();
     case DType::kBF16: return &KernelBF16();

@@ -69,7 +69,13 @@ Buffer RandomWeights(DType type, int64_t rows, int64_t cols, uint32_t seed) {
     case DType::kF32:
       for (size_t i = 0; i < bytes / 4; ++i) reinterpret_cast<float*>(p)[i] = (i % 17) * 0.01f - 0.08f;
       break;
-    case DType::kQ8_K: break;
+    default: {
+      // Other block types: quantize a pattern row by row (slower, but only once per benchmark).
+      std::vector<float> row(static_cast<size_t>(cols));
+      for (int64_t c = 0; c < cols; ++c) row[c] = static_cast<float>((c * 7 + seed) % 23) * 0.01f - 0.11f;
+      for (int64_t r = 0; r < rows; ++r) ref::QuantizeRow(type, row.data(), p + r * DTypeRowBytes(type, cols), cols);
+      break;
+    }
   }
   return buf;
 }
@@ -131,6 +137,15 @@ void BM_Gemm(benchmark::State& state, DType type) {
 KVS_MATVEC(q8_0, DType::kQ8_0);
 KVS_MATVEC(q4_0, DType::kQ4_0);
 KVS_MATVEC(q4_K, DType::kQ4_K);
+KVS_MATVEC(q4_1, DType::kQ4_1);
+KVS_MATVEC(q5_0, DType::kQ5_0);
+KVS_MATVEC(q5_1, DType::kQ5_1);
+KVS_MATVEC(q2_K, DType::kQ2_K);
+KVS_MATVEC(q3_K, DType::kQ3_K);
+KVS_MATVEC(q5_K, DType::kQ5_K);
+KVS_MATVEC(q6_K, DType::kQ6_K);
+KVS_MATVEC(iq4_nl, DType::kIQ4_NL);
+KVS_MATVEC(iq4_xs, DType::kIQ4_XS);
 KVS_MATVEC(f16, DType::kF16);
 KVS_MATVEC(bf16, DType::kBF16);
 KVS_MATVEC(f32, DType::kF32);
@@ -155,6 +170,15 @@ BENCHMARK_CAPTURE(BM_Gemm, q8_0, DType::kQ8_0)
       ->UseRealTime()
 KVS_GEMM(q4_0, DType::kQ4_0);
 KVS_GEMM(q4_K, DType::kQ4_K);
+KVS_GEMM(q4_1, DType::kQ4_1);
+KVS_GEMM(q5_0, DType::kQ5_0);
+KVS_GEMM(q5_1, DType::kQ5_1);
+KVS_GEMM(q2_K, DType::kQ2_K);
+KVS_GEMM(q3_K, DType::kQ3_K);
+KVS_GEMM(q5_K, DType::kQ5_K);
+KVS_GEMM(q6_K, DType::kQ6_K);
+KVS_GEMM(iq4_nl, DType::kIQ4_NL);
+KVS_GEMM(iq4_xs, DType::kIQ4_XS);
 KVS_GEMM(f16, DType::kF16);
 KVS_GEMM(bf16, DType::kBF16);
 KVS_GEMM(f32, DType::kF32);

@@ -1,17 +1,32 @@
-// Tile steps of the weight types multiplied against packed Q8_0 activations (packed_q8.h): Q8_0
-// and Q4_0, compiled once per kernel family. Include it inside a family region (see
-// simd_family.h), after matmul_tile-inl.h and packed_q8-inl.h.
+// Tile steps of the 32-element weight types multiplied against packed Q8_0 activations
+// (packed_q8.h): Q8_0, Q4_0, Q5_0, IQ4_NL and, with a min, Q4_1 and Q5_1. Compiled once per
+// kernel family. Include it inside a family region (see simd_family.h), after matmul_tile-inl.h
+// and packed_q8-inl.h.
 //
-// A weight type supplies its block arithmetic as `B` (matmul_q8_0.cc, matmul_q4_0.cc):
+// A weight type supplies its block arithmetic as `B` (matmul_q8_0.cc, matmul_q4_0.cc, ...):
 //   using Block;                    // the GGUF weight block (32 elements, f16 scale d)
 //   kOffset, kOrder                 // the packed activations' weight bias and element order
-//   avx512: Load(b0, b1)            // a step's 64 weights as (w + kOffset) u8, in kOrder
-//           DotCompact(b0, b1, xq)  // int32 lane dots of the signed weights with compact-layout xq
+//   kHasMin (optional, default off) // value = d * q + m with unsigned q: Block has an f16 m
+//   avx512: Load(b0, b1)            // a step's 64 weights as (q + kOffset) u8, in kOrder
+//           DotCompact(b0, b1, xq)  // int32 lane dots of the codes q with compact-layout xq
 //   avx2:   Load(b)                 // a block's 32 weights as Dot takes them
 //           Dot(w, xq, init)        // int32 lane dots, starting from the packed `init`
-//   scalar: Dot(b, xq)              // the block's exact integer dot with xq[32]
-// and PackedQ8Kernel<B>::Make() builds its Kernel: the step loop, decode strips, reductions and packing
-// are shared.
+//   scalar: Dot(b, xq)              // the block's exact integer dot of the codes q with xq[32]
+// and PackedQ8Kernel<B>::Make() builds its Kernel: the step loop, decode strips, reductions and
+// packing are shared.
+//
+// With a min, a block's dot with one Q8_0 activation block (scale d_x, codes x) is
+//   d * d_x * sum q_i x_i  +  m * s,   s = d_x * sum x_i
+// (ggml pairs these types with Q8_1 activations, whose f16 s is computed here exactly in f32 and
+// packed per block after the token's steps). The block steps compute the first term as for any
+// type (kOffset 0, so init is 0). The second is a small f32 product of the rows' mins (picked out
+// of their blocks, kLanes blocks per vector) with the tokens' block sums, added to the same
+// accumulators after the steps: one multiply-add per (row, token) and kLanes blocks, where folding
+// it into the steps took one per 2 blocks (avx512: 0.75x of Q4_0 in prefill, registers spilled).
+//
+// The nibble layout shared by Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL (element e < 16 is the low
+// nibble of qs[e], e >= 16 the high nibble of qs[e - 16]; Q5's fifth bit of e is bit e of the
+// little-endian uint32 qh) has its loads here too.
 #if defined(KVS_OPS_MATMUL_PACKED_Q8_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KVS_OPS_MATMUL_PACKED_Q8_INL_H_
 #undef KVS_OPS_MATMUL_PACKED_Q8_INL_H_
@@ -20,6 +35,79 @@
 #endif
 
 namespace kvsparse::matmul::HWY_NAMESPACE {
+
+// Whether weight type B declares a min (value = d * q + m).
+template <class B>
+concept WeightsWithMin = B::kHasMin;
+
+// Q5's little-endian qh as one word (the byte assembly compiles to one load).
+inline uint32_t FifthBitWord(const uint8_t* qh) {
+  return qh[0] | static_cast<uint32_t>(qh[1]) << 8 | static_cast<uint32_t>(qh[2]) << 16 |
+         static_cast<uint32_t>(qh[3]) << 24;
+}
+
+#if KVS_ISA_AVX512
+// Two blocks' nibbles in Q8Order::kQ4NibbleHalves, which falls straight out of the nibble split:
+// [b0 e0-15 | b1 e0-15 | b0 e16-31 | b1 e16-31], so int32 lanes 0-3, 8-11 are block 0 and 4-7,
+// 12-15 block 1.
+inline __m512i NibblesOfPair(const uint8_t* qs0, const uint8_t* qs1) {
+  const __m256i packed = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs1)),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs0)));
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
+  // Upper 256 bits take the high nibbles.
+  return _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), _mm512_set1_epi8(0x0F));
+}
+// Two Q5 blocks' 5-bit codes (0..31) in natural order [b0 e0-31 | b1 e0-31]: the nibbles from the
+// 128-bit lanes [qs0, qs0, qs1, qs1] (the odd ones shifted to their high nibbles), as cheap as
+// Q4_0's order, and the fifth bits from the byte mask [qh0 | qh1] as it stands.
+inline __m512i Q5CodesOfPair(const uint8_t* qs0, const uint8_t* qh0, const uint8_t* qs1, const uint8_t* qh1) {
+  const __m512i packed = _mm512_castsi256_si512(_mm256_set_m128i(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs1)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs0))));
+  const __m512i doubled = _mm512_shuffle_i64x2(packed, packed, _MM_SHUFFLE(1, 1, 0, 0));
+  const __m512i shifted = _mm512_mask_srli_epi16(doubled, 0xFF00FF00u, doubled, 4);
+  const __mmask64 fifth_bits =
+      _mm512_kunpackd(_cvtu32_mask32(FifthBitWord(qh1)), _cvtu32_mask32(FifthBitWord(qh0)));
+  const __m512i sixteens = _mm512_maskz_mov_epi8(fifth_bits, _mm512_set1_epi8(16));
+  // (shifted & 0x0F) | sixteens
+  return _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi8(0x0F), sixteens, 0xEA);
+}
+// The signed dot of weights fed as (q + offset) u8: dot(q + offset, x) - offset * dot(1, x).
+inline __m512i UnbiasedDot(__m512i biased_w, __m512i xq, int offset) {
+  const __m512i zero = _mm512_setzero_si512();
+  return _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, biased_w, xq),
+                          _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(static_cast<char>(offset)), xq));
+}
+#elif KVS_ISA_AVX2
+// A block's nibbles in natural order: [e0-15 low nibbles | e16-31 high nibbles].
+inline __m256i Nibbles(const uint8_t* qs) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+}
+// A Q5 block's 5-bit codes (0..31): byte e takes 16 where bit e of qh is set (each byte picks its
+// qh byte, keeps its own bit, compares).
+inline __m256i Q5Codes(const uint8_t* qs, const uint8_t* qh) {
+  const __m256i qh_byte_of_e = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                                                  0x0303030303030303);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(FifthBitWord(qh))), qh_byte_of_e);
+  const __m256i all_but_own_bit = _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE);
+  const __m256i bit_set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, all_but_own_bit), _mm256_set1_epi64x(-1));
+  return _mm256_or_si256(Nibbles(qs), _mm256_and_si256(bit_set, _mm256_set1_epi8(16)));
+}
+// u8 x s8 lane dots from `init`; exact while each product pair fits int16 (q <= 128).
+inline __m256i UnsignedDot(__m256i w, __m256i xq, __m256i init) {
+  return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1)));
+}
+// The sign trick for signed weights: |w| times x carrying w's sign keeps maddubs' pairs in int16.
+inline __m256i SignedDot(__m256i w, __m256i xq) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#else
+inline int NibbleAt(const uint8_t* qs, int e) { return e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4; }
+inline int Q5CodeAt(const uint8_t* qs, const uint8_t* qh, int e) {
+  return NibbleAt(qs, e) | static_cast<int>((FifthBitWord(qh) >> e) & 1) << 4;
+}
+#endif
 
 #if KVS_ISA_AVX512
 // The 32-bit lanes of an f16 scale pair [d0 x 16 | d1 x 16] that take d1 (each holds the f16s of
@@ -36,6 +124,9 @@ struct PackedQ8Steps {
   using Block = typename B::Block;
   static constexpr int kBlockElems = 32;
   static constexpr bool kPairBlocks = kStepBlocks == 2;
+  static constexpr bool kHasMin = WeightsWithMin<B>;
+  // With a min the weights need no bias: the min terms take the place of ggml's Q8_1 sums.
+  static_assert(!kHasMin || B::kOffset == 0);
 
   static const Block* RowBlocks(const TileArgs& a, int r) {
     return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
@@ -56,6 +147,56 @@ struct PackedQ8Steps {
     return _mm512_setr_epi32(j(0), j(1), j(2), j(3), j(4), j(5), j(6), j(7), j(8), j(9), j(10), j(11), j(12), j(13),
                              j(14), j(15));
   }
+  // Where the f16 mins of 16 consecutive blocks lie in their bytes, read as 3 pairs of 64-byte
+  // vectors (16 dwords each): per pair, the dword (its high half is the m) each output lane takes
+  // (bit 4 picks the pair's second vector), and the output lanes it serves.
+  struct MinDwords {
+    int32_t index[3][16];
+    uint32_t lanes[3];
+  };
+  static constexpr MinDwords FindMinDwords() {
+    MinDwords dwords{};
+    for (int k = 0; k < kLanes; ++k) {
+      const int dword = static_cast<int>((k * sizeof(Block) + offsetof(Block, m)) / 4);
+      dwords.index[dword / 32][k] = dword % 32;
+      dwords.lanes[dword / 32] |= 1u << k;
+    }
+    return dwords;
+  }
+  static constexpr MinDwords kMinDwords = FindMinDwords();
+
+  // The mins of blocks[0..15] as f32: the blocks' bytes in vector loads, the dwords holding the m's
+  // picked out by dword permutes (single uops, unlike word permutes; a gather costs several times
+  // more). kTail: only the first `count` blocks are read (masked loads, never past the row's end);
+  // the others' mins come out 0.
+  template <bool kTail = false>
+  static __m512 Mins(const Block* blocks, int64_t count = kLanes) {
+    constexpr int kBytes = kLanes * sizeof(Block);
+    static_assert(kBytes <= 6 * 64 && sizeof(Block) % 4 == 0 && offsetof(Block, m) % 4 == 2);
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(blocks);
+    __m512i v[6];
+    for (int i = 0; i < 6; ++i) {
+      if (64 * i >= kBytes) {
+        v[i] = _mm512_setzero_si512();
+      } else if constexpr (kTail) {
+        const int64_t left = count * static_cast<int64_t>(sizeof(Block)) - 64 * i;
+        const uint32_t n = static_cast<uint32_t>(left <= 0 ? 0 : left >= 64 ? 64 : left);
+        v[i] = _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, n), bytes + 64 * i);
+      } else {
+        v[i] = _mm512_loadu_si512(bytes + 64 * i);
+      }
+    }
+    __m512i dwords = _mm512_setzero_si512();
+    for (int pair = 0; pair < 3; ++pair) {
+      if (kMinDwords.lanes[pair] == 0) continue;
+      const __m512i index = _mm512_loadu_si512(kMinDwords.index[pair]);
+      dwords = _mm512_mask_blend_epi32(static_cast<__mmask16>(kMinDwords.lanes[pair]), dwords,
+                                       _mm512_permutex2var_epi32(v[2 * pair], index, v[2 * pair + 1]));
+    }
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dwords, 16)));
+  }
+  static __m512 LoadSums(const float* sums) { return _mm512_load_ps(sums); }
+  static __m512 MulAdd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 
   template <int R, int T>
   static inline void Step(const TileArgs& a, int64_t s, int64_t b0, int64_t b1, AccF (&acc)[R][T]) {
@@ -88,11 +229,13 @@ struct PackedQ8Steps {
   //  - full layout (kCompact = false): the packed `init` cancels the weight bias, the packed
   //    per-lane scales are used directly;
   //  - compact layout: B's signed dot, scales expanded per step.
+  // With a min, the min terms follow in a second loop over the row (in L1 by then).
   template <bool kCompact>
   __attribute__((noinline)) static float DotRowOneToken(const Block* blocks, int64_t n_blocks, const uint8_t* x) {
     const __m512i spread = CompactSpread();
-    const int64_t n_steps = PackedSteps(n_blocks * kBlockElems);
-    const float* compact_scales = CompactQ8Scales(x, n_blocks * kBlockElems);
+    const int64_t cols = n_blocks * kBlockElems;
+    const int64_t n_steps = PackedSteps(cols);
+    const float* compact_scales = CompactQ8Scales(x, cols);
     // Two accumulators: one FMA chain would cap a row at one step per FMA latency.
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     auto accumulate = [&](const Block& b0, const Block& b1, int64_t step, __m512& sum) {
@@ -120,6 +263,17 @@ struct PackedQ8Steps {
     if (p < n_pairs) accumulate(blocks[2 * p], blocks[2 * p + 1], p, acc[0]);
     if (n_pairs < n_steps) {  // odd tail: the block doubles as its own partner; its padded scale is 0
       accumulate(blocks[n_blocks - 1], blocks[n_blocks - 1], n_pairs, acc[1]);
+    }
+    if constexpr (kHasMin) {
+      const float* sums =
+          reinterpret_cast<const float*>(x + (kCompact ? CompactBlockSumsOffset(cols) : PackedBlockSumsOffset(cols)));
+      int64_t b = 0;
+      for (; b + kLanes <= n_blocks; b += kLanes) {
+        acc[0] = _mm512_fmadd_ps(Mins(blocks + b), _mm512_load_ps(sums + b), acc[0]);
+      }
+      if (b < n_blocks) {
+        acc[1] = _mm512_fmadd_ps(Mins<true>(blocks + b, n_blocks - b), _mm512_load_ps(sums + b), acc[1]);
+      }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
   }
@@ -157,6 +311,26 @@ struct PackedQ8Steps {
       }
     }
   }
+
+  // The mins of blocks[0..7] as f32 (kTail: 0 from `count` on), by word inserts: a gather is
+  // slower on many AVX2 CPUs (most of all with Intel's gather-data-sampling fix), and stores to
+  // an array read back as a vector would stall on store forwarding.
+  template <bool kTail = false>
+  static __m256 Mins(const Block* blocks, int64_t count = kLanes) {
+    __m128i words = _mm_setzero_si128();
+    if constexpr (kTail) {
+      // Inserts at variable lanes: a shift per block, rare (the row's last few blocks).
+      for (int64_t k = count - 1; k >= 0; --k) words = _mm_insert_epi16(_mm_slli_si128(words, 2), blocks[k].m, 0);
+    } else {
+      words = _mm_setr_epi16(static_cast<short>(blocks[0].m), static_cast<short>(blocks[1].m),
+                             static_cast<short>(blocks[2].m), static_cast<short>(blocks[3].m),
+                             static_cast<short>(blocks[4].m), static_cast<short>(blocks[5].m),
+                             static_cast<short>(blocks[6].m), static_cast<short>(blocks[7].m));
+    }
+    return _mm256_cvtph_ps(words);
+  }
+  static __m256 LoadSums(const float* sums) { return _mm256_load_ps(sums); }
+  static __m256 MulAdd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 #else
   // One step = 1 block; exact integer block dots.
   template <int R, int T>
@@ -172,21 +346,88 @@ struct PackedQ8Steps {
     }
   }
 #endif
+
+  // acc[r][t] += sum over the row's blocks b of m_rb * s_tb (the min terms, see above), after the
+  // block steps, which thus keep their registers.
+  template <int R, int T>
+  static void AddMinTerms(const TileArgs& a, AccF (&acc)[R][T]) {
+    const int64_t n_blocks = a.cols / kBlockElems;
+    const float* sums[T];
+    for (int t = 0; t < T; ++t) {
+      sums[t] = reinterpret_cast<const float*>(a.x + t * a.x_token_bytes + PackedBlockSumsOffset(a.cols));
+    }
+#if KVS_ISA_SCALAR
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      for (int r = 0; r < R; ++r) {
+        const float m = F16ToF32(RowBlocks(a, r)[b].m);
+        for (int t = 0; t < T; ++t) acc[r][t] += m * sums[t][b];
+      }
+    }
+#else
+    // A row at a time: its mins take few registers beside the sums. The tail has a step of its
+    // own, which keeps the loop free of branches (and GCC's stores of acc out of it).
+    auto add_group = [&]<bool kTail>(int64_t b) {
+      AccF s[T];
+      for (int t = 0; t < T; ++t) s[t] = LoadSums(sums[t] + b);
+      for (int r = 0; r < R; ++r) {
+        const AccF mins = Mins<kTail>(RowBlocks(a, r) + b, n_blocks - b);
+        for (int t = 0; t < T; ++t) acc[r][t] = MulAdd(mins, s[t], acc[r][t]);
+      }
+    };
+    int64_t b = 0;
+    for (; b + kLanes <= n_blocks; b += kLanes) add_group.template operator()<false>(b);
+    if (b < n_blocks) add_group.template operator()<true>(b);
+#endif
+  }
+};
+
+// BlockTile (matmul_tile-inl.h) for a weight type with a min: the same block steps, then the min
+// terms into the same accumulators, before they are reduced and stored.
+template <class B>
+struct PackedQ8MinTile : BlockTile<PackedQ8Steps<B>> {
+  using Steps = PackedQ8Steps<B>;
+  template <int R, int T>
+  static void Run(const TileArgs& a) {
+    const int64_t n_blocks = a.cols / Steps::kBlockElems;
+    AccF acc[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = ZeroAcc();
+    // BlockTile's block loop, odd tail included.
+    if constexpr (Steps::kPairBlocks) {
+      for (int64_t s = 0; s < n_blocks / 2; ++s) Steps::template Step<R, T>(a, s, 2 * s, 2 * s + 1, acc);
+      if (n_blocks % 2 != 0) Steps::template Step<R, T>(a, n_blocks / 2, n_blocks - 1, n_blocks - 1, acc);
+    } else {
+      for (int64_t b = 0; b < n_blocks; ++b) Steps::template Step<R, T>(a, b, acc);
+    }
+    Steps::template AddMinTerms<R, T>(a, acc);
+    StoreTile<R, T>(a, acc);
+  }
 };
 
 // The Kernel of weight type B against packed Q8 activations.
 template <class B>
 struct PackedQ8Kernel {
-  static size_t PackedBytes(int64_t cols) { return PackedQ8TokenBytes(cols); }
-  static void Pack(const float* x, int64_t cols, uint8_t* dst) { PackQ8Token(x, cols, dst, B::kOffset, B::kOrder); }
+  using Steps = PackedQ8Steps<B>;
+  static constexpr bool kBlockSums = Steps::kHasMin;
+
+  static size_t PackedBytes(int64_t cols) { return PackedQ8TokenBytes(cols, kBlockSums); }
+  static void Pack(const float* x, int64_t cols, uint8_t* dst) {
+    PackQ8Token(x, cols, dst, B::kOffset, B::kOrder, kBlockSums);
+  }
+  static size_t DecodeBytes(int64_t cols) { return DecodeQ8TokenBytes(cols, kBlockSums); }
   static void PackDecode(const float* x, int64_t cols, uint8_t* dst) {
-    PackQ8DecodeToken(x, cols, dst, B::kOffset, B::kOrder);
+    PackQ8DecodeToken(x, cols, dst, B::kOffset, B::kOrder, kBlockSums);
   }
   static constexpr Kernel Make() {
-    Kernel kernel{&PackedBytes, &Pack, &DispatchTile<BlockTile<PackedQ8Steps<B>>>};
-    if constexpr (requires(const TileArgs& a) { PackedQ8Steps<B>::RunStripOneToken(a); }) {
+    Kernel kernel{&PackedBytes, &Pack, nullptr};
+    if constexpr (kBlockSums) {
+      kernel.tile = &DispatchTile<PackedQ8MinTile<B>>;
+    } else {
+      kernel.tile = &DispatchTile<BlockTile<Steps>>;
+    }
+    if constexpr (requires(const TileArgs& a) { Steps::RunStripOneToken(a); }) {
       // The single-token strip reads the decode layout.
-      kernel.decode_token_bytes = &DecodeQ8TokenBytes;
+      kernel.decode_token_bytes = &DecodeBytes;
       kernel.pack_decode_token = &PackDecode;
     }
     return kernel;

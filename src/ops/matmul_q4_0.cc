@@ -31,41 +31,23 @@ struct Q4_0Blocks {
   static constexpr int kOffset = kNibbleOffset;
 
 #if KVS_ISA_AVX512
-  // Byte order [b0 e0-15 | b1 e0-15 | b0 e16-31 | b1 e16-31] falls straight out of the nibble
-  // split, so int32 lanes 0-3, 8-11 are block 0 and 4-7, 12-15 block 1.
   static constexpr Q8Order kOrder = Q8Order::kQ4NibbleHalves;
-  static __m512i Load(const Block& b0, const Block& b1) {
-    const __m256i packed = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1.qs)),
-                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0.qs)));
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
-    // Upper 256 bits take the high nibbles.
-    return _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), _mm512_set1_epi8(0x0F));
-  }
+  static __m512i Load(const Block& b0, const Block& b1) { return NibblesOfPair(b0.qs, b1.qs); }
   // dot(q, x) - dot(8, x).
   static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
-    const __m512i zero = _mm512_setzero_si512();
-    return _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, Load(b0, b1), xq),
-                            _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(kNibbleOffset), xq));
+    return UnbiasedDot(Load(b0, b1), xq, kNibbleOffset);
   }
 #elif KVS_ISA_AVX2
   // One block per step: [e0-15 low nibbles | e16-31 high nibbles] is the natural order.
   static constexpr Q8Order kOrder = Q8Order::kNatural;
-  static __m256i Load(const Block& b) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-  }
-  static __m256i Dot(__m256i w, __m256i xq, __m256i init) {
-    // Nibble x int8 pairs stay far inside int16 (2 * 15 * 127).
-    return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1)));
-  }
+  static __m256i Load(const Block& b) { return Nibbles(b.qs); }
+  // Nibble x int8 pairs stay far inside int16 (2 * 15 * 127).
+  static __m256i Dot(__m256i w, __m256i xq, __m256i init) { return UnsignedDot(w, xq, init); }
 #else
   static constexpr Q8Order kOrder = Q8Order::kNatural;
   static int32_t Dot(const Block& b, const int8_t* xq) {
     int32_t dot = 0;
-    for (int e = 0; e < kQK4_0 / 2; ++e) {
-      dot += ((b.qs[e] & 0x0F) - kNibbleOffset) * xq[e];
-      dot += ((b.qs[e] >> 4) - kNibbleOffset) * xq[e + kQK4_0 / 2];
-    }
+    for (int e = 0; e < kQK4_0; ++e) dot += (NibbleAt(b.qs, e) - kNibbleOffset) * xq[e];
     return dot;
   }
 #endif

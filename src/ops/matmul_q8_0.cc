@@ -50,11 +50,7 @@ struct Q8_0Blocks {
   // No VNNI: the sign trick needs no bias.
   static constexpr int kOffset = 0;
   static __m256i Load(const Block& b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)); }
-  static __m256i Dot(__m256i w, __m256i xq, __m256i /*init*/) {
-    // |w| * (x * sign(w)) keeps maddubs' u8 x s8 pairs within int16.
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-  }
+  static __m256i Dot(__m256i w, __m256i xq, __m256i /*init*/) { return SignedDot(w, xq); }
 #else
   static constexpr int kOffset = 0;
   static int32_t Dot(const Block& b, const int8_t* xq) {

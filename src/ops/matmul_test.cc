@@ -22,8 +22,17 @@ using testing::RandomFloats;
 std::optional<DType> ActivationType(DType weight) {
   switch (weight) {
     case DType::kQ8_0:
-    case DType::kQ4_0: return DType::kQ8_0;
-    case DType::kQ4_K: return DType::kQ8_K;
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+    case DType::kQ5_0:
+    case DType::kQ5_1:
+    case DType::kIQ4_NL: return DType::kQ8_0;
+    case DType::kQ2_K:
+    case DType::kQ3_K:
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K:
+    case DType::kIQ4_XS: return DType::kQ8_K;
     default: return std::nullopt;
   }
 }
@@ -45,11 +54,13 @@ struct Case {
   DType type;
   int64_t rows, cols, n_tokens;
   int threads;
+  bool random_bits = false;  // weights: random block bits (RandomBitsMatrix), not quantized floats
 };
 
 std::string Describe(const Case& c) {
   return std::string(DTypeName(c.type)) + " rows=" + std::to_string(c.rows) + " cols=" + std::to_string(c.cols) +
-         " n_tokens=" + std::to_string(c.n_tokens) + " threads=" + std::to_string(c.threads);
+         " n_tokens=" + std::to_string(c.n_tokens) + " threads=" + std::to_string(c.threads) +
+         (c.random_bits ? " random bits" : "");
 }
 
 // Checks ops::MatMul against two references:
@@ -59,8 +70,9 @@ std::string Describe(const Case& c) {
 //     quantization error, sum_c |w_c| * max_err(x_c).
 void CheckCase(const Case& c, uint32_t seed) {
   SCOPED_TRACE(Describe(c));
-  const std::vector<float> w_f32 = RandomFloats(c.rows * c.cols, seed, 0.5f);
-  const std::vector<uint8_t> w_data = QuantizeMatrix(c.type, w_f32, c.rows, c.cols);
+  const std::vector<uint8_t> w_data =
+      c.random_bits ? testing::RandomBitsMatrix(c.type, c.rows, c.cols, seed)
+                    : QuantizeMatrix(c.type, RandomFloats(c.rows * c.cols, seed, 0.5f), c.rows, c.cols);
   const WeightView w{c.type, w_data.data(), c.rows, c.cols};
   const std::vector<float> x = RandomFloats(c.n_tokens * c.cols, seed + 1, 2.f);
   const std::vector<float> x_rt = RoundTripActivations(c.type, x, c.n_tokens, c.cols);
@@ -100,14 +112,15 @@ void CheckCase(const Case& c, uint32_t seed) {
   }
 }
 
-// Every rows x cols x n_tokens combination; threads cycle through 1..3.
+// Every rows x cols x n_tokens combination; threads cycle through 1..3; weights alternate between
+// quantized floats and random block bits (block types).
 void RunShapes(DType type, const std::vector<int64_t>& rows_list, const std::vector<int64_t>& col_sizes,
                const std::vector<int64_t>& token_counts, uint32_t seed) {
   int threads = 1;
   for (int64_t rows : rows_list) {
     for (int64_t cols : col_sizes) {
       for (int64_t n_tokens : token_counts) {
-        CheckCase({type, rows, cols, n_tokens, threads}, seed++);
+        CheckCase({type, rows, cols, n_tokens, threads, DTypeBlockSize(type) > 1 && seed % 2 == 1}, seed++);
         threads = threads % 3 + 1;
       }
     }
@@ -132,11 +145,22 @@ class MatMulTest : public testing::PerIsaTest {};
 
 TEST_P(MatMulTest, Q8_0MatchesReference) { RunQ8ActivationShapes(DType::kQ8_0); }
 TEST_P(MatMulTest, Q4_0MatchesReference) { RunQ8ActivationShapes(DType::kQ4_0); }
-TEST_P(MatMulTest, Q4_KMatchesReference) {
-  // 256-element super-blocks: 1, 3 and 11 (odd), 16 and 22 of them.
-  RunShapes(DType::kQ4_K, kRows, {256, 768}, kTokens, 3000);
-  RunShapes(DType::kQ4_K, {1, 3, 17}, {2816, 4096, 5632}, {1, 2, 5}, 4000);
+TEST_P(MatMulTest, Q4_1MatchesReference) { RunQ8ActivationShapes(DType::kQ4_1); }
+TEST_P(MatMulTest, Q5_0MatchesReference) { RunQ8ActivationShapes(DType::kQ5_0); }
+TEST_P(MatMulTest, Q5_1MatchesReference) { RunQ8ActivationShapes(DType::kQ5_1); }
+TEST_P(MatMulTest, IQ4_NLMatchesReference) { RunQ8ActivationShapes(DType::kIQ4_NL); }
+
+// 256-element super-blocks: 1, 3 and 11 (odd), 16 and 22 of them.
+void RunSuperBlockShapes(DType type) {
+  RunShapes(type, kRows, {256, 768}, kTokens, 3000);
+  RunShapes(type, {1, 3, 17}, {2816, 4096, 5632}, {1, 2, 5}, 4000);
 }
+TEST_P(MatMulTest, Q2_KMatchesReference) { RunSuperBlockShapes(DType::kQ2_K); }
+TEST_P(MatMulTest, Q3_KMatchesReference) { RunSuperBlockShapes(DType::kQ3_K); }
+TEST_P(MatMulTest, Q4_KMatchesReference) { RunSuperBlockShapes(DType::kQ4_K); }
+TEST_P(MatMulTest, Q5_KMatchesReference) { RunSuperBlockShapes(DType::kQ5_K); }
+TEST_P(MatMulTest, Q6_KMatchesReference) { RunSuperBlockShapes(DType::kQ6_K); }
+TEST_P(MatMulTest, IQ4_XSMatchesReference) { RunSuperBlockShapes(DType::kIQ4_XS); }
 // Float weights: vector tails (1, 7, 33, 1000) and K chunks of 512 columns (1000, 1040).
 const std::vector<int64_t> kFloatCols = {1, 7, 16, 33, 96, 288, 1000, 1040};
 TEST_P(MatMulTest, F32MatchesReference) { RunShapes(DType::kF32, kRows, kFloatCols, kTokens, 5000); }
@@ -146,7 +170,7 @@ TEST_P(MatMulTest, BF16MatchesReference) { RunShapes(DType::kBF16, kRows, kFloat
 // Many row tiles per thread, a ragged row tail and more tokens than one L2 token block.
 TEST_P(MatMulTest, LargeShapesCrossTokenBlocks) {
   uint32_t seed = 77;
-  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16}) {
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16, DType::kQ5_0, DType::kQ6_K}) {
     CheckCase({type, 130, 2048, 200, 2}, seed++);
   }
 }
@@ -187,7 +211,8 @@ TEST_P(MatMulTest, EmptyShapesDoNothing) {
 
 TEST_P(MatMulTest, ResultDoesNotDependOnThreadCount) {
   const int64_t rows = 67, cols = 512;
-  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16}) {
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1,
+                     DType::kQ2_K, DType::kQ3_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_NL, DType::kIQ4_XS}) {
     for (int64_t n_tokens : {1, 3, 9}) {
       const std::vector<float> w_f32 = RandomFloats(rows * cols, 5);
       const std::vector<uint8_t> w_data = QuantizeMatrix(type, w_f32, rows, cols);

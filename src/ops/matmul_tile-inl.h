@@ -20,6 +20,15 @@ namespace kvsparse::matmul::HWY_NAMESPACE {
 const Kernel& KernelQ8_0();
 const Kernel& KernelQ4_0();
 const Kernel& KernelQ4_K();
+const Kernel& KernelQ4_1();
+const Kernel& KernelQ5_0();
+const Kernel& KernelQ5_1();
+const Kernel& KernelQ2_K();
+const Kernel& KernelQ3_K();
+const Kernel& KernelQ5_K();
+const Kernel& KernelQ6_K();
+const Kernel& KernelIQ4_NL();
+const Kernel& KernelIQ4_XS();
 const Kernel& KernelF32();
 const Kernel& KernelF16();
 const Kernel& KernelBF16();
@@ -29,9 +38,11 @@ const Kernel& KernelBF16();
 using AccF = __m512;
 inline AccF ZeroAcc() { return _mm512_setzero_ps(); }
 inline float ReduceAdd(__m512 v) { return _mm512_reduce_add_ps(v); }
+inline void AddScalar(AccF& acc, float v) { acc = _mm512_add_ps(acc, _mm512_zextps128_ps512(_mm_set_ss(v))); }
 #elif KVS_ISA_AVX2
 using AccF = __m256;
 inline AccF ZeroAcc() { return _mm256_setzero_ps(); }
+inline void AddScalar(AccF& acc, float v) { acc = _mm256_add_ps(acc, _mm256_zextps128_ps256(_mm_set_ss(v))); }
 inline float ReduceAdd(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -41,6 +52,7 @@ inline float ReduceAdd(__m256 v) {
 using AccF = float;
 inline AccF ZeroAcc() { return 0.f; }
 inline float ReduceAdd(float v) { return v; }
+inline void AddScalar(AccF& acc, float v) { acc += v; }
 #endif
 
 // y[t * y_stride + r] = (or +=, for later K chunks) the sum of acc[r][t]. One branch per tile:

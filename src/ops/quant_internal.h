@@ -33,6 +33,26 @@ void DequantizeRowQ8_0Ref(const BlockQ8_0* x, float* y, int64_t n);
 void DequantizeRowQ4_0Ref(const BlockQ4_0* x, float* y, int64_t n);
 void DequantizeRowQ4_KRef(const BlockQ4_K* x, float* y, int64_t n);
 void DequantizeRowQ8_KRef(const BlockQ8_K* x, float* y, int64_t n);
+// quantize_ref_legacy.cc
+void QuantizeRowQ4_1Ref(const float* x, BlockQ4_1* y, int64_t n);
+void QuantizeRowQ5_0Ref(const float* x, BlockQ5_0* y, int64_t n);
+void QuantizeRowQ5_1Ref(const float* x, BlockQ5_1* y, int64_t n);
+void DequantizeRowQ4_1Ref(const BlockQ4_1* x, float* y, int64_t n);
+void DequantizeRowQ5_0Ref(const BlockQ5_0* x, float* y, int64_t n);
+void DequantizeRowQ5_1Ref(const BlockQ5_1* x, float* y, int64_t n);
+// quantize_ref_kquants.cc
+void QuantizeRowQ2_KRef(const float* x, BlockQ2_K* y, int64_t n);
+void QuantizeRowQ3_KRef(const float* x, BlockQ3_K* y, int64_t n);
+void QuantizeRowQ5_KRef(const float* x, BlockQ5_K* y, int64_t n);
+void QuantizeRowQ6_KRef(const float* x, BlockQ6_K* y, int64_t n);
+void QuantizeRowIQ4_NLRef(const float* x, BlockIQ4_NL* y, int64_t n);
+void QuantizeRowIQ4_XSRef(const float* x, BlockIQ4_XS* y, int64_t n);
+void DequantizeRowQ2_KRef(const BlockQ2_K* x, float* y, int64_t n);
+void DequantizeRowQ3_KRef(const BlockQ3_K* x, float* y, int64_t n);
+void DequantizeRowQ5_KRef(const BlockQ5_K* x, float* y, int64_t n);
+void DequantizeRowQ6_KRef(const BlockQ6_K* x, float* y, int64_t n);
+void DequantizeRowIQ4_NLRef(const BlockIQ4_NL* x, float* y, int64_t n);
+void DequantizeRowIQ4_XSRef(const BlockIQ4_XS* x, float* y, int64_t n);
 
 }  // namespace kvsparse::quant
 

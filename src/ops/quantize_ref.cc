@@ -222,6 +222,15 @@ void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
     case DType::kQ4_0: return quant::DequantizeRowQ4_0Ref(static_cast<const BlockQ4_0*>(src), dst, n);
     case DType::kQ4_K: return quant::DequantizeRowQ4_KRef(static_cast<const BlockQ4_K*>(src), dst, n);
     case DType::kQ8_K: return quant::DequantizeRowQ8_KRef(static_cast<const BlockQ8_K*>(src), dst, n);
+    case DType::kQ4_1: return quant::DequantizeRowQ4_1Ref(static_cast<const BlockQ4_1*>(src), dst, n);
+    case DType::kQ5_0: return quant::DequantizeRowQ5_0Ref(static_cast<const BlockQ5_0*>(src), dst, n);
+    case DType::kQ5_1: return quant::DequantizeRowQ5_1Ref(static_cast<const BlockQ5_1*>(src), dst, n);
+    case DType::kQ2_K: return quant::DequantizeRowQ2_KRef(static_cast<const BlockQ2_K*>(src), dst, n);
+    case DType::kQ3_K: return quant::DequantizeRowQ3_KRef(static_cast<const BlockQ3_K*>(src), dst, n);
+    case DType::kQ5_K: return quant::DequantizeRowQ5_KRef(static_cast<const BlockQ5_K*>(src), dst, n);
+    case DType::kQ6_K: return quant::DequantizeRowQ6_KRef(static_cast<const BlockQ6_K*>(src), dst, n);
+    case DType::kIQ4_NL: return quant::DequantizeRowIQ4_NLRef(static_cast<const BlockIQ4_NL*>(src), dst, n);
+    case DType::kIQ4_XS: return quant::DequantizeRowIQ4_XSRef(static_cast<const BlockIQ4_XS*>(src), dst, n);
   }
   KVS_CHECK_MSG(false, "DequantizeRow: unsupported dtype");
 }
@@ -240,6 +249,15 @@ void QuantizeRow(DType type, const float* src, void* dst, int64_t n) {
     case DType::kQ4_0: return quant::QuantizeRowQ4_0Ref(src, static_cast<BlockQ4_0*>(dst), n);
     case DType::kQ4_K: return quant::QuantizeRowQ4_KRef(src, static_cast<BlockQ4_K*>(dst), n);
     case DType::kQ8_K: return quant::QuantizeRowQ8_KRef(src, static_cast<BlockQ8_K*>(dst), n);
+    case DType::kQ4_1: return quant::QuantizeRowQ4_1Ref(src, static_cast<BlockQ4_1*>(dst), n);
+    case DType::kQ5_0: return quant::QuantizeRowQ5_0Ref(src, static_cast<BlockQ5_0*>(dst), n);
+    case DType::kQ5_1: return quant::QuantizeRowQ5_1Ref(src, static_cast<BlockQ5_1*>(dst), n);
+    case DType::kQ2_K: return quant::QuantizeRowQ2_KRef(src, static_cast<BlockQ2_K*>(dst), n);
+    case DType::kQ3_K: return quant::QuantizeRowQ3_KRef(src, static_cast<BlockQ3_K*>(dst), n);
+    case DType::kQ5_K: return quant::QuantizeRowQ5_KRef(src, static_cast<BlockQ5_K*>(dst), n);
+    case DType::kQ6_K: return quant::QuantizeRowQ6_KRef(src, static_cast<BlockQ6_K*>(dst), n);
+    case DType::kIQ4_NL: return quant::QuantizeRowIQ4_NLRef(src, static_cast<BlockIQ4_NL*>(dst), n);
+    case DType::kIQ4_XS: return quant::QuantizeRowIQ4_XSRef(src, static_cast<BlockIQ4_XS*>(dst), n);
   }
   KVS_CHECK_MSG(false, "QuantizeRow: unsupported dtype");
 }

@@ -1,4 +1,4 @@
-// The batched forward pass of a llama-family decoder (llama, qwen2) over a KvCache.
+// The batched forward pass of a llama-family decoder (llama, qwen2, qwen3) over a KvCache.
 #include "kvsparse/engine.h"
 
 #include <fmt/format.h>
@@ -299,6 +299,16 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
       if (w.bq != nullptr) ops::Add(q_row, w.bq, q_dim);
       if (w.bk != nullptr) ops::Add(k_row, w.bk, kv_dim);
       if (w.bv != nullptr) ops::Add(v_row, w.bv, kv_dim);
+      if (w.q_norm != nullptr) {  // qwen3: each head normalized on its own (in place is safe for RmsNorm)
+        for (int h = 0; h < c.n_heads; ++h) {
+          float* head = q_row + static_cast<size_t>(h) * c.head_dim;
+          ops::RmsNorm(head, w.q_norm, head, c.head_dim, c.rms_eps);
+        }
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          float* head = k_row + static_cast<size_t>(h) * c.head_dim;
+          ops::RmsNorm(head, w.k_norm, head, c.head_dim, c.rms_eps);
+        }
+      }
       const int32_t pos = s.positions[static_cast<size_t>(i)];
       ops::Rope(q_row, c.n_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);
       ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);

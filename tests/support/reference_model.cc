@@ -37,8 +37,10 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   std::unique_ptr<ReferenceModel> m(new ReferenceModel());
   KVS_ASSIGN_OR_RETURN(std::string_view arch_view, file->GetString("general.architecture"));
   const std::string arch(arch_view);
-  if (arch != "llama" && arch != "qwen2") return UnimplementedError("reference model: architecture " + arch);
-  m->neox_rope_ = arch == "qwen2";
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
+    return UnimplementedError("reference model: architecture " + arch);
+  }
+  m->neox_rope_ = arch != "llama";
   const std::string p = arch + ".";
   KVS_ASSIGN_OR_RETURN(uint64_t dim, file->GetUInt(p + "embedding_length"));
   KVS_ASSIGN_OR_RETURN(uint64_t n_layers, file->GetUInt(p + "block_count"));
@@ -50,7 +52,8 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   m->n_layers_ = static_cast<int>(n_layers);
   m->n_heads_ = static_cast<int>(n_heads);
   m->n_kv_heads_ = static_cast<int>(n_kv_heads);
-  m->head_dim_ = m->dim_ / m->n_heads_;
+  KVS_ASSIGN_OR_RETURN(uint64_t key_length, file->GetUIntOr(p + "attention.key_length", dim / n_heads));
+  m->head_dim_ = static_cast<int>(key_length);
 
   // Pair i turns by pos * theta^(-2i/head_dim), slowed by rope_freqs[i] and a linear factor when given.
   double linear = 1.0;
@@ -96,6 +99,10 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
     KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate.weight", &L.gate));
     KVS_RETURN_IF_ERROR(matrix(b + "ffn_up.weight", &L.up));
     KVS_RETURN_IF_ERROR(matrix(b + "ffn_down.weight", &L.down));
+    if (arch == "qwen3") {
+      KVS_RETURN_IF_ERROR(vec(b + "attn_q_norm.weight", &L.q_norm));
+      KVS_RETURN_IF_ERROR(vec(b + "attn_k_norm.weight", &L.k_norm));
+    }
     if (file->FindTensor(b + "attn_q.bias") != nullptr) {
       KVS_RETURN_IF_ERROR(vec(b + "attn_q.bias", &L.bq));
       KVS_RETURN_IF_ERROR(vec(b + "attn_k.bias", &L.bk));
@@ -123,6 +130,14 @@ std::vector<double> ReferenceModel::RmsNorm(const std::vector<double>& x, const 
   std::vector<double> out(x.size());
   for (size_t i = 0; i < x.size(); ++i) out[i] = x[i] * inv_rms * weight[i];
   return out;
+}
+
+void ReferenceModel::HeadNorm(std::vector<double>& x, int n_heads, const std::vector<double>& weight) const {
+  for (int h = 0; h < n_heads; ++h) {
+    const auto first = x.begin() + static_cast<int64_t>(h) * head_dim_;
+    const std::vector<double> normed = RmsNorm(std::vector<double>(first, first + head_dim_), weight);
+    std::copy(normed.begin(), normed.end(), first);
+  }
 }
 
 void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos) const {
@@ -156,6 +171,10 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
       q[t] = Apply(L.wq, h, &L.bq);
       k[t] = Apply(L.wk, h, &L.bk);
       v[t] = Apply(L.wv, h, &L.bv);
+      if (!L.q_norm.empty()) {  // qwen3: RMSNorm per head before RoPE
+        HeadNorm(q[t], n_heads_, L.q_norm);
+        HeadNorm(k[t], n_kv_heads_, L.k_norm);
+      }
       Rope(q[t], n_heads_, static_cast<int>(t));
       Rope(k[t], n_kv_heads_, static_cast<int>(t));
     }

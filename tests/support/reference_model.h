@@ -31,6 +31,7 @@ class ReferenceModel {
     std::vector<double> attn_norm, ffn_norm;  // [dim]
     Matrix wq, wk, wv, wo, gate, up, down;
     std::vector<double> bq, bk, bv;           // empty when absent
+    std::vector<double> q_norm, k_norm;       // [head_dim] qwen3; empty when absent
   };
 
   ReferenceModel() = default;
@@ -38,6 +39,8 @@ class ReferenceModel {
   static std::vector<double> Apply(const Matrix& m, const std::vector<double>& x,
                                    const std::vector<double>* bias = nullptr);
   std::vector<double> RmsNorm(const std::vector<double>& x, const std::vector<double>& weight) const;
+  // RMSNorm of each head_dim slice of x [n_heads, head_dim], in place.
+  void HeadNorm(std::vector<double>& x, int n_heads, const std::vector<double>& weight) const;
   void Rope(std::vector<double>& x, int n_heads, int pos) const;  // x [n_heads, head_dim]
 
   bool neox_rope_ = false;

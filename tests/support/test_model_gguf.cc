@@ -33,9 +33,13 @@ class TinyGgufBuilder {
     w_.SetU32(p + "attention.head_count_kv", static_cast<uint32_t>(s.n_kv_heads));
     w_.SetF32(p + "attention.layer_norm_rms_epsilon", s.rms_eps);
     if (s.rope_theta) w_.SetF32(p + "rope.freq_base", *s.rope_theta);
+    if (s.head_dim > 0) {
+      w_.SetU32(p + "attention.key_length", static_cast<uint32_t>(s.head_dim));
+      w_.SetU32(p + "attention.value_length", static_cast<uint32_t>(s.head_dim));
+    }
     if (s.extra_metadata) s.extra_metadata(w_);
 
-    const int64_t head_dim = s.dim / s.n_heads;
+    const int64_t head_dim = s.head_dim > 0 ? s.head_dim : s.dim / s.n_heads;
     const int64_t q_dim = s.n_heads * head_dim, kv_dim = s.n_kv_heads * head_dim;
     // Also the tied classifier: this range gives logits of standard deviation ~3 at dim 256.
     Matrix("token_embd.weight", s.n_vocab, s.dim, 0.35f);
@@ -52,6 +56,10 @@ class TinyGgufBuilder {
       Matrix(b + "attn_k.weight", kv_dim, s.dim, 0.0f);
       Matrix(b + "attn_v.weight", kv_dim, s.dim, 0.0f);
       Matrix(b + "attn_output.weight", s.dim, q_dim, 0.0f);
+      if (s.qk_norm) {
+        Vector(b + "attn_q_norm.weight", head_dim, 1.0f, 0.2f);
+        Vector(b + "attn_k_norm.weight", head_dim, 1.0f, 0.2f);
+      }
       if (s.qkv_bias) {
         Vector(b + "attn_q.bias", q_dim, 0.0f, 0.5f);
         Vector(b + "attn_k.bias", kv_dim, 0.0f, 0.5f);

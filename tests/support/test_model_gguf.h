@@ -31,6 +31,8 @@ struct TinyModelSpec {
   bool tied_output = true;           // false: writes output.weight
   bool rope_freqs = false;           // writes a Llama 3.1-style rope_freqs.weight [head_dim/2]
   bool qkv_bias = false;             // writes blk.N.attn_{q,k,v}.bias
+  int head_dim = 0;                  // > 0: written as attention.key_length / value_length (else dim / n_heads)
+  bool qk_norm = false;              // writes blk.N.attn_{q,k}_norm.weight [head_dim] (qwen3)
   uint64_t seed = 1;
 
   // ---- fault injection ----

@@ -1,0 +1,58 @@
+// Q5_1 weights x Q8_0 activations (packed_q8.h): value = d * q5 + m with unsigned 5-bit codes q5
+// (Q4_1 plus a fifth bit per weight, as in Q5_0). The codes enter the u8 x s8 dots as they are
+// (no bias); the min terms m * d_x * sum(x) are the shared kHasMin path of
+// matmul_packed_q8-inl.h. Compiled once per kernel family; the tile loops are shared, this file
+// holds the block arithmetic.
+#include <cstdint>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/status.h"
+#include "ops/matmul_kernels.h"
+#include "ops/packed_q8.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/matmul_q5_1.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/matmul_tile-inl.h"
+#include "ops/packed_q8-inl.h"
+#include "ops/matmul_packed_q8-inl.h"
+namespace kvsparse::matmul::HWY_NAMESPACE {
+namespace {
+
+struct Q5_1Blocks {
+  using Block = BlockQ5_1;
+  static constexpr bool kHasMin = true;
+  static constexpr int kOffset = 0;
+  // avx512 too: its pair of fifth-bit words is then the byte mask as it stands.
+  static constexpr Q8Order kOrder = Q8Order::kNatural;
+
+#if KVS_ISA_AVX512
+  static __m512i Load(const Block& b0, const Block& b1) { return Q5CodesOfPair(b0.qs, b0.qh, b1.qs, b1.qh); }
+  static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), Load(b0, b1), xq);
+  }
+#elif KVS_ISA_AVX2
+  static __m256i Load(const Block& b) { return Q5Codes(b.qs, b.qh); }
+  static __m256i Dot(__m256i w, __m256i xq, __m256i init) { return UnsignedDot(w, xq, init); }
+#else
+  static int32_t Dot(const Block& b, const int8_t* xq) {
+    int32_t dot = 0;
+    for (int e = 0; e < kQK5_0; ++e) dot += Q5CodeAt(b.qs, b.qh, e) * xq[e];
+    return dot;
+  }
+#endif
+};
+
+constexpr Kernel kKernel = PackedQ8Kernel<Q5_1Blocks>::Make();
+
+}  // namespace
+
+const Kernel& KernelQ5_1() { return kKernel; }
+
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+#include "ops/family_end-inl.h"

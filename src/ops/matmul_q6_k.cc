@@ -1,0 +1,98 @@
+// Q6_K weights x Q8_K activations -- ggml's vec_dot_q6_k_q8_K arithmetic (matmul_kquant-inl.h).
+// Compiled once per kernel family; the tile loop is shared (BlockTile in matmul_tile-inl.h), this
+// file holds one super-block step.
+#include <cstdint>
+#include <cstring>
+
+#include "kvsparse/dtype.h"
+#include "kvsparse/status.h"
+#include "ops/kquant_blocks.h"
+#include "ops/matmul_kernels.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/matmul_q6_k.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "ops/simd_family.h"
+
+#include "ops/family_begin-inl.h"
+#include "ops/matmul_tile-inl.h"
+#include "ops/quantize-inl.h"
+#include "ops/matmul_kquant-inl.h"
+namespace kvsparse::matmul::HWY_NAMESPACE {
+namespace {
+
+struct Q6_KInts {
+  using Block = BlockQ6_K;
+  static void Unpack(const Block& b, quant::KBlockInts* out) { quant::UnpackQ6_K(b, out); }
+};
+
+// Codes u = q + 32 (the raw 6 bits, 0..63); the offset comes back through m_g = 32 sc_g
+// (KScales). Element i = 128h + 32k + l: low 4 bits in ql[64h + 32(k % 2) + l] (low nibble for
+// k < 2, high for k >= 2), top 2 bits at bit 2k of qh[32h + l].
+struct Q6_KCodes {
+  using Block = BlockQ6_K;
+  static constexpr bool kMinsAreCodeOffset = true;
+
+#if KVS_ISA_AVX512 || KVS_ISA_AVX2
+  static KScales Scales(const Block& b) {
+    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+    const float d = _cvtsh_ss(b.d);
+    return {scales16, _mm256_slli_epi16(scales16, 5), d, d};
+  }
+#endif
+
+#if KVS_ISA_AVX512
+  // Chunks 2H, 2H+1 = elements 128H + 64s + j (s = 0, 1): k = 2s + j / 32, so both read the 64 ql
+  // bytes 64H.. (nibble s) and the 32 qh bytes 32H.. (bits 4s + 2(j / 32)).
+  template <int H>
+  static void Codes(const Block& b, __m512i* codes) {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    const __m512i ql = _mm512_loadu_si512(b.ql + 64 * H);
+    const __m512i qh_both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * H)));
+    // Lanes 32-63 (odd k) shifted by 2: every lane's pair for chunk s is now at bits 4s, 4s+1.
+    const __m512i qh = _mm512_mask_srli_epi16(qh_both, 0xFFFF0000u, qh_both, 2);
+    const __m512i high0 = _mm512_and_si512(_mm512_slli_epi16(qh, 4), bits45);
+    const __m512i high1 = _mm512_and_si512(qh, bits45);
+    // (ql & low_nibbles) | high: ternary-logic 0xEA is (A & B) | C.
+    codes[0] = _mm512_ternarylogic_epi32(ql, low_nibbles, high0, 0xEA);
+    codes[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), low_nibbles, high1, 0xEA);
+  }
+#elif KVS_ISA_AVX2
+  // Chunks 4H + k = elements 128H + 32k + l.
+  template <int H>
+  static void Codes(const Block& b, __m256i* codes) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    const __m256i ql_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * H));      // k = 0, 2
+    const __m256i ql_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * H + 32));  // k = 1, 3
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * H));
+    const auto code = [&](__m256i low, __m256i high) {
+      return _mm256_or_si256(_mm256_and_si256(low, low_nibbles), _mm256_and_si256(high, bits45));
+    };
+    codes[0] = code(ql_even, _mm256_slli_epi16(qh, 4));
+    codes[1] = code(ql_odd, _mm256_slli_epi16(qh, 2));
+    codes[2] = code(_mm256_srli_epi16(ql_even, 4), qh);
+    codes[3] = code(_mm256_srli_epi16(ql_odd, 4), _mm256_srli_epi16(qh, 2));
+  }
+#endif
+};
+
+#if KVS_ISA_AVX512
+using Q6_KSteps = KQuantAvx512Steps<Q6_KCodes>;
+#elif KVS_ISA_AVX2
+using Q6_KSteps = KQuantAvx2Steps<Q6_KCodes>;
+#else
+using Q6_KSteps = KQuantScalarSteps<Q6_KInts>;
+#endif
+
+constexpr Kernel kKernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q6_KSteps>>};
+
+}  // namespace
+
+const Kernel& KernelQ6_K() { return kKernel; }
+
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+#include "ops/family_end-inl.h"
