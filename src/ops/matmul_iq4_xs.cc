@@ -29,22 +29,6 @@ namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
 #if KVS_ISA_AVX512 || KVS_ISA_AVX2
-inline const BlockIQ4_XS* RowBlocks(const TileArgs& a, int r) {
-  return reinterpret_cast<const BlockIQ4_XS*>(a.w + r * a.w_row_bytes);
-}
-inline const BlockQ8_K* TokenBlocks(const TileArgs& a, int t) {
-  return reinterpret_cast<const BlockQ8_K*>(a.x + t * a.x_token_bytes);
-}
-
-// Pulls the next row tile's block into L2 while this one computes (see MatMul's prefetch note).
-inline void PrefetchBlock(const TileArgs& a, int r, int64_t b) {
-  if (!a.w_prefetch) return;
-  const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockIQ4_XS));
-  _mm_prefetch(pf, _MM_HINT_T1);
-  _mm_prefetch(pf + 64, _MM_HINT_T1);
-  _mm_prefetch(pf + sizeof(BlockIQ4_XS) - 1, _MM_HINT_T1);
-}
-
 // Activation layout: a 64-byte load of qs[64c..] holds sub-blocks 4c..4c+3, 16 bytes each; its
 // low nibbles are their elements 0-15, its high nibbles elements 16-31. Each Q8_K block's codes
 // are reordered to match: x'[128c + 16k + e] = x[128c + 32k + e] and
@@ -147,7 +131,7 @@ struct IQ4_XSSteps {
   static void RunStripOneToken(const TileArgs& a) {
     const int64_t n_blocks = a.cols / kQK_K;
     const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(a.x);
-    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(RowBlocks(a, r), n_blocks, x);
+    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(WeightBlocks<BlockIQ4_XS>(a, r), n_blocks, x);
   }
 
   // Each row's block is unpacked once; every token then costs 4 vpdpbusd and 2 vpmulld per row.
@@ -157,13 +141,13 @@ struct IQ4_XSSteps {
     Levels w[R];
     float d[R];
     for (int r = 0; r < R; ++r) {
-      const BlockIQ4_XS& block = RowBlocks(a, r)[b];
-      PrefetchBlock(a, r, b);
+      const BlockIQ4_XS& block = WeightBlocks<BlockIQ4_XS>(a, r)[b];
+      PrefetchWeightBlock<BlockIQ4_XS>(a, r, b);
       w[r] = Unpack(block, levels_u8);
       d[r] = _cvtsh_ss(block.d);
     }
     for (int t = 0; t < T; ++t) {
-      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
       for (int r = 0; r < R; ++r) {
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(BlockDot(w[r], xb)), _mm512_set1_ps(d[r] * xb.d), acc[r][t]);
       }
@@ -185,8 +169,8 @@ struct IQ4_XSSteps {
     const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)));
     __m256i scales16[R];  // int16 scales 0-7 in both lanes
     for (int r = 0; r < R; ++r) {
-      PrefetchBlock(a, r, b);
-      scales16[r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(SubBlockScales(RowBlocks(a, r)[b])));
+      PrefetchWeightBlock<BlockIQ4_XS>(a, r, b);
+      scales16[r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(SubBlockScales(WeightBlocks<BlockIQ4_XS>(a, r)[b])));
     }
     __m256i isum[R][T];
     for (int r = 0; r < R; ++r)
@@ -200,7 +184,7 @@ struct IQ4_XSSteps {
                                             4 * p + 2, 4 * p + 3);
       __m256i w_lo[R], w_hi[R], abs_lo[R], abs_hi[R], sc[R];
       for (int r = 0; r < R; ++r) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * p));
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(WeightBlocks<BlockIQ4_XS>(a, r)[b].qs + 32 * p));
         w_lo[r] = _mm256_shuffle_epi8(levels, _mm256_and_si256(packed, low_nibbles));
         w_hi[r] = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles));
         abs_lo[r] = _mm256_abs_epi8(w_lo[r]);
@@ -210,7 +194,7 @@ struct IQ4_XSSteps {
       // Half c = p / 2, 32-byte part p % 2 of its low- and high-nibble activations.
       const int x_offset = 128 * (p / 2) + 32 * (p % 2);
       for (int t = 0; t < T; ++t) {
-        const int8_t* xq = TokenBlocks(a, t)[b].qs + x_offset;
+        const int8_t* xq = Q8KTokenBlocks(a, t)[b].qs + x_offset;
         const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
         const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64));
         for (int r = 0; r < R; ++r) {
@@ -223,10 +207,10 @@ struct IQ4_XSSteps {
       }
     }
     for (int t = 0; t < T; ++t) {
-      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
       for (int r = 0; r < R; ++r) {
         acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]),
-                                    _mm256_set1_ps(_cvtsh_ss(RowBlocks(a, r)[b].d) * xb.d), acc[r][t]);
+                                    _mm256_set1_ps(_cvtsh_ss(WeightBlocks<BlockIQ4_XS>(a, r)[b].d) * xb.d), acc[r][t]);
       }
     }
   }

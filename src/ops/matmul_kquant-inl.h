@@ -26,20 +26,14 @@ struct KQuantScalarSteps {
   static constexpr int kBlockElems = kQK_K;
   static constexpr bool kPairBlocks = false;
 
-  static const Block* RowBlocks(const TileArgs& a, int r) {
-    return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
-  }
-  static const BlockQ8_K* TokenBlocks(const TileArgs& a, int t) {
-    return reinterpret_cast<const BlockQ8_K*>(a.x + t * a.x_token_bytes);
-  }
 
   template <int R, int T>
   static inline void Step(const TileArgs& a, int64_t b, AccF (&acc)[R][T]) {
     for (int r = 0; r < R; ++r) {
       quant::KBlockInts w;
-      B::Unpack(RowBlocks(a, r)[b], &w);
+      B::Unpack(WeightBlocks<Block>(a, r)[b], &w);
       for (int t = 0; t < T; ++t) {
-        const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+        const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
         int32_t scaled = 0, mins = 0;
         for (int g = 0; g < kQK_K / 16; ++g) {
           int32_t dot = 0;
@@ -115,12 +109,6 @@ struct KQuantAvx512Steps {
   static constexpr bool kPairBlocks = false;
   static constexpr int kChunks = kQK_K / 64;
 
-  static const Block* RowBlocks(const TileArgs& a, int r) {
-    return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
-  }
-  static const BlockQ8_K* TokenBlocks(const TileArgs& a, int t) {
-    return reinterpret_cast<const BlockQ8_K*>(a.x + t * a.x_token_bytes);
-  }
 
   // One weight row against one token: the decode hot loop, lean and out of line.
   __attribute__((noinline)) static float DotRowOneToken(const Block* blocks, int64_t n_blocks, const BlockQ8_K* x) {
@@ -146,7 +134,7 @@ struct KQuantAvx512Steps {
   static void RunStripOneToken(const TileArgs& a) {
     const int64_t n_blocks = a.cols / kQK_K;
     const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(a.x);
-    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(RowBlocks(a, r), n_blocks, x);
+    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(WeightBlocks<Block>(a, r), n_blocks, x);
   }
 
   // Prefill: row by row, each half-block's codes and chunk scales are unpacked into registers and
@@ -154,18 +142,15 @@ struct KQuantAvx512Steps {
   template <int R, int T>
   static inline void Step(const TileArgs& a, int64_t b, AccF (&acc)[R][T]) {
     for (int r = 0; r < R; ++r) {
-      const Block& block = RowBlocks(a, r)[b];
-      if (a.w_prefetch) {
-        const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(Block));
-        for (size_t off = 0; off < sizeof(Block); off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
-      }
+      const Block& block = WeightBlocks<Block>(a, r)[b];
+      PrefetchWeightBlock<Block>(a, r, b);
       const KScales s = U::Scales(block);
       __m512i isum[T];
       for (int t = 0; t < T; ++t) isum[t] = _mm512_setzero_si512();
       HalfStep<0, T>(a, b, block, s, isum);
       HalfStep<1, T>(a, b, block, s, isum);
       for (int t = 0; t < T; ++t)
-        acc[r][t] = AddBlockDot<U::kMinsAreCodeOffset>(acc[r][t], isum[t], s, TokenBlocks(a, t)[b]);
+        acc[r][t] = AddBlockDot<U::kMinsAreCodeOffset>(acc[r][t], isum[t], s, Q8KTokenBlocks(a, t)[b]);
     }
   }
 
@@ -179,7 +164,7 @@ struct KQuantAvx512Steps {
       const int c = 2 * H + k;
       const __m512i scales = ChunkScales(scales16, c);
       for (int t = 0; t < T; ++t) {
-        const __m512i xq = _mm512_loadu_si512(TokenBlocks(a, t)[b].qs + 64 * c);
+        const __m512i xq = _mm512_loadu_si512(Q8KTokenBlocks(a, t)[b].qs + 64 * c);
         isum[t] = _mm512_dpwssd_epi32(isum[t], _mm512_maddubs_epi16(codes[k], xq), scales);
       }
     }
@@ -228,12 +213,6 @@ struct KQuantAvx2Steps {
   static constexpr bool kPairBlocks = false;
   static constexpr int kChunks = kQK_K / 32;
 
-  static const Block* RowBlocks(const TileArgs& a, int r) {
-    return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
-  }
-  static const BlockQ8_K* TokenBlocks(const TileArgs& a, int t) {
-    return reinterpret_cast<const BlockQ8_K*>(a.x + t * a.x_token_bytes);
-  }
 
   // sum + v as one running register. GCC rebalances chains of integer vector adds into trees, whose
   // partial sums (products computed far ahead) spill here; the empty asm hides the sum from that.
@@ -278,7 +257,7 @@ struct KQuantAvx2Steps {
   static void RunStripOneToken(const TileArgs& a) {
     const int64_t n_blocks = a.cols / kQK_K;
     const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(a.x);
-    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(RowBlocks(a, r), n_blocks, x);
+    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(WeightBlocks<Block>(a, r), n_blocks, x);
   }
 
   // Prefill: row by row, each half-block's codes and chunk scales are unpacked into registers and
@@ -287,18 +266,15 @@ struct KQuantAvx2Steps {
   template <int R, int T>
   static inline void Step(const TileArgs& a, int64_t b, AccF (&acc)[R][T]) {
     for (int r = 0; r < R; ++r) {
-      const Block& block = RowBlocks(a, r)[b];
-      if (a.w_prefetch) {
-        const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(Block));
-        for (size_t off = 0; off < sizeof(Block); off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
-      }
+      const Block& block = WeightBlocks<Block>(a, r)[b];
+      PrefetchWeightBlock<Block>(a, r, b);
       const KScales s = U::Scales(block);
       __m256i isum[T];
       for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
       HalfStep<0, T>(a, b, block, s, isum);
       HalfStep<1, T>(a, b, block, s, isum);
       for (int t = 0; t < T; ++t)
-        acc[r][t] = AddBlockDot<U::kMinsAreCodeOffset>(acc[r][t], isum[t], s, TokenBlocks(a, t)[b]);
+        acc[r][t] = AddBlockDot<U::kMinsAreCodeOffset>(acc[r][t], isum[t], s, Q8KTokenBlocks(a, t)[b]);
     }
   }
 
@@ -312,7 +288,7 @@ struct KQuantAvx2Steps {
       const int c = 4 * H + k;
       const __m256i scales = ChunkScales(half, c);
       for (int t = 0; t < T; ++t) {
-        isum[t] = AddInOrder(isum[t], ChunkDot(codes[k], scales, TokenBlocks(a, t)[b].qs + 32 * c));
+        isum[t] = AddInOrder(isum[t], ChunkDot(codes[k], scales, Q8KTokenBlocks(a, t)[b].qs + 32 * c));
       }
     }
   }

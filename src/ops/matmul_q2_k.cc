@@ -32,21 +32,6 @@ namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
 #if KVS_ISA_AVX512 || KVS_ISA_AVX2
-inline const BlockQ2_K* RowBlocks(const TileArgs& a, int r) {
-  return reinterpret_cast<const BlockQ2_K*>(a.w + r * a.w_row_bytes);
-}
-inline const BlockQ8_K* TokenBlocks(const TileArgs& a, int t) {
-  return reinterpret_cast<const BlockQ8_K*>(a.x + t * a.x_token_bytes);
-}
-
-// Pulls the next row tile's block into L2 while this one computes (see MatMul's prefetch note).
-inline void PrefetchBlock(const TileArgs& a, int r, int64_t b) {
-  if (!a.w_prefetch) return;
-  const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ2_K));
-  _mm_prefetch(pf, _MM_HINT_T1);
-  _mm_prefetch(pf + sizeof(BlockQ2_K) - 1, _MM_HINT_T1);
-}
-
 // pshufb indices that spread group scales (bytes 0-15 of each 128-bit lane) over int16 lanes:
 // 128-bit lane m of pick[k] selects byte group(k, m) into every int16 (high byte zeroed).
 template <int kLanes>
@@ -168,7 +153,7 @@ struct Q2_KSteps {
   static void RunStripOneToken(const TileArgs& a) {
     const int64_t n_blocks = a.cols / kQK_K;
     const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(a.x);
-    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(RowBlocks(a, r), n_blocks, x);
+    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(WeightBlocks<BlockQ2_K>(a, r), n_blocks, x);
   }
 
   // Each row's block is unpacked and scaled once; every token then costs 4 vpdpbusd per row.
@@ -177,14 +162,14 @@ struct Q2_KSteps {
     ScaledCodes w[R];
     __m512 d[R], dmin[R];
     for (int r = 0; r < R; ++r) {
-      const BlockQ2_K& block = RowBlocks(a, r)[b];
-      PrefetchBlock(a, r, b);
+      const BlockQ2_K& block = WeightBlocks<BlockQ2_K>(a, r)[b];
+      PrefetchWeightBlock<BlockQ2_K>(a, r, b);
       w[r] = Unpack(block);
       d[r] = _mm512_set1_ps(_cvtsh_ss(block.d));
       dmin[r] = _mm512_set1_ps(_cvtsh_ss(block.dmin));
     }
     for (int t = 0; t < T; ++t) {
-      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
       __m512i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
       for (int k = 0; k < 4; ++k) {
@@ -252,7 +237,7 @@ struct Q2_KSteps {
   static void RunStripOneToken(const TileArgs& a) {
     const int64_t n_blocks = a.cols / kQK_K;
     const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(a.x);
-    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(RowBlocks(a, r), n_blocks, x);
+    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(WeightBlocks<BlockQ2_K>(a, r), n_blocks, x);
   }
 
   // Per 64 elements (chunks k, k+1 of one half h) the rows' scaled codes are built once and reused
@@ -266,8 +251,8 @@ struct Q2_KSteps {
     __m256i scales[R][2];  // group scales (low nibbles), groups 8h..8h+7 in both lanes, per half h
     __m256i mins16[R];
     for (int r = 0; r < R; ++r) {
-      PrefetchBlock(a, r, b);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(RowBlocks(a, r)[b].scales));
+      PrefetchWeightBlock<BlockQ2_K>(a, r, b);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(WeightBlocks<BlockQ2_K>(a, r)[b].scales));
       const __m128i sc = _mm_and_si128(packed, low_nibbles);
       scales[r][0] = _mm256_broadcastsi128_si256(sc);
       scales[r][1] = _mm256_broadcastsi128_si256(_mm_srli_si128(sc, 8));
@@ -280,7 +265,7 @@ struct Q2_KSteps {
       for (int k = 0; k < 4; k += 2) {
         __m256i w0[R], w1[R];
         for (int r = 0; r < R; ++r) {
-          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * h));
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(WeightBlocks<BlockQ2_K>(a, r)[b].qs + 32 * h));
           const __m256i q0 = _mm256_and_si256(_mm256_srli_epi16(codes, 2 * k), two_bits);
           const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(codes, 2 * k + 2), two_bits);
           const __m256i pick0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePicks[k].data()));
@@ -289,7 +274,7 @@ struct Q2_KSteps {
           w1[r] = _mm256_mullo_epi16(q1, _mm256_shuffle_epi8(scales[r][h], pick1));
         }
         for (int t = 0; t < T; ++t) {
-          const int8_t* xq = TokenBlocks(a, t)[b].qs + 128 * h + 32 * k;
+          const int8_t* xq = Q8KTokenBlocks(a, t)[b].qs + 128 * h + 32 * k;
           const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
           const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
           for (int r = 0; r < R; ++r) {
@@ -300,10 +285,10 @@ struct Q2_KSteps {
       }
     }
     for (int t = 0; t < T; ++t) {
-      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
       const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
       for (int r = 0; r < R; ++r) {
-        const BlockQ2_K& block = RowBlocks(a, r)[b];
+        const BlockQ2_K& block = WeightBlocks<BlockQ2_K>(a, r)[b];
         const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
         acc[r][t] =
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), _mm256_set1_ps(_cvtsh_ss(block.d) * xb.d), acc[r][t]);

@@ -25,12 +25,6 @@ namespace {
 
 constexpr int kSubBlocks = kQK_K / 32;
 
-inline const BlockQ4_K* RowBlocks(const TileArgs& a, int r) {
-  return reinterpret_cast<const BlockQ4_K*>(a.w + r * a.w_row_bytes);
-}
-inline const BlockQ8_K* TokenBlocks(const TileArgs& a, int t) {
-  return reinterpret_cast<const BlockQ8_K*>(a.x + t * a.x_token_bytes);
-}
 
 struct ScalesMins {
   uint8_t scale[kSubBlocks];
@@ -101,7 +95,7 @@ struct Q4_KSteps {
   static void RunStripOneToken(const TileArgs& a) {
     const int64_t n_blocks = a.cols / kQK_K;
     const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(a.x);
-    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(RowBlocks(a, r), n_blocks, x);
+    for (int r = 0; r < a.n_rows; ++r) a.y[r] = DotRowOneToken(WeightBlocks<BlockQ4_K>(a, r), n_blocks, x);
   }
 
   // Per 64 elements (sub-blocks 2g, 2g+1 share 32 bytes of nibbles): maddubs gives int16 pair sums,
@@ -113,13 +107,8 @@ struct Q4_KSteps {
     __m256i mins16[R];    // [16] int16: m_j at lanes 2j, 2j+1 (matches bsums pairs)
     float d[R], dmin[R];
     for (int r = 0; r < R; ++r) {
-      const BlockQ4_K& block = RowBlocks(a, r)[b];
-      if (a.w_prefetch) {
-        const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
-        _mm_prefetch(pf, _MM_HINT_T1);
-        _mm_prefetch(pf + 64, _MM_HINT_T1);
-        _mm_prefetch(pf + 128, _MM_HINT_T1);
-      }
+      const BlockQ4_K& block = WeightBlocks<BlockQ4_K>(a, r)[b];
+      PrefetchWeightBlock<BlockQ4_K>(a, r, b);
       const ScalesMins sm = Unpack(block);
       uint64_t sc8, m8;
       std::memcpy(&sc8, sm.scale, 8);
@@ -140,14 +129,14 @@ struct Q4_KSteps {
       const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(2 * g)),
                                               _mm256_set1_epi16(static_cast<short>(2 * g + 1)), 1);
       for (int r = 0; r < R; ++r) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * g));
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(WeightBlocks<BlockQ4_K>(a, r)[b].qs + 32 * g));
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), packed, 1);
         w[r][g] = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low_nibbles);
         sc[r][g] = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(scales16[r]));
       }
     }
     for (int t = 0; t < T; ++t) {
-      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
       __m512i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
       for (int g = 0; g < kSubBlocks / 2; ++g) {
@@ -169,13 +158,8 @@ struct Q4_KSteps {
     ScalesMins sm[R];
     __m256i mins16[R];
     for (int r = 0; r < R; ++r) {
-      const BlockQ4_K& block = RowBlocks(a, r)[b];
-      if (a.w_prefetch) {
-        const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(BlockQ4_K));
-        _mm_prefetch(pf, _MM_HINT_T1);
-        _mm_prefetch(pf + 64, _MM_HINT_T1);
-        _mm_prefetch(pf + 128, _MM_HINT_T1);
-      }
+      const BlockQ4_K& block = WeightBlocks<BlockQ4_K>(a, r)[b];
+      PrefetchWeightBlock<BlockQ4_K>(a, r, b);
       sm[r] = Unpack(block);
       uint64_t m8;
       std::memcpy(&m8, sm[r].min, 8);
@@ -188,12 +172,12 @@ struct Q4_KSteps {
     for (int g = 0; g < kSubBlocks / 2; ++g) {
       __m256i w_lo[R], w_hi[R];
       for (int r = 0; r < R; ++r) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(RowBlocks(a, r)[b].qs + 32 * g));
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(WeightBlocks<BlockQ4_K>(a, r)[b].qs + 32 * g));
         w_lo[r] = _mm256_and_si256(packed, low_nibbles);
         w_hi[r] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
       }
       for (int t = 0; t < T; ++t) {
-        const int8_t* xq = TokenBlocks(a, t)[b].qs + 64 * g;
+        const int8_t* xq = Q8KTokenBlocks(a, t)[b].qs + 64 * g;
         const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
         const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
         for (int r = 0; r < R; ++r) {
@@ -206,10 +190,10 @@ struct Q4_KSteps {
       }
     }
     for (int t = 0; t < T; ++t) {
-      const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+      const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
       const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
       for (int r = 0; r < R; ++r) {
-        const BlockQ4_K& block = RowBlocks(a, r)[b];
+        const BlockQ4_K& block = WeightBlocks<BlockQ4_K>(a, r)[b];
         const __m256 min_sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, mins16[r]));
         acc[r][t] =
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), _mm256_set1_ps(_cvtsh_ss(block.d) * xb.d), acc[r][t]);
@@ -221,10 +205,10 @@ struct Q4_KSteps {
   template <int R, int T>
   static inline void Step(const TileArgs& a, int64_t b, AccF (&acc)[R][T]) {
     for (int r = 0; r < R; ++r) {
-      const BlockQ4_K& block = RowBlocks(a, r)[b];
+      const BlockQ4_K& block = WeightBlocks<BlockQ4_K>(a, r)[b];
       const ScalesMins sm = Unpack(block);
       for (int t = 0; t < T; ++t) {
-        const BlockQ8_K& xb = TokenBlocks(a, t)[b];
+        const BlockQ8_K& xb = Q8KTokenBlocks(a, t)[b];
         int32_t scaled = 0;
         int32_t mins = 0;
         for (int j = 0; j < kSubBlocks; ++j) {

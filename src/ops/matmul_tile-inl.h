@@ -55,6 +55,27 @@ inline float ReduceAdd(float v) { return v; }
 inline void AddScalar(AccF& acc, float v) { acc += v; }
 #endif
 
+// Row r of the tile as weight blocks, and token t's packed activations as Q8_K blocks.
+template <class Block>
+inline const Block* WeightBlocks(const TileArgs& a, int r) {
+  return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
+}
+inline const BlockQ8_K* Q8KTokenBlocks(const TileArgs& a, int t) {
+  return reinterpret_cast<const BlockQ8_K*>(a.x + t * a.x_token_bytes);
+}
+
+#if KVS_ISA_AVX512 || KVS_ISA_AVX2
+// Pulls block b of the next row tile's row r into L2 while this tile computes: 4 interleaved row
+// streams defeat the hardware prefetcher (see MatMul). Every cache line the block touches.
+template <class Block>
+inline void PrefetchWeightBlock(const TileArgs& a, int r, int64_t b) {
+  if (!a.w_prefetch) return;
+  const char* pf = reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(Block));
+  for (size_t off = 0; off < sizeof(Block); off += 64) _mm_prefetch(pf + off, _MM_HINT_T1);
+  _mm_prefetch(pf + sizeof(Block) - 1, _MM_HINT_T1);
+}
+#endif
+
 // y[t * y_stride + r] = (or +=, for later K chunks) the sum of acc[r][t]. One branch per tile:
 // the plain stores of a row's sums then merge into one vector store.
 template <int R, int T>
