@@ -59,7 +59,8 @@ TEST(CliKv, SparseMethodsRunWithStats) {
 // 64-wide heads over a 256-wide residual, so per-head and page layouts use key_length, not
 // dim / n_heads) and a Q4_K_M llama. A full paged cache prints the dense cache's tokens.
 TEST(CliKv, MethodsAndKvTypesOnNewArchitectures) {
-  for (const std::string shape_and_type : {"tiny-qwen3 --type q4_k_m", "tiny-mix --type q4_k_m"}) {
+  for (const std::string shape_and_type : {"tiny-qwen3 --type q4_k_m", "tiny-mix --type q4_k_m", "tiny-gemma3 --type q8_0",
+                                           "tiny-gemma2 --type q4_k_m", "tiny-phi3 --type q4_k_m"}) {
     const std::string model = testing::TempPath("cli_kv_arch.gguf");
     RunOk("synth --shape " + shape_and_type + " -o " + model);
     const std::string base = "generate -m " + model + " --tokens 1,17,99,42,300,7,256,500 -n 40 --temp 0 -t 2";
@@ -73,9 +74,26 @@ TEST(CliKv, MethodsAndKvTypesOnNewArchitectures) {
         "--kv-method cumulative --kv-budget 0.5 --kv-type int8_kivi",
         "--kv-method h2o --kv-budget 0.5 --kv-type int2_kivi --kv-shared-heads"};
     const bool qwen3 = shape_and_type.rfind("tiny-qwen3", 0) == 0;
-    for (const std::string& extra : qwen3 ? all : std::vector<std::string>(all.begin(), all.begin() + 2)) {
+    const bool windows = shape_and_type.rfind("tiny-gemma", 0) == 0;
+    const std::vector<std::string> few = windows ? std::vector<std::string>{all[0], all[3], all[4], all[6]}
+                                                 : std::vector<std::string>(all.begin(), all.begin() + 2);
+    for (const std::string& extra : qwen3 ? all : few) {
       const Result r = RunOk(base + " --kv-stats " + extra);
       EXPECT_NE(r.all.find("| layer | method"), std::string::npos) << shape_and_type << " " << extra << r.all;
+    }
+    if (shape_and_type.rfind("tiny-gemma3", 0) == 0) {
+      // The flags' method is for the global layer (5); the sliding layers stay windowed "full".
+      const Result r = RunOk(base + " --kv-stats --kv-method h2o --kv-budget 0.5");
+      EXPECT_NE(r.all.find("| 5 | h2o"), std::string::npos) << r.all;
+      EXPECT_NE(r.all.find("| 0 | full"), std::string::npos) << r.all;
+      // An explicit entry puts a method on a sliding layer.
+      const std::string config = testing::TempPath("cli_kv_gemma3.json");
+      std::ofstream(config) << R"({"default": {"method": "h2o", "budget": 0.5},
+                                   "layers": [{"layers": "0-1", "method": "tova", "budget": 8}]})";
+      const Result explicit_entry = RunOk(base + " --kv-stats --kv-config " + config);
+      EXPECT_NE(explicit_entry.all.find("| 0 | tova"), std::string::npos) << explicit_entry.all;
+      EXPECT_NE(explicit_entry.all.find("| 2 | full"), std::string::npos) << explicit_entry.all;
+      EXPECT_NE(explicit_entry.all.find("| 5 | h2o"), std::string::npos) << explicit_entry.all;
     }
   }
 }

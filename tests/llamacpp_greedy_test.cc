@@ -1,6 +1,11 @@
 // Greedy ids against llama.cpp (tests/data/llamacpp_greedy.json): every llama-quantize mix on the
 // tiny-mix shape, and the architectures (qwen3 with its Q/K norms and 64-wide heads over a 256-wide
-// residual, qwen2 with biases, llama with GQA and Llama 3 RoPE factors).
+// residual, qwen2 with biases, llama with GQA and Llama 3 RoPE factors, gemma2 with softcaps and
+// 16-token windows on every other layer, gemma3 with 5 sliding layers of 6 and their own RoPE base,
+// phi3 with fused projections and LongRoPE's short (context 512) and long (4096) factors, qwen2
+// with YaRN). The 48-token sequences pass the 16-token windows, so the windows are exercised; a
+// sliding-window model is also run through the paged runtime, whose sliding layers free their
+// pages as the window moves.
 //
 // The fixture holds, per case, the ids llama.cpp generated greedily on `kvsparse synth --shape SHAPE
 // --type MIX --seed 1` (the same bytes WriteSynthModel writes here; on tiny-mix, per-tensor types
@@ -22,6 +27,7 @@
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/engine.h"
 #include "kvsparse/model.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/synth.h"
 #include "support/per_isa_test.h"
 #include "support/shared_data.h"
@@ -38,6 +44,7 @@ constexpr double kMinGap = 0.1;
 struct GreedyCase {
   std::string shape;
   std::string mix;
+  int32_t context = 512;  // llama.cpp's context size (LongRoPE chooses its factors by it)
   std::vector<int32_t> ids;
   std::vector<double> gaps;
 };
@@ -56,7 +63,8 @@ const Fixture& LoadFixture() {
     f.seed = doc.at("seed").get<uint64_t>();
     f.prompt = doc.at("prompt").get<std::vector<int32_t>>();
     for (const nlohmann::json& c : doc.at("cases")) {
-      f.cases.push_back({c.at("shape").get<std::string>(), c.at("mix").get<std::string>(), c.at("ids").get<std::vector<int32_t>>(),
+      f.cases.push_back({c.at("shape").get<std::string>(), c.at("mix").get<std::string>(),
+                         c.value("context", 512), c.at("ids").get<std::vector<int32_t>>(),
                          c.at("top2_logit_gap").get<std::vector<double>>()});
     }
     return f;
@@ -83,6 +91,7 @@ TEST_P(LlamaCppGreedyTest, MatchesLlamaCppIds) {
   ASSERT_TRUE(WriteSynthModel(FindSynthShape(c.shape).value(), options, path).ok());
   auto model = Model::Load(path);
   ASSERT_TRUE(model.ok()) << model.status().ToString();
+  (*model)->SetContextLength(c.context);
   const ModelConfig& config = (*model)->config();
 
   // llama.cpp's path: the prompt, then its ids (the last one is never fed back).
@@ -120,6 +129,27 @@ TEST_P(LlamaCppGreedyTest, MatchesLlamaCppIds) {
     check(logits, "decode path");
   }
 
+  if (!config.sliding_layers.empty()) {
+    // The paged runtime: sliding layers drop whole pages behind their window (4-token pages, so
+    // the 16-token windows move several times).
+    auto flags = KvSparsityConfigFromFlags("full", "", "f32", config.n_layers);
+    ASSERT_TRUE(flags.ok());
+    flags->page_size = 4;
+    auto runtime = CreateRuntime(**model, &*flags, KvStorage::kF32, 1, n, 2);
+    ASSERT_TRUE(runtime.ok()) << runtime.status().ToString();
+    for (int i = 0; i < n; ++i) {
+      ASSERT_TRUE((*runtime)->engine->Forward(0, &tokens[i], 1, i, &logits[static_cast<size_t>(i) * vocab]).ok());
+    }
+    check(logits, "paged decode path");
+    for (int layer = 0; layer < config.n_layers; ++layer) {
+      if (config.IsSliding(layer)) {
+        EXPECT_LE((*runtime)->cache().NumTokens(0, layer), config.sliding_window + flags->page_size)
+            << "sliding layer " << layer << " kept tokens outside its window";
+      } else {
+        EXPECT_EQ((*runtime)->cache().NumTokens(0, layer), n) << "global layer " << layer;
+      }
+    }
+  }
 }
 
 std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, Isa>>& info) {

@@ -78,6 +78,7 @@ int Run(const GenerateArgs& a) {
   }
 
   const int n_ctx = a.n_ctx > 0 ? a.n_ctx : std::min(c.max_context > 0 ? c.max_context : 4096, 4096);
+  loaded->model->SetContextLength(n_ctx);  // LongRoPE files pick their factor table by the context
   if (static_cast<int>(prompt.size()) > n_ctx) {
     return Fail(InvalidArgumentError(
         fmt::format("the prompt has {} tokens but the context is {} (-c); shorten the prompt or raise -c", prompt.size(), n_ctx)));
@@ -90,7 +91,7 @@ int Run(const GenerateArgs& a) {
   auto runtime = CreateRuntime(model, *sparsity ? &**sparsity : nullptr, dense_storage, 1, n_ctx, a.n_threads,
                                a.sampling.seed);
   if (!runtime.ok()) return Fail(runtime.status());
-  const std::string kv_desc = *sparsity ? KvSparsityConfigSummary(**sparsity)
+  const std::string kv_desc = *sparsity ? KvSparsityConfigSummary((*runtime)->controller()->config())
                                         : std::string("dense ") + KvStorageName(dense_storage);
   KvCache& cache = (*runtime)->cache();
   Engine& engine = *(*runtime)->engine;

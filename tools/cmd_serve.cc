@@ -104,6 +104,7 @@ int Run(const ServeArgs& a) {
   }
 
   const int32_t n_ctx = a.n_ctx > 0 ? a.n_ctx : std::min(c.max_context > 0 ? c.max_context : 4096, 4096);
+  loaded->model->SetContextLength(n_ctx);  // LongRoPE files pick their factor table by the context
   if (n_ctx < 2) return Fail(InvalidArgumentError(fmt::format("-c must be at least 2, got {}", n_ctx)));
 
   // Always the paged cache with its controller: a method-less run is "full" at --kv-type.
@@ -211,7 +212,7 @@ void RegisterServe(CLI::App& app, int* exit_code) {
   cmd->add_option("--api-key", args->api_key, "require 'Authorization: Bearer KEY' (all endpoints but /health)")
       ->envname("KVSPARSE_API_KEY");
   cmd->add_option("--chat-template", args->chat_template,
-                  "llama2, llama3, chatml or mistral (default: detected from the GGUF tokenizer.chat_template)");
+                  "llama2, llama3, chatml, mistral, gemma or phi3 (default: detected from the GGUF tokenizer.chat_template)");
   cmd->add_option("--alias", args->model_id, "model id clients name (default: the model file's name)");
   cmd->add_option("--queue", args->queue, "requests that may wait for a slot; more get 503")
       ->capture_default_str()

@@ -13,21 +13,33 @@ struct AttentionShape {
   int n_kv_heads = 0;  // n_heads % n_kv_heads == 0; group = n_heads / n_kv_heads
   int head_dim = 0;
   float scale = 0.f;   // usually 1/sqrt(head_dim)
+  // Sliding-window attention (Gemma 2 / 3 local layers): when > 0, a query at position p
+  // attends only to tokens with p - window < position <= p (a token is masked when
+  // p - position >= window, as llama.cpp's standard SWA). The window is on positions, not on
+  // token indices: gaps in the positions (evicted tokens) do not widen it. 0: no window.
+  int32_t window = 0;
+  // Attention-logit softcapping (Gemma 2): when > 0, each score s = scale * q.k becomes
+  // softcap * tanh(s / softcap) before the softmax. 0: none.
+  float softcap = 0.f;
 };
 
 namespace ops {
 // q:   [n_q, n_heads, head_dim] f32, already rotated.
-// q_pos: [n_q] absolute positions; query i attends to cached tokens with position <= q_pos[i].
+// q_pos: [n_q] absolute positions; query i attends to cached tokens with position <= q_pos[i]
+//   (and, with shape.window > 0, > q_pos[i] - shape.window).
 // spans: the live tokens (ascending positions), storage type `storage` (kInt8 spans carry
 //   k_scale / v_scale).
-// out: [n_q, n_heads, head_dim] f32 = softmax(q k^T * scale) v over the attended tokens.
-// A query that attends to no token gets zeros.
+// out: [n_q, n_heads, head_dim] f32 = softmax(s) v over the attended tokens, with the scores
+//   s_t = scale * q.k_t (softcapped: softcap * tanh(s_t / softcap) when shape.softcap > 0).
+// A query that attends to no token (none at or before its position, or none inside its window)
+// gets zeros.
 // row_max_sum (optional): [n_q, n_heads, 2] each row's softmax statistics, natural-log
-//   domain: max_t (scale * q.k_t) and sum_t exp(scale * q.k_t - max) over the attended tokens
-//   (-inf and 0 when none). ops::AttentionScores (attention_scores.h) consumes them.
+//   domain: max_t s_t and sum_t exp(s_t - max) over the attended tokens (-inf and 0 when none).
+//   ops::AttentionScores (attention_scores.h) consumes them.
 // raw_scores (optional): [n_q, n_heads, n_tokens] (n_tokens = all tokens of the spans, in span
-//   order) each row's scores in the log2 domain, scale * log2(e) * q.k_t, and -inf for tokens
-//   the query does not see. The kernel computes them anyway; storing them lets
+//   order) each row's scores s_t in the log2 domain, log2(e) * s_t, and -inf for tokens the
+//   query does not see (later ones, and those outside its window). The kernel computes them
+//   anyway; storing them lets
 //   ops::GatherScoresFromRaw (attention_scores.h) replace the second QK pass of
 //   ops::AttentionScores. Meant for decode steps, where the array is small.
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
@@ -39,8 +51,8 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
 // attends to. Query i of the call belongs to block i / query_block; key tokens are numbered
 // 0 .. n_tokens-1 over the job's spans in span order. Query block b attends to the token ranges
 // ranges[2r] .. ranges[2r+1] - 1 for r in [range_offsets[b], range_offsets[b+1]), ascending and
-// disjoint, and within them, as always, only to tokens its query's position sees. A query none
-// of whose selected tokens it sees gets zeros.
+// disjoint, and within them, as always, only to tokens its query's position (and window) sees. A
+// query none of whose selected tokens it sees gets zeros.
 struct KeySelection {
   int query_block = 0;                     // > 0
   const int64_t* range_offsets = nullptr;  // [n_query_blocks + 1], range_offsets[0] == 0

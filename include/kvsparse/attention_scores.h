@@ -37,14 +37,18 @@ struct ScoreOutputs {
 };
 
 namespace ops {
-// Same q / q_pos / spans as the ops::Attention call that produced row_max_sum
-// ([n_q, n_heads, 2], see attention.h): the probabilities are exp(score - max) / sum.
+// Same shape / q / q_pos / spans as the ops::Attention call that produced row_max_sum
+// ([n_q, n_heads, 2], see attention.h): the probabilities are exp(score - max) / sum, with the
+// scores that call attended (softcapped with shape.softcap), and 0 for the tokens outside a
+// query's sliding window (shape.window), as for the ones after its position.
 void AttentionScores(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos,
                      int32_t n_q, const KvSpan* spans, int32_t n_spans, const float* row_max_sum,
                      const ScoreGathering& gathering, const ScoreOutputs& outputs, int n_threads);
 // The same outputs from the raw scores an ops::Attention call wrote (raw_scores
 // [n_q, n_heads, n_tokens] and row_max_sum [n_q, n_heads, 2], see attention.h): no second
-// pass over K, one exp2 per (query head, token). For decode steps; prompt chunks use
+// pass over K, one exp2 per (query head, token). The raw scores already carry the softcap and
+// the window's mask (-inf), so shape.window and shape.softcap play no part here. For decode
+// steps; prompt chunks use
 // AttentionScores, since their raw scores would be [chunk, n_heads, n_tokens].
 void GatherScoresFromRaw(const AttentionShape& shape, const int32_t* q_pos, int32_t n_q, int64_t n_tokens,
                          const float* raw_scores, const float* row_max_sum, const ScoreGathering& gathering,

@@ -179,6 +179,10 @@ struct LayerKvConfig {
   bool per_head = false;
   // How this layer attends prompt chunks (sparse_prefill.h); dense by default.
   PrefillSparsity prefill;
+  // Set by a JSON "layers" entry naming this layer. On a model with sliding-window layers the
+  // config's default (and the --kv-method flags) applies to the global layers only; a sliding
+  // layer takes a method only from an explicit entry (ResolveSlidingLayers, runtime.h).
+  bool explicit_layer = false;
 };
 
 // Checks a layer's values (budget range, parameter ranges, sinks/windows that cannot fit

@@ -5,6 +5,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace kvsparse {
 
@@ -74,9 +76,19 @@ KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int3
                int head_dim);
 
 struct KvGeometry {
+  KvGeometry() = default;
+  KvGeometry(int layers, int kv_heads, int head_size, std::vector<int32_t> windows = {})
+      : n_layers(layers), n_kv_heads(kv_heads), head_dim(head_size), layer_window(std::move(windows)) {}
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
+  // [n_layers] each layer's attention window (sliding-window layers of gemma2/gemma3; 0: a
+  // global layer); empty: every layer global. A windowed layer's older tokens are freed as the
+  // window moves (SparseKvController), so it holds at most window + a page + a chunk of tokens.
+  std::vector<int32_t> layer_window;
+  int32_t LayerWindow(int layer) const {
+    return layer_window.empty() ? 0 : layer_window[static_cast<size_t>(layer)];
+  }
 };
 
 // How per-query-head attention is folded into one score per KV head (GQA).

@@ -13,8 +13,11 @@
 
 namespace kvsparse {
 
-enum class Arch { kLlama, kQwen2, kQwen3 };
+enum class Arch { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3 };
 std::string_view ArchName(Arch a);
+
+// The FFN's gate activation: SwiGLU (llama, qwen, phi3) or GeGLU with tanh-approximated GELU (gemma).
+enum class FfnActivation { kSilu, kGeluTanh };
 
 // Weight types the forward pass computes with (what loaders accept and converters write).
 bool IsSupportedWeightType(DType t);
@@ -34,7 +37,37 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
   bool tied_output = false;  // output projection shares the token embedding
-  bool qk_norm = false;      // qwen3: RMSNorm of each query and key head before RoPE
+  bool qk_norm = false;      // qwen3, gemma3: RMSNorm of each query and key head before RoPE
+
+  // What architectures add to the common decoder (src/model/arch_*.cc set them; the forward
+  // pass reads only these fields, never the architecture's name).
+  float embedding_scale = 1.0f;  // gemma: token embeddings times sqrt(dim)
+  FfnActivation ffn_activation = FfnActivation::kSilu;
+  bool post_norms = false;       // gemma2/3: RMSNorm of the attention and FFN outputs before each residual add
+  float attention_scale = 0.f;   // query scale; 0: 1/sqrt(head_dim)
+  float attn_softcap = 0.f;      // gemma2: scores become cap * tanh(score / cap); 0: none
+  float final_softcap = 0.f;     // gemma2: the same on the logits
+  // Sliding-window layers (gemma2: every other layer; gemma3: five of every six): a query at
+  // position p sees keys at positions p - sliding_window < pos <= p.
+  int32_t sliding_window = 0;
+  std::vector<uint8_t> sliding_layers;  // [n_layers] 1: a sliding-window layer; empty: none
+  float rope_theta_sliding = 10000.0f;  // RoPE base of the sliding layers (gemma3: 10000, unscaled)
+  // Magnitude of the rotated q and k (YaRN's mscale, LongRoPE's attention factor): scores scale
+  // by its square, which the attention scale absorbs.
+  float rope_attn_factor = 1.0f;
+
+  bool IsSliding(int layer) const {
+    return !sliding_layers.empty() && sliding_layers[static_cast<size_t>(layer)] != 0;
+  }
+  // The attention window of a layer: sliding_window on a sliding layer, else 0 (unbounded).
+  int32_t LayerWindow(int layer) const { return IsSliding(layer) ? sliding_window : 0; }
+  // The attention-logit scale: attention_scale (or 1/sqrt(head_dim)) times rope_attn_factor^2.
+  float AttentionLogitScale() const;
+  // Bytes a dense cache holds for a sequence of n_tokens at bytes_per_value per K or V element,
+  // laid out as llama.cpp lays it out: global layers every token, sliding layers their window.
+  // The "% of dense" baseline, so that a sliding-window model is not flattered by comparing
+  // against a full cache nobody uses.
+  double DenseKvBytes(int64_t n_tokens, double bytes_per_value) const;
 };
 
 struct LayerWeights {
@@ -43,10 +76,14 @@ struct LayerWeights {
   const float* bq = nullptr;         // [n_heads*head_dim] (qwen2 only)
   const float* bk = nullptr;         // [n_kv_heads*head_dim]
   const float* bv = nullptr;         // [n_kv_heads*head_dim]
-  const float* q_norm = nullptr;     // [head_dim] qwen3: RMSNorm weight of every query head, before RoPE
+  const float* q_norm = nullptr;     // [head_dim] qwen3/gemma3: RMSNorm weight of every query head, before RoPE
   const float* k_norm = nullptr;     // [head_dim] the same for every key head
+  const float* post_attn_norm = nullptr;  // [dim] gemma2/3: RMSNorm of the attention output
   const float* ffn_norm = nullptr;   // [dim]
   WeightView w_gate, w_up, w_down;   // [hidden, dim], [hidden, dim], [dim, hidden]
+  const float* post_ffn_norm = nullptr;   // [dim] gemma2/3: RMSNorm of the FFN output
+  // phi3's fused attn_qkv and ffn_up are bound as row ranges of the fused matrix: wq/wk/wv and
+  // w_gate/w_up then point into one tensor, so the forward pass is the same.
 };
 
 class Model {
@@ -65,7 +102,22 @@ class Model {
   std::vector<LayerWeights> layers;      // [n_layers]
   const float* output_norm = nullptr;    // [dim]
   WeightView output;                     // [n_vocab, dim] (== token_embedding when tied)
-  std::vector<float> rope_inv_freq;      // [head_dim/2], includes rope_freqs scaling when present
+  std::vector<float> rope_inv_freq;      // [head_dim/2] global layers; includes rope_freqs / scaling
+  std::vector<float> rope_inv_freq_sliding;  // [head_dim/2] sliding-window layers (empty: none)
+  // LongRoPE (phi3): the short- and long-context tables; rope_inv_freq is one of them, chosen by
+  // the context the model runs with (SetContextLength), as llama.cpp does. Empty: not LongRoPE.
+  std::vector<float> rope_inv_freq_short, rope_inv_freq_long;
+  int32_t long_rope_original_context = 0;  // rope.scaling.original_context_length
+
+  // RoPE frequencies of one layer.
+  const float* RopeInvFreq(int layer) const {
+    return config_.IsSliding(layer) && !rope_inv_freq_sliding.empty() ? rope_inv_freq_sliding.data()
+                                                                      : rope_inv_freq.data();
+  }
+  // The context length sequences will run with: LongRoPE files switch to their long factors
+  // above the original context (llama.cpp chooses by n_ctx the same way). Loading assumes the
+  // training context, as llama.cpp does by default.
+  void SetContextLength(int32_t n_ctx);
 
   int64_t ParameterCount() const;
   size_t WeightBytes() const;  // bytes of all weight tensors as stored

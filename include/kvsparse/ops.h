@@ -56,6 +56,10 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float e
 void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style);
 // gate[i] = silu(gate[i]) * up[i]
 void SiluMul(float* gate, const float* up, int64_t n);
+// gate[i] = gelu(gate[i]) * up[i], GELU's tanh approximation (GeGLU: Gemma)
+void GeluMul(float* gate, const float* up, int64_t n);
+// x[i] = cap * tanh(x[i] / cap) (Gemma 2's logit softcapping); cap > 0
+void SoftcapInPlace(float* x, int64_t n, float cap);
 // In-place numerically stable softmax.
 void Softmax(float* x, int64_t n);
 // y[i] += x[i]
@@ -79,6 +83,8 @@ float Dot(const float* a, const float* b, int64_t n);
 void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps);
 void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style);
 void SiluMul(float* gate, const float* up, int64_t n);
+void GeluMul(float* gate, const float* up, int64_t n);
+void SoftcapInPlace(float* x, int64_t n, float cap);
 void Softmax(float* x, int64_t n);
 void Add(float* y, const float* x, int64_t n);
 }  // namespace ref

@@ -282,6 +282,9 @@ class PagedKvCache final : public KvCache {
     int32_t n_keep = 0;
     int64_t fresh_pages = 0;  // shared pages that must be copied (int8_kivi: every new page)
     size_t fresh_bytes = 0;   // int8_kivi: bytes the rewrite needs beyond those it frees first
+    // > 0: the drop is exactly the table's first leading_pages whole pages (a sliding window
+    // moving on), released without moving a token.
+    int32_t leading_pages = 0;
   };
 
   PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions& options, size_t budget_bytes);

@@ -24,8 +24,17 @@ struct Runtime {
   SparseKvController* controller() const { return sparse.controller.get(); }
 };
 
+// The model's KV shape, with its sliding-window layers' windows.
+KvGeometry ModelKvGeometry(const Model& model);
+
+// On a model with sliding-window layers, a config's default method (and --kv-method) is for
+// the global layers: a sliding layer without an explicit JSON entry is reset to "full" (its
+// window already bounds it), keeping its kv_type. A no-op on models without sliding layers.
+void ResolveSlidingLayers(const Model& model, KvSparsityConfig* config);
+
 // config null: a ContiguousKvCache of dense_storage (f32 or f16) holding n_seqs sequences of
-// max_tokens. Otherwise the paged cache sized for n_seqs × max_tokens (CreateSparseKv) and its
+// max_tokens; on a model with sliding-window layers, the paged cache with "full" on every layer
+// instead, so that the sliding layers free their pages as the window moves. Otherwise the paged cache sized for n_seqs × max_tokens (CreateSparseKv) and its
 // controller, seeded with `seed` (the Random method). Razor layers get their retrieval heads
 // here (ResolveRetrievalHeads: the heads file, or a probe of the model).
 StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSparsityConfig* config,

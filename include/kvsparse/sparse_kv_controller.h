@@ -65,6 +65,9 @@ struct SparseKvLayerStats {
   // shared pages, int8_kivi rewrites); the tokens stay until the next eviction point, so a
   // forward step never fails half-way for want of pages.
   int64_t deferred_evictions = 0;
+  // Sliding-window layers: tokens freed because they left the window (whole pages at a time),
+  // counted apart from the policy's evictions.
+  int64_t window_evicted_tokens = 0;
   // Global re-ranks of cross-layer rankings (cumulative), counted at the layer whose OnAppend
   // ran them (the shallowest cumulative layer); their time is part of select_s.
   int64_t reranks = 0;
@@ -114,7 +117,9 @@ class SparseKvController {
     return config_.layers[layer].method == KvMethod::kStreamingLlm && config_.layers[layer].params.cache_positions;
   }
   // The model's RoPE (an Engine sets it); needed before a cache-position layer evicts.
-  void SetKeyRotation(KeyRotateFn rotate) { rotate_ = std::move(rotate); }
+  // RoPE of a layer's keys by a position delta (each layer may have its own frequencies).
+  using LayerKeyRotateFn = std::function<void(int layer, float* k, int64_t n_rows, int32_t delta)>;
+  void SetKeyRotation(LayerKeyRotateFn rotate) { rotate_ = std::move(rotate); }
   // Position the next token of (seq, layer) gets: the layer's live token count. Renumbers the
   // layer first when its positions are not 0..n-1 (e.g. after RemoveRange).
   StatusOr<int32_t> NextCachePosition(int seq, int layer);
@@ -268,6 +273,9 @@ class SparseKvController {
   Status RenumberPositions(int seq, int layer, int kv_head);
   // Eviction of a layer: its table, each head's, or AdaKV's joint eviction of its heads.
   Status EvictLayer(int seq, int layer, EvictionPoint point, int32_t n_seen, int32_t current_position);
+  // A sliding-window layer's table (kv_head < 0: the shared one): drops the whole leading pages
+  // of tokens that no later query can see (positions <= current_position + 1 - window).
+  Status TrimToWindow(int seq, int layer, int kv_head, int32_t current_position);
   // Eviction of one table: the layer's (kv_head < 0) or one head's.
   Status EvictTable(int seq, int layer, int kv_head, EvictionPoint point, int32_t n_seen,
                     int32_t current_position);
@@ -295,7 +303,7 @@ class SparseKvController {
   std::vector<std::unique_ptr<KvPolicy>> layer_templates_;
   std::vector<SparseKvLayerStats> stats_;             // [n_layers], all sequences together
   ObservationTap tap_;
-  KeyRotateFn rotate_;                                // RoPE by a position delta (cache-position layers)
+  LayerKeyRotateFn rotate_;                              // RoPE by a position delta (cache-position layers)
 
   // Reused buffers (no allocation in steady-state decode).
   std::vector<ObserveScratch> observe_scratch_;     // [max(1, n_kv_heads)]: one per head observed at once

@@ -60,7 +60,8 @@ struct SpeedResult {
   double attention_ms_per_token = 0;
   size_t kv_peak_allocated_bytes = 0;  // paged cache: most KV bytes allocated at once since the run began
   // The dense f16 cache's bytes for the tokens of the sequence at the end of the test (the
-  // reference of the "x% of dense f16").
+  // reference of the "x% of dense f16"), as llama.cpp holds them: on sliding-window
+  // models (gemma2/3) the sliding layers hold only their window (ModelConfig::DenseKvBytes).
   double dense_f16_kv_bytes = 0;
   size_t peak_rss_bytes = 0;       // the process's peak resident set so far (getrusage)
   std::string kv_stats_table;      // SparseKvController::FormatStats() (with kv_stats)

@@ -15,7 +15,7 @@ namespace kvsparse {
 
 struct SynthShape {
   std::string name;  // "tinyllama-1.1b", "tiny-llama", ...
-  std::string arch;  // GGUF general.architecture: "llama" | "qwen2" | "qwen3"
+  std::string arch;  // GGUF general.architecture: llama, qwen2, qwen3, gemma2, gemma3, phi3
   int n_vocab = 0;
   int dim = 0;         // embedding length
   int hidden_dim = 0;  // feed-forward length
@@ -33,6 +33,17 @@ struct SynthShape {
   // > 0: the head size, written as attention.key_length / value_length (qwen3: n_heads * head_dim
   // may differ from dim). 0: dim / n_heads.
   int head_dim = 0;
+  // gemma2/gemma3: attention.sliding_window (the layer pattern is the architecture's default).
+  int sliding_window = 0;
+  // gemma2: the softcaps written (the real models' are 50 and 30; tiny shapes use small ones so
+  // that they bite on random weights).
+  float attn_softcap = 0.0f, final_softcap = 0.0f;
+  // YaRN (rope.scaling.type yarn) with this factor over `rope_original_context`. 0 = none.
+  float rope_yarn_factor = 0.0f;
+  // phi3 LongRoPE: rope_factors_short/long.weight, rope.scaling.attn_factor and
+  // rope.scaling.original_context_length = rope_original_context.
+  bool long_rope = false;
+  int rope_original_context = 0;
 };
 
 // Real shapes (tinyllama-1.1b, llama-3.2-1b, qwen2.5-0.5b, llama-3.1-8b) and tiny test shapes.

@@ -231,7 +231,7 @@ StatusOr<ServeCapacityResult> RunCapacity(const Model& model, const ServeKvSpec&
   Engine& engine = *runtime->engine;
   ServeCapacityResult r;
   r.label = spec.label();
-  r.kv_desc = KvSparsityConfigSummary(kv_config);
+  r.kv_desc = KvSparsityConfigSummary(controller.config());
   r.reserve_bytes = controller.SequenceReserveBytes(config.depth, config.capacity_gen);
   // As the scheduler admits: every reservation, and room for one prompt chunk on top.
   r.chunk_reserve_bytes =

@@ -168,21 +168,29 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> runtime,
                        CreateRuntime(model, sparsity, config.kv_storage, /*n_seqs=*/1, std::max(max_tokens, 1),
                                      n_threads));
-  report.kv_desc = sparsity ? KvSparsityConfigSummary(*sparsity) : std::string("dense ") + KvStorageName(config.kv_storage);
+  // What runs: the controller's config has the sliding layers resolved (ResolveSlidingLayers).
+  report.kv_desc = sparsity ? KvSparsityConfigSummary(runtime->controller()->config())
+                            : std::string("dense ") + KvStorageName(config.kv_storage);
+  if (!c.sliding_layers.empty()) {
+    int n_sliding = 0;
+    for (int layer = 0; layer < c.n_layers; ++layer) n_sliding += c.IsSliding(layer) ? 1 : 0;
+    report.kv_desc += fmt::format("; {} of {} layers slide with {}-token windows (freed as they move); \"% of dense "
+                                  "f16\" is against llama.cpp's layout, whose sliding layers hold their window",
+                                  n_sliding, c.n_layers, c.sliding_window);
+  }
   KvCache& cache = runtime->cache();
   SparseKvController* controller = runtime->controller();
   Engine& engine = *runtime->engine;
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
   const double dense_kv_bytes_per_token =
       2.0 * c.n_layers * c.n_kv_heads * c.head_dim * KvStorageBits(config.kv_storage) / 8;
-  const double dense_f16_bytes_per_token = 2.0 * c.n_layers * c.n_kv_heads * c.head_dim * 2;
   // After a test's last repetition: the cache's size and the policy work of its timed part.
   auto finish = [&](SpeedResult& r, double policy_s, int64_t evictions, int reps) {
     r.kv_allocated_bytes = cache.AllocatedBytes();
     r.kv_live_bytes = cache.LiveBytes();
     const PagedKvCache* paged = runtime->paged_cache();
     r.kv_peak_allocated_bytes = paged ? paged->Stats().peak_allocated_bytes : r.kv_allocated_bytes;
-    r.dense_f16_kv_bytes = dense_f16_bytes_per_token * (r.depth + r.n_tokens);
+    r.dense_f16_kv_bytes = c.DenseKvBytes(r.depth + r.n_tokens, 2.0);  // sliding layers: their window
     r.peak_rss_bytes = PeakRssBytes();
     if (controller != nullptr) {
       r.policy_ms_per_token = policy_s * 1e3 / (static_cast<double>(r.n_tokens) * reps);

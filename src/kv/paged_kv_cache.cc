@@ -613,6 +613,12 @@ PagedKvCache::EvictPlan PagedKvCache::PlanEvict(const Table& t, const Layer& L, 
   if (L.kivi) return PlanEvictKivi(t, L, keep);
   EvictPlan plan = CountKept(t, keep);
   if (plan.first_drop < 0) return plan;
+  const int32_t dropped = t.n - plan.n_keep;
+  if (plan.first_drop == 0 && dropped % page_size_ == 0 &&
+      std::none_of(keep, keep + dropped, [](uint8_t k) { return k != 0; })) {
+    plan.leading_pages = dropped / page_size_;
+    return plan;
+  }
   // Pages before the first dropped token are untouched (shared prefixes stay shared); each
   // page from there on that survives is rewritten, and must be copied first if shared.
   const int32_t P = page_size_;
@@ -627,6 +633,12 @@ void PagedKvCache::ApplyEvict(Table& t, Layer& L, const uint8_t* keep, const Evi
   if (plan.first_drop < 0) return;
   if (L.kivi) return ApplyEvictKivi(t, L, keep, plan);
   const int32_t P = page_size_;
+  if (plan.leading_pages > 0) {
+    for (int32_t d = 0; d < plan.leading_pages; ++d) ReleasePage(L, t.pages[d], P);
+    t.pages.erase(t.pages.begin(), t.pages.begin() + plan.leading_pages);
+    t.n = plan.n_keep;
+    return;
+  }
   const int32_t n_old = t.n;
   const int32_t f = plan.first_drop;
   const int32_t first_page = f / P;

@@ -288,6 +288,12 @@ size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t m
                                         : std::min(prompt, budget(prompt)) + (total - prompt);
         live = std::max(prompt_peak, decode_peak);
       }
+      // A sliding-window layer never holds more than its window, the page the window is in and
+      // a prompt chunk (TrimToWindow frees whole pages once a step's attention is done); the
+      // chunk is counted here, not in ChunkReserveBytes.
+      if (const int32_t window = cache_->geometry().LayerWindow(layer); window > 0) {
+        live = std::min<int64_t>(live, static_cast<int64_t>(window) + cache_->page_size() + config_.prefill_chunk);
+      }
       const int32_t live_tokens = static_cast<int32_t>(std::min<int64_t>(live, INT32_MAX - cache_->page_size()));
       const KvStorage storage = (layers != nullptr ? (*layers)[layer] : config_.layers[layer]).kv_type;
       bytes += cache_->TableReserveBytes(layer, live_tokens, storage);
@@ -305,8 +311,9 @@ size_t SparseKvController::ChunkReserveBytes(int32_t chunk_tokens, const std::ve
     for (int head = 0; head < n_policies(layer); ++head) {
       std::unique_ptr<KvPolicy> own;
       const KvPolicy& p = ReservePolicy(layer, head, layers, &own);
-      // Tables that keep every prompt token have it in SequenceReserveBytes already.
-      if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge) continue;
+      // Tables that keep every prompt token have it in SequenceReserveBytes already, and so do
+      // sliding-window layers.
+      if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge || cache_->geometry().LayerWindow(layer) > 0) continue;
       // A table of B tokens holds ceil(B / page) pages, and B + chunk at most ceil(chunk / page)
       // more; its reservation has a page in flight on top, and an int8_kivi page being quantized
       // one more: TableReserveBytes(chunk) covers both.
@@ -469,12 +476,63 @@ Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint poin
 
 Status SparseKvController::EvictLayer(int seq, int layer, EvictionPoint point, int32_t n_seen,
                                       int32_t current_position) {
-  if (!per_head(layer)) return EvictTable(seq, layer, -1, point, n_seen, current_position);
-  if (LayerConfig(seq, layer).params.head_budgets == HeadBudgets::kAdaptive)
-    return EvictHeadsAdaptively(seq, layer, point, n_seen, current_position);
-  for (int head = 0; head < n_policies(layer); ++head) {
-    KVS_RETURN_IF_ERROR(EvictTable(seq, layer, head, point, n_seen, current_position));
+  if (!per_head(layer)) {
+    KVS_RETURN_IF_ERROR(EvictTable(seq, layer, -1, point, n_seen, current_position));
+    return TrimToWindow(seq, layer, -1, current_position);
   }
+  if (LayerConfig(seq, layer).params.head_budgets == HeadBudgets::kAdaptive) {
+    KVS_RETURN_IF_ERROR(EvictHeadsAdaptively(seq, layer, point, n_seen, current_position));
+  } else {
+    for (int head = 0; head < n_policies(layer); ++head) {
+      KVS_RETURN_IF_ERROR(EvictTable(seq, layer, head, point, n_seen, current_position));
+    }
+  }
+  for (int head = 0; head < n_policies(layer); ++head) {
+    KVS_RETURN_IF_ERROR(TrimToWindow(seq, layer, head, current_position));
+  }
+  return Status::Ok();
+}
+
+Status SparseKvController::TrimToWindow(int seq, int layer, int kv_head, int32_t current_position) {
+  const int32_t window = cache_->geometry().LayerWindow(layer);
+  if (window <= 0 || UsesCachePositions(layer)) return Status::Ok();
+  const bool one_head = kv_head >= 0;
+  if (one_head) {
+    cache_->HeadSpans(seq, layer, kv_head, &spans_);
+  } else {
+    cache_->Spans(seq, layer, &spans_);
+  }
+  // The next query, at current_position + 1, sees positions > current_position + 1 - window;
+  // positions ascend, so the tokens it cannot see are a prefix.
+  const int64_t last_unseen = static_cast<int64_t>(current_position) + 1 - window;
+  int32_t n_live = 0, unseen = 0;
+  for (const KvSpan& span : spans_) {
+    for (int32_t i = 0; i < span.n; ++i) unseen += span.positions[i] <= last_unseen ? 1 : 0;
+    n_live += span.n;
+  }
+  // Whole pages only: dropping a table's leading pages frees them without moving a token; the
+  // rest (under a page) stays until the window has passed its page, masked by the kernel.
+  const int32_t page = cache_->page_size();
+  const int32_t drop = unseen / page * page;
+  if (drop == 0) return Status::Ok();
+  const auto t0 = Clock::now();
+  keep_.assign(static_cast<size_t>(n_live), 1);
+  std::fill(keep_.begin(), keep_.begin() + drop, 0);
+  const Status evicted = one_head ? cache_->Evict(seq, layer, kv_head, keep_) : cache_->Evict(seq, layer, keep_);
+  SparseKvLayerStats& st = stats_[layer];
+  if (evicted.code() == StatusCode::kResourceExhausted) {
+    ++st.deferred_evictions;
+    return Status::Ok();
+  }
+  if (!evicted.ok()) {
+    return Status(evicted.code(), fmt::format("freeing the {} tokens of sequence {} layer {}{} that left its {}-token "
+                                              "window: {}",
+                                              drop, seq, layer, one_head ? fmt::format(" kv head {}", kv_head) : "",
+                                              window, evicted.message()));
+  }
+  policy(seq, layer, one_head ? kv_head : 0).OnEvict(keep_);
+  st.window_evicted_tokens += drop;
+  st.compact_s += Seconds(t0, Clock::now());
   return Status::Ok();
 }
 
@@ -624,7 +682,8 @@ Status SparseKvController::RenumberPositions(int seq, int layer, int kv_head) {
                                             "sets it (SetKeyRotation)",
                                             layer));
   }
-  const Status status = cache_->RenumberPositions(seq, layer, kv_head, rotate_);
+  const Status status = cache_->RenumberPositions(
+      seq, layer, kv_head, [&](float* k, int64_t n_rows, int32_t delta) { rotate_(layer, k, n_rows, delta); });
   if (!status.ok()) {
     return Status(status.code(), fmt::format("renumbering the positions of sequence {} layer {}: {}", seq, layer,
                                              status.message()));
@@ -765,6 +824,25 @@ std::string SparseKvController::FormatStats() const {
       "allocated but not live (unfilled slots, padding) {} MiB\n",
       share(parts.values), share(parts.scales), share(parts.positions), share(parts.residual),
       MiB(cache_->AllocatedBytes() - live_bytes));
+  // Each kind of layer with its own bytes: sliding-window layers hold their window, global ones
+  // what their method keeps.
+  int n_sliding = 0;
+  size_t sliding_alloc = 0, sliding_live = 0, global_alloc = 0, global_live = 0;
+  int64_t window_freed = 0;
+  for (int layer = 0; layer < n_layers_; ++layer) {
+    const bool sliding = cache_->geometry().LayerWindow(layer) > 0;
+    n_sliding += sliding ? 1 : 0;
+    (sliding ? sliding_alloc : global_alloc) += cache_->LayerAllocatedBytes(layer);
+    (sliding ? sliding_live : global_live) += cache_->LayerLiveBytes(layer);
+    window_freed += stats_[layer].window_evicted_tokens;
+  }
+  if (n_sliding > 0) {
+    out += fmt::format("sliding-window layers ({} of {}, window {}): {} MiB allocated, {} MiB live, {} tokens freed "
+                       "behind the window; global layers: {} MiB allocated, {} MiB live\n",
+                       n_sliding, n_layers_,
+                       *std::max_element(cache_->geometry().layer_window.begin(), cache_->geometry().layer_window.end()),
+                       MiB(sliding_alloc), MiB(sliding_live), window_freed, MiB(global_alloc), MiB(global_live));
+  }
   out += fmt::format("policy time: {:.2f} ms (scoring {:.2f}, selection {:.2f}, compaction {:.2f}); "
                      "peak KV allocated {} MiB\n",
                      total.policy_s() * 1e3, total.score_s * 1e3, total.select_s * 1e3, total.compact_s * 1e3,

@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "model/model_loader.h"
+#include "model/rope_scaling.h"
 
 namespace kvsparse {
 
@@ -139,7 +140,7 @@ StatusOr<std::unique_ptr<Model>> Llama2cModelBuilder::Build(const std::string& p
   model->output_norm = take(D);
   take(2 * static_cast<int64_t>(freq_floats));  // freq_cis_real, freq_cis_imag
   model->output = c.tied_output ? model->token_embedding : matrix(take(NV * D), NV, D);
-  model->rope_inv_freq = ModelLoader::RopeInvFreq(c.head_dim, c.rope_theta);
+  model->rope_inv_freq = RopeInvFreq(c.head_dim, c.rope_theta);
   return model;
 }
 

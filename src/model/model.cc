@@ -1,6 +1,7 @@
 // Model: format detection, shared validation and size accounting.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -8,17 +9,31 @@
 #include <fmt/format.h>
 
 #include "kvsparse/model.h"
+#include "model/arch.h"
 #include "model/model_loader.h"
 
 namespace kvsparse {
 
-std::string_view ArchName(Arch a) {
-  switch (a) {
-    case Arch::kLlama: return "llama";
-    case Arch::kQwen2: return "qwen2";
-    case Arch::kQwen3: return "qwen3";
+std::string_view ArchName(Arch a) { return ArchSpecOf(a).gguf_name; }
+
+float ModelConfig::AttentionLogitScale() const {
+  const float base = attention_scale > 0.f ? attention_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+  return base * rope_attn_factor * rope_attn_factor;
+}
+
+double ModelConfig::DenseKvBytes(int64_t n_tokens, double bytes_per_value) const {
+  const double per_token = 2.0 * n_kv_heads * head_dim * bytes_per_value;  // K and V of one layer
+  double bytes = 0;
+  for (int layer = 0; layer < n_layers; ++layer) {
+    const int64_t held = IsSliding(layer) ? std::min<int64_t>(n_tokens, sliding_window) : n_tokens;
+    bytes += per_token * static_cast<double>(held);
   }
-  return "unknown";
+  return bytes;
+}
+
+void Model::SetContextLength(int32_t n_ctx) {
+  if (rope_inv_freq_long.empty()) return;
+  rope_inv_freq = n_ctx > long_rope_original_context ? rope_inv_freq_long : rope_inv_freq_short;
 }
 
 bool IsSupportedWeightType(DType t) {
@@ -85,7 +100,8 @@ int64_t Model::ParameterCount() const {
   int64_t total = Elements(token_embedding) + c.dim;  // + output_norm
   if (!c.tied_output) total += Elements(output);
   for (const LayerWeights& l : layers) {
-    total += 2 * static_cast<int64_t>(c.dim);  // attn_norm, ffn_norm
+    total += (c.post_norms ? 4 : 2) * static_cast<int64_t>(c.dim);  // attn_norm, ffn_norm (+ post-norms)
+    if (c.qk_norm) total += 2 * static_cast<int64_t>(c.head_dim);
     for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Elements(*w);
     if (l.bq != nullptr) total += l.wq.rows;
     if (l.bk != nullptr) total += l.wk.rows;
@@ -100,21 +116,14 @@ size_t Model::WeightBytes() const {
   size_t total = Bytes(token_embedding) + norm_bytes;
   if (!c.tied_output) total += Bytes(output);
   for (const LayerWeights& l : layers) {
-    total += 2 * norm_bytes;
+    total += (c.post_norms ? 4 : 2) * norm_bytes;
+    if (c.qk_norm) total += 2 * sizeof(float) * static_cast<size_t>(c.head_dim);
     for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Bytes(*w);
     if (l.bq != nullptr) total += sizeof(float) * static_cast<size_t>(l.wq.rows);
     if (l.bk != nullptr) total += sizeof(float) * static_cast<size_t>(l.wk.rows);
     if (l.bv != nullptr) total += sizeof(float) * static_cast<size_t>(l.wv.rows);
   }
   return total;
-}
-
-std::vector<float> ModelLoader::RopeInvFreq(int head_dim, float theta) {
-  std::vector<float> inv_freq(static_cast<size_t>(head_dim / 2));
-  for (int i = 0; i < head_dim / 2; ++i) {
-    inv_freq[i] = static_cast<float>(std::pow(static_cast<double>(theta), -2.0 * i / head_dim));
-  }
-  return inv_freq;
 }
 
 Status ValidateModelConfig(const ModelConfig& c, const std::string& source) {

@@ -10,7 +10,9 @@
 #include <string>
 #include <string_view>
 
+#include "model/arch.h"
 #include "model/model_loader.h"
+#include "model/rope_scaling.h"
 
 namespace kvsparse {
 
@@ -28,8 +30,6 @@ bool SameShape(const std::vector<int64_t>& ne, const std::vector<int64_t>& want)
   }
   return true;
 }
-
-constexpr std::string_view kSupportedArchs = "llama (Llama 2/3, TinyLlama, Mistral), qwen2, qwen3";
 
 }  // namespace
 
@@ -74,26 +74,21 @@ class GgufModelBuilder {
       if (arch_name.status().code() == StatusCode::kNotFound) {
         return DataLossError(
             fmt::format("{}: metadata key 'general.architecture' is missing (not a model file? supported: {})",
-                        source_, kSupportedArchs));
+                        source_, SupportedArchNames()));
       }
       return arch_name.status();
     }
     const std::string arch(*arch_name);
-    if (arch == "llama") {
-      config_.arch = Arch::kLlama;
-      config_.rope_style = RopeStyle::kAdjacentPairs;
-    } else if (arch == "qwen2") {
-      config_.arch = Arch::kQwen2;
-      config_.rope_style = RopeStyle::kNeox;
-    } else if (arch == "qwen3") {
-      config_.arch = Arch::kQwen3;
-      config_.rope_style = RopeStyle::kNeox;
-      config_.qk_norm = true;
-    } else {
-      return UnimplementedError(
-          fmt::format("{}: unsupported architecture '{}' (general.architecture); supported: {}", source_, arch,
-                      kSupportedArchs));
+    spec_ = FindArchSpec(arch);
+    if (spec_ == nullptr) {
+      return UnimplementedError(fmt::format("{}: unsupported architecture '{}' (general.architecture); supported: {}",
+                                            source_, arch, SupportedArchNames()));
     }
+    config_.arch = spec_->arch;
+    config_.rope_style = spec_->rope_style;
+    config_.qk_norm = spec_->qk_norm;
+    config_.post_norms = spec_->post_norms;
+    config_.ffn_activation = spec_->ffn_activation;
     const std::string p = arch + ".";
     KVS_ASSIGN_OR_RETURN(config_.max_context, RequiredCount(p + "context_length"));
     KVS_ASSIGN_OR_RETURN(config_.dim, RequiredCount(p + "embedding_length"));
@@ -140,6 +135,10 @@ class GgufModelBuilder {
     }
     config_.n_vocab = static_cast<int>(embd->ne[1]);
     KVS_RETURN_IF_ERROR(ValidateModelConfig(config_, source_));
+    if (spec_->scale_embeddings) config_.embedding_scale = std::sqrt(static_cast<float>(config_.dim));
+    if (spec_->read_config != nullptr) {
+      KVS_RETURN_IF_ERROR(spec_->read_config(ArchKeys(file_, p, source_), &config_));
+    }
 
     // Features we do not implement must fail loudly rather than compute garbage.
     if (file_.Find(p + "attention.value_length") != nullptr) {
@@ -160,45 +159,125 @@ class GgufModelBuilder {
     }
     KVS_RETURN_IF_ERROR(CheckTokenizerSize());
 
-    model_.rope_inv_freq = ModelLoader::RopeInvFreq(config_.head_dim, config_.rope_theta);
-    return ApplyRopeScaling(p);
+    model_.rope_inv_freq = RopeInvFreq(config_.head_dim, config_.rope_theta);
+    KVS_RETURN_IF_ERROR(ApplyRopeScaling(p));
+    if (!config_.sliding_layers.empty() && config_.rope_theta_sliding != config_.rope_theta) {
+      // Sliding layers keep their own base and no context scaling (llama.cpp's freq_scale_swa = 1).
+      if (!(config_.rope_theta_sliding > 0.f)) {
+        return DataLossError(fmt::format("{}: the sliding layers' RoPE base ('{}rope.freq_base_swa') must be "
+                                         "positive, found {}",
+                                         source_, p, config_.rope_theta_sliding));
+      }
+      model_.rope_inv_freq_sliding = RopeInvFreq(config_.head_dim, config_.rope_theta_sliding);
+    }
+    return Status::Ok();
   }
 
-  // Linear scaling divides every frequency; Llama 3.1's rope_freqs divides each separately.
+  // A per-frequency factor table [head_dim/2] (rope_freqs, rope_factors_short/long), checked.
+  StatusOr<const float*> RopeFactors(const std::string& name) {
+    const int64_t n = config_.head_dim / 2;
+    KVS_ASSIGN_OR_RETURN(const float* factors, Vector(name, n));
+    for (int64_t i = 0; i < n; ++i) {
+      if (!(factors[i] > 0.f) || !std::isfinite(factors[i])) {
+        return DataLossError(fmt::format("{}: tensor '{}' element {} is {}; factors must be positive and finite",
+                                         source_, name, i, factors[i]));
+      }
+    }
+    return factors;
+  }
+
+  // RoPE context extension, as llama.cpp applies it:
+  // - rope.scaling.type linear: every frequency divided by the factor;
+  // - yarn: ApplyYarn (rope_scaling.h), with its magnitude factor;
+  // - rope_freqs.weight (Llama 3.1): each frequency divided by its own factor;
+  // - rope_factors_short/long.weight (Phi-3 LongRoPE): the same with one of two tables, chosen
+  //   by the context (Model::SetContextLength), and rope.scaling.attn_factor on q and k.
   Status ApplyRopeScaling(const std::string& p) {
-    float linear_factor = 1.0f;
+    std::string type = "none";
+    float factor = 1.0f;
     if (file_.Find(p + "rope.scaling.type") != nullptr) {
       KVS_ASSIGN_OR_RETURN(std::string_view name, file_.GetString(p + "rope.scaling.type"));
-      if (name == "linear") {
-        KVS_ASSIGN_OR_RETURN(const double factor, file_.GetFloatOr(p + "rope.scaling.factor", 1.0));
-        linear_factor = static_cast<float>(factor);
-      } else if (name != "none") {
+      type = std::string(name);
+      if (type != "none" && type != "linear" && type != "yarn") {
         return UnimplementedError(fmt::format("{}: RoPE scaling type '{}' ({}rope.scaling.type) is not supported; "
-                                              "supported: none, linear, rope_freqs.weight (Llama 3.1)",
-                                              source_, name, p));
+                                              "supported: none, linear, yarn, rope_freqs.weight (Llama 3.1), "
+                                              "rope_factors_short/long.weight (Phi-3 LongRoPE)",
+                                              source_, type, p));
+      }
+      if (type != "none") {
+        KVS_ASSIGN_OR_RETURN(const double f, file_.GetFloatOr(p + "rope.scaling.factor", 1.0));
+        factor = static_cast<float>(f);
       }
     } else if (file_.Find(p + "rope.scale_linear") != nullptr) {
-      KVS_ASSIGN_OR_RETURN(const double factor, file_.GetFloat(p + "rope.scale_linear"));
-      linear_factor = static_cast<float>(factor);
+      KVS_ASSIGN_OR_RETURN(const double f, file_.GetFloat(p + "rope.scale_linear"));
+      type = "linear";
+      factor = static_cast<float>(f);
     }
-    if (!(linear_factor > 0.f) || !std::isfinite(linear_factor)) {
-      return DataLossError(fmt::format("{}: RoPE linear scaling factor must be positive, found {}", source_,
-                                       linear_factor));
+    if (!(factor > 0.f) || !std::isfinite(factor) || factor > 1e6f) {
+      return DataLossError(fmt::format("{}: RoPE scaling factor ({}rope.scaling.factor) must be in (0, 1e6], found {}",
+                                       source_, p, factor));
     }
-    for (float& f : model_.rope_inv_freq) f /= linear_factor;
+    KVS_ASSIGN_OR_RETURN(const double attn_factor, file_.GetFloatOr(p + "rope.scaling.attn_factor", 1.0));
+    if (!(attn_factor > 0.0) || !std::isfinite(attn_factor) || attn_factor > 100.0) {
+      return DataLossError(fmt::format("{}: '{}rope.scaling.attn_factor' must be in (0, 100], found {}", source_, p,
+                                       attn_factor));
+    }
+    config_.rope_attn_factor = static_cast<float>(attn_factor);
+    KVS_ASSIGN_OR_RETURN(const uint64_t original_context,
+                         file_.GetUIntOr(p + "rope.scaling.original_context_length",
+                                         static_cast<uint64_t>(config_.max_context)));
+    if (original_context == 0 || original_context > static_cast<uint64_t>(INT32_MAX)) {
+      return DataLossError(fmt::format("{}: '{}rope.scaling.original_context_length' = {} is out of range", source_,
+                                       p, original_context));
+    }
 
+    auto divide = [](std::vector<float>* inv_freq, const float* factors) {
+      for (size_t i = 0; i < inv_freq->size(); ++i) (*inv_freq)[i] /= factors[i];
+    };
     if (file_.FindTensor("rope_freqs.weight") != nullptr) {
-      const int64_t n = config_.head_dim / 2;
-      KVS_ASSIGN_OR_RETURN(const float* factors, Vector("rope_freqs.weight", n));
-      for (int64_t i = 0; i < n; ++i) {
-        if (!(factors[i] > 0.f) || !std::isfinite(factors[i])) {
-          return DataLossError(fmt::format("{}: tensor 'rope_freqs.weight' element {} is {}; factors must be "
-                                           "positive and finite",
-                                           source_, i, factors[i]));
-        }
-        model_.rope_inv_freq[i] /= factors[i];
-      }
+      KVS_ASSIGN_OR_RETURN(const float* factors, RopeFactors("rope_freqs.weight"));
+      divide(&model_.rope_inv_freq, factors);
     }
+    const bool long_rope = file_.FindTensor("rope_factors_long.weight") != nullptr ||
+                           file_.FindTensor("rope_factors_short.weight") != nullptr;
+    if (long_rope) {
+      KVS_ASSIGN_OR_RETURN(const float* short_factors, RopeFactors("rope_factors_short.weight"));
+      KVS_ASSIGN_OR_RETURN(const float* long_factors, RopeFactors("rope_factors_long.weight"));
+      model_.rope_inv_freq_short = model_.rope_inv_freq;
+      model_.rope_inv_freq_long = model_.rope_inv_freq;
+      divide(&model_.rope_inv_freq_short, short_factors);
+      divide(&model_.rope_inv_freq_long, long_factors);
+      model_.long_rope_original_context = static_cast<int32_t>(original_context);
+    }
+
+    if (type == "linear") {
+      for (float& f : model_.rope_inv_freq) f /= factor;
+      for (float& f : model_.rope_inv_freq_short) f /= factor;
+      for (float& f : model_.rope_inv_freq_long) f /= factor;
+    } else if (type == "yarn") {
+      YarnParams yarn;
+      yarn.factor = factor;
+      yarn.original_context = static_cast<int32_t>(original_context);
+      yarn.theta = config_.rope_theta;
+      KVS_ASSIGN_OR_RETURN(const double beta_fast, file_.GetFloatOr(p + "rope.scaling.yarn_beta_fast", 32.0));
+      KVS_ASSIGN_OR_RETURN(const double beta_slow, file_.GetFloatOr(p + "rope.scaling.yarn_beta_slow", 1.0));
+      KVS_ASSIGN_OR_RETURN(const double log_mul, file_.GetFloatOr(p + "rope.scaling.yarn_log_multiplier", 0.0));
+      if (!(beta_fast > 0.0) || !(beta_slow > 0.0) || !std::isfinite(beta_fast) || !std::isfinite(beta_slow) ||
+          !std::isfinite(log_mul)) {
+        return DataLossError(fmt::format("{}: YaRN's beta_fast / beta_slow must be positive and finite, found {} / {}",
+                                         source_, beta_fast, beta_slow));
+      }
+      yarn.beta_fast = static_cast<float>(beta_fast);
+      yarn.beta_slow = static_cast<float>(beta_slow);
+      yarn.log_multiplier = static_cast<float>(log_mul);
+      float mscale = ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq);
+      if (long_rope) {
+        ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq_short);
+        mscale = ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq_long);
+      }
+      config_.rope_attn_factor *= mscale;
+    }
+    if (long_rope) model_.SetContextLength(config_.max_context);  // llama.cpp's default: the training context
     return Status::Ok();
   }
 
@@ -264,6 +343,13 @@ class GgufModelBuilder {
     return reinterpret_cast<const float*>(ModelLoader::Own(model_, std::move(owned)));
   }
 
+  // Row range [first, first + rows) of a matrix, as a view of its own (fused projections).
+  static WeightView Rows(const WeightView& w, int64_t first, int64_t rows) {
+    const size_t row_bytes = DTypeRowBytes(w.type, w.cols);
+    return WeightView{w.type, static_cast<const uint8_t*>(w.data) + static_cast<size_t>(first) * row_bytes, rows,
+                      w.cols};
+  }
+
   Status BindTensors() {
     const int64_t dim = config_.dim, hidden = config_.hidden_dim, n_vocab = config_.n_vocab;
     const int64_t q_dim = static_cast<int64_t>(config_.n_heads) * config_.head_dim;
@@ -276,8 +362,7 @@ class GgufModelBuilder {
     } else {
       KVS_ASSIGN_OR_RETURN(model_.output, Matrix("output.weight", n_vocab, dim));
     }
-    // qwen2 always has Q/K/V biases; llama-architecture files may carry them too.
-    const bool biases_required = config_.arch == Arch::kQwen2;
+    const ArchSpec& spec = *spec_;
     // Layers are added as their tensors are found, so a hostile block_count fails at the
     // first missing tensor instead of allocating n_layers entries up front.
     model_.layers.clear();
@@ -285,17 +370,36 @@ class GgufModelBuilder {
       LayerWeights& l = model_.layers.emplace_back();
       const std::string b = fmt::format("blk.{}.", i);
       KVS_ASSIGN_OR_RETURN(l.attn_norm, Vector(b + "attn_norm.weight", dim));
-      KVS_ASSIGN_OR_RETURN(l.wq, Matrix(b + "attn_q.weight", q_dim, dim));
-      KVS_ASSIGN_OR_RETURN(l.wk, Matrix(b + "attn_k.weight", kv_dim, dim));
-      KVS_ASSIGN_OR_RETURN(l.wv, Matrix(b + "attn_v.weight", kv_dim, dim));
+      if (spec.fused_qkv && file_.FindTensor(b + "attn_q.weight") == nullptr) {
+        // attn_qkv rows: Q's, then K's, then V's.
+        KVS_ASSIGN_OR_RETURN(const WeightView qkv, Matrix(b + "attn_qkv.weight", q_dim + 2 * kv_dim, dim));
+        l.wq = Rows(qkv, 0, q_dim);
+        l.wk = Rows(qkv, q_dim, kv_dim);
+        l.wv = Rows(qkv, q_dim + kv_dim, kv_dim);
+      } else {
+        KVS_ASSIGN_OR_RETURN(l.wq, Matrix(b + "attn_q.weight", q_dim, dim));
+        KVS_ASSIGN_OR_RETURN(l.wk, Matrix(b + "attn_k.weight", kv_dim, dim));
+        KVS_ASSIGN_OR_RETURN(l.wv, Matrix(b + "attn_v.weight", kv_dim, dim));
+      }
       KVS_ASSIGN_OR_RETURN(l.wo, Matrix(b + "attn_output.weight", dim, q_dim));
-      if (config_.qk_norm) {
+      if (spec.qk_norm) {
         KVS_ASSIGN_OR_RETURN(l.q_norm, Vector(b + "attn_q_norm.weight", config_.head_dim));
         KVS_ASSIGN_OR_RETURN(l.k_norm, Vector(b + "attn_k_norm.weight", config_.head_dim));
       }
+      if (spec.post_norms) {
+        KVS_ASSIGN_OR_RETURN(l.post_attn_norm, Vector(b + "post_attention_norm.weight", dim));
+        KVS_ASSIGN_OR_RETURN(l.post_ffn_norm, Vector(b + "post_ffw_norm.weight", dim));
+      }
       KVS_ASSIGN_OR_RETURN(l.ffn_norm, Vector(b + "ffn_norm.weight", dim));
-      KVS_ASSIGN_OR_RETURN(l.w_gate, Matrix(b + "ffn_gate.weight", hidden, dim));
-      KVS_ASSIGN_OR_RETURN(l.w_up, Matrix(b + "ffn_up.weight", hidden, dim));
+      if (spec.fused_gate_up && file_.FindTensor(b + "ffn_gate.weight") == nullptr) {
+        // ffn_up rows: the gate's, then the up projection's (llama.cpp's swiglu splits it so).
+        KVS_ASSIGN_OR_RETURN(const WeightView gate_up, Matrix(b + "ffn_up.weight", 2 * hidden, dim));
+        l.w_gate = Rows(gate_up, 0, hidden);
+        l.w_up = Rows(gate_up, hidden, hidden);
+      } else {
+        KVS_ASSIGN_OR_RETURN(l.w_gate, Matrix(b + "ffn_gate.weight", hidden, dim));
+        KVS_ASSIGN_OR_RETURN(l.w_up, Matrix(b + "ffn_up.weight", hidden, dim));
+      }
       KVS_ASSIGN_OR_RETURN(l.w_down, Matrix(b + "ffn_down.weight", dim, hidden));
       struct Bias {
         const char* name;
@@ -304,7 +408,7 @@ class GgufModelBuilder {
       };
       for (const Bias& bias : {Bias{"attn_q.bias", q_dim, &l.bq}, Bias{"attn_k.bias", kv_dim, &l.bk},
                                Bias{"attn_v.bias", kv_dim, &l.bv}}) {
-        if (!biases_required && file_.FindTensor(b + bias.name) == nullptr) continue;
+        if (!spec.qkv_bias_required && file_.FindTensor(b + bias.name) == nullptr) continue;
         KVS_ASSIGN_OR_RETURN(*bias.dst, Vector(b + bias.name, bias.n));
       }
     }
@@ -313,6 +417,7 @@ class GgufModelBuilder {
 
   Model& model_;
   const GgufFile& file_;
+  const ArchSpec* spec_ = nullptr;
   ModelConfig& config_;
   std::string source_;
 };

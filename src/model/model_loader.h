@@ -17,9 +17,6 @@ class ModelLoader {
   static StatusOr<std::unique_ptr<Model>> FromGguf(const std::string& path);
   static StatusOr<std::unique_ptr<Model>> FromLlama2c(const std::string& path);
 
-  // inv_freq[i] = theta^(-2i / head_dim), i in [0, head_dim/2).
-  static std::vector<float> RopeInvFreq(int head_dim, float theta);
-
  private:
   static std::unique_ptr<Model> NewModel(const std::string& path) {
     std::unique_ptr<Model> model(new Model());

@@ -273,11 +273,23 @@ TEST(ModelLoaderError, PartialRopeIsUnimplemented) {
 
 TEST(ModelLoaderError, UnknownRopeScalingIsUnimplemented) {
   TinyModelSpec spec;
-  spec.extra_metadata = [](GgufWriter& w) { w.SetString("llama.rope.scaling.type", "yarn"); };
-  auto model = LoadSpec(spec, "err_yarn.gguf");
+  spec.extra_metadata = [](GgufWriter& w) { w.SetString("llama.rope.scaling.type", "longrope-v9"); };
+  auto model = LoadSpec(spec, "err_rope_scaling.gguf");
   ASSERT_FALSE(model.ok());
   EXPECT_EQ(model.status().code(), StatusCode::kUnimplemented);
-  EXPECT_TRUE(Contains(model.status().message(), "'yarn'")) << model.status().message();
+  EXPECT_TRUE(Contains(model.status().message(), "'longrope-v9'")) << model.status().message();
+  EXPECT_TRUE(Contains(model.status().message(), "yarn")) << model.status().message();  // lists what is supported
+}
+
+TEST(ModelLoaderError, UnknownArchitectureListsTheSupportedOnes) {
+  TinyModelSpec spec;
+  spec.extra_metadata = [](GgufWriter& w) { w.SetString("general.architecture", "mamba"); };
+  auto model = LoadSpec(spec, "err_arch.gguf");
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), StatusCode::kUnimplemented);
+  for (const char* name : {"'mamba'", "gemma2", "gemma3", "phi3", "qwen3"}) {
+    EXPECT_TRUE(Contains(model.status().message(), name)) << model.status().message();
+  }
 }
 
 TEST(ModelLoaderError, HugeBlockCountFailsAtTheFirstMissingLayer) {

@@ -17,6 +17,7 @@
 #include "kvsparse/ops.h"
 #include "kvsparse/synth.h"
 #include "model/model_loader.h"
+#include "model/rope_scaling.h"
 
 namespace kvsparse {
 
@@ -231,7 +232,7 @@ Status WriteRetrievalModel(const RetrievalModelOptions& options, const std::stri
   const int group = n_heads / n_kv_heads;
   const int dim = n_heads * kHeadDim;
   // RoPE frequencies exactly as the loader will compute them from the stored f32 base.
-  const std::vector<float> inv_freq = ModelLoader::RopeInvFreq(kHeadDim, kRopeBase);
+  const std::vector<float> inv_freq = RopeInvFreq(kHeadDim, kRopeBase);
 
   ResidualNorms norms;
   norms.in = kEmbedGain * kEmbedGain + kConstGain * kConstGain;

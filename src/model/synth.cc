@@ -48,6 +48,25 @@ SynthShape WithHeadDim(SynthShape s, int head_dim) {
   return s;
 }
 
+SynthShape WithWindow(SynthShape s, int window, float attn_softcap = 0, float final_softcap = 0) {
+  s.sliding_window = window;
+  s.attn_softcap = attn_softcap;
+  s.final_softcap = final_softcap;
+  return s;
+}
+
+SynthShape WithYarn(SynthShape s, float factor, int original_context) {
+  s.rope_yarn_factor = factor;
+  s.rope_original_context = original_context;
+  return s;
+}
+
+SynthShape WithLongRope(SynthShape s, int original_context) {
+  s.long_rope = true;
+  s.rope_original_context = original_context;
+  return s;
+}
+
 // splitmix64: a tiny, high-quality mixer; used as a counter-based generator.
 inline uint64_t SplitMix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -99,9 +118,18 @@ std::vector<float> Llama3RopeFactors(int64_t head_dim, float theta, float factor
   return factors;
 }
 
+// The chat-format control tokens of an architecture's real vocab, so that a synthetic model of
+// it renders its chat template (and llama.cpp, which looks some of them up by name, loads it).
+std::vector<std::string> ChatSpecialTokens(const std::string& arch) {
+  if (arch == "phi3") return {"<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"};
+  if (arch == "gemma2" || arch == "gemma3") return {"<start_of_turn>", "<end_of_turn>"};
+  return {};
+}
+
 // A generated SentencePiece-style vocab: <unk> <s> </s>, 256 byte tokens, then unique
-// pieces "a".."z", "▁a".."▁z", "aa", "▁aa", ... with decreasing scores.
-void AddGeneratedVocab(int n_vocab, GgufWriter* w) {
+// pieces "a".."z", "▁a".."▁z", "aa", "▁aa", ... with decreasing scores; the last ids are the
+// architecture's chat control tokens.
+void AddGeneratedVocab(int n_vocab, const std::vector<std::string>& specials, GgufWriter* w) {
   std::vector<std::string> tokens;
   std::vector<float> scores;
   std::vector<int32_t> types;
@@ -136,6 +164,13 @@ void AddGeneratedVocab(int n_vocab, GgufWriter* w) {
       if (k < 0) break;
     }
   }
+  constexpr int kFirstFree = 3 + 256;
+  for (size_t i = 0; i < specials.size() && n_vocab - static_cast<int>(specials.size()) >= kFirstFree; ++i) {
+    const size_t id = static_cast<size_t>(n_vocab) - specials.size() + i;
+    tokens[id] = specials[i];
+    scores[id] = 0.0f;
+    types[id] = kControl;
+  }
   w->SetString("tokenizer.ggml.model", "llama");
   w->SetStringArray("tokenizer.ggml.tokens", tokens);
   w->SetF32Array("tokenizer.ggml.scores", scores);
@@ -167,8 +202,9 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
   auto bad = [&](const std::string& what) {
     return InvalidArgumentError("synth shape '" + s.name + "': " + what);
   };
-  if (s.arch != "llama" && s.arch != "qwen2" && s.arch != "qwen3") {
-    return bad("arch must be llama, qwen2 or qwen3, found '" + s.arch + "'");
+  if (s.arch != "llama" && s.arch != "qwen2" && s.arch != "qwen3" && s.arch != "gemma2" && s.arch != "gemma3" &&
+      s.arch != "phi3") {
+    return bad("arch must be llama, qwen2, qwen3, gemma2, gemma3 or phi3, found '" + s.arch + "'");
   }
   // The checks every loaded model passes, so synth never writes a file the loader refuses.
   ModelConfig c;
@@ -202,6 +238,17 @@ const std::vector<SynthShape>& SynthShapes() {
       Shape("qwen2.5-0.5b", "qwen2", 151936, 896, 4864, 24, 14, 2, 32768, 1000000.0f, 1e-6f, true, true),
       Shape("llama-3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 131072, 500000.0f, 1e-5f, false, false, 8.0f),
       WithHeadDim(Shape("qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 40960, 1000000.0f, 1e-6f, true, false), 128),
+      // Gemma 3 1B: 4 heads of 256 over 1152, one kv head, 512-token windows on 5 of 6 layers.
+      WithWindow(WithHeadDim(Shape("gemma-3-1b", "gemma3", 262144, 1152, 6912, 26, 4, 1, 32768, 1000000.0f, 1e-6f,
+                                   true, false),
+                             256),
+                 512),
+      WithWindow(WithHeadDim(Shape("gemma-2-2b", "gemma2", 256000, 2304, 9216, 26, 8, 4, 8192, 10000.0f, 1e-6f, true,
+                                   false),
+                             256),
+                 4096, 50.0f, 30.0f),
+      WithLongRope(Shape("phi-3.5-mini", "phi3", 32064, 3072, 8192, 32, 32, 32, 131072, 10000.0f, 1e-5f, false, false),
+                   4096),
       // Tiny shapes for tests (seconds to write, milliseconds to run).
       Shape("tiny-llama", "llama", 512, 64, 160, 2, 4, 4, 256, 10000.0f, 1e-5f, false, false),
       Shape("tiny-qwen2", "qwen2", 512, 64, 128, 2, 4, 2, 256, 1000000.0f, 1e-6f, true, true),
@@ -214,6 +261,20 @@ const std::vector<SynthShape>& SynthShapes() {
       Shape("tiny-mix", "llama", 1024, 256, 640, 8, 4, 1, 1024, 10000.0f, 1e-5f, false, false),
       // Qwen3's features at test size: Q/K norms, no biases, 8 heads of 64 over a 256-wide residual.
       WithHeadDim(Shape("tiny-qwen3", "qwen3", 1024, 256, 768, 4, 8, 2, 1024, 1000000.0f, 1e-6f, true, false), 64),
+      // Gemma 2 at test size: 16-token windows on every other layer, softcaps small enough to bite.
+      WithWindow(WithHeadDim(Shape("tiny-gemma2", "gemma2", 1024, 256, 768, 4, 4, 2, 1024, 10000.0f, 1e-6f, true,
+                                   false),
+                             64),
+                 16, 5.0f, 10.0f),
+      // Gemma 3 at test size: 7 layers (5 sliding, 1 global, 1 sliding), 4 heads of 128 over 256.
+      WithWindow(WithHeadDim(Shape("tiny-gemma3", "gemma3", 1024, 256, 512, 7, 4, 1, 1024, 1000000.0f, 1e-6f, true,
+                                   false),
+                             128),
+                 16),
+      // Phi-3 at test size: fused QKV and gate/up, LongRoPE (context 4096 over 1024: long factors).
+      WithLongRope(Shape("tiny-phi3", "phi3", 1024, 256, 512, 3, 8, 8, 4096, 10000.0f, 1e-5f, false, false), 1024),
+      // Qwen2.5 long-context files: YaRN factor 4 over a 256-token original context.
+      WithYarn(Shape("tiny-qwen2-yarn", "qwen2", 512, 64, 128, 2, 4, 2, 1024, 1000000.0f, 1e-6f, true, true), 4.0f, 256),
   };
   return shapes;
 }
@@ -266,11 +327,28 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     w.SetU32(arch + ".attention.value_length", static_cast<uint32_t>(head_dim));
   }
   w.SetU32(arch + ".vocab_size", static_cast<uint32_t>(n_vocab));
+  if (shape.sliding_window > 0) w.SetU32(arch + ".attention.sliding_window", static_cast<uint32_t>(shape.sliding_window));
+  if (arch == "gemma2") {
+    w.SetF32(arch + ".attn_logit_softcapping", shape.attn_softcap);
+    w.SetF32(arch + ".final_logit_softcapping", shape.final_softcap);
+  }
+  if (shape.rope_yarn_factor > 0) {
+    w.SetString(arch + ".rope.scaling.type", "yarn");
+    w.SetF32(arch + ".rope.scaling.factor", shape.rope_yarn_factor);
+    w.SetU32(arch + ".rope.scaling.original_context_length", static_cast<uint32_t>(shape.rope_original_context));
+  }
+  if (shape.long_rope) {
+    // Phi-3's converter: attn_factor = sqrt(1 + ln(context / original) / ln(original)).
+    const double scale = static_cast<double>(shape.context) / shape.rope_original_context;
+    w.SetF32(arch + ".rope.scaling.attn_factor",
+             static_cast<float>(std::sqrt(1.0 + std::log(scale) / std::log(shape.rope_original_context))));
+    w.SetU32(arch + ".rope.scaling.original_context_length", static_cast<uint32_t>(shape.rope_original_context));
+  }
 
   if (!options.vocab_gguf.empty()) {
     KVS_RETURN_IF_ERROR(CopyVocab(options.vocab_gguf, shape, &w));
   } else {
-    AddGeneratedVocab(shape.n_vocab, &w);
+    AddGeneratedVocab(shape.n_vocab, ChatSpecialTokens(arch), &w);
   }
 
   uint64_t tensor_index = 0;
@@ -322,29 +400,46 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
       std::memcpy(dst, factors->data(), nbytes);
     });
   }
+  if (shape.long_rope) {
+    // LongRoPE's per-frequency divisors: short near 1, long growing to ~the context ratio.
+    add_vector("rope_factors_short.weight", head_dim / 2, 1.1f, 0.1f);
+    add_vector("rope_factors_long.weight", head_dim / 2, 2.5f, 1.5f);
+  }
   add_vector("output_norm.weight", dim, 1.0f, 0.05f);
   if (!shape.tied_output) add_matrix("output.weight", n_vocab, dim);
   for (int l = 0; l < n_layers; ++l) {
     const std::string b = "blk." + std::to_string(l) + ".";
     mix_tensor.layer = l;
     add_vector(b + "attn_norm.weight", dim, 1.0f, 0.05f);
-    add_matrix(b + "attn_q.weight", q_dim, dim);
-    add_matrix(b + "attn_k.weight", kv_dim, dim);
-    add_matrix(b + "attn_v.weight", kv_dim, dim);
+    const bool fused = arch == "phi3";  // llama.cpp's phi3 files fuse QKV and gate/up
+    if (fused) {
+      add_matrix(b + "attn_qkv.weight", q_dim + 2 * kv_dim, dim);
+    } else {
+      add_matrix(b + "attn_q.weight", q_dim, dim);
+      add_matrix(b + "attn_k.weight", kv_dim, dim);
+      add_matrix(b + "attn_v.weight", kv_dim, dim);
+    }
     if (shape.qkv_bias) {
       add_vector(b + "attn_q.bias", q_dim, 0.0f, 0.1f);
       add_vector(b + "attn_k.bias", kv_dim, 0.0f, 0.1f);
       add_vector(b + "attn_v.bias", kv_dim, 0.0f, 0.1f);
     }
     add_matrix(b + "attn_output.weight", dim, q_dim);
-    if (arch == "qwen3") {
+    const bool gemma = arch == "gemma2" || arch == "gemma3";
+    if (arch == "qwen3" || arch == "gemma3") {
       add_vector(b + "attn_q_norm.weight", head_dim, 1.0f, 0.05f);
       add_vector(b + "attn_k_norm.weight", head_dim, 1.0f, 0.05f);
     }
+    if (gemma) add_vector(b + "post_attention_norm.weight", dim, 1.0f, 0.05f);
     add_vector(b + "ffn_norm.weight", dim, 1.0f, 0.05f);
-    add_matrix(b + "ffn_gate.weight", hidden, dim);
-    add_matrix(b + "ffn_up.weight", hidden, dim);
+    if (fused) {
+      add_matrix(b + "ffn_up.weight", 2 * hidden, dim);
+    } else {
+      add_matrix(b + "ffn_gate.weight", hidden, dim);
+      add_matrix(b + "ffn_up.weight", hidden, dim);
+    }
     add_matrix(b + "ffn_down.weight", dim, hidden);
+    if (gemma) add_vector(b + "post_ffw_norm.weight", dim, 1.0f, 0.05f);
   }
   return w.Write(out_path);
 }

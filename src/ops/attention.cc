@@ -13,6 +13,11 @@
 // merged like any other, so mixed storage costs no extra pass.
 // Optionally (decode steps with an observing policy) every row's scores are also stored in
 // token order (raw_scores), so the policy's score gathering needs no second pass over K.
+// Sliding windows (AttentionShape::window): each query attends to a range of tokens
+// [first, visible) rather than a prefix; chunks cover only the tokens some query sees, a unit
+// walks only its tile's range (and skips blocks no row of the tile sees), and a block masks
+// the leading lanes below each row's first token. Softcapping (AttentionShape::softcap) caps
+// each block's scores before the softmax step.
 // The block primitives (K packing, scores, softmax step, PV) are in attention_kernels-inl.h;
 // this file is compiled once per kernel family (ops/simd_family.h) and ops::Attention runs the
 // active family's AttentionImpl.
@@ -80,12 +85,19 @@ struct UnitOutput {
 // range together streams whole cache rows from memory ([n, n_kv_heads, head_dim] is
 // token-major); a unit per kv head would stride through memory and waste DRAM bandwidth.
 // With partial == nullptr the chunk is the whole context and normalized rows go to out.
+// kMasked: the shape has a sliding window or a softcap. The default path (neither) is its own
+// instantiation, so the window's per-row bounds and the cap cost it nothing.
+template <bool kMasked>
 void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32_t n_q, int tile, int chunk,
              const UnitOutput& output) {
   const TokenSequence& seq = segment.seq;
   const int64_t* visible = segment.visible.data();
+  const int64_t* first = segment.first.data();
   const KvStorage storage = segment.storage;
   const AttentionShape& shape = plan.shape;
+  const bool windowed = kMasked && shape.window > 0;
+  const Softcap softcap(kMasked ? shape.softcap : 0.f);
+  const bool capped = kMasked && softcap.on;
   const int d = shape.head_dim, dp = plan.dp, group = plan.group;
   const int q_begin = tile * plan.tile_queries;
   const int tile_queries = std::min<int>(n_q, q_begin + plan.tile_queries) - q_begin;
@@ -96,10 +108,11 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   auto row_query = [&](int r) { return q_begin + (r % head_rows) / group; };
   auto row_head = [&](int r) { return (r / head_rows) * group + r % group; };
 
-  int64_t max_visible = 0;
-  for (int i = q_begin; i < q_begin + tile_queries; ++i) max_visible = std::max(max_visible, visible[i]);
-  const int64_t t_begin = static_cast<int64_t>(chunk) * segment.chunk_tokens;
-  const int64_t t_end = std::min(max_visible, t_begin + segment.chunk_tokens);
+  // The chunk's tokens that some query of the tile sees (all of them before its last query's
+  // position, without a window).
+  const TileRange tile_tokens = TileTokens(segment, q_begin, q_begin + tile_queries);
+  const int64_t t_begin = std::max(segment.ChunkBegin(chunk), tile_tokens.begin);
+  const int64_t t_end = std::min(tile_tokens.end, segment.ChunkEnd(chunk));
   // Sparse prefill: the tile's selected tokens of [t_begin, t_end), as segment-local indices.
   // The walk below takes them kBlock at a time, so unselected tokens cost nothing.
   static thread_local std::vector<int64_t> selected;
@@ -114,7 +127,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
     }
   }
   const bool sparse = plan.selection != nullptr;
-  const int64_t n_walk = sparse ? static_cast<int64_t>(selected.size()) : t_end - t_begin;
+  const int64_t n_walk = sparse ? static_cast<int64_t>(selected.size()) : std::max<int64_t>(0, t_end - t_begin);
 
   // Per-thread scratch, reused across calls.
   static thread_local AlignedBuffer buffer;
@@ -132,10 +145,13 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   float* correction = m + rows;                                   // [rows]
 
   static thread_local std::vector<int64_t> row_visible;  // [rows] tokens the row's query attends to
+  static thread_local std::vector<int64_t> row_first;    // [rows] the first of them (window)
   row_visible.resize(rows);
+  row_first.resize(rows);
   const float q_scale = shape.scale * kLog2e;
   for (int r = 0; r < rows; ++r) {
     row_visible[r] = visible[row_query(r)];
+    row_first[r] = windowed ? first[row_query(r)] : 0;
     const float* src = q + (static_cast<size_t>(row_query(r)) * shape.n_heads + row_head(r)) * d;
     LoadQueryRow(src, d, dp, q_scale, q_rows + static_cast<size_t>(r) * dp);
     m[r] = kNegInf;
@@ -162,7 +178,15 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
     // The block's tokens: t0 .. t0 + n_block - 1, or (sparse) block_tokens[0 .. n_block - 1].
     const int64_t* block_tokens = sparse ? selected.data() + w0 : nullptr;
     const int64_t t0 = sparse ? block_tokens[0] : t_begin + w0;
-    const bool consecutive = !sparse || block_tokens[n_block - 1] - t0 == n_block - 1;
+    const int64_t t_last = sparse ? block_tokens[n_block - 1] : t0 + n_block - 1;
+    const bool consecutive = !sparse || t_last - t0 == n_block - 1;
+    if (windowed) {
+      // Queries far apart in one tile (or a sparse walk) may leave blocks that no row sees
+      // between their windows: skip them whole.
+      bool seen = false;
+      for (int i = q_begin; i < q_begin + tile_queries && !seen; ++i) seen = first[i] <= t_last && visible[i] > t0;
+      if (!seen) continue;
+    }
     // Addresses of the token rows kPrefetchTokens ahead; each kv head below prefetches its
     // part of them, which spreads the requests over the block's math. (A sparse walk's next
     // tokens are not consecutive: it does not prefetch.)
@@ -249,24 +273,32 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         } else {
           ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
         }
+        if (capped) {
+          for (int i = 0; i < n_pair; ++i) ApplySoftcap(softcap, &scores[i]);
+        }
         for (int i = 0; i < n_pair; ++i) {
           // Rows whose query sees none of this block contribute nothing. The tokens ascend, so
-          // the ones a row sees are a prefix of the block.
+          // the ones a row sees are a prefix of the block, less (window) a prefix of that.
           const int64_t valid =
               consecutive ? std::min<int64_t>(n_block, row_visible[r + i] - t0)
                           : std::lower_bound(block_tokens, block_tokens + n_block, row_visible[r + i]) - block_tokens;
+          int64_t lo = 0;
+          if (windowed) {
+            lo = consecutive ? std::max<int64_t>(0, row_first[r + i] - t0)
+                             : std::lower_bound(block_tokens, block_tokens + n_block, row_first[r + i]) - block_tokens;
+          }
           float* p_row = p + static_cast<size_t>(r + i) * kBlock;
-          if (valid <= 0) {
+          if (valid <= lo) {
             std::fill(p_row, p_row + kBlock, 0.f);
             correction[r + i] = 1.f;
             continue;
           }
           if (output.raw_scores != nullptr) {
             const size_t row_index = static_cast<size_t>(row_query(r + i)) * shape.n_heads + row_head(r + i);
-            StoreScoresInTokenOrder(scores[i], static_cast<int>(valid),
+            StoreScoresInTokenOrder(scores[i], static_cast<int>(lo), static_cast<int>(valid),
                                     output.raw_scores + row_index * plan.n_tokens + segment.first_token + t0);
           }
-          correction[r + i] = SoftmaxStep(scores[i], static_cast<int>(valid), &m[r + i],
+          correction[r + i] = SoftmaxStep(scores[i], static_cast<int>(lo), static_cast<int>(valid), &m[r + i],
                                           l_lanes + static_cast<size_t>(r + i) * kBlock, p_row);
         }
       }
@@ -346,13 +378,15 @@ void PlanJob(const AttentionShape& shape, int row_heads, KvStorage storage, cons
                 "AttentionBatch: a job's kv heads lie outside the span rows");
   int64_t n_tokens = 0;
   for (int32_t i = 0; i < job.n_spans; ++i) n_tokens += job.spans[i].n;
-  jp->segments = PlanSegments(storage, job.spans, job.n_spans, q_pos, n_q);
+  jp->segments = PlanSegments(storage, job.spans, job.n_spans, q_pos, n_q, shape.window);
   if (job.raw_scores != nullptr) {
     // The units write the tokens each row sees; the rest of each segment is -inf.
     for (const SegmentPlan& segment : jp->segments) {
       for (int32_t i = 0; i < n_q; ++i) {
+        const int64_t first = std::min(segment.first[i], segment.visible[i]);
         for (int h = 0; h < shape.n_heads; ++h) {
           float* row = job.raw_scores + (static_cast<size_t>(i) * shape.n_heads + h) * n_tokens + segment.first_token;
+          std::fill(row, row + first, kNegInf);
           std::fill(row + segment.visible[i], row + segment.seq.n_tokens, kNegInf);
         }
       }
@@ -488,6 +522,7 @@ void AttentionBatchImpl(const AttentionShape& shape, int row_heads, KvStorage st
   }
 
   const int threads = std::min(n_threads, n_units);
+  const bool masked = shape.window > 0 || shape.softcap > 0.f;
   const JobPlan* const plan_of = plans.data();
   const PartialState* const partial_of = partials.data();
   const int* const starts = unit_start.data();
@@ -504,7 +539,12 @@ void AttentionBatchImpl(const AttentionShape& shape, int row_heads, KvStorage st
     const AttentionJob& job = jobs[j];
     UnitOutput output{job.out, job.row_max_sum, jp.n_chunks > 1 ? &partial_of[partial_first[j] + chunk] : nullptr,
                       job.raw_scores};
-    RunUnit(jp.plan, jp.segments[jp.chunk_of[chunk].first], job.q, n_q, tile, jp.chunk_of[chunk].second, output);
+    const SegmentPlan& segment = jp.segments[jp.chunk_of[chunk].first];
+    if (masked) {
+      RunUnit<true>(jp.plan, segment, job.q, n_q, tile, jp.chunk_of[chunk].second, output);
+    } else {
+      RunUnit<false>(jp.plan, segment, job.q, n_q, tile, jp.chunk_of[chunk].second, output);
+    }
   }
 
   for (int32_t j = 0; j < n_jobs; ++j) {

@@ -268,6 +268,30 @@ void BM_AttentionPrefill(benchmark::State& state) {
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
 }
 
+// Gemma-style prefill: n queries over n f16 tokens (positions 0..n-1) with a sliding window
+// (0: none, the causal triangle) and an attention-logit softcap (0: none). A window's cost
+// follows the pairs it attends, n * window, not the triangle. Args: isa, n, window, softcap,
+// threads. GFLOPS counts the pairs attended.
+void BM_AttentionPrefillWindow(benchmark::State& state) {
+  if (!UseIsa(state, state.range(0))) return;
+  const int64_t n = state.range(1);
+  AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  shape.window = static_cast<int32_t>(state.range(2));
+  shape.softcap = static_cast<float>(state.range(3));
+  const int threads = static_cast<int>(state.range(4));
+  BenchCache cache(KvStorage::kF16, n, n);
+  std::vector<float> q = RandomQ(static_cast<size_t>(n) * kHeads * kHeadDim), out(q.size());
+  for (auto _ : state) {
+    ops::Attention(shape, KvStorage::kF16, q.data(), cache.positions.data(), static_cast<int32_t>(n),
+                   cache.spans.data(), static_cast<int32_t>(cache.spans.size()), out.data(), threads);
+    benchmark::DoNotOptimize(out.data());
+  }
+  double pairs = 0;
+  for (int64_t i = 0; i < n; ++i) pairs += shape.window > 0 ? std::min<int64_t>(i + 1, shape.window) : i + 1;
+  const double flops = 4.0 * kHeadDim * kHeads * pairs;
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9 * state.iterations(), benchmark::Counter::kIsRate);
+}
+
 // Sparse prefill's kernel: a 512-query prompt chunk at the end of `depth` tokens, each kv head a
 // job over the shared rows with its own key selection (as the engine runs it). keep: percent of
 // each query block's 64-token key blocks selected at random (its own block always); 100 = the
@@ -396,6 +420,13 @@ BENCHMARK(BM_SparsePrefillChunk)
 BENCHMARK(BM_AttentionPrefill)
     ->ArgNames({"isa", "n", "storage", "threads"})
     ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512}, {1, 0, 2}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+// Gemma 2 / 3 local layers: a 4096-token prompt with a 512- or 1024-token window, with and
+// without the softcap of 50, against the full causal triangle (window 0).
+BENCHMARK(BM_AttentionPrefillWindow)
+    ->ArgNames({"isa", "n", "window", "softcap", "threads"})
+    ->ArgsProduct({{kAvx2, kAvx512}, {4096}, {0, 512, 1024}, {0, 50}, {2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

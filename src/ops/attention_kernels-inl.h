@@ -10,6 +10,10 @@
 // family's layout is described where its section starts). Scores, probabilities and the PV
 // loop use "lane order": lane k of a block holds token LaneToken(k).
 //
+// Masks: a row attends to the tokens [first, valid) of a block (a prefix, valid, under the
+// causal mask; less a prefix, first, under a sliding window: AttentionShape::window). The
+// softmax steps take both bounds; first is 0 without a window.
+//
 // Storage types: f32 and f16 rows are converted on load; int8 and fp8 rows (value = scale * q,
 // one scale per token and kv head) are dequantized on load for K. fp8 codes are widened to f16
 // bits and converted by the f16 instruction (e4m3 reads value / 256: CodeScaleFactor). V is either dequantized
@@ -205,6 +209,13 @@ inline __mmask16 ValidLanes(int valid) {
   return kMasks[valid];
 }
 
+// Lanes (in lane order) holding one of the tokens first..valid-1 of the block. (The test
+// lets a constant first = 0, the default path's, fold to ValidLanes.)
+inline __mmask16 BlockLanes(int first, int valid) {
+  if (first <= 0) return ValidLanes(valid);
+  return static_cast<__mmask16>(ValidLanes(valid) & ~ValidLanes(first));
+}
+
 // 2^x for x <= 0 (or -inf); results below 2^-127 are not needed exactly.
 inline __m512 Exp2(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
@@ -223,11 +234,12 @@ inline __m512 Exp2(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Online-softmax step for one row and block: updates m and the lane-wise running sum
-// l_lanes[16]; writes p[kBlock] (lane order, zeros on masked lanes) and returns the factor
-// the row's accumulator must be scaled by (1 unless the running max grew).
-inline float SoftmaxStep(ScoreVec scores, int valid, float* m, float* l_lanes, float* p) {
-  const __mmask16 mask = ValidLanes(valid);
+// Online-softmax step for one row and block over its tokens [first, valid) (first < valid):
+// updates m and the lane-wise running sum l_lanes[16]; writes p[kBlock] (lane order, zeros on
+// masked lanes) and returns the factor the row's accumulator must be scaled by (1 unless the
+// running max grew).
+inline float SoftmaxStep(ScoreVec scores, int first, int valid, float* m, float* l_lanes, float* p) {
+  const __mmask16 mask = BlockLanes(first, valid);
   __m512 m_vec = _mm512_set1_ps(*m);
   float correction = 1.f;
   // Once the running max has settled most blocks stay below it: one compare then
@@ -245,19 +257,36 @@ inline float SoftmaxStep(ScoreVec scores, int valid, float* m, float* l_lanes, f
 }
 
 // Final probabilities of one row and block given its softmax max m (log2 domain) and
-// 1/sum: p[lane] = 2^(score - m) * inv_sum on valid lanes, 0 elsewhere (lane order).
-inline void Probabilities(ScoreVec scores, int valid, float m, float inv_sum, float* p) {
+// 1/sum: p[lane] = 2^(score - m) * inv_sum on the lanes of tokens [first, valid), 0 elsewhere
+// (lane order).
+inline void Probabilities(ScoreVec scores, int first, int valid, float m, float inv_sum, float* p) {
   const __m512 e = Exp2(_mm512_sub_ps(scores, _mm512_set1_ps(m)));
-  _mm512_store_ps(p, _mm512_maskz_mul_ps(ValidLanes(valid), e, _mm512_set1_ps(inv_sum)));
+  _mm512_store_ps(p, _mm512_maskz_mul_ps(BlockLanes(first, valid), e, _mm512_set1_ps(inv_sum)));
 }
 
 inline float SumLanes(const float* l_lanes) { return _mm512_reduce_add_ps(_mm512_load_ps(l_lanes)); }
 
-// dst[j] = the score of token j of the block, for j < valid (lane order to token order; the
-// lane <-> token map is its own inverse).
-inline void StoreScoresInTokenOrder(ScoreVec scores, int valid, float* dst) {
+// dst[j] = the score of token j of the block, for first <= j < valid (lane order to token
+// order; the lane <-> token map is its own inverse). dst[j] for other j is left alone.
+inline void StoreScoresInTokenOrder(ScoreVec scores, int first, int valid, float* dst) {
   const __m512i lane_of_token = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << valid) - 1), _mm512_permutexvar_ps(lane_of_token, scores));
+  const __mmask16 tokens = static_cast<__mmask16>(((1u << valid) - 1) & ~((1u << first) - 1u));
+  _mm512_mask_storeu_ps(dst, tokens, _mm512_permutexvar_ps(lane_of_token, scores));
+}
+inline void StoreScoresInTokenOrder(ScoreVec scores, int valid, float* dst) {
+  StoreScoresInTokenOrder(scores, 0, valid, dst);
+}
+
+// Softcaps one row's block of scores (Softcap, attention_kernels.h): out_scale * tanh(x in_scale)
+// as sign(x) out_scale (1 - e) / (1 + e), e = 2^(-2|x| / softcap) (Exp2's domain: <= 0).
+inline void ApplySoftcap(const Softcap& cap, ScoreVec* scores) {
+  const __m512 x = *scores;
+  const __m512 e = Exp2(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(cap.exp2_scale)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));  // tanh(|y|)
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  const __m512i capped = _mm512_castps_si512(_mm512_mul_ps(t, _mm512_set1_ps(cap.out_scale)));
+  *scores = _mm512_castsi512_ps(_mm512_or_si512(capped, sign));
 }
 
 // p[r][lane] *= scale[lane] for rows [r_begin, r_end) (p rows kBlock apart, 64-byte aligned).
@@ -345,6 +374,16 @@ inline __m128i Load4Bytes(const void* src) {
 inline __m256 ValidLanes(int valid, int first) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - first), lane));
+}
+
+// All-ones on lanes base..base+7 whose token lies in [first, valid). (The test lets a
+// constant first = 0, the default path's, fold to ValidLanes.)
+inline __m256 BlockLanes(int first, int valid, int base) {
+  if (first <= base) return ValidLanes(valid, base);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i below_first = _mm256_cmpgt_epi32(_mm256_set1_epi32(first - base), lane);
+  const __m256i below_valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid - base), lane);
+  return _mm256_castsi256_ps(_mm256_andnot_si256(below_first, below_valid));
 }
 
 // Converts one row of head_dim storage elements to f32 (int8: times `scale`) with zero
@@ -572,11 +611,12 @@ inline __m256 Exp2(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-// Online-softmax step for one row and block: updates m and the lane-wise running sum
-// l_lanes[16]; writes p[kBlock] (zeros on masked lanes) and returns the factor the row's
-// accumulator must be scaled by (1 unless the running max grew).
-inline float SoftmaxStep(const ScoreVec& scores, int valid, float* m, float* l_lanes, float* p) {
-  const __m256 mask_lo = ValidLanes(valid, 0), mask_hi = ValidLanes(valid, 8);
+// Online-softmax step for one row and block over its tokens [first, valid) (first < valid):
+// updates m and the lane-wise running sum l_lanes[16]; writes p[kBlock] (zeros on masked
+// lanes) and returns the factor the row's accumulator must be scaled by (1 unless the running
+// max grew).
+inline float SoftmaxStep(const ScoreVec& scores, int first, int valid, float* m, float* l_lanes, float* p) {
+  const __m256 mask_lo = BlockLanes(first, valid, 0), mask_hi = BlockLanes(first, valid, 8);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   __m256 m_vec = _mm256_set1_ps(*m);
   float correction = 1.f;
@@ -602,22 +642,39 @@ inline float SoftmaxStep(const ScoreVec& scores, int valid, float* m, float* l_l
 }
 
 // Final probabilities of one row and block given its softmax max m (log2 domain) and
-// 1/sum: p[lane] = 2^(score - m) * inv_sum on valid lanes, 0 elsewhere.
-inline void Probabilities(const ScoreVec& scores, int valid, float m, float inv_sum, float* p) {
+// 1/sum: p[lane] = 2^(score - m) * inv_sum on the lanes of tokens [first, valid), 0 elsewhere.
+inline void Probabilities(const ScoreVec& scores, int first, int valid, float m, float inv_sum, float* p) {
   const __m256 m_vec = _mm256_set1_ps(m), inv = _mm256_set1_ps(inv_sum);
-  _mm256_store_ps(p, _mm256_and_ps(ValidLanes(valid, 0), _mm256_mul_ps(Exp2(_mm256_sub_ps(scores.lo, m_vec)), inv)));
-  _mm256_store_ps(p + 8,
-                  _mm256_and_ps(ValidLanes(valid, 8), _mm256_mul_ps(Exp2(_mm256_sub_ps(scores.hi, m_vec)), inv)));
+  _mm256_store_ps(p, _mm256_and_ps(BlockLanes(first, valid, 0),
+                                   _mm256_mul_ps(Exp2(_mm256_sub_ps(scores.lo, m_vec)), inv)));
+  _mm256_store_ps(p + 8, _mm256_and_ps(BlockLanes(first, valid, 8),
+                                       _mm256_mul_ps(Exp2(_mm256_sub_ps(scores.hi, m_vec)), inv)));
 }
 
 inline float SumLanes(const float* l_lanes) {
   return ReduceAdd(_mm256_add_ps(_mm256_load_ps(l_lanes), _mm256_load_ps(l_lanes + 8)));
 }
 
-// dst[j] = the score of token j of the block, for j < valid.
+// dst[j] = the score of token j of the block, for first <= j < valid (others left alone).
+inline void StoreScoresInTokenOrder(const ScoreVec& scores, int first, int valid, float* dst) {
+  _mm256_maskstore_ps(dst, _mm256_castps_si256(BlockLanes(first, valid, 0)), scores.lo);
+  _mm256_maskstore_ps(dst + 8, _mm256_castps_si256(BlockLanes(first, valid, 8)), scores.hi);
+}
 inline void StoreScoresInTokenOrder(const ScoreVec& scores, int valid, float* dst) {
-  _mm256_maskstore_ps(dst, _mm256_castps_si256(ValidLanes(valid, 0)), scores.lo);
-  _mm256_maskstore_ps(dst + 8, _mm256_castps_si256(ValidLanes(valid, 8)), scores.hi);
+  StoreScoresInTokenOrder(scores, 0, valid, dst);
+}
+
+// Softcaps one row's block of scores (Softcap, attention_kernels.h), as the AVX-512 family does.
+inline __m256 Softcapped(const Softcap& cap, __m256 x) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const __m256 e = Exp2(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, x), _mm256_set1_ps(cap.exp2_scale)));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));  // tanh(|y|)
+  return _mm256_or_ps(_mm256_mul_ps(t, _mm256_set1_ps(cap.out_scale)), _mm256_and_ps(x, sign_bit));
+}
+inline void ApplySoftcap(const Softcap& cap, ScoreVec* scores) {
+  scores->lo = Softcapped(cap, scores->lo);
+  scores->hi = Softcapped(cap, scores->hi);
 }
 
 // p[r][lane] *= scale[lane] for rows [r_begin, r_end) (p rows kBlock apart, 32-byte aligned).
@@ -737,23 +794,23 @@ inline void ScoreRows(const float* q, int dp, const float* k_packed, ScoreVec* s
   }
 }
 
-inline float SoftmaxStep(const ScoreVec& scores, int valid, float* m, float* l_lanes, float* p) {
+inline float SoftmaxStep(const ScoreVec& scores, int first, int valid, float* m, float* l_lanes, float* p) {
   float block_max = kNegInf;
-  for (int j = 0; j < valid; ++j) block_max = std::max(block_max, scores.s[j]);
+  for (int j = first; j < valid; ++j) block_max = std::max(block_max, scores.s[j]);
   float correction = 1.f;
   if (block_max > *m) {
     correction = *m == kNegInf ? 0.f : std::exp2(*m - block_max);
     *m = block_max;
   }
   for (int j = 0; j < kBlock; ++j) {
-    p[j] = j < valid ? std::exp2(scores.s[j] - *m) : 0.f;
+    p[j] = j >= first && j < valid ? std::exp2(scores.s[j] - *m) : 0.f;
     l_lanes[j] = l_lanes[j] * correction + p[j];
   }
   return correction;
 }
 
-inline void Probabilities(const ScoreVec& scores, int valid, float m, float inv_sum, float* p) {
-  for (int j = 0; j < kBlock; ++j) p[j] = j < valid ? std::exp2(scores.s[j] - m) * inv_sum : 0.f;
+inline void Probabilities(const ScoreVec& scores, int first, int valid, float m, float inv_sum, float* p) {
+  for (int j = 0; j < kBlock; ++j) p[j] = j >= first && j < valid ? std::exp2(scores.s[j] - m) * inv_sum : 0.f;
 }
 
 inline float SumLanes(const float* l_lanes) {
@@ -762,8 +819,15 @@ inline float SumLanes(const float* l_lanes) {
   return sum;
 }
 
+inline void StoreScoresInTokenOrder(const ScoreVec& scores, int first, int valid, float* dst) {
+  std::copy(scores.s + first, scores.s + valid, dst + first);
+}
 inline void StoreScoresInTokenOrder(const ScoreVec& scores, int valid, float* dst) {
-  std::copy(scores.s, scores.s + valid, dst);
+  StoreScoresInTokenOrder(scores, 0, valid, dst);
+}
+
+inline void ApplySoftcap(const Softcap& cap, ScoreVec* scores) {
+  for (int j = 0; j < kBlock; ++j) scores->s[j] = cap.Apply(scores->s[j]);
 }
 
 inline void ScaleProbabilities(float* p, const float* scale, int r_begin, int r_end) {

@@ -99,6 +99,32 @@ struct TokenSequence {
     return count;
   }
 
+  // Tokens with position <= pos, for any pos (a sliding window's hidden prefix: the bound
+  // q_pos - window may lie below every position, or below INT32_MIN). A binary search over the
+  // spans, so that a decode query over a paged cache reads a few pages' positions, not all.
+  int64_t CountAtMost(int64_t pos) const {
+    // Invariant: every token of spans [0, lo) has position <= pos, every token of [hi, n) > pos.
+    int32_t lo = 0, hi = n_spans;
+    while (lo < hi) {
+      const int32_t mid = lo + (hi - lo) / 2;
+      int32_t s = mid;  // the first non-empty span at or after mid, below hi
+      while (s < hi && spans[s].n == 0) ++s;
+      if (s == hi) {  // spans [mid, hi) hold no token
+        hi = mid;
+        continue;
+      }
+      const KvSpan& span = spans[s];
+      if (span.positions[span.n - 1] <= pos) {
+        lo = s + 1;
+      } else if (span.positions[0] > pos) {
+        hi = mid;  // (spans [mid, s) are empty)
+      } else {
+        return span_start[s] + (std::upper_bound(span.positions, span.positions + span.n, pos) - span.positions);
+      }
+    }
+    return span_start[lo];
+  }
+
   // The span holding token t (t < n_tokens), skipping empty spans.
   int32_t SpanOf(int64_t t) const {
     return static_cast<int32_t>(std::upper_bound(span_start.begin(), span_start.end(), t) - span_start.begin()) - 1;
@@ -142,27 +168,52 @@ inline std::vector<KvSegment> KvSegments(KvStorage storage, const KvSpan* spans,
 
 // A segment (KvSegment) with what a kernel needs to walk it: its token sequence, the tokens
 // each query sees, and its split into token chunks.
+//
+// Query i attends to the segment's tokens [first[i], visible[i]): those at or before its
+// position, less (sliding window, AttentionShape::window) the ones at or before
+// q_pos[i] - window. Both bounds are prefixes, since positions ascend. The chunks cover
+// [min_first, max_visible), the tokens some query sees; without a window min_first is 0.
 struct SegmentPlan {
   TokenSequence seq;
   KvStorage storage = KvStorage::kF32;
   int64_t first_token = 0;       // index of the segment's first token among all tokens (output column)
-  std::vector<int64_t> visible;  // [n_q] tokens of this segment each query attends to (a prefix)
-  int64_t max_visible = 0;
+  std::vector<int64_t> visible;  // [n_q] end of the tokens each query attends to (a prefix)
+  std::vector<int64_t> first;    // [n_q] first token each query attends to (0 without a window)
+  int64_t min_first = 0;         // over the queries that see a token of the segment (0 when none does)
+  int64_t max_visible = 0;       // over the same queries (0 when none)
   int64_t chunk_tokens = 0;      // multiple of kBlock
   int n_chunks = 0;
   SegmentPlan(const KvSpan* spans, int32_t n_spans, const KvSegment& segment)
       : seq(spans + segment.first_span, segment.n_spans), storage(segment.storage), first_token(segment.first_token) {}
+  // Tokens some query sees: what the chunking splits.
+  int64_t Extent() const { return max_visible - min_first; }
+  // Token range of chunk c: [ChunkBegin(c), ChunkEnd(c)).
+  int64_t ChunkBegin(int c) const { return min_first + static_cast<int64_t>(c) * chunk_tokens; }
+  int64_t ChunkEnd(int c) const { return std::min(max_visible, ChunkBegin(c) + chunk_tokens); }
 };
 
-// Every segment of the spans, with each query's visible count.
+// Every segment of the spans, with each query's attended range (window: AttentionShape::window).
 inline std::vector<SegmentPlan> PlanSegments(KvStorage storage, const KvSpan* spans, int32_t n_spans,
-                                             const int32_t* q_pos, int32_t n_q) {
+                                             const int32_t* q_pos, int32_t n_q, int32_t window) {
   std::vector<SegmentPlan> segments;
   for (const KvSegment& kv_segment : KvSegments(storage, spans, n_spans)) {
     SegmentPlan& segment = segments.emplace_back(spans, n_spans, kv_segment);
     segment.visible.resize(n_q);
+    segment.first.assign(n_q, 0);
     for (int32_t i = 0; i < n_q; ++i) segment.visible[i] = segment.seq.VisibleCount(q_pos[i]);
-    for (int64_t visible : segment.visible) segment.max_visible = std::max(segment.max_visible, visible);
+    if (window > 0) {
+      for (int32_t i = 0; i < n_q; ++i) {
+        if (segment.visible[i] == 0) continue;  // sees nothing anyway
+        segment.first[i] = segment.seq.CountAtMost(static_cast<int64_t>(q_pos[i]) - window);
+      }
+    }
+    int64_t min_first = INT64_MAX;
+    for (int32_t i = 0; i < n_q; ++i) {
+      if (segment.first[i] >= segment.visible[i]) continue;  // sees none of the segment
+      segment.max_visible = std::max(segment.max_visible, segment.visible[i]);
+      min_first = std::min(min_first, segment.first[i]);
+    }
+    segment.min_first = segment.max_visible > 0 ? min_first : 0;
   }
   return segments;
 }
@@ -170,7 +221,7 @@ inline std::vector<SegmentPlan> PlanSegments(KvStorage storage, const KvSpan* sp
 // Tokens some query sees, over all segments: what the chunking shares out.
 inline int64_t TotalVisible(const std::vector<SegmentPlan>& segments) {
   int64_t total = 0;
-  for (const SegmentPlan& segment : segments) total += segment.max_visible;
+  for (const SegmentPlan& segment : segments) total += segment.Extent();
   return total;
 }
 
@@ -179,20 +230,56 @@ inline int64_t TotalVisible(const std::vector<SegmentPlan>& segments) {
 // min_chunk_tokens unless its segment is. Returns each global chunk's (segment, chunk in it).
 inline std::vector<std::pair<int, int>> ChunkSegments(std::vector<SegmentPlan>* segments, int wanted,
                                                       int64_t min_chunk_tokens) {
-  std::erase_if(*segments, [](const SegmentPlan& segment) { return segment.max_visible == 0; });
+  std::erase_if(*segments, [](const SegmentPlan& segment) { return segment.Extent() <= 0; });
   const int64_t total_visible = TotalVisible(*segments);
   std::vector<std::pair<int, int>> chunk_of;
   for (int seg = 0; seg < static_cast<int>(segments->size()); ++seg) {
     SegmentPlan& segment = (*segments)[seg];
-    const int64_t share = std::max<int64_t>(1, (wanted * segment.max_visible + total_visible - 1) / total_visible);
-    const int64_t affordable = std::max<int64_t>(1, segment.max_visible / min_chunk_tokens);
+    const int64_t extent = segment.Extent();
+    const int64_t share = std::max<int64_t>(1, (wanted * extent + total_visible - 1) / total_visible);
+    const int64_t affordable = std::max<int64_t>(1, extent / min_chunk_tokens);
     const int64_t chunks = std::min(share, affordable);
-    segment.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((segment.max_visible + chunks - 1) / chunks, kBlock));
-    segment.n_chunks = static_cast<int>((segment.max_visible + segment.chunk_tokens - 1) / segment.chunk_tokens);
+    segment.chunk_tokens = std::max<int64_t>(kBlock, RoundUp((extent + chunks - 1) / chunks, kBlock));
+    segment.n_chunks = static_cast<int>((extent + segment.chunk_tokens - 1) / segment.chunk_tokens);
     for (int c = 0; c < segment.n_chunks; ++c) chunk_of.emplace_back(seg, c);
   }
   return chunk_of;
 }
+
+// The tokens a tile of queries [q_begin, q_end) attends to in a segment, [begin, end): the
+// union of its queries' ranges (empty, begin >= end, when none sees a token).
+struct TileRange {
+  int64_t begin = 0, end = 0;
+};
+inline TileRange TileTokens(const SegmentPlan& segment, int32_t q_begin, int32_t q_end) {
+  TileRange range{INT64_MAX, 0};
+  for (int32_t i = q_begin; i < q_end; ++i) {
+    if (segment.first[i] >= segment.visible[i]) continue;
+    range.begin = std::min(range.begin, segment.first[i]);
+    range.end = std::max(range.end, segment.visible[i]);
+  }
+  if (range.end == 0) range.begin = 0;
+  return range;
+}
+
+// Attention-logit softcapping (AttentionShape::softcap) on log2-domain scores: s = scale * q.k
+// is softcap * tanh(s / softcap) in the natural-log domain, so a log2-domain score x = s log2(e)
+// becomes log2(e) * softcap * tanh(x ln2 / softcap). The kernels cap a row's block of scores at
+// once (ApplySoftcap, attention_kernels-inl.h), only when on: the scalar family with std::tanh
+// (Apply), the SIMD ones with their Exp2, tanh(y) = sign(y) (1 - e) / (1 + e) with
+// e = e^(-2|y|) = 2^(-2|x| / softcap) in (0, 1].
+struct Softcap {
+  bool on = false;
+  float in_scale = 0.f;    // ln2 / softcap
+  float out_scale = 0.f;   // log2(e) * softcap
+  float exp2_scale = 0.f;  // -2 / softcap: e = 2^(exp2_scale * |x|)
+  explicit Softcap(float softcap)
+      : on(softcap > 0.f),
+        in_scale(on ? kLn2 / softcap : 0.f),
+        out_scale(on ? kLog2e * softcap : 0.f),
+        exp2_scale(on ? -2.f / softcap : 0.f) {}
+  float Apply(float x) const { return out_scale * std::tanh(x * in_scale); }
+};
 
 // Addresses of one block's token rows (all kv heads of each token), found by walking the
 // spans forward; `span` is a cursor that only advances, so a unit's walk is linear.

@@ -1,5 +1,7 @@
 // Scalar reference attention: per query head, materializes every score, then a
 // two-pass softmax in double. Slow and obviously correct; ops::Attention is tested against it.
+// Sliding windows and softcapping (AttentionShape) apply token by token: the mask in
+// AttendsPosition, the cap in CapScore (attention_ref_util.h).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -39,7 +41,9 @@ void AttentionOverHeads(const AttentionShape& shape, int row_heads, int first_kv
       }
     }
     // Whether query i attends to the token at span-order index `index` and position `pos`.
-    auto attends = [&](int64_t index, int32_t pos) { return pos <= q_pos[i] && selected[index]; };
+    auto attends = [&](int64_t index, int32_t pos) {
+      return AttendsPosition(q_pos[i], pos, shape.window) && selected[index];
+    };
     for (int h = 0; h < shape.n_heads; ++h) {
       const int kv_head = first_kv_head + h / group;
       const size_t row_index = static_cast<size_t>(i) * shape.n_heads + h;
@@ -57,7 +61,7 @@ void AttentionOverHeads(const AttentionShape& shape, int row_heads, int first_kv
           }
           double dot = 0;
           for (int c = 0; c < d; ++c) dot += static_cast<double>(q_row[c]) * reader.K(span, t, kv_head, c);
-          scores.push_back(dot * shape.scale);
+          scores.push_back(CapScore(dot * shape.scale, shape.softcap));
           if (raw_row != nullptr) *raw_row++ = static_cast<float>(scores.back() / std::log(2.0));  // log2 domain
         }
       }

@@ -1,6 +1,7 @@
 // Element access into KvSpans for the scalar reference kernels (attention, score gathering).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -9,6 +10,18 @@
 #include "ops/kv_quant.h"
 
 namespace kvsparse::ref {
+
+// Whether a query at q_pos attends to a token at pos under the causal mask and the shape's
+// sliding window (AttentionShape::window: masked when q_pos - pos >= window).
+inline bool AttendsPosition(int32_t q_pos, int32_t pos, int32_t window) {
+  if (pos > q_pos) return false;
+  return window <= 0 || static_cast<int64_t>(q_pos) - pos < window;
+}
+
+// A score scale * q.k (natural-log domain) after the shape's softcap (AttentionShape::softcap).
+inline double CapScore(double score, float softcap) {
+  return softcap > 0.f ? softcap * std::tanh(score / softcap) : score;
+}
 
 // Reads K/V element (token t of the span, kv head, dim c) as f32, whatever the storage type.
 // `storage` is the layer's type; each span's own type is SpanStorage(storage, span) (an

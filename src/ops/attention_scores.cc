@@ -8,7 +8,9 @@
 // come from the same block primitives as the attention kernel (attention_kernels-inl.h), so
 // within a kernel family they match its scores bit for bit. Spans of different storage types
 // (int8_kivi pages and their full-precision residual) are walked as separate segments; a row's
-// softmax statistics are global, so segments need no merge. Compiled once per kernel family
+// softmax statistics are global, so segments need no merge. Sliding windows and softcapping
+// (AttentionShape) mask and cap the scores exactly as the attention kernel does, with the same
+// primitives, so the probabilities are those it attended with. Compiled once per kernel family
 // (ops/simd_family.h); ops::AttentionScores runs the active family's AttentionScoresImpl.
 #include <omp.h>
 
@@ -56,11 +58,17 @@ struct ScorePlan {
 
 // One (kv head, token chunk) unit. Queries are processed in tiles of about kTileRows rows so
 // that a tile's pre-scaled q rows stay in L1/L2 while the chunk's K blocks stream past; the
-// unit adds each tile's contribution into its own output columns.
+// unit adds each tile's contribution into its own output columns. kMasked: the shape has a
+// sliding window or a softcap (the default path is its own instantiation, as in attention.cc).
+template <bool kMasked>
 void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head, int64_t t_begin, int64_t t_end) {
   const TokenSequence& seq = segment.seq;
   const int64_t* visible = segment.visible.data();
+  const int64_t* first = segment.first.data();
   const AttentionShape& shape = plan.shape;
+  const bool windowed = kMasked && shape.window > 0;
+  const Softcap softcap(kMasked ? shape.softcap : 0.f);
+  const bool capped = kMasked && softcap.on;
   const int d = shape.head_dim, dp = plan.dp, group = plan.group;
   const int tile_queries = std::max(1, kTileRows / group);
   const int max_rows = tile_queries * group;
@@ -91,10 +99,10 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
     const int32_t q_end = std::min(plan.n_q, q_begin + tile_queries);
     // Rows: the tile's queries' heads of this kv head, row r = (i - q_begin) * group + head_in_group.
     const int rows = (q_end - q_begin) * group;
-    int64_t tile_visible = 0;
-    for (int32_t i = q_begin; i < q_end; ++i) tile_visible = std::max(tile_visible, visible[i]);
-    const int64_t tile_end = std::min(t_end, tile_visible);
-    if (tile_end <= t_begin) continue;  // causal mask: the tile sees none of the chunk
+    const TileRange tile_tokens = TileTokens(segment, q_begin, q_end);
+    const int64_t tile_begin = std::max(t_begin, tile_tokens.begin);
+    const int64_t tile_end = std::min(t_end, tile_tokens.end);
+    if (tile_end <= tile_begin) continue;  // causal mask (or window): the tile sees none of the chunk
     for (int r = 0; r < rows; ++r) {
       const int32_t i = q_begin + r / group;
       const size_t row_index = static_cast<size_t>(i) * shape.n_heads + kv_head * group + r % group;
@@ -105,8 +113,8 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
     }
     const bool has_last = q_end == plan.n_q;
 
-    int32_t block_span = seq.SpanOf(t_begin);
-    for (int64_t t0 = t_begin; t0 < tile_end; t0 += kBlock) {
+    int32_t block_span = seq.SpanOf(tile_begin);
+    for (int64_t t0 = tile_begin; t0 < tile_end; t0 += kBlock) {
       const int n_block = static_cast<int>(std::min<int64_t>(kBlock, t_end - t0));
       BlockRows block;
       GatherBlockRows(seq, t0, n_block, token_bytes, shape.n_kv_heads, int8, &block_span, &block);
@@ -130,31 +138,39 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
       }
 
       // Probabilities of every row, two rows at a time so they share the K loads.
+      // Row r sees the block's tokens [first_of(r), valid_of(r)).
       auto valid_of = [&](int r) {
         return static_cast<int>(std::clamp<int64_t>(visible[q_begin + r / group] - t0, 0, n_block));
+      };
+      auto first_of = [&](int r) {
+        return windowed ? static_cast<int>(std::clamp<int64_t>(first[q_begin + r / group] - t0, 0, n_block)) : 0;
       };
       for (int r = 0; r < rows; r += 2) {
         const int n_pair = std::min(2, rows - r);
         const int valid0 = valid_of(r), valid1 = n_pair == 2 ? valid_of(r + 1) : 0;
+        const int first0 = first_of(r), first1 = n_pair == 2 ? first_of(r + 1) : 0;
         float* p_row = p + static_cast<size_t>(r) * kBlock;
-        if (valid0 == 0 && valid1 == 0) {  // causal mask: neither row sees this block
+        if (valid0 <= first0 && valid1 <= first1) {  // causal mask or window: neither row sees this block
           std::fill(p_row, p_row + n_pair * kBlock, 0.f);
           continue;
         }
         ScoreVec scores[2];
         if (n_pair == 2) {
           ScoreRows<2>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
-          Probabilities(scores[1], valid1, row_max[r + 1], row_inv_sum[r + 1], p_row + kBlock);
         } else {
           ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
         }
-        Probabilities(scores[0], valid0, row_max[r], row_inv_sum[r], p_row);
+        if (capped) {
+          for (int i = 0; i < n_pair; ++i) ApplySoftcap(softcap, &scores[i]);
+        }
+        if (n_pair == 2) Probabilities(scores[1], first1, valid1, row_max[r + 1], row_inv_sum[r + 1], p_row + kBlock);
+        Probabilities(scores[0], first0, valid0, row_max[r], row_inv_sum[r], p_row);
       }
 
       // Fold each query's heads, then sum over the tile's queries (lane order throughout).
       float sum_all[kBlock] = {}, sum_window[kBlock] = {}, last[kBlock] = {};
       for (int32_t i = q_begin; i < q_end; ++i) {
-        if (visible[i] <= t0) continue;
+        if (visible[i] <= t0 || (windowed && first[i] >= t0 + n_block)) continue;  // sees none of the block
         float folded[kBlock] = {};
         for (int g = 0; g < group; ++g) {
           const float* p_row = p + (static_cast<size_t>(i - q_begin) * group + g) * kBlock;
@@ -214,7 +230,8 @@ void AttentionScoresImpl(const AttentionShape& shape, KvStorage storage, const f
   if (outputs.window_rows != nullptr) {
     std::fill(outputs.window_rows, outputs.window_rows + static_cast<size_t>(n_q - first_window) * n_out, 0.f);
   }
-  std::vector<SegmentPlan> segments = PlanSegments(storage, spans, n_spans, q_pos, n_q);  // checks the scales
+  std::vector<SegmentPlan> segments =
+      PlanSegments(storage, spans, n_spans, q_pos, n_q, shape.window);  // checks the scales
   const int64_t total_visible = TotalVisible(segments);
   if (total_visible == 0) return;
 
@@ -243,13 +260,17 @@ void AttentionScoresImpl(const AttentionShape& shape, KvStorage storage, const f
 
   const int n_units = shape.n_kv_heads * n_chunks;
   const int threads = std::min(n_threads, n_units);
+  const bool masked = shape.window > 0 || shape.softcap > 0.f;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int u = 0; u < n_units; ++u) {
     const int kv_head = u % shape.n_kv_heads;
     const auto [seg, chunk] = chunk_of[u / shape.n_kv_heads];
     const SegmentPlan& segment = segments[seg];
-    const int64_t t_begin = static_cast<int64_t>(chunk) * segment.chunk_tokens;
-    RunScoreUnit(plan, segment, kv_head, t_begin, std::min(segment.max_visible, t_begin + segment.chunk_tokens));
+    if (masked) {
+      RunScoreUnit<true>(plan, segment, kv_head, segment.ChunkBegin(chunk), segment.ChunkEnd(chunk));
+    } else {
+      RunScoreUnit<false>(plan, segment, kv_head, segment.ChunkBegin(chunk), segment.ChunkEnd(chunk));
+    }
   }
 }
 

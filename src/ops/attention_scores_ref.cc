@@ -1,5 +1,6 @@
 // Scalar reference for score gathering: per (query, head), every score and a two-pass
 // softmax in double; then the fold over each KV head's query heads and the sums over queries.
+// Scores are masked (sliding window) and capped as in ref::Attention.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -37,13 +38,13 @@ void AttentionScores(const AttentionShape& shape, KvStorage storage, const float
         int64_t t_global = 0;
         for (int32_t s = 0; s < n_spans; ++s) {
           for (int32_t t = 0; t < spans[s].n; ++t, ++t_global) {
-            if (spans[s].positions[t] > q_pos[i]) {
-              p[t_global] = -std::numeric_limits<double>::infinity();  // not attended
+            if (!AttendsPosition(q_pos[i], spans[s].positions[t], shape.window)) {
+              p[t_global] = -std::numeric_limits<double>::infinity();  // not attended (later, or outside the window)
               continue;
             }
             double dot = 0;
             for (int c = 0; c < d; ++c) dot += static_cast<double>(q_row[c]) * reader.K(spans[s], t, kv_head, c);
-            p[t_global] = dot * shape.scale;
+            p[t_global] = CapScore(dot * shape.scale, shape.softcap);
             max_score = std::max(max_score, p[t_global]);
           }
         }

@@ -366,5 +366,147 @@ TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactly) {
   }
 }
 
+// ---- sliding windows and softcapping (AttentionShape::window, ::softcap) ----
+
+// Every storage type meets every window and softcap, over ragged spans with gaps in the
+// positions; query counts, head dims, groups, folds and thread counts rotate. The second pass,
+// its per-query window rows, and gathering from raw scores (fast and reference) all against
+// ref::AttentionScores. Scores are large (scale 0.3, queries up to 3) so a softcap of 5 bites.
+TEST_P(AttentionScoresTest, WindowAndSoftcapMatchReference) {
+  int rotation = 0;
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+    for (int32_t window : {1, 3, 17, 40, 1 << 30}) {
+      for (float softcap : {0.f, 5.f, 50.f}) {
+        constexpr int kQueries[] = {1, 4, 19};
+        constexpr int kGroups[] = {1, 2, 8};
+        const int n_q = kQueries[rotation % 3], group = kGroups[(rotation / 3) % 3];
+        const int head_dim = rotation % 2 == 0 ? 64 : 20;
+        const int n_threads = rotation % 3 == 0 ? 3 : 1;
+        const GqaAggregation aggregation = (rotation / 2) % 2 == 0 ? GqaAggregation::kMean : GqaAggregation::kMax;
+        ++rotation;
+        std::mt19937 rng(4000 + rotation);
+        const int n_kv_heads = group == 8 ? 1 : 3;
+        AttentionShape shape{n_kv_heads * group, n_kv_heads, head_dim, 0.3f};
+        shape.window = window;
+        shape.softcap = softcap;
+        SpanSet set = MakeSpans(storage, {1, 5, 16, 31, 2, 17, 1, 40, 0, 90}, n_kv_heads, head_dim, rng, 3);
+        const int32_t last = LastPosition(set);
+        std::vector<int32_t> q_pos(n_q);
+        for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 13;  // ascending, like a prefill chunk
+        if (n_q > 2) q_pos[0] = 1;  // sees nothing
+        ScoreGathering gathering;
+        gathering.aggregation = aggregation;
+        gathering.window_start = q_pos[n_q / 2];
+        const std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * head_dim, rng, 3.f);
+        std::ostringstream what;
+        what << KvStorageName(storage) << " window " << window << " softcap " << softcap << " n_q " << n_q
+             << " group " << group << " d" << head_dim;
+        CheckAgainstReference(shape, set, q, q_pos, gathering, n_threads, what.str());
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// A decode step and a prefill chunk over a long context split into many chunks, windows
+// narrower than a chunk (the chunks then cover only the window), with and without softcap.
+TEST_P(AttentionScoresTest, WindowLongContextMatchesReference) {
+  std::mt19937 rng(18);
+  AttentionShape shape{8, 2, 64, 0.125f};
+  SpanSet set = MakeSpans(KvStorage::kF16, {600, 3, 900}, 2, 64, rng);
+  const int32_t last = LastPosition(set);
+  for (int n_q : {1, 24}) {
+    for (int32_t window : {60, 700}) {
+      shape.window = window;
+      shape.softcap = window == 60 ? 0.f : 5.f;
+      std::vector<int32_t> q_pos(n_q);
+      for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 41;
+      std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 64, rng, 3.f);
+      ScoreGathering gathering{GqaAggregation::kMean, q_pos[n_q - 1] - 100};
+      for (int n_threads : {1, 4}) {
+        CheckAgainstReference(shape, set, q, q_pos, gathering, n_threads,
+                              "n_q " + std::to_string(n_q) + " window " + std::to_string(window) + " threads " +
+                                  std::to_string(n_threads));
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Within a family the raw scores ops::Attention keeps and the second pass's scores are the
+// same bits with windows and softcaps too (the same cap, the same masks).
+TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactlyWithWindowAndSoftcap) {
+  std::mt19937 rng(19);
+  for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+    for (int32_t window : {3, 40, 250}) {
+      AttentionShape shape{8, 2, 37, 0.3f};
+      if (!KvStorageFits(storage, shape.head_dim)) shape.head_dim = 64;
+      shape.window = window;
+      shape.softcap = window == 40 ? 0.f : 5.f;
+      SpanSet set = MakeSpans(storage, {16, 5, 40, 16, 300, 7, 16, 200, 9}, 2, shape.head_dim, rng);
+      if (IsKiviStorage(storage)) set.MakeResidual(4);
+      const int32_t last = LastPosition(set);
+      int64_t n_tokens = 0;
+      for (const KvSpan& s : set.spans) n_tokens += s.n;
+      const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
+      for (int n_q : {1, 16}) {
+        std::vector<int32_t> q_pos(n_q);
+        for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 23;
+        std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * shape.head_dim, rng, 3.f);
+        std::vector<float> out(q.size()), stats(static_cast<size_t>(n_q) * shape.n_heads * 2);
+        std::vector<float> raw(static_cast<size_t>(n_q) * shape.n_heads * n_tokens);
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, out.data(), 2, stats.data(),
+                       raw.data());
+        const ScoreGathering gathering{GqaAggregation::kMean, q_pos[n_q / 2]};
+        Gathered second(n_out), from_raw(n_out);
+        ops::AttentionScores(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, stats.data(), gathering,
+                             second.Outputs(), 3);
+        ops::GatherScoresFromRaw(shape, q_pos.data(), n_q, n_tokens, raw.data(), stats.data(), gathering,
+                                 from_raw.Outputs(), 2);
+        const std::string what = std::string(KvStorageName(storage)) + " window " + std::to_string(window) +
+                                 " n_q " + std::to_string(n_q);
+        EXPECT_EQ(from_raw.sum_all, second.sum_all) << what;
+        EXPECT_EQ(from_raw.sum_window, second.sum_window) << what;
+        EXPECT_EQ(from_raw.last, second.last) << what;
+      }
+    }
+  }
+}
+
+// Out-of-window tokens get probability exactly 0, and each query head's probabilities still
+// sum to 1 over the tokens its window holds.
+TEST_P(AttentionScoresTest, WindowProbabilitiesAreZeroOutsideAndSumToOne) {
+  std::mt19937 rng(20);
+  AttentionShape shape{6, 2, 32, 0.3f};
+  shape.window = 25;
+  shape.softcap = 5.f;
+  SpanSet set = MakeSpans(KvStorage::kF32, {50, 30}, 2, 32, rng);
+  const int32_t last = LastPosition(set);
+  std::vector<int32_t> q_pos = {last};
+  std::vector<float> q = RandomQueries(6 * 32, rng, 3.f);
+  std::vector<float> out(q.size()), stats(6 * 2);
+  ops::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), 1, set.spans.data(), 2, out.data(), 2, stats.data());
+  Gathered got(2 * 80);
+  ops::AttentionScores(shape, KvStorage::kF32, q.data(), q_pos.data(), 1, set.spans.data(), 2, stats.data(),
+                       ScoreGathering{GqaAggregation::kMean, last}, got.Outputs(), 2);
+  const std::vector<KvSpan> spans = set.F32Spans();
+  for (int h = 0; h < 2; ++h) {
+    double total = 0;
+    for (int t = 0; t < 80; ++t) {
+      const int32_t pos = spans[t < 50 ? 0 : 1].positions[t < 50 ? t : t - 50];
+      const float p = got.last[h * 80 + t];
+      if (last - pos >= shape.window) {
+        EXPECT_EQ(p, 0.f) << "token " << t << " at " << pos;
+      } else {
+        EXPECT_GT(p, 0.f) << "token " << t << " at " << pos;
+      }
+      total += p;
+    }
+    EXPECT_NEAR(total, 1.0, 1e-5);
+  }
+}
+
 }  // namespace
 }  // namespace kvsparse

@@ -887,5 +887,479 @@ TEST_P(AttentionTest, KeySelectionOfEveryTokenIsBitIdenticalToDense) {
   }
 }
 
+// ---- sliding windows and softcapping (AttentionShape::window, ::softcap) ----
+
+constexpr int32_t kHugeWindow = 1 << 30;  // larger than any context: the same as no window
+
+// Compares row_max_sum (exact -inf / 0 for rows that see nothing; otherwise the max and the
+// normalizer max + log(sum)) and raw scores with the reference's.
+void ExpectStatsAndRawClose(const std::vector<float>& got_stats, const std::vector<float>& want_stats,
+                            const std::vector<float>& got_raw, const std::vector<float>& want_raw,
+                            const std::string& what) {
+  ASSERT_EQ(got_stats.size(), want_stats.size());
+  for (size_t r = 0; r < want_stats.size() / 2; ++r) {
+    if (std::isinf(want_stats[2 * r])) {
+      ASSERT_TRUE(std::isinf(got_stats[2 * r]) && got_stats[2 * r] < 0) << what << " row " << r;
+      ASSERT_EQ(got_stats[2 * r + 1], 0.f) << what << " row " << r;
+      continue;
+    }
+    ASSERT_NEAR(got_stats[2 * r], want_stats[2 * r], 1e-4 + 1e-5 * std::fabs(want_stats[2 * r]))
+        << what << " row " << r;
+    const double got_z = std::log(got_stats[2 * r + 1]) + got_stats[2 * r];
+    const double want_z = std::log(want_stats[2 * r + 1]) + want_stats[2 * r];
+    ASSERT_NEAR(got_z, want_z, 1e-4) << what << " row " << r;
+  }
+  ASSERT_EQ(got_raw.size(), want_raw.size());
+  for (size_t e = 0; e < want_raw.size(); ++e) {
+    if (std::isinf(want_raw[e])) {
+      ASSERT_TRUE(std::isinf(got_raw[e]) && got_raw[e] < 0) << what << " raw " << e;
+      continue;
+    }
+    ASSERT_NEAR(got_raw[e], want_raw[e], 1e-4f + 1e-5f * std::fabs(want_raw[e])) << what << " raw " << e;
+  }
+}
+
+// A position inside a hole of the set's positions (the token before it is at position - 1 and
+// the next one at position + 2), or -1 when there is none.
+int32_t PositionInHole(const SpanSet& set) {
+  std::vector<int32_t> positions;
+  for (const KvSpan& span : set.spans) positions.insert(positions.end(), span.positions, span.positions + span.n);
+  for (size_t t = 0; t + 1 < positions.size(); ++t) {
+    if (positions[t + 1] - positions[t] >= 3) return positions[t] + 1;
+  }
+  return -1;
+}
+
+struct WindowCase {
+  KvStorage storage;
+  int32_t window;
+  float softcap;
+  int n_q;
+  int head_dim;
+  int group;
+  int n_threads;
+};
+
+std::string WindowCaseName(const WindowCase& c) {
+  std::ostringstream name;
+  name << KvStorageName(c.storage) << "_w" << c.window << "_cap" << c.softcap << "_q" << c.n_q << "_d" << c.head_dim
+       << "_g" << c.group << "_t" << c.n_threads;
+  return name.str();
+}
+
+// Every storage type meets every window and softcap; query counts (one, a few, more than one
+// tile), head dims (ragged ones included), groups and thread counts rotate through the cases.
+std::vector<WindowCase> AllWindowCases() {
+  std::vector<WindowCase> cases;
+  int rotation = 0;
+  for (KvStorage storage : kAllStorage) {
+    for (int32_t window : {1, 3, 17, 40, kHugeWindow}) {
+      for (float softcap : {0.f, 5.f, 50.f}) {
+        constexpr int kQueries[] = {1, 5, 40};
+        constexpr int kHeadDims[] = {20, 64, 37};
+        constexpr int kGroups[] = {1, 2, 4, 8};
+        cases.push_back({storage, window, softcap, kQueries[rotation % 3], kHeadDims[(rotation / 3) % 3],
+                         kGroups[rotation % 4], 1 + 2 * (rotation % 2)});
+        ++rotation;
+      }
+    }
+  }
+  return cases;
+}
+
+// Ragged spans with gaps in the positions; queries anywhere (one before the cache, one inside
+// a hole, the last position), against the scalar twin: outputs, statistics and raw scores.
+// The scores are large (scale 0.3, queries up to 3), so a softcap of 5 changes them a lot.
+void CheckWindowCase(const WindowCase& c) {
+  std::mt19937 rng(3000 + static_cast<int>(c.storage) * 977 + c.window * 31 + static_cast<int>(c.softcap) * 7 +
+                   c.n_q);
+  if (!KvStorageFits(c.storage, c.head_dim)) return;
+  const int n_kv_heads = c.group == 8 ? 1 : 2;
+  AttentionShape shape{n_kv_heads * c.group, n_kv_heads, c.head_dim, 0.3f};
+  shape.window = c.window;
+  shape.softcap = c.softcap;
+  SpanSet set = MakeSpans(c.storage, {1, 5, 16, 31, 2, 17, 1, 40, 0, 23}, n_kv_heads, c.head_dim, rng,
+                          /*first_position=*/3);
+  const int32_t n_spans = static_cast<int32_t>(set.spans.size());
+  const int32_t last = LastPosition(set);
+  int64_t n_tokens = 0;
+  for (const KvSpan& span : set.spans) n_tokens += span.n;
+  std::vector<int32_t> q_pos(c.n_q);
+  std::uniform_int_distribution<int32_t> any_pos(0, last + 2);
+  for (int i = 0; i < c.n_q; ++i) q_pos[i] = any_pos(rng);
+  q_pos[c.n_q - 1] = last;
+  if (c.n_q > 2) q_pos[0] = 1;  // before the first cached position: sees nothing
+  if (c.n_q > 3) q_pos[1] = PositionInHole(set);  // window 1 sees nothing there
+  const std::vector<float> q = RandomQueries(static_cast<size_t>(c.n_q) * shape.n_heads * c.head_dim, rng, 3.f);
+  const size_t rows = static_cast<size_t>(c.n_q) * shape.n_heads;
+  std::vector<float> want(q.size()), want_stats(rows * 2), want_raw(rows * n_tokens);
+  ref::Attention(shape, c.storage, q.data(), q_pos.data(), c.n_q, set.spans.data(), n_spans, want.data(),
+                 want_stats.data(), want_raw.data());
+  std::vector<float> got(q.size(), 12345.f), got_stats(rows * 2, 7.f), got_raw(rows * n_tokens, 99.f);
+  ops::Attention(shape, c.storage, q.data(), q_pos.data(), c.n_q, set.spans.data(), n_spans, got.data(), c.n_threads,
+                 got_stats.data(), got_raw.data());
+  ExpectClose(got, want, "out");
+  ExpectStatsAndRawClose(got_stats, want_stats, got_raw, want_raw, "stats / raw");
+  // Without the optional outputs: the same output, bit for bit.
+  std::vector<float> plain(q.size(), 12345.f);
+  ops::Attention(shape, c.storage, q.data(), q_pos.data(), c.n_q, set.spans.data(), n_spans, plain.data(),
+                 c.n_threads);
+  ASSERT_EQ(plain, got);
+  if (c.n_q > 2) {
+    for (int e = 0; e < shape.n_heads * c.head_dim; ++e) ASSERT_EQ(got[e], 0.f) << "query before the cache";
+  }
+  if (c.n_q > 3 && c.window == 1) {
+    for (int e = 0; e < shape.n_heads * c.head_dim; ++e) {
+      ASSERT_EQ(got[shape.n_heads * c.head_dim + e], 0.f) << "query whose window holds no token";
+    }
+  }
+}
+
+TEST_P(AttentionTest, WindowAndSoftcapMatchReference) {
+  for (const WindowCase& c : AllWindowCases()) {
+    SCOPED_TRACE(WindowCaseName(c));
+    CheckWindowCase(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The test data really exercises both features: a window and a softcap of 5 change the
+// reference's output, and a window larger than the context does not.
+TEST_P(AttentionTest, WindowAndSoftcapChangeTheResult) {
+  std::mt19937 rng(51);
+  AttentionShape shape{4, 2, 32, 0.3f};
+  SpanSet set = MakeSpans(KvStorage::kF32, {40, 30}, 2, 32, rng);
+  const int32_t q_pos = LastPosition(set);
+  const std::vector<float> q = RandomQueries(4 * 32, rng, 3.f);
+  auto run = [&](int32_t window, float softcap) {
+    AttentionShape s = shape;
+    s.window = window;
+    s.softcap = softcap;
+    std::vector<float> out(q.size());
+    ref::Attention(s, KvStorage::kF32, q.data(), &q_pos, 1, set.spans.data(), 2, out.data());
+    return out;
+  };
+  auto max_diff = [](const std::vector<float>& a, const std::vector<float>& b) {
+    float d = 0.f;
+    for (size_t e = 0; e < a.size(); ++e) d = std::max(d, std::fabs(a[e] - b[e]));
+    return d;
+  };
+  const std::vector<float> plain = run(0, 0.f);
+  EXPECT_GT(max_diff(run(0, 5.f), plain), 0.05f);
+  EXPECT_GT(max_diff(run(17, 0.f), plain), 0.05f);
+  EXPECT_EQ(max_diff(run(kHugeWindow, 0.f), plain), 0.f);
+}
+
+// Long context: many blocks, the split-over-tokens path (decode) and several tiles (prefill),
+// windows narrower and wider than a chunk, on every storage type.
+TEST_P(AttentionTest, WindowAndSoftcapLongContextMatchReference) {
+  std::mt19937 rng(52);
+  int rotation = 0;
+  for (KvStorage storage : kAllStorage) {
+    AttentionShape shape{8, 1, 64, 0.125f};
+    SpanSet set = MakeSpans(storage, {700, 3, 1500}, 1, 64, rng);
+    const int32_t last = LastPosition(set);
+    int64_t n_tokens = 0;
+    for (const KvSpan& span : set.spans) n_tokens += span.n;
+    for (int n_q : {1, 3, 40}) {
+      constexpr int32_t kWindows[] = {17, 200, 1000, 512};
+      shape.window = kWindows[rotation % 4];
+      shape.softcap = rotation % 3 == 0 ? 0.f : rotation % 3 == 1 ? 5.f : 30.f;
+      ++rotation;
+      std::vector<int32_t> q_pos(n_q);
+      for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 37;
+      if (n_q == 3) q_pos = {-1, last / 5, last};
+      const std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * 64, rng, 3.f);
+      const size_t rows = static_cast<size_t>(n_q) * shape.n_heads;
+      std::vector<float> want(q.size()), want_stats(rows * 2), want_raw(rows * n_tokens);
+      ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, want.data(), want_stats.data(),
+                     want_raw.data());
+      for (int n_threads : {1, 3}) {
+        const std::string what = std::string(KvStorageName(storage)) + " n_q " + std::to_string(n_q) + " window " +
+                                 std::to_string(shape.window) + " threads " + std::to_string(n_threads);
+        std::vector<float> got(q.size()), got_stats(rows * 2), got_raw(rows * n_tokens, 99.f);
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, got.data(), n_threads,
+                       got_stats.data(), got_raw.data());
+        ExpectClose(got, want, what);
+        ExpectStatsAndRawClose(got_stats, want_stats, got_raw, want_raw, what);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// window 0 and softcap 0 are the defaults of the four-field aggregate, and a window wider than
+// the context takes the window path yet gives the same bits as none, through Attention (with
+// statistics and raw scores) and AttentionBatch.
+TEST_P(AttentionTest, DefaultWindowAndSoftcapAreBitIdentical) {
+  std::mt19937 rng(53);
+  for (KvStorage storage : kAllStorage) {
+    const AttentionShape plain{8, 2, 40, 0.15f};
+    AttentionShape explicit_defaults{8, 2, 40, 0.15f, 0, 0.f};
+    ASSERT_EQ(explicit_defaults.window, plain.window);
+    ASSERT_EQ(explicit_defaults.softcap, plain.softcap);
+    AttentionShape huge = plain;
+    huge.window = kHugeWindow;
+    SpanSet set = MakeSpans(storage, {3, 16, 0, 16, 250, 7, 16, 400, 5}, 2, 40, rng);
+    const int32_t last = LastPosition(set);
+    int64_t n_tokens = 0;
+    for (const KvSpan& span : set.spans) n_tokens += span.n;
+    for (int n_q : {1, 6, 40}) {
+      std::vector<int32_t> q_pos(n_q);
+      for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 17;
+      q_pos[0] = n_q > 1 ? -3 : q_pos[0];
+      const std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 40, rng, 2.f);
+      const size_t rows = static_cast<size_t>(n_q) * 8;
+      for (int n_threads : {1, 3}) {
+        std::vector<std::vector<float>> outs, stats, raws;
+        for (const AttentionShape* shape : std::vector<const AttentionShape*>{&plain, &explicit_defaults, &huge}) {
+          std::vector<float> out(q.size()), st(rows * 2), raw(rows * n_tokens);
+          ops::Attention(*shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 9, out.data(), n_threads,
+                         st.data(), raw.data());
+          outs.push_back(out);
+          stats.push_back(st);
+          raws.push_back(raw);
+          AttentionJob job{set.spans.data(), 9, 0, q.data(), out.data()};
+          std::fill(out.begin(), out.end(), 5.f);
+          ops::AttentionBatch(*shape, 2, storage, q_pos.data(), n_q, &job, 1, n_threads);
+          outs.push_back(out);
+        }
+        const std::string what = std::string(KvStorageName(storage)) + " n_q " + std::to_string(n_q);
+        for (size_t k = 1; k < outs.size(); ++k) ASSERT_EQ(outs[k], outs[0]) << what << " variant " << k;
+        for (size_t k = 1; k < stats.size(); ++k) {
+          ASSERT_EQ(stats[k], stats[0]) << what << " variant " << k;
+          ASSERT_EQ(raws[k], raws[0]) << what << " variant " << k;
+        }
+      }
+    }
+  }
+}
+
+// Hand-checkable semantics, in double: one head, head_dim 2, five tokens at positions
+// 0, 1, 2, 5, 6 (a hole at 3 and 4). The expected outputs are computed here from the
+// definitions (window: p - window < pos <= p; softcap: c tanh(s / c)), not by the reference.
+TEST_P(AttentionTest, WindowAndSoftcapHandComputed) {
+  const std::vector<float> k = {1.f, 0.f, 0.5f, 1.f, -1.f, 2.f, 2.f, -1.f, 0.f, 3.f};
+  const std::vector<float> v = {1.f, -1.f, 2.f, 4.f, -3.f, 0.5f, 6.f, 1.f, -2.f, 8.f};
+  const std::vector<int32_t> pos = {0, 1, 2, 5, 6};
+  const KvSpan span{.k = k.data(), .v = v.data(), .positions = pos.data(), .n = 5};
+  const std::vector<float> q_row = {2.f, 1.5f};
+  for (int32_t window : {0, 1, 2, 3, 5}) {
+    for (float softcap : {0.f, 2.f}) {
+      AttentionShape shape{1, 1, 2, 0.7f};
+      shape.window = window;
+      shape.softcap = softcap;
+      const std::vector<int32_t> q_pos = {-1, 0, 2, 3, 4, 5, 6, 9};
+      const int n_q = static_cast<int>(q_pos.size());
+      std::vector<float> q;
+      for (int i = 0; i < n_q; ++i) q.insert(q.end(), q_row.begin(), q_row.end());
+      std::vector<double> expected(2 * n_q, 0.0), expected_max(n_q, -INFINITY), expected_sum(n_q, 0.0);
+      for (int i = 0; i < n_q; ++i) {
+        std::vector<double> w(5, 0.0);
+        double max_s = -INFINITY;
+        std::vector<double> s(5);
+        for (int t = 0; t < 5; ++t) {
+          const bool seen = pos[t] <= q_pos[i] && (window == 0 || q_pos[i] - pos[t] < window);
+          if (!seen) {
+            s[t] = -INFINITY;
+            continue;
+          }
+          s[t] = 0.7 * (2.0 * k[2 * t] + 1.5 * k[2 * t + 1]);
+          if (softcap > 0) s[t] = softcap * std::tanh(s[t] / softcap);
+          max_s = std::max(max_s, s[t]);
+        }
+        if (max_s == -INFINITY) continue;  // sees nothing: zeros
+        double sum = 0;
+        for (int t = 0; t < 5; ++t) {
+          w[t] = std::isinf(s[t]) ? 0.0 : std::exp(s[t] - max_s);
+          sum += w[t];
+        }
+        for (int t = 0; t < 5; ++t) {
+          expected[2 * i] += w[t] / sum * v[2 * t];
+          expected[2 * i + 1] += w[t] / sum * v[2 * t + 1];
+        }
+        expected_max[i] = max_s;
+        expected_sum[i] = sum;
+      }
+      // The cases the table above must contain: a window of 2 at position 4 holds no token
+      // (the hole), and at 3 only the token at 2.
+      if (window == 2) {
+        EXPECT_EQ(expected[2 * 4], 0.0);
+        EXPECT_NEAR(expected[2 * 3], v[4], 1e-12);
+      }
+      std::vector<float> want(q.size()), want_stats(2 * n_q), got(q.size()), got_stats(2 * n_q);
+      ref::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), n_q, &span, 1, want.data(), want_stats.data());
+      ops::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), n_q, &span, 1, got.data(), 2, got_stats.data());
+      const std::string what = "window " + std::to_string(window) + " softcap " + std::to_string(softcap);
+      for (int i = 0; i < n_q; ++i) {
+        for (int c = 0; c < 2; ++c) {
+          EXPECT_NEAR(want[2 * i + c], expected[2 * i + c], 1e-6) << what << " query " << i;
+          EXPECT_NEAR(got[2 * i + c], expected[2 * i + c], 1e-5) << what << " query " << i;
+        }
+        if (std::isinf(expected_max[i])) {
+          EXPECT_TRUE(std::isinf(got_stats[2 * i]) && got_stats[2 * i + 1] == 0.f) << what << " query " << i;
+          EXPECT_TRUE(std::isinf(want_stats[2 * i]) && want_stats[2 * i + 1] == 0.f) << what << " query " << i;
+          continue;
+        }
+        EXPECT_NEAR(want_stats[2 * i], expected_max[i], 1e-6) << what << " query " << i;
+        EXPECT_NEAR(want_stats[2 * i + 1], expected_sum[i], 1e-6) << what << " query " << i;
+        EXPECT_NEAR(got_stats[2 * i], expected_max[i], 1e-5) << what << " query " << i;
+        EXPECT_NEAR(got_stats[2 * i + 1], expected_sum[i], 1e-5) << what << " query " << i;
+      }
+    }
+  }
+}
+
+// AttentionBatch with windows and softcaps: per-head jobs over their own ragged spans (and
+// shared rows read per query head) against the scalar twin, with statistics and raw scores;
+// each job bit-identical to a lone Attention call.
+TEST_P(AttentionTest, BatchWithWindowAndSoftcapMatchesReference) {
+  std::mt19937 rng(54);
+  int rotation = 0;
+  for (KvStorage storage : kAllStorage) {
+    for (int head_dim : {64, 20}) {
+      std::vector<SpanSet> sets;
+      const std::vector<std::vector<int>> lengths = {{16, 16, 5}, {3}, {16, 200, 16, 9}, {0, 0}, {40, 1}};
+      for (const std::vector<int>& l : lengths) sets.push_back(MakeSpans(storage, l, 1, head_dim, rng));
+      SpanSet shared = MakeSpans(storage, {16, 16, 16, 16, 160, 16, 7}, 3, head_dim, rng);
+      int32_t last = LastPosition(shared);
+      for (const SpanSet& set : sets) last = std::max(last, LastPosition(set));
+      for (int n_q : {1, 3}) {
+        std::vector<int32_t> q_pos(n_q, last);
+        if (n_q == 3) q_pos = {-1, last / 3, last};
+        for (int mode = 0; mode < 2; ++mode) {
+          const bool per_head = mode == 0;
+          AttentionShape shape = per_head ? AttentionShape{4, 1, head_dim, 0.3f} : AttentionShape{1, 1, head_dim, 0.3f};
+          constexpr int32_t kWindows[] = {1, 3, 17, 40, 150, kHugeWindow};
+          constexpr float kCaps[] = {0.f, 5.f, 50.f};
+          shape.window = kWindows[rotation % 6];
+          shape.softcap = kCaps[rotation % 3 == 0 ? 1 : (rotation / 6) % 3];
+          ++rotation;
+          const int row_heads = per_head ? 1 : 3;
+          std::vector<std::vector<KvSpan>> job_spans;
+          std::vector<int> first;
+          if (per_head) {
+            for (const SpanSet& set : sets) {
+              job_spans.push_back(set.spans);
+              first.push_back(0);
+            }
+          } else {
+            for (int j = 0; j < 6; ++j) {
+              std::vector<KvSpan> runs;
+              for (size_t t = 0; t < shared.spans.size(); ++t)
+                if ((t + j) % 3 != 0 || t + 1 == shared.spans.size()) runs.push_back(shared.spans[t]);
+              job_spans.push_back(runs);
+              first.push_back(j / 2);
+            }
+          }
+          const size_t n_jobs = job_spans.size();
+          const std::vector<float> q = RandomQueries(n_jobs * n_q * shape.n_heads * head_dim, rng, 3.f);
+          BatchBuffers want(shape, n_q, job_spans, first, q);
+          ref::AttentionBatch(shape, row_heads, storage, q_pos.data(), n_q, want.jobs.data(),
+                              static_cast<int32_t>(n_jobs));
+          for (int n_threads : {1, 3}) {
+            const std::string what = std::string(KvStorageName(storage)) + (per_head ? " per-head" : " shared rows") +
+                                     " d" + std::to_string(head_dim) + " n_q " + std::to_string(n_q) + " window " +
+                                     std::to_string(shape.window) + " softcap " + std::to_string(shape.softcap) +
+                                     " threads " + std::to_string(n_threads);
+            BatchBuffers got(shape, n_q, job_spans, first, q);
+            ops::AttentionBatch(shape, row_heads, storage, q_pos.data(), n_q, got.jobs.data(),
+                                static_cast<int32_t>(n_jobs), n_threads);
+            ExpectBatchClose(got.out, want.out, got.stats, want.stats, got.raw, want.raw, what);
+            if (HasFatalFailure()) return;
+            if (!per_head) continue;
+            // Job j alone: the same bits.
+            const size_t rows = static_cast<size_t>(n_q) * shape.n_heads;
+            for (size_t j = 0; j < n_jobs; ++j) {
+              std::vector<float> out(rows * head_dim);
+              ops::Attention(shape, storage, q.data() + j * rows * head_dim, q_pos.data(), n_q, job_spans[j].data(),
+                             static_cast<int32_t>(job_spans[j].size()), out.data(), n_threads);
+              ASSERT_EQ(std::vector<float>(got.jobs[j].out, got.jobs[j].out + out.size()), out) << what << " job " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Sparse prefill with windows: a selected token outside a query's window is not attended.
+TEST_P(AttentionTest, KeySelectionWithWindowMatchesMaskedReference) {
+  std::mt19937 rng(55);
+  int rotation = 0;
+  for (KvStorage storage : kAllStorage) {
+    for (int head_dim : {64, 20}) {
+      if (!KvStorageFits(storage, head_dim)) continue;
+      const int n_kv = 2, group = head_dim == 64 ? 2 : 3;
+      AttentionShape head_shape{group, 1, head_dim, 0.3f};
+      constexpr int32_t kWindows[] = {3, 40, 100, 17};
+      head_shape.window = kWindows[rotation % 4];
+      head_shape.softcap = rotation % 2 == 0 ? 5.f : 0.f;
+      ++rotation;
+      SpanSet set = MakeSpans(storage, {70, 16, 3, 200, 40}, n_kv, head_dim, rng);
+      int64_t n_tokens = 0;
+      for (const KvSpan& span : set.spans) n_tokens += span.n;
+      const int32_t n_q = 150;
+      const std::vector<int32_t> q_pos = ChunkPositions(set, n_q);
+      std::vector<RandomSelection> selections;
+      for (int h = 0; h < n_kv; ++h) selections.emplace_back(64, n_q, n_tokens, rng);
+      std::vector<std::vector<float>> q(n_kv);
+      for (auto& rows : q) rows = RandomQueries(static_cast<size_t>(n_q) * group * head_dim, rng, 3.f);
+      std::vector<std::vector<float>> want(n_kv, std::vector<float>(q[0].size())), stats_want(n_kv);
+      std::vector<AttentionJob> jobs(n_kv);
+      for (int h = 0; h < n_kv; ++h) {
+        stats_want[h].resize(static_cast<size_t>(n_q) * group * 2);
+        jobs[h] = AttentionJob{set.spans.data(), static_cast<int32_t>(set.spans.size()), h, q[h].data(),
+                               want[h].data(),   stats_want[h].data()};
+        jobs[h].selection = &selections[h].view;
+      }
+      ref::AttentionBatch(head_shape, n_kv, storage, q_pos.data(), n_q, jobs.data(), n_kv);
+      for (int n_threads : {1, 3}) {
+        std::vector<std::vector<float>> got(n_kv, std::vector<float>(q[0].size(), 7.f)), stats(n_kv);
+        for (int h = 0; h < n_kv; ++h) {
+          stats[h].resize(stats_want[h].size());
+          jobs[h].out = got[h].data();
+          jobs[h].row_max_sum = stats[h].data();
+        }
+        ops::AttentionBatch(head_shape, n_kv, storage, q_pos.data(), n_q, jobs.data(), n_kv, n_threads);
+        for (int h = 0; h < n_kv; ++h) {
+          const std::string what = std::string(KvStorageName(storage)) + " d" + std::to_string(head_dim) +
+                                   " window " + std::to_string(head_shape.window) + " head " + std::to_string(h) +
+                                   " threads " + std::to_string(n_threads);
+          ExpectClose(got[h], want[h], what);
+          ExpectStatsAndRawClose(stats[h], stats_want[h], {}, {}, what);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// With a window the kernel may skip what no query of a tile sees: a prefill chunk over a long
+// dense cache, whose queries' windows cover only its end, gives the reference's result, and so
+// does a tile whose queries lie far apart (blocks between their windows seen by none).
+TEST_P(AttentionTest, WindowSkipsUnseenBlocks) {
+  std::mt19937 rng(56);
+  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8}) {
+    AttentionShape shape{4, 1, 64, 0.125f};
+    shape.window = 50;
+    SpanSet set = MakeSpans(storage, {1200, 16, 16, 300}, 1, 64, rng);
+    const int32_t last = LastPosition(set);
+    for (int variant = 0; variant < 2; ++variant) {
+      const int n_q = 24;
+      std::vector<int32_t> q_pos(n_q);
+      for (int i = 0; i < n_q; ++i) q_pos[i] = variant == 0 ? last - (n_q - 1 - i) : 40 + i * (last - 40) / (n_q - 1);
+      const std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 4 * 64, rng, 2.f);
+      std::vector<float> want(q.size());
+      ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 4, want.data());
+      for (int n_threads : {1, 2}) {
+        std::vector<float> got(q.size());
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 4, got.data(), n_threads);
+        ExpectClose(got, want, std::string(KvStorageName(storage)) + " variant " + std::to_string(variant));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvsparse

@@ -129,6 +129,38 @@ void SiluMulImpl(float* gate, const float* up, int64_t n) {
   });
 }
 
+// GELU's tanh form (Hendrycks & Gimpel 2016), as Gemma and llama.cpp's ggml_gelu use it:
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+void GeluMulImpl(float* gate, const float* up, int64_t n) {
+  const DF d;
+  const auto half = hn::Set(d, 0.5f), one = hn::Set(d, 1.f);
+  const auto k0 = hn::Set(d, 0.7978845608028654f), k1 = hn::Set(d, 0.044715f);
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto g = hn::MaskedLoad(m, d, gate + i);
+    const auto inner = hn::Mul(k0, hn::MulAdd(hn::Mul(k1, g), hn::Mul(g, g), g));
+    const auto gelu = hn::Mul(hn::Mul(half, g), hn::Add(one, hn::Tanh(d, inner)));
+    const auto v = hn::Mul(gelu, hn::MaskedLoad(m, d, up + i));
+    if (full) {
+      hn::StoreU(v, d, gate + i);
+    } else {
+      hn::BlendedStore(v, m, d, gate + i);
+    }
+  });
+}
+
+void SoftcapInPlaceImpl(float* x, int64_t n, float cap) {
+  const DF d;
+  const auto vcap = hn::Set(d, cap), inv = hn::Set(d, 1.f / cap);
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto v = hn::Mul(vcap, hn::Tanh(d, hn::Mul(hn::MaskedLoad(m, d, x + i), inv)));
+    if (full) {
+      hn::StoreU(v, d, x + i);
+    } else {
+      hn::BlendedStore(v, m, d, x + i);
+    }
+  });
+}
+
 void SoftmaxImpl(float* x, int64_t n) {
   if (n <= 0) return;
   const DF d;
@@ -183,6 +215,8 @@ HWY_EXPORT(DotImpl);
 HWY_EXPORT(RmsNormImpl);
 HWY_EXPORT(RopeImpl);
 HWY_EXPORT(SiluMulImpl);
+HWY_EXPORT(GeluMulImpl);
+HWY_EXPORT(SoftcapInPlaceImpl);
 HWY_EXPORT(SoftmaxImpl);
 HWY_EXPORT(AddImpl);
 
@@ -194,6 +228,8 @@ void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_fre
   KVS_DISPATCH(RopeImpl)(x, n_heads, head_dim, pos, inv_freq, style);
 }
 void SiluMul(float* gate, const float* up, int64_t n) { KVS_DISPATCH(SiluMulImpl)(gate, up, n); }
+void GeluMul(float* gate, const float* up, int64_t n) { KVS_DISPATCH(GeluMulImpl)(gate, up, n); }
+void SoftcapInPlace(float* x, int64_t n, float cap) { KVS_DISPATCH(SoftcapInPlaceImpl)(x, n, cap); }
 void Softmax(float* x, int64_t n) { KVS_DISPATCH(SoftmaxImpl)(x, n); }
 void Add(float* y, const float* x, int64_t n) { KVS_DISPATCH(AddImpl)(y, x, n); }
 

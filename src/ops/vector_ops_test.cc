@@ -127,6 +127,36 @@ TEST_P(VectorOpsTest, SiluMulMatchesReference) {
   }
 }
 
+TEST_P(VectorOpsTest, GeluMulMatchesReference) {
+  for (int64_t n : kSizes) {
+    auto g = RandomFloats(n, 17, 6.f);
+    const auto up = RandomFloats(n, 18);
+    if (n > 3) {
+      g[0] = -40.f;  // tanh saturates both ways
+      g[1] = 40.f;
+    }
+    auto g_ref = g;
+    ops::GeluMul(g.data(), up.data(), n);
+    ref::GeluMul(g_ref.data(), up.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(g[i], g_ref[i], 4e-6 * std::fabs(up[i]) * (1.f + std::fabs(g_ref[i]))) << n << " " << i;
+    }
+  }
+}
+
+TEST_P(VectorOpsTest, SoftcapMatchesReference) {
+  for (int64_t n : kSizes) {
+    auto x = RandomFloats(n, 19, 80.f);
+    auto x_ref = x;
+    ops::SoftcapInPlace(x.data(), n, 30.f);
+    ref::SoftcapInPlace(x_ref.data(), n, 30.f);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(x[i], x_ref[i], 4e-6f * 30.f) << n << " " << i;
+      ASSERT_LE(std::fabs(x[i]), 30.f);
+    }
+  }
+}
+
 TEST_P(VectorOpsTest, SoftmaxMatchesReference) {
   for (int64_t n : kSizes) {
     auto x = RandomFloats(n, 9, 10.f);

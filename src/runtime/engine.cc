@@ -1,4 +1,6 @@
-// The batched forward pass of a llama-family decoder (llama, qwen2, qwen3) over a KvCache.
+// The batched forward pass over a KvCache: one pre-norm decoder whose per-architecture parts
+// (biases, Q/K norms, post-norms, GeGLU, embedding scale, softcaps, sliding windows, per-layer
+// RoPE) are switches of ModelConfig / LayerWeights (src/model/arch.h).
 #include "kvsparse/engine.h"
 
 #include <fmt/format.h>
@@ -41,6 +43,14 @@ void UngroupRows(const float* grouped, int32_t n, int n_kv_heads, size_t width, 
                   rows + (static_cast<size_t>(i) * n_kv_heads + h) * width);
     }
   }
+}
+
+// The same attention with other head counts (the per-head and per-query-head calls).
+AttentionShape WithHeads(const AttentionShape& shape, int n_heads, int n_kv_heads) {
+  AttentionShape s = shape;
+  s.n_heads = n_heads;
+  s.n_kv_heads = n_kv_heads;
+  return s;
 }
 }  // namespace
 
@@ -143,9 +153,14 @@ Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvContro
     }
     // Cache-position layers re-rotate surviving keys after an eviction: RoPE by the delta, with
     // this model's frequencies (copied, so the rotation does not depend on this Engine).
-    controller->SetKeyRotation([inv_freq = model.rope_inv_freq, head_dim = c.head_dim, style = c.rope_style](
-                                   float* k, int64_t n_rows, int32_t delta) {
-      ops::Rope(k, static_cast<int>(n_rows), head_dim, delta, inv_freq.data(), style);
+    std::vector<std::vector<float>> layer_inv_freq;  // [n_layers][head_dim/2]
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      const float* f = model.RopeInvFreq(layer);
+      layer_inv_freq.emplace_back(f, f + c.head_dim / 2);
+    }
+    controller->SetKeyRotation([inv_freq = std::move(layer_inv_freq), head_dim = c.head_dim, style = c.rope_style](
+                                   int layer, float* k, int64_t n_rows, int32_t delta) {
+      ops::Rope(k, static_cast<int>(n_rows), head_dim, delta, inv_freq[static_cast<size_t>(layer)].data(), style);
     });
   }
 }
@@ -252,7 +267,8 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
   const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
   const bool parallel_rows = n >= kParallelRowThreshold;
-  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, c.AttentionLogitScale()};
+  shape.softcap = c.attn_softcap;
 
   // Embedding lookup: dequantize one row of token_embd per token.
   const WeightView& embd = model_.token_embedding;
@@ -261,7 +277,11 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
     for (int32_t i = 0; i < batch[e].n; ++i) {
       const auto* row =
           static_cast<const uint8_t*>(embd.data) + static_cast<size_t>(batch[e].tokens[i]) * embd_row_bytes;
-      ops::DequantizeRow(embd.type, row, &s.x[static_cast<size_t>(entries[e].row0 + i) * dim], dim);
+      float* x = &s.x[static_cast<size_t>(entries[e].row0 + i) * dim];
+      ops::DequantizeRow(embd.type, row, x, dim);
+      if (c.embedding_scale != 1.0f) {
+        for (int64_t j = 0; j < dim; ++j) x[j] *= c.embedding_scale;
+      }
     }
   }
 
@@ -272,9 +292,22 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
                    c.rms_eps);
     }
   };
+  // x += proj, with proj first normalized by `post_norm` where the architecture has one (gemma).
+  auto add_residual = [&](const float* post_norm) {
+    if (post_norm != nullptr) {
+#pragma omp parallel for num_threads(n_threads_ > 0 ? n_threads_ : omp_get_max_threads()) if (parallel_rows)
+      for (int32_t i = 0; i < n; ++i) {
+        float* row = &s.proj[static_cast<size_t>(i) * dim];
+        ops::RmsNorm(row, post_norm, row, dim, c.rms_eps);  // in place is safe for RmsNorm
+      }
+    }
+    ops::Add(s.x.data(), s.proj.data(), n * dim);
+  };
 
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
+    const float* inv_freq = model_.RopeInvFreq(layer);
+    shape.window = c.LayerWindow(layer);
     // RoPE positions of each sequence's rows in this layer, which are also their stored and
     // query positions: absolute, or (StreamingLLM cache positions) the places right after the
     // layer's live tokens.
@@ -310,8 +343,8 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
         }
       }
       const int32_t pos = s.positions[static_cast<size_t>(i)];
-      ops::Rope(q_row, c.n_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);
-      ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, model_.rope_inv_freq.data(), c.rope_style);
+      ops::Rope(q_row, c.n_heads, c.head_dim, pos, inv_freq, c.rope_style);
+      ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, inv_freq, c.rope_style);
     }
     for (const Entry& e : entries) {
       const size_t r = static_cast<size_t>(e.row0);
@@ -324,15 +357,19 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
       KVS_RETURN_IF_ERROR(Attend(e, layer, shape));
     }
     ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
-    ops::Add(s.x.data(), s.proj.data(), n * dim);
+    add_residual(w.post_attn_norm);
 
-    // ---- feed-forward (SwiGLU) ----
+    // ---- feed-forward (SwiGLU, or GeGLU) ----
     norm_rows(w.ffn_norm);
     ops::MatMul(w.w_gate, s.normed.data(), n, s.gate.data(), n_threads_);
     ops::MatMul(w.w_up, s.normed.data(), n, s.up.data(), n_threads_);
-    ops::SiluMul(s.gate.data(), s.up.data(), n * hidden);
+    if (c.ffn_activation == FfnActivation::kGeluTanh) {
+      ops::GeluMul(s.gate.data(), s.up.data(), n * hidden);
+    } else {
+      ops::SiluMul(s.gate.data(), s.up.data(), n * hidden);
+    }
     ops::MatMul(w.w_down, s.gate.data(), n, s.proj.data(), n_threads_);
-    ops::Add(s.x.data(), s.proj.data(), n * dim);
+    add_residual(w.post_ffn_norm);
   }
 
   // Only the rows whose logits are wanted go through the [vocab, dim] output projection, all
@@ -354,12 +391,15 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
   }
   if (wanting == 1) {  // one sequence: straight into its buffer
     for (const BatchSequence& b : batch) {
-      if (b.logits != nullptr) ops::MatMul(model_.output, s.logit_in.data(), n_wanted, b.logits, n_threads_);
+      if (b.logits == nullptr) continue;
+      ops::MatMul(model_.output, s.logit_in.data(), n_wanted, b.logits, n_threads_);
+      if (c.final_softcap > 0.f) ops::SoftcapInPlace(b.logits, static_cast<int64_t>(n_wanted) * c.n_vocab, c.final_softcap);
     }
     return Status::Ok();
   }
   s.logit_out.resize(static_cast<size_t>(n_wanted) * c.n_vocab);
   ops::MatMul(model_.output, s.logit_in.data(), n_wanted, s.logit_out.data(), n_threads_);
+  if (c.final_softcap > 0.f) ops::SoftcapInPlace(s.logit_out.data(), static_cast<int64_t>(n_wanted) * c.n_vocab, c.final_softcap);
   size_t j = 0;
   for (const BatchSequence& b : batch) {
     if (b.logits == nullptr) continue;
@@ -404,7 +444,7 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
   const int n_kv = shape.n_kv_heads;
   const int group = shape.n_heads / n_kv;
   const int d = shape.head_dim;
-  const AttentionShape head_shape{group, 1, d, shape.scale};
+  const AttentionShape head_shape = WithHeads(shape, group, 1);
   const size_t group_values = static_cast<size_t>(group) * d;
   const size_t head_stride = static_cast<size_t>(n) * group_values;  // one kv head's rows in q_head / att_head
   const float* q_rows = s.q.data() + static_cast<size_t>(e.row0) * shape.n_heads * d;  // [n, n_heads, head_dim]
@@ -520,7 +560,7 @@ Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& 
       s.jobs[j] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), h / group,
                                q + static_cast<size_t>(h) * shape.head_dim, att + static_cast<size_t>(h) * shape.head_dim};
     }
-    ops::AttentionBatch(AttentionShape{heads_per_job, 1, shape.head_dim, shape.scale}, shape.n_kv_heads, storage, q_pos,
+    ops::AttentionBatch(WithHeads(shape, heads_per_job, 1), shape.n_kv_heads, storage, q_pos,
                         1, s.jobs.data(), n_jobs, n_threads_);
     return controller_->AfterAttention(e.seq, layer, point, controller_->SeenTokens(e.seq),
                                        /*current_position=*/e.pos0 + n - 1);
@@ -565,7 +605,7 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
   const int n_kv = shape.n_kv_heads;
   const int group = shape.n_heads / n_kv;
   const int d = shape.head_dim;
-  const AttentionShape head_shape{group, 1, d, shape.scale};
+  const AttentionShape head_shape = WithHeads(shape, group, 1);
   const size_t row = static_cast<size_t>(shape.n_heads) * d;   // one token's q / att: [n_heads, head_dim]
   const size_t group_values = static_cast<size_t>(group) * d;  // one kv head's rows of it
   const float* q_rows = s.q.data() + static_cast<size_t>(e.row0) * row;  // [n, n_heads, head_dim]
@@ -605,7 +645,7 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
         s.jobs[qh] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), 0,
                                   q_rows + static_cast<size_t>(qh) * d, att_rows + static_cast<size_t>(qh) * d};
       }
-      ops::AttentionBatch(AttentionShape{1, 1, d, shape.scale}, 1, storage, q_pos, 1, s.jobs.data(), shape.n_heads,
+      ops::AttentionBatch(WithHeads(shape, 1, 1), 1, storage, q_pos, 1, s.jobs.data(), shape.n_heads,
                           n_threads_);
     }
   }

@@ -1,18 +1,32 @@
 #include "kvsparse/runtime.h"
 
+#include <optional>
+
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/head_probe.h"
 
 namespace kvsparse {
 
-namespace {
-
-KvGeometry GeometryOf(const Model& model) {
+KvGeometry ModelKvGeometry(const Model& model) {
   const ModelConfig& c = model.config();
-  return KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim};
+  KvGeometry g{c.n_layers, c.n_kv_heads, c.head_dim};
+  if (!c.sliding_layers.empty()) {
+    for (int layer = 0; layer < c.n_layers; ++layer) g.layer_window.push_back(c.LayerWindow(layer));
+  }
+  return g;
 }
 
-}  // namespace
+void ResolveSlidingLayers(const Model& model, KvSparsityConfig* config) {
+  const ModelConfig& c = model.config();
+  for (int layer = 0; layer < c.n_layers && layer < static_cast<int>(config->layers.size()); ++layer) {
+    LayerKvConfig& l = config->layers[static_cast<size_t>(layer)];
+    if (!c.IsSliding(layer) || l.explicit_layer || l.method == KvMethod::kFull) continue;
+    LayerKvConfig full;
+    full.kv_type = l.kv_type;
+    full.per_head = false;
+    l = full;
+  }
+}
 
 StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSparsityConfig* config,
                                                  KvStorage dense_storage, int n_seqs, int32_t max_tokens,
@@ -22,16 +36,23 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
                                 std::to_string(n_seqs) + " of " + std::to_string(max_tokens) + ")");
   }
   auto r = std::make_unique<Runtime>();
+  std::optional<KvSparsityConfig> windowed;
+  if (config == nullptr && !model.config().sliding_layers.empty()) {
+    KVS_ASSIGN_OR_RETURN(windowed, KvSparsityConfigFromFlags("full", "", KvStorageName(dense_storage),
+                                                             model.config().n_layers));
+    config = &*windowed;
+  }
   if (config != nullptr) {
     KvSparsityConfig resolved = *config;
+    ResolveSlidingLayers(model, &resolved);
     KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
-    KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(GeometryOf(model), resolved, n_seqs, max_tokens, seed));
+    KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(ModelKvGeometry(model), resolved, n_seqs, max_tokens, seed));
   } else {
     if (dense_storage != KvStorage::kF32 && dense_storage != KvStorage::kF16) {
       return InvalidArgumentError(std::string("runtime: the dense cache stores f32 or f16; ") +
                                   KvStorageName(dense_storage) + " needs the paged cache (a KV config)");
     }
-    r->dense_cache = std::make_unique<ContiguousKvCache>(GeometryOf(model), dense_storage, n_seqs, max_tokens);
+    r->dense_cache = std::make_unique<ContiguousKvCache>(ModelKvGeometry(model), dense_storage, n_seqs, max_tokens);
   }
   r->engine = std::make_unique<Engine>(model, &r->cache(), n_threads, r->controller());
   return r;
@@ -41,8 +62,9 @@ StatusOr<std::unique_ptr<Runtime>> CreateServingRuntime(const Model& model, cons
                                                         size_t budget_bytes, int n_threads, uint64_t seed) {
   auto r = std::make_unique<Runtime>();
   KvSparsityConfig resolved = config;
+  ResolveSlidingLayers(model, &resolved);
   KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
-  KVS_ASSIGN_OR_RETURN(r->sparse, CreateServingKv(GeometryOf(model), resolved, budget_bytes, seed));
+  KVS_ASSIGN_OR_RETURN(r->sparse, CreateServingKv(ModelKvGeometry(model), resolved, budget_bytes, seed));
   r->engine = std::make_unique<Engine>(model, r->sparse.cache.get(), n_threads, r->controller());
   return r;
 }

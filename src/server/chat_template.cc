@@ -1,6 +1,7 @@
 #include "server/chat_template.h"
 
 #include <array>
+#include <string>
 #include <utility>
 
 #include <fmt/format.h>
@@ -8,11 +9,13 @@
 namespace kvsparse::server {
 namespace {
 
-constexpr std::array<std::pair<ChatTemplate, std::string_view>, 4> kTemplateNames = {{
+constexpr std::array<std::pair<ChatTemplate, std::string_view>, 6> kTemplateNames = {{
     {ChatTemplate::kLlama2, "llama2"},
     {ChatTemplate::kLlama3, "llama3"},
     {ChatTemplate::kChatml, "chatml"},
     {ChatTemplate::kMistral, "mistral"},
+    {ChatTemplate::kGemma, "gemma"},
+    {ChatTemplate::kPhi3, "phi3"},
 }};
 
 bool Contains(std::string_view haystack, std::string_view needle) {
@@ -48,6 +51,43 @@ void AppendLlama3(const std::vector<ChatMessage>& messages, bool add_generation_
     out += "<|eot_id|>";
   }
   if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+}
+
+// Gemma has no system turn: the system text (trimmed; several system messages are joined as they
+// are) waits for the next user turn and opens it, followed by a blank line. A system text that no
+// user turn follows is dropped. The assistant role is "model"; every message is trimmed.
+void AppendGemma(const std::vector<ChatMessage>& messages, bool add_generation_prompt, std::string& out) {
+  std::string pending_system;
+  for (const ChatMessage& m : messages) {
+    if (m.role == "system") {
+      pending_system += Trim(m.content);
+      continue;
+    }
+    const bool is_model = m.role == "assistant";
+    out += "<start_of_turn>";
+    out += is_model ? std::string_view("model") : std::string_view(m.role);
+    out += '\n';
+    if (!is_model && !pending_system.empty()) {
+      out += pending_system;
+      out += "\n\n";
+      pending_system.clear();
+    }
+    out += Trim(m.content);
+    out += "<end_of_turn>\n";
+  }
+  if (add_generation_prompt) out += "<start_of_turn>model\n";
+}
+
+// Phi-3: every role, system included, as its own <|role|> turn; content as it is.
+void AppendPhi3(const std::vector<ChatMessage>& messages, bool add_generation_prompt, std::string& out) {
+  for (const ChatMessage& m : messages) {
+    out += "<|";
+    out += m.role;
+    out += "|>\n";
+    out += m.content;
+    out += "<|end|>\n";
+  }
+  if (add_generation_prompt) out += "<|assistant|>\n";
 }
 
 // Both [INST] formats: a turn opens with "[INST] ", a user message closes it for the model with
@@ -95,8 +135,12 @@ StatusOr<ChatTemplate> ParseChatTemplateName(std::string_view name) {
   for (const auto& [value, known] : kTemplateNames) {
     if (known == name) return value;
   }
-  return InvalidArgumentError(
-      fmt::format("unknown chat template '{}' (valid: llama2, llama3, chatml, mistral)", name));
+  std::string valid;
+  for (const auto& [value, known] : kTemplateNames) {
+    if (!valid.empty()) valid += ", ";
+    valid += known;
+  }
+  return InvalidArgumentError(fmt::format("unknown chat template '{}' (valid: {})", name, valid));
 }
 
 ChatTemplate DetectChatTemplate(std::string_view jinja_template, bool* recognized) {
@@ -108,11 +152,16 @@ ChatTemplate DetectChatTemplate(std::string_view jinja_template, bool* recognize
   for (const auto& [value, name] : kTemplateNames) {
     if (jinja_template == name) return found(value);
   }
-  // Same order as llama.cpp: chatml first, since some chatml templates mention other markers.
+  // Same order as llama.cpp: chatml first, since some chatml templates mention other markers
+  // (Qwen3's, with its <think> and <tool_call> handling, is plain chatml there too).
   if (Contains(jinja_template, "<|im_start|>")) return found(ChatTemplate::kChatml);
   if (Contains(jinja_template, "[INST]")) {
     return found(Contains(jinja_template, "<<SYS>>") ? ChatTemplate::kLlama2 : ChatTemplate::kMistral);
   }
+  if (Contains(jinja_template, "<|assistant|>") && Contains(jinja_template, "<|end|>")) {
+    return found(ChatTemplate::kPhi3);
+  }
+  if (Contains(jinja_template, "<start_of_turn>")) return found(ChatTemplate::kGemma);
   if (Contains(jinja_template, "<|start_header_id|>") && Contains(jinja_template, "<|end_header_id|>")) {
     return found(ChatTemplate::kLlama3);
   }
@@ -139,6 +188,8 @@ StatusOr<std::string> ApplyChatTemplate(ChatTemplate chat_template, const std::v
     case ChatTemplate::kLlama3: AppendLlama3(messages, add_generation_prompt, out); break;
     case ChatTemplate::kLlama2: AppendInst(messages, /*system_block=*/true, out); break;
     case ChatTemplate::kMistral: AppendInst(messages, /*system_block=*/false, out); break;
+    case ChatTemplate::kGemma: AppendGemma(messages, add_generation_prompt, out); break;
+    case ChatTemplate::kPhi3: AppendPhi3(messages, add_generation_prompt, out); break;
   }
   return out;
 }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kvsparse/kv_config.h"
+#include "kvsparse/runtime.h"
 #include "server/connection_watch.h"
 #include "server/text_stream.h"
 
@@ -445,7 +446,11 @@ std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOver
                                                        : "kvsparse.kv_type";
     return BadRequest(m, param);
   }
-  return std::make_shared<const std::vector<LayerKvConfig>>(std::move(*layers));
+  // As at start-up: on sliding-window layers the method stays "full" unless the config names them.
+  KvSparsityConfig resolved;
+  resolved.layers = std::move(*layers);
+  ResolveSlidingLayers(model, &resolved);
+  return std::make_shared<const std::vector<LayerKvConfig>>(std::move(resolved.layers));
 }
 
 void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Response& res, const std::string& body,

@@ -37,15 +37,18 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   std::unique_ptr<ReferenceModel> m(new ReferenceModel());
   KVS_ASSIGN_OR_RETURN(std::string_view arch_view, file->GetString("general.architecture"));
   const std::string arch(arch_view);
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
+  const bool gemma = arch == "gemma2" || arch == "gemma3";
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && !gemma && arch != "phi3") {
     return UnimplementedError("reference model: architecture " + arch);
   }
   m->neox_rope_ = arch != "llama";
+  m->gelu_ = gemma;
   const std::string p = arch + ".";
   KVS_ASSIGN_OR_RETURN(uint64_t dim, file->GetUInt(p + "embedding_length"));
   KVS_ASSIGN_OR_RETURN(uint64_t n_layers, file->GetUInt(p + "block_count"));
   KVS_ASSIGN_OR_RETURN(uint64_t n_heads, file->GetUInt(p + "attention.head_count"));
   KVS_ASSIGN_OR_RETURN(uint64_t n_kv_heads, file->GetUIntOr(p + "attention.head_count_kv", n_heads));
+  KVS_ASSIGN_OR_RETURN(uint64_t context, file->GetUInt(p + "context_length"));
   KVS_ASSIGN_OR_RETURN(m->eps_, file->GetFloat(p + "attention.layer_norm_rms_epsilon"));
   KVS_ASSIGN_OR_RETURN(double theta, file->GetFloatOr(p + "rope.freq_base", 10000.0));
   m->dim_ = static_cast<int>(dim);
@@ -54,29 +57,85 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   m->n_kv_heads_ = static_cast<int>(n_kv_heads);
   KVS_ASSIGN_OR_RETURN(uint64_t key_length, file->GetUIntOr(p + "attention.key_length", dim / n_heads));
   m->head_dim_ = static_cast<int>(key_length);
+  m->query_scale_ = 1.0 / std::sqrt(static_cast<double>(m->head_dim_));
+  if (gemma) {
+    m->embedding_scale_ = std::sqrt(static_cast<double>(dim));
+    KVS_ASSIGN_OR_RETURN(m->query_scale_, file->GetFloatOr(p + "attention.scale", m->query_scale_));
+  }
+  if (arch == "gemma2") {
+    KVS_ASSIGN_OR_RETURN(m->attn_softcap_, file->GetFloatOr(p + "attn_logit_softcapping", 50.0));
+    KVS_ASSIGN_OR_RETURN(m->final_softcap_, file->GetFloatOr(p + "final_logit_softcapping", 30.0));
+  } else if (arch == "gemma3") {
+    KVS_ASSIGN_OR_RETURN(m->final_softcap_, file->GetFloatOr(p + "final_logit_softcapping", 0.0));
+  }
+  // Sliding layers: gemma2 every other layer (window 4096 unless stated), gemma3 five of six.
+  uint64_t window = 0, period = 1;
+  if (gemma) {
+    KVS_ASSIGN_OR_RETURN(window, file->GetUIntOr(p + "attention.sliding_window", arch == "gemma2" ? 4096 : 0));
+    KVS_ASSIGN_OR_RETURN(period, file->GetUIntOr(p + "attention.sliding_window_pattern", arch == "gemma2" ? 2 : 6));
+  }
+  KVS_ASSIGN_OR_RETURN(double theta_sliding,
+                       file->GetFloatOr(p + "rope.freq_base_swa", arch == "gemma3" ? 10000.0 : theta));
 
-  // Pair i turns by pos * theta^(-2i/head_dim), slowed by rope_freqs[i] and a linear factor when given.
-  double linear = 1.0;
-  if (file->Find(p + "rope.scaling.type") != nullptr && *file->GetString(p + "rope.scaling.type") == "linear") {
-    linear = *file->GetFloat(p + "rope.scaling.factor");
+  // Pair i turns by pos * theta^(-2i/head_dim), slowed by rope_freqs[i] (or LongRoPE's factors)
+  // and by the context scaling: linear divides, YaRN blends the divided and the plain speed.
+  std::string scaling = "none";
+  double factor = 1.0;
+  if (file->Find(p + "rope.scaling.type") != nullptr) {
+    scaling = std::string(*file->GetString(p + "rope.scaling.type"));
+    KVS_ASSIGN_OR_RETURN(factor, file->GetFloatOr(p + "rope.scaling.factor", 1.0));
   }
+  KVS_ASSIGN_OR_RETURN(uint64_t original_context, file->GetUIntOr(p + "rope.scaling.original_context_length", context));
+  KVS_ASSIGN_OR_RETURN(m->rope_magnitude_, file->GetFloatOr(p + "rope.scaling.attn_factor", 1.0));
   std::vector<double> factors(static_cast<size_t>(m->head_dim_ / 2), 1.0);
+  int64_t rows, cols;
   if (file->FindTensor("rope_freqs.weight") != nullptr) {
-    int64_t rows, cols;
     KVS_ASSIGN_OR_RETURN(factors, ReadTensor(*file, "rope_freqs.weight", &rows, &cols));
+  } else if (file->FindTensor("rope_factors_long.weight") != nullptr) {
+    // LongRoPE: the long table when the context (here the training context) exceeds the original.
+    const char* table = context > original_context ? "rope_factors_long.weight" : "rope_factors_short.weight";
+    KVS_ASSIGN_OR_RETURN(factors, ReadTensor(*file, table, &rows, &cols));
   }
-  for (int i = 0; i < m->head_dim_ / 2; ++i) {
-    m->freq_.push_back(std::pow(theta, -2.0 * i / m->head_dim_) / factors[static_cast<size_t>(i)] / linear);
-  }
+  const int hd = m->head_dim_;
+  auto global_freq = [&]() {
+    std::vector<double> freq;
+    // YaRN's ramp bounds: the dims turning beta_fast (32) and beta_slow (1) times over the original context.
+    auto corr = [&](double turns) {
+      return hd * std::log(static_cast<double>(original_context) / (turns * 2 * M_PI)) / (2 * std::log(theta));
+    };
+    const double low = std::max(0.0, std::floor(corr(32.0)));
+    const double high = std::min(static_cast<double>(hd - 1), std::ceil(corr(1.0)));
+    for (int i = 0; i < hd / 2; ++i) {
+      const double plain = std::pow(theta, -2.0 * i / hd) / factors[static_cast<size_t>(i)];
+      if (scaling == "linear") {
+        freq.push_back(plain / factor);
+      } else if (scaling == "yarn") {
+        const double ramp = 1.0 - std::clamp((i - low) / std::max(0.001, high - low), 0.0, 1.0);
+        freq.push_back(plain / factor * (1.0 - ramp) + plain * ramp);
+      } else {
+        freq.push_back(plain);
+      }
+    }
+    return freq;
+  };
+  if (scaling == "yarn" && factor > 1.0) m->rope_magnitude_ *= 1.0 + 0.1 * std::log(factor);
 
   auto matrix = [&](const std::string& name, Matrix* out) -> Status {
     KVS_ASSIGN_OR_RETURN(out->w, ReadTensor(*file, name, &out->rows, &out->cols));
     return Status::Ok();
   };
   auto vec = [&](const std::string& name, std::vector<double>* out) -> Status {
-    int64_t rows, cols;
-    KVS_ASSIGN_OR_RETURN(*out, ReadTensor(*file, name, &rows, &cols));
+    int64_t r, c;
+    KVS_ASSIGN_OR_RETURN(*out, ReadTensor(*file, name, &r, &c));
     return Status::Ok();
+  };
+  // Rows [first, first + n) of a fused matrix.
+  auto split = [](const Matrix& fused, int64_t first, int64_t n) {
+    Matrix part;
+    part.rows = n;
+    part.cols = fused.cols;
+    part.w.assign(fused.w.begin() + first * fused.cols, fused.w.begin() + (first + n) * fused.cols);
+    return part;
   };
   KVS_RETURN_IF_ERROR(matrix("token_embd.weight", &m->embedding_));
   m->n_vocab_ = static_cast<int>(m->embedding_.rows);
@@ -86,22 +145,49 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   } else {
     m->output_ = m->embedding_;
   }
+  const int64_t q_dim = static_cast<int64_t>(n_heads) * hd, kv_dim = static_cast<int64_t>(n_kv_heads) * hd;
   m->layers_.resize(n_layers);
   for (uint64_t l = 0; l < n_layers; ++l) {
     Layer& L = m->layers_[l];
     const std::string b = "blk." + std::to_string(l) + ".";
+    const bool sliding = window > 0 && (period == 0 || l % period < period - 1);
+    L.window = sliding ? static_cast<int>(window) : 0;
+    if (sliding && theta_sliding != theta) {
+      for (int i = 0; i < hd / 2; ++i) L.freq.push_back(std::pow(theta_sliding, -2.0 * i / hd));
+    } else {
+      L.freq = global_freq();
+    }
     KVS_RETURN_IF_ERROR(vec(b + "attn_norm.weight", &L.attn_norm));
     KVS_RETURN_IF_ERROR(vec(b + "ffn_norm.weight", &L.ffn_norm));
-    KVS_RETURN_IF_ERROR(matrix(b + "attn_q.weight", &L.wq));
-    KVS_RETURN_IF_ERROR(matrix(b + "attn_k.weight", &L.wk));
-    KVS_RETURN_IF_ERROR(matrix(b + "attn_v.weight", &L.wv));
+    if (file->FindTensor(b + "attn_qkv.weight") != nullptr) {  // phi3: Q, K, V rows in one matrix
+      Matrix qkv;
+      KVS_RETURN_IF_ERROR(matrix(b + "attn_qkv.weight", &qkv));
+      L.wq = split(qkv, 0, q_dim);
+      L.wk = split(qkv, q_dim, kv_dim);
+      L.wv = split(qkv, q_dim + kv_dim, kv_dim);
+    } else {
+      KVS_RETURN_IF_ERROR(matrix(b + "attn_q.weight", &L.wq));
+      KVS_RETURN_IF_ERROR(matrix(b + "attn_k.weight", &L.wk));
+      KVS_RETURN_IF_ERROR(matrix(b + "attn_v.weight", &L.wv));
+    }
     KVS_RETURN_IF_ERROR(matrix(b + "attn_output.weight", &L.wo));
-    KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate.weight", &L.gate));
-    KVS_RETURN_IF_ERROR(matrix(b + "ffn_up.weight", &L.up));
+    if (file->FindTensor(b + "ffn_gate.weight") != nullptr) {
+      KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate.weight", &L.gate));
+      KVS_RETURN_IF_ERROR(matrix(b + "ffn_up.weight", &L.up));
+    } else {  // phi3: ffn_up holds the gate's rows, then the up projection's
+      Matrix gate_up;
+      KVS_RETURN_IF_ERROR(matrix(b + "ffn_up.weight", &gate_up));
+      L.gate = split(gate_up, 0, gate_up.rows / 2);
+      L.up = split(gate_up, gate_up.rows / 2, gate_up.rows / 2);
+    }
     KVS_RETURN_IF_ERROR(matrix(b + "ffn_down.weight", &L.down));
-    if (arch == "qwen3") {
+    if (arch == "qwen3" || arch == "gemma3") {
       KVS_RETURN_IF_ERROR(vec(b + "attn_q_norm.weight", &L.q_norm));
       KVS_RETURN_IF_ERROR(vec(b + "attn_k_norm.weight", &L.k_norm));
+    }
+    if (gemma) {
+      KVS_RETURN_IF_ERROR(vec(b + "post_attention_norm.weight", &L.post_attn_norm));
+      KVS_RETURN_IF_ERROR(vec(b + "post_ffw_norm.weight", &L.post_ffn_norm));
     }
     if (file->FindTensor(b + "attn_q.bias") != nullptr) {
       KVS_RETURN_IF_ERROR(vec(b + "attn_q.bias", &L.bq));
@@ -140,18 +226,18 @@ void ReferenceModel::HeadNorm(std::vector<double>& x, int n_heads, const std::ve
   }
 }
 
-void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos) const {
+void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq) const {
   const int half = head_dim_ / 2;
   for (int h = 0; h < n_heads; ++h) {
     double* head = &x[static_cast<size_t>(h) * head_dim_];
     for (int i = 0; i < half; ++i) {
-      const double angle = pos * freq_[static_cast<size_t>(i)];
+      const double angle = pos * freq[static_cast<size_t>(i)];
       // llama rotates neighbours (2i, 2i+1); NEOX rotates (i, i + head_dim/2).
       const int a = neox_rope_ ? i : 2 * i;
       const int b = neox_rope_ ? i + half : 2 * i + 1;
       const double x0 = head[a], x1 = head[b];
-      head[a] = x0 * std::cos(angle) - x1 * std::sin(angle);
-      head[b] = x0 * std::sin(angle) + x1 * std::cos(angle);
+      head[a] = (x0 * std::cos(angle) - x1 * std::sin(angle)) * rope_magnitude_;
+      head[b] = (x0 * std::sin(angle) + x1 * std::cos(angle)) * rope_magnitude_;
     }
   }
 }
@@ -162,6 +248,7 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
   for (size_t t = 0; t < n; ++t) {
     const auto first = embedding_.w.begin() + static_cast<int64_t>(tokens[t]) * dim_;
     x[t].assign(first, first + dim_);
+    for (double& v : x[t]) v *= embedding_scale_;
   }
   const int group = n_heads_ / n_kv_heads_;
   for (const Layer& L : layers_) {
@@ -175,47 +262,59 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
         HeadNorm(q[t], n_heads_, L.q_norm);
         HeadNorm(k[t], n_kv_heads_, L.k_norm);
       }
-      Rope(q[t], n_heads_, static_cast<int>(t));
-      Rope(k[t], n_kv_heads_, static_cast<int>(t));
+      Rope(q[t], n_heads_, static_cast<int>(t), L.freq);
+      Rope(k[t], n_kv_heads_, static_cast<int>(t), L.freq);
     }
     for (size_t t = 0; t < n; ++t) {
       std::vector<double> att(static_cast<size_t>(n_heads_) * head_dim_, 0.0);
       for (int h = 0; h < n_heads_; ++h) {
         const int kv_head = h / group;
         const double* qh = &q[t][static_cast<size_t>(h) * head_dim_];
-        // Causal: token t sees tokens 0..t.
-        std::vector<double> score(t + 1);
+        // Causal: token t sees tokens 0..t; a sliding layer only those with t - s < window.
+        const size_t first = L.window > 0 && t + 1 > static_cast<size_t>(L.window) ? t + 1 - L.window : 0;
+        std::vector<double> score(t + 1, 0.0);
         double max_score = -INFINITY;
-        for (size_t s = 0; s <= t; ++s) {
+        for (size_t s = first; s <= t; ++s) {
           const double* kh = &k[s][static_cast<size_t>(kv_head) * head_dim_];
           double dot = 0;
           for (int d = 0; d < head_dim_; ++d) dot += qh[d] * kh[d];
-          score[s] = dot / std::sqrt(static_cast<double>(head_dim_));
+          score[s] = dot * query_scale_;
+          if (attn_softcap_ > 0) score[s] = attn_softcap_ * std::tanh(score[s] / attn_softcap_);
           max_score = std::max(max_score, score[s]);
         }
         double total = 0;
-        for (double& sc : score) total += (sc = std::exp(sc - max_score));
-        for (size_t s = 0; s <= t; ++s) {
+        for (size_t s = first; s <= t; ++s) total += (score[s] = std::exp(score[s] - max_score));
+        for (size_t s = first; s <= t; ++s) {
           const double* vh = &v[s][static_cast<size_t>(kv_head) * head_dim_];
           for (int d = 0; d < head_dim_; ++d) att[static_cast<size_t>(h) * head_dim_ + d] += score[s] / total * vh[d];
         }
       }
-      const std::vector<double> o = Apply(L.wo, att);
+      std::vector<double> o = Apply(L.wo, att);
+      if (!L.post_attn_norm.empty()) o = RmsNorm(o, L.post_attn_norm);
       for (int d = 0; d < dim_; ++d) x[t][static_cast<size_t>(d)] += o[static_cast<size_t>(d)];
     }
     for (size_t t = 0; t < n; ++t) {
       const std::vector<double> h = RmsNorm(x[t], L.ffn_norm);
       std::vector<double> gate = Apply(L.gate, h);
       const std::vector<double> up = Apply(L.up, h);
-      for (size_t i = 0; i < gate.size(); ++i) gate[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
-      const std::vector<double> down = Apply(L.down, gate);
+      for (size_t i = 0; i < gate.size(); ++i) {
+        const double g = gate[i];
+        const double act = gelu_ ? 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)))
+                                 : g / (1.0 + std::exp(-g));
+        gate[i] = act * up[i];
+      }
+      std::vector<double> down = Apply(L.down, gate);
+      if (!L.post_ffn_norm.empty()) down = RmsNorm(down, L.post_ffn_norm);
       for (int d = 0; d < dim_; ++d) x[t][static_cast<size_t>(d)] += down[static_cast<size_t>(d)];
     }
   }
   std::vector<double> logits;
   logits.reserve(n * static_cast<size_t>(n_vocab_));
   for (size_t t = 0; t < n; ++t) {
-    const std::vector<double> row = Apply(output_, RmsNorm(x[t], output_norm_));
+    std::vector<double> row = Apply(output_, RmsNorm(x[t], output_norm_));
+    if (final_softcap_ > 0) {
+      for (double& v : row) v = final_softcap_ * std::tanh(v / final_softcap_);
+    }
     logits.insert(logits.end(), row.begin(), row.end());
   }
   return logits;

@@ -1,4 +1,5 @@
-// A deliberately plain float64 forward pass for llama / qwen2 GGUF models, written
+// A deliberately plain float64 forward pass for llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3
+// GGUF models, written
 // independently of Model/Engine: its own metadata parsing, weights dequantized once with
 // ref::DequantizeRow into double matrices, RoPE written out from the formula for both
 // styles, and attention as an explicit causal loop. Tests compare Engine logits to it.
@@ -31,7 +32,10 @@ class ReferenceModel {
     std::vector<double> attn_norm, ffn_norm;  // [dim]
     Matrix wq, wk, wv, wo, gate, up, down;
     std::vector<double> bq, bk, bv;           // empty when absent
-    std::vector<double> q_norm, k_norm;       // [head_dim] qwen3; empty when absent
+    std::vector<double> q_norm, k_norm;       // [head_dim] qwen3, gemma3; empty when absent
+    std::vector<double> post_attn_norm, post_ffn_norm;  // [dim] gemma; empty when absent
+    int window = 0;                           // sliding-window layer: keys with t - s < window; 0: all
+    std::vector<double> freq;                 // [head_dim/2] this layer's rotation speeds
   };
 
   ReferenceModel() = default;
@@ -41,12 +45,17 @@ class ReferenceModel {
   std::vector<double> RmsNorm(const std::vector<double>& x, const std::vector<double>& weight) const;
   // RMSNorm of each head_dim slice of x [n_heads, head_dim], in place.
   void HeadNorm(std::vector<double>& x, int n_heads, const std::vector<double>& weight) const;
-  void Rope(std::vector<double>& x, int n_heads, int pos) const;  // x [n_heads, head_dim]
+  // x [n_heads, head_dim]: rotated by pos * freq[i], times the magnitude factor.
+  void Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq) const;
 
   bool neox_rope_ = false;
+  bool gelu_ = false;               // GeGLU (gemma) instead of SwiGLU
+  double embedding_scale_ = 1.0;
+  double query_scale_ = 0.0;        // scores = query_scale * q.k
+  double attn_softcap_ = 0.0, final_softcap_ = 0.0;
+  double rope_magnitude_ = 1.0;     // YaRN mscale / LongRoPE attn_factor on q and k
   int n_vocab_ = 0, dim_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
   double eps_ = 1e-5;
-  std::vector<double> freq_;  // [head_dim/2] rotation speed of pair i
   Matrix embedding_, output_;
   std::vector<double> output_norm_;
   std::vector<Layer> layers_;
