@@ -43,7 +43,7 @@ TEST(Architectures, Gemma2Config) {
   EXPECT_FLOAT_EQ(c.embedding_scale, 16.0f);  // sqrt(256)
   EXPECT_FLOAT_EQ(c.attn_softcap, 5.0f);
   EXPECT_FLOAT_EQ(c.final_softcap, 10.0f);
-  EXPECT_FLOAT_EQ(c.AttentionLogitScale(), 0.125f);  // 1/sqrt(head_dim 64)
+  EXPECT_FLOAT_EQ(c.AttentionLogitScale(0), 0.125f);  // 1/sqrt(head_dim 64)
   EXPECT_EQ(c.sliding_window, 16);
   EXPECT_EQ(c.sliding_layers, (std::vector<uint8_t>{1, 0, 1, 0}));  // every other layer, global last
   EXPECT_TRUE(model->rope_inv_freq_sliding.empty());                // the sliding layers share the global RoPE
@@ -90,7 +90,7 @@ TEST(Architectures, Phi3FusedProjectionsAndLongRope) {
   EXPECT_EQ(model->rope_inv_freq, model->rope_inv_freq_long);
   // attn_factor sqrt(1 + ln 4 / ln 1024) on q and k: scores times its square.
   const double factor2 = 1.0 + std::log(4.0) / std::log(1024.0);
-  EXPECT_NEAR(c.AttentionLogitScale(), factor2 / std::sqrt(32.0), 1e-6);
+  EXPECT_NEAR(c.AttentionLogitScale(0), factor2 / std::sqrt(32.0), 1e-6);
 }
 
 TEST(Architectures, YarnTable) {
@@ -101,7 +101,8 @@ TEST(Architectures, YarnTable) {
   EXPECT_NEAR(model->rope_inv_freq[0], 1.0, 1e-7);
   const size_t last = model->rope_inv_freq.size() - 1;
   EXPECT_NEAR(model->rope_inv_freq[last], std::pow(1e6, -2.0 * static_cast<double>(last) / c.head_dim) / 4, 1e-9);
-  EXPECT_NEAR(c.rope_attn_factor, 1.0 + 0.1 * std::log(4.0), 1e-6);
+  EXPECT_NEAR(c.rope_mscale, 1.0 + 0.1 * std::log(4.0), 1e-6);
+  EXPECT_NEAR(c.AttentionLogitScale(0), std::pow(1.0 + 0.1 * std::log(4.0), 2) / 4.0, 1e-6);  // head_dim 16
 }
 
 // Hostile metadata gets an error naming the key.

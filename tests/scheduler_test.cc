@@ -12,7 +12,9 @@
 #include "kvsparse/engine.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/scheduler.h"
+#include "kvsparse/synth.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "support/random_data.h"
 #include "support/shared_data.h"
@@ -535,6 +537,77 @@ TEST(Scheduler, SharedPromptPrefixesReusePages) {
   }
   EXPECT_EQ(shared_out, alone_out);
   EXPECT_LT(pages_shared, pages_alone);
+}
+
+// Sliding-window layers free the positions their window passed: a donor shares its prefix only
+// while its sliding layers still hold what the new request's next query sees, so shared or not,
+// every request gets the tokens it gets alone. Donors just past their prompt (sharing happens)
+// and donors 40 tokens on (their windows moved past the prefix: no sharing).
+TEST(Scheduler, SlidingWindowPrefixSharingStaysExact) {
+  const std::string path = testing::TempPath("scheduler_tiny_gemma3.gguf");
+  SynthOptions synth;
+  synth.weight_type = DType::kF32;
+  ASSERT_TRUE(WriteSynthModel(FindSynthShape("tiny-gemma3").value(), synth, path).ok());
+  auto model = Model::Load(path);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const ModelConfig& c = (*model)->config();
+  std::vector<int32_t> system = Prompt(2);  // 75 tokens, past the 16-token windows
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> p = system;
+    for (int j = 0; j <= i; ++j) p.push_back(static_cast<int32_t>(10 + 7 * i + j));
+    prompts.push_back(p);
+  }
+  for (int donor_steps : {1, 40}) {
+    std::vector<std::vector<int32_t>> outputs[2];
+    int64_t reused[2] = {0, 0};
+    for (bool share : {true, false}) {
+      auto config = KvSparsityConfigFromFlags("full", "", "f32", c.n_layers);
+      ASSERT_TRUE(config.ok());
+      auto runtime = CreateServingRuntime(**model, *config, size_t{64} << 20, 1);
+      ASSERT_TRUE(runtime.ok()) << runtime.status().ToString();
+      SchedulerOptions options;
+      options.max_running = 4;
+      options.share_prefixes = share;
+      options.max_context = 256;
+      Scheduler scheduler((*runtime)->engine.get(), (*runtime)->controller(), options);
+      std::vector<std::shared_ptr<RequestHandle>> handles;
+      handles.push_back(*scheduler.Submit(Greedy(prompts[0], 48)));
+      for (int step = 0; step < donor_steps; ++step) scheduler.Step();
+      for (int i = 1; i < 3; ++i) handles.push_back(*scheduler.Submit(Greedy(prompts[i], 20)));
+      StepUntilDone(scheduler, handles);
+      for (auto& h : handles) outputs[share ? 0 : 1].push_back(Drain(*h));
+      reused[share ? 0 : 1] = scheduler.Stats().prefix_reused_tokens;
+      EXPECT_EQ((*runtime)->paged_cache()->pages_in_use(), 0);
+    }
+    EXPECT_EQ(outputs[0], outputs[1]) << "donor steps " << donor_steps;
+    if (donor_steps == 1) {
+      EXPECT_GT(reused[0], 0) << "a donor just past its prompt still holds its windows";
+    } else {
+      EXPECT_EQ(reused[0], 0) << "a donor whose windows moved on must not be shared";
+    }
+  }
+}
+
+// A method that keeps every token to choose what to read cannot live on a sliding layer.
+TEST(Scheduler, SpanSelectingMethodOnASlidingLayerIsAnError) {
+  const std::string path = testing::TempPath("scheduler_tiny_gemma3.gguf");
+  SynthOptions synth;
+  synth.weight_type = DType::kF32;
+  ASSERT_TRUE(WriteSynthModel(FindSynthShape("tiny-gemma3").value(), synth, path).ok());
+  auto model = Model::Load(path);
+  ASSERT_TRUE(model.ok());
+  auto config = ParseKvSparsityConfig(R"({"layers": [{"layers": "2-3", "method": "quest", "budget": 0.5}]})",
+                                      (*model)->config().n_layers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  auto runtime = CreateServingRuntime(**model, *config, size_t{16} << 20, 1);
+  ASSERT_FALSE(runtime.ok());
+  EXPECT_NE(runtime.status().message().find("sliding-window layer"), std::string::npos) << runtime.status().ToString();
+  // (Quest leaves layers 0-1 dense, as its paper does.) Quest on the global layer (5) is fine.
+  auto global = ParseKvSparsityConfig(R"({"layers": [{"layers": 5, "method": "quest", "budget": 0.5}]})",
+                                      (*model)->config().n_layers);
+  ASSERT_TRUE(global.ok());
+  EXPECT_TRUE(CreateServingRuntime(**model, *global, size_t{16} << 20, 1).ok());
 }
 
 }  // namespace

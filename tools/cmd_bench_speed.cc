@@ -1,6 +1,7 @@
 // `kvsparse bench-speed`: llama-bench style pp/tg throughput at chosen KV depths.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -29,6 +30,15 @@ int Run(BenchArgs& a) {
   if (a.output != "md" && a.output != "json") return Fail(InvalidArgumentError("-o/--output: expected md or json, found '" + a.output + "'"));
   auto model = Model::Load(*path);
   if (!model.ok()) return Fail(model.status());
+  {
+    // LongRoPE files pick their factor table by the longest sequence the run holds, as -c would.
+    int longest = 0;
+    for (int d : a.config.depths) {
+      for (int n : a.config.n_prompt) longest = std::max(longest, d + n);
+      for (int n : a.config.n_gen) longest = std::max(longest, d + n);
+    }
+    (*model)->SetContextLength(longest);
+  }
   auto sparsity = ResolveKvFlags(a.kv, kDefaultKvType, (*model)->config().n_layers, &a.config.kv_storage);
   if (!sparsity.ok()) return Fail(sparsity.status());
   a.config.kv_sparsity = *sparsity;

@@ -169,7 +169,8 @@ int Run(const ServeArgs& a) {
                std::string(server::ChatTemplateName(chat_template)).c_str(), template_note.c_str(),
                a.api_key.empty() ? "" : ", API key required");
   std::fprintf(stderr, "kvsparse serve: listening on http://%s:%d (model %s, kv %s, parallel %d, KV budget %.1f MiB)\n",
-               a.host.c_str(), (*http)->port(), (*http)->model_id().c_str(), KvSparsityConfigSummary(config).c_str(),
+               a.host.c_str(), (*http)->port(), (*http)->model_id().c_str(),
+               KvSparsityConfigSummary(controller->config()).c_str(),
                a.parallel, budget_bytes / kMiB);
   std::fflush(stderr);
 

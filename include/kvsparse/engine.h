@@ -34,6 +34,10 @@ struct BatchSequence {
   bool all_logits = false;
 };
 
+// The attention a layer of the model runs: heads, query scale (with RoPE magnitudes), window
+// (sliding layers) and logit softcap. Shared by the forward pass and the benchmarks.
+AttentionShape LayerAttentionShape(const ModelConfig& config, int layer);
+
 // Per-engine scratch and the forward pass. One Engine serves any number of sequences stored
 // in its KvCache; it is not thread-safe (it uses its own threads inside).
 class Engine {

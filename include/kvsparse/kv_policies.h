@@ -182,7 +182,7 @@ struct LayerKvConfig {
   // Set by a JSON "layers" entry naming this layer. On a model with sliding-window layers the
   // config's default (and the --kv-method flags) applies to the global layers only; a sliding
   // layer takes a method only from an explicit entry (ResolveSlidingLayers, runtime.h).
-  bool explicit_layer = false;
+  bool named_by_layers_entry = false;
 };
 
 // Checks a layer's values (budget range, parameter ranges, sinks/windows that cannot fit

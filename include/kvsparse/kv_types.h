@@ -83,8 +83,8 @@ struct KvGeometry {
   int n_kv_heads = 0;
   int head_dim = 0;
   // [n_layers] each layer's attention window (sliding-window layers of gemma2/gemma3; 0: a
-  // global layer); empty: every layer global. A windowed layer's older tokens are freed as the
-  // window moves (SparseKvController), so it holds at most window + a page + a chunk of tokens.
+  // global layer); empty: every layer global. A windowed layer's older tokens are freed a page
+  // at a time as the window moves (SparseKvController::TrimToWindow).
   std::vector<int32_t> layer_window;
   int32_t LayerWindow(int layer) const {
     return layer_window.empty() ? 0 : layer_window[static_cast<size_t>(layer)];

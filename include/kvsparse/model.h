@@ -51,18 +51,25 @@ struct ModelConfig {
   // position p sees keys at positions p - sliding_window < pos <= p.
   int32_t sliding_window = 0;
   std::vector<uint8_t> sliding_layers;  // [n_layers] 1: a sliding-window layer; empty: none
-  float rope_theta_sliding = 10000.0f;  // RoPE base of the sliding layers (gemma3: 10000, unscaled)
-  // Magnitude of the rotated q and k (YaRN's mscale, LongRoPE's attention factor): scores scale
-  // by its square, which the attention scale absorbs.
+  float rope_theta_sliding = 10000.0f;  // RoPE base of the sliding layers (gemma3: 10000)
+  // gemma3: the sliding layers ignore the file's RoPE scaling (their own unscaled table, no YaRN
+  // magnitude); gemma2's share the global layers' RoPE.
+  bool sliding_rope_unscaled = false;
+  // Magnitudes of the rotated q and k: scores scale by their square, which the attention scale
+  // absorbs. rope_attn_factor: the file's rope.scaling.attn_factor (LongRoPE), every layer;
+  // rope_mscale: YaRN's 1 + 0.1 ln(factor), the layers the scaling applies to.
   float rope_attn_factor = 1.0f;
+  float rope_mscale = 1.0f;
 
   bool IsSliding(int layer) const {
     return !sliding_layers.empty() && sliding_layers[static_cast<size_t>(layer)] != 0;
   }
   // The attention window of a layer: sliding_window on a sliding layer, else 0 (unbounded).
   int32_t LayerWindow(int layer) const { return IsSliding(layer) ? sliding_window : 0; }
-  // The attention-logit scale: attention_scale (or 1/sqrt(head_dim)) times rope_attn_factor^2.
-  float AttentionLogitScale() const;
+  int NumSlidingLayers() const;
+  // A layer's attention-logit scale: attention_scale (or 1/sqrt(head_dim)) times the square of
+  // the q/k magnitude factors that apply to it.
+  float AttentionLogitScale(int layer) const;
   // Bytes a dense cache holds for a sequence of n_tokens at bytes_per_value per K or V element,
   // laid out as llama.cpp lays it out: global layers every token, sliding layers their window.
   // The "% of dense" baseline, so that a sliding-window model is not flattered by comparing

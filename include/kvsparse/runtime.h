@@ -30,7 +30,9 @@ KvGeometry ModelKvGeometry(const Model& model);
 // On a model with sliding-window layers, a config's default method (and --kv-method) is for
 // the global layers: a sliding layer without an explicit JSON entry is reset to "full" (its
 // window already bounds it), keeping its kv_type. A no-op on models without sliding layers.
-void ResolveSlidingLayers(const Model& model, KvSparsityConfig* config);
+// Error (InvalidArgument): an entry names a sliding layer for a method that keeps every token to
+// select what to read (quest, oracle, reuse, cumulative mask mode).
+Status ResolveSlidingLayers(const Model& model, KvSparsityConfig* config);
 
 // config null: a ContiguousKvCache of dense_storage (f32 or f16) holding n_seqs sequences of
 // max_tokens; on a model with sliding-window layers, the paged cache with "full" on every layer

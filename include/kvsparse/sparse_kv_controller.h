@@ -276,6 +276,7 @@ class SparseKvController {
   // A sliding-window layer's table (kv_head < 0: the shared one): drops the whole leading pages
   // of tokens that no later query can see (positions <= current_position + 1 - window).
   Status TrimToWindow(int seq, int layer, int kv_head, int32_t current_position);
+  Status TrimLayerToWindow(int seq, int layer, int32_t current_position);  // every table of the layer
   // Eviction of one table: the layer's (kv_head < 0) or one head's.
   Status EvictTable(int seq, int layer, int kv_head, EvictionPoint point, int32_t n_seen,
                     int32_t current_position);

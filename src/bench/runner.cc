@@ -413,7 +413,7 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
   const ModelConfig& c = model.config();
   const int n_threads = spec.n_threads > 0 ? spec.n_threads : omp_get_num_procs();
   KVS_ASSIGN_OR_RETURN(KvSparsityConfig sparsity, SparsityFor(spec, config, c.n_layers));
-  ResolveSlidingLayers(model, &sparsity);  // what runs (and what the row reports): windowed sliding layers
+  KVS_RETURN_IF_ERROR(ResolveSlidingLayers(model, &sparsity));  // what runs (and what the row reports): windowed sliding layers
   const auto t_start = Clock::now();
   RowAccumulator acc;
   const uint64_t base_seed = Mix(Mix(spec.seed, HashString(config.task)), static_cast<uint64_t>(config.length));
@@ -579,6 +579,10 @@ Status RunBench(const BenchSpec& spec, const BenchRunOptions& options) {
   }
   if (todo.empty()) return Status::Ok();
   KVS_ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::Load(spec.model_path));
+  // LongRoPE files pick their factor table by context, once per process: by the longest length.
+  int32_t longest = 0;
+  for (const BenchConfig* config : todo) longest = std::max(longest, config->length);
+  model->SetContextLength(longest);
   std::unique_ptr<Tokenizer> tokenizer;
   if (model->gguf() != nullptr && model->gguf()->Find("tokenizer.ggml.tokens") != nullptr) {
     KVS_ASSIGN_OR_RETURN(tokenizer, Tokenizer::FromGguf(*model->gguf()));

@@ -445,7 +445,11 @@ StatusOr<ServeBenchReport> RunServeBench(const Model& model, const ServeBenchCon
   } else {
     KVS_ASSIGN_OR_RETURN(throughput_kv, KvSparsityConfigFromFlags("full", "", "f16", c.n_layers));
   }
-  report.throughput_kv_desc = KvSparsityConfigSummary(throughput_kv);
+  {
+    KvSparsityConfig resolved = throughput_kv;  // as it runs: sliding layers windowed
+    KVS_RETURN_IF_ERROR(ResolveSlidingLayers(model, &resolved));
+    report.throughput_kv_desc = KvSparsityConfigSummary(resolved);
+  }
 
   // Every stream count must be admitted at once, or the figures would mix in queueing.
   {

@@ -43,7 +43,6 @@ Status Prefill(Engine& engine, const std::vector<int32_t>& tokens, int32_t pos0,
 // Seconds of one decode step's attention over every layer of the cache as it stands (a random
 // query at the next position), the best of `reps` timings.
 double TimeDecodeAttention(const KvCache& cache, const ModelConfig& c, int32_t position, int n_threads, int reps) {
-  const AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   std::mt19937 rng(17);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> q(static_cast<size_t>(c.n_heads) * c.head_dim);  // [1, n_heads, head_dim]
@@ -52,7 +51,6 @@ double TimeDecodeAttention(const KvCache& cache, const ModelConfig& c, int32_t p
   // Per-head layers (KvCache::per_head) attend each kv head's query group over that head's
   // spans, all heads in one ops::AttentionBatch call, as the engine does.
   const int group = c.n_heads / c.n_kv_heads;
-  const AttentionShape head_shape{group, 1, c.head_dim, shape.scale};
   std::vector<std::vector<KvSpan>> spans(static_cast<size_t>(c.n_layers) * c.n_kv_heads);  // [layer, kv head]
   auto layer_spans = [&](int layer, int head) -> std::vector<KvSpan>& {
     return spans[static_cast<size_t>(layer) * c.n_kv_heads + head];
@@ -75,12 +73,16 @@ double TimeDecodeAttention(const KvCache& cache, const ModelConfig& c, int32_t p
   for (int rep = 0; rep < reps; ++rep) {
     const auto t0 = Clock::now();
     for (int layer = 0; layer < c.n_layers; ++layer) {
+      const AttentionShape shape = LayerAttentionShape(c, layer);  // the engine's: scale, window, softcap
       if (!cache.per_head(layer)) {
         const std::vector<KvSpan>& ls = layer_spans(layer, 0);
         ops::Attention(shape, cache.layer_storage(layer), q.data(), &position, 1, ls.data(),
                        static_cast<int32_t>(ls.size()), out.data(), n_threads);
         continue;
       }
+      AttentionShape head_shape = shape;
+      head_shape.n_heads = group;
+      head_shape.n_kv_heads = 1;
       ops::AttentionBatch(head_shape, 1, cache.layer_storage(layer), &position, 1,
                           jobs.data() + static_cast<size_t>(layer) * c.n_kv_heads, c.n_kv_heads, n_threads);
     }
@@ -171,9 +173,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   // What runs: the controller's config has the sliding layers resolved (ResolveSlidingLayers).
   report.kv_desc = sparsity ? KvSparsityConfigSummary(runtime->controller()->config())
                             : std::string("dense ") + KvStorageName(config.kv_storage);
-  if (!c.sliding_layers.empty()) {
-    int n_sliding = 0;
-    for (int layer = 0; layer < c.n_layers; ++layer) n_sliding += c.IsSliding(layer) ? 1 : 0;
+  if (const int n_sliding = c.NumSlidingLayers(); n_sliding > 0) {
     report.kv_desc += fmt::format("; {} of {} layers slide with {}-token windows (freed as they move); \"% of dense "
                                   "f16\" is against llama.cpp's layout, whose sliding layers hold their window",
                                   n_sliding, c.n_layers, c.sliding_window);

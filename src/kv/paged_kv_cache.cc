@@ -40,6 +40,13 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
                                 std::to_string(geometry.n_layers) + ", " + std::to_string(geometry.n_kv_heads) +
                                 ", " + std::to_string(geometry.head_dim) + ")");
   }
+  if (!geometry.layer_window.empty() &&
+      (geometry.layer_window.size() != static_cast<size_t>(geometry.n_layers) ||
+       std::any_of(geometry.layer_window.begin(), geometry.layer_window.end(), [](int32_t w) { return w < 0; }))) {
+    return InvalidArgumentError("paged KV cache: layer_window needs one window >= 0 per layer (got " +
+                                std::to_string(geometry.layer_window.size()) + " for " +
+                                std::to_string(geometry.n_layers) + " layers)");
+  }
   if (options.n_seqs < 0) {
     return InvalidArgumentError("paged KV cache: n_seqs must be >= 0 (got " + std::to_string(options.n_seqs) +
                                 ")");

@@ -291,7 +291,7 @@ size_t SparseKvController::SequenceReserveBytes(int32_t prompt_tokens, int32_t m
       // A sliding-window layer never holds more than its window, the page the window is in and
       // a prompt chunk (TrimToWindow frees whole pages once a step's attention is done); the
       // chunk is counted here, not in ChunkReserveBytes.
-      if (const int32_t window = cache_->geometry().LayerWindow(layer); window > 0) {
+      if (const int32_t window = cache_->geometry().LayerWindow(layer); window > 0 && !UsesCachePositions(layer)) {
         live = std::min<int64_t>(live, static_cast<int64_t>(window) + cache_->page_size() + config_.prefill_chunk);
       }
       const int32_t live_tokens = static_cast<int32_t>(std::min<int64_t>(live, INT32_MAX - cache_->page_size()));
@@ -313,7 +313,8 @@ size_t SparseKvController::ChunkReserveBytes(int32_t chunk_tokens, const std::ve
       const KvPolicy& p = ReservePolicy(layer, head, layers, &own);
       // Tables that keep every prompt token have it in SequenceReserveBytes already, and so do
       // sliding-window layers.
-      if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge || cache_->geometry().LayerWindow(layer) > 0) continue;
+      const bool windowed = cache_->geometry().LayerWindow(layer) > 0 && !UsesCachePositions(layer);
+      if (p.SelectsSpans() || p.BudgetTokens(kLarge) >= kLarge || windowed) continue;
       // A table of B tokens holds ceil(B / page) pages, and B + chunk at most ceil(chunk / page)
       // more; its reservation has a page in flight on top, and an int8_kivi page being quantized
       // one more: TableReserveBytes(chunk) covers both.
@@ -457,9 +458,10 @@ void SparseKvController::Observe(KvPolicy& p, KvStorage storage, GqaAggregation 
 
 Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint point, int32_t n_seen,
                                           int32_t current_position) {
-  // Prompt-end eviction: the prompt's chunks all stay until its last one has been attended.
+  // Prompt-end eviction: the prompt's chunks all stay until its last one has been attended
+  // (but a sliding layer's window still moves on: that is no choice of the policy's).
   if (point == EvictionPoint::kPrefillChunk && config_.prefill_eviction == PrefillEviction::kPromptEnd) {
-    return Status::Ok();
+    return TrimLayerToWindow(seq, layer, current_position);
   }
   KVS_RETURN_IF_ERROR(EvictLayer(seq, layer, point, n_seen, current_position));
   // CAKE's cascade: this layer's prompt measurement re-divided the total, so the earlier layers
@@ -476,17 +478,21 @@ Status SparseKvController::AfterAttention(int seq, int layer, EvictionPoint poin
 
 Status SparseKvController::EvictLayer(int seq, int layer, EvictionPoint point, int32_t n_seen,
                                       int32_t current_position) {
-  if (!per_head(layer)) {
-    KVS_RETURN_IF_ERROR(EvictTable(seq, layer, -1, point, n_seen, current_position));
-    return TrimToWindow(seq, layer, -1, current_position);
+  // A sliding layer first drops what its window has passed, so a method placed on it chooses
+  // among tokens a later query can still see.
+  KVS_RETURN_IF_ERROR(TrimLayerToWindow(seq, layer, current_position));
+  if (!per_head(layer)) return EvictTable(seq, layer, -1, point, n_seen, current_position);
+  if (LayerConfig(seq, layer).params.head_budgets == HeadBudgets::kAdaptive)
+    return EvictHeadsAdaptively(seq, layer, point, n_seen, current_position);
+  for (int head = 0; head < n_policies(layer); ++head) {
+    KVS_RETURN_IF_ERROR(EvictTable(seq, layer, head, point, n_seen, current_position));
   }
-  if (LayerConfig(seq, layer).params.head_budgets == HeadBudgets::kAdaptive) {
-    KVS_RETURN_IF_ERROR(EvictHeadsAdaptively(seq, layer, point, n_seen, current_position));
-  } else {
-    for (int head = 0; head < n_policies(layer); ++head) {
-      KVS_RETURN_IF_ERROR(EvictTable(seq, layer, head, point, n_seen, current_position));
-    }
-  }
+  return Status::Ok();
+}
+
+Status SparseKvController::TrimLayerToWindow(int seq, int layer, int32_t current_position) {
+  if (cache_->geometry().LayerWindow(layer) <= 0) return Status::Ok();
+  if (!per_head(layer)) return TrimToWindow(seq, layer, -1, current_position);
   for (int head = 0; head < n_policies(layer); ++head) {
     KVS_RETURN_IF_ERROR(TrimToWindow(seq, layer, head, current_position));
   }

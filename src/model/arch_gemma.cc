@@ -52,8 +52,9 @@ Status ReadSlidingWindow(const ArchKeys& keys, int32_t dflt_window, int default_
 
 Status SoftcapKey(const ArchKeys& keys, std::string_view key, float dflt, float* out) {
   KVS_ASSIGN_OR_RETURN(*out, keys.FloatOr(key, dflt));
-  if (*out < 0.f) {
-    return DataLossError(fmt::format("{}: '{}{}' must be >= 0 (0: no softcap), found {}", keys.source(),
+  // Tiny caps would divide by ~0 (real models use 30 and 50).
+  if (*out < 0.f || (*out > 0.f && *out < 1e-3f)) {
+    return DataLossError(fmt::format("{}: '{}{}' must be 0 (no softcap) or at least 0.001, found {}", keys.source(),
                                      keys.prefix(), key, *out));
   }
   return Status::Ok();
@@ -73,6 +74,7 @@ Status ReadGemma3Config(const ArchKeys& keys, ModelConfig* c) {
   // softcap (Q/K norms instead); a final softcap only where the file states one.
   KVS_RETURN_IF_ERROR(ReadSlidingWindow(keys, /*dflt_window=*/0, /*default_period=*/6, c));
   KVS_ASSIGN_OR_RETURN(c->rope_theta_sliding, keys.FloatOr("rope.freq_base_swa", 10000.0f));
+  c->sliding_rope_unscaled = true;  // llama.cpp's freq_scale_swa = 1: the file's scaling is for global layers
   KVS_RETURN_IF_ERROR(SoftcapKey(keys, "final_logit_softcapping", 0.0f, &c->final_softcap));
   return ReadQueryScale(keys, /*n_layers_27b=*/62, c);
 }

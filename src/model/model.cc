@@ -16,9 +16,16 @@ namespace kvsparse {
 
 std::string_view ArchName(Arch a) { return ArchSpecOf(a).gguf_name; }
 
-float ModelConfig::AttentionLogitScale() const {
+float ModelConfig::AttentionLogitScale(int layer) const {
   const float base = attention_scale > 0.f ? attention_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
-  return base * rope_attn_factor * rope_attn_factor;
+  const float magnitude = rope_attn_factor * (sliding_rope_unscaled && IsSliding(layer) ? 1.0f : rope_mscale);
+  return base * magnitude * magnitude;
+}
+
+int ModelConfig::NumSlidingLayers() const {
+  int n = 0;
+  for (uint8_t sliding : sliding_layers) n += sliding != 0 ? 1 : 0;
+  return n;
 }
 
 double ModelConfig::DenseKvBytes(int64_t n_tokens, double bytes_per_value) const {

@@ -135,6 +135,12 @@ class GgufModelBuilder {
     }
     config_.n_vocab = static_cast<int>(embd->ne[1]);
     KVS_RETURN_IF_ERROR(ValidateModelConfig(config_, source_));
+    // Every layer has tensors of its own: a block_count beyond the file's tensors is hostile, and
+    // must fail before anything (the sliding-layer pattern) is sized by it.
+    if (static_cast<uint64_t>(config_.n_layers) > file_.tensors().size()) {
+      return DataLossError(fmt::format("{}: '{}block_count' = {} but the file holds only {} tensors", source_, p,
+                                       config_.n_layers, file_.tensors().size()));
+    }
     if (spec_->scale_embeddings) config_.embedding_scale = std::sqrt(static_cast<float>(config_.dim));
     if (spec_->read_config != nullptr) {
       KVS_RETURN_IF_ERROR(spec_->read_config(ArchKeys(file_, p, source_), &config_));
@@ -161,8 +167,10 @@ class GgufModelBuilder {
 
     model_.rope_inv_freq = RopeInvFreq(config_.head_dim, config_.rope_theta);
     KVS_RETURN_IF_ERROR(ApplyRopeScaling(p));
-    if (!config_.sliding_layers.empty() && config_.rope_theta_sliding != config_.rope_theta) {
-      // Sliding layers keep their own base and no context scaling (llama.cpp's freq_scale_swa = 1).
+    if (!config_.sliding_layers.empty() &&
+        (config_.sliding_rope_unscaled || config_.rope_theta_sliding != config_.rope_theta)) {
+      // Sliding layers with their own base; gemma3's without the file's context scaling (llama.cpp's
+      // freq_scale_swa = 1). (A gemma2 file with its own freq_base_swa: also unscaled here.)
       if (!(config_.rope_theta_sliding > 0.f)) {
         return DataLossError(fmt::format("{}: the sliding layers' RoPE base ('{}rope.freq_base_swa') must be "
                                          "positive, found {}",
@@ -275,7 +283,7 @@ class GgufModelBuilder {
         ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq_short);
         mscale = ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq_long);
       }
-      config_.rope_attn_factor *= mscale;
+      config_.rope_mscale = mscale;
     }
     if (long_rope) model_.SetContextLength(config_.max_context);  // llama.cpp's default: the training context
     return Status::Ok();

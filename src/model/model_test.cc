@@ -292,11 +292,17 @@ TEST(ModelLoaderError, UnknownArchitectureListsTheSupportedOnes) {
   }
 }
 
-TEST(ModelLoaderError, HugeBlockCountFailsAtTheFirstMissingLayer) {
-  // A hostile block_count must not size anything before the layers' tensors are found.
+TEST(ModelLoaderError, HugeBlockCountFailsBeforeAnythingIsSized) {
+  // A hostile block_count must not size anything (layers, the sliding-layer pattern): more layers
+  // than the file has tensors is refused at once; a count within them fails at the first missing layer.
   TinyModelSpec spec;
   spec.extra_metadata = [](GgufWriter& w) { w.SetU32("llama.block_count", INT32_MAX); };
   auto model = LoadSpec(spec, "err_huge_block_count.gguf");
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(model.status().message(), "block_count")) << model.status().message();
+  spec.extra_metadata = [](GgufWriter& w) { w.SetU32("llama.block_count", 3); };
+  model = LoadSpec(spec, "err_block_count_3.gguf");
   ASSERT_FALSE(model.ok());
   EXPECT_EQ(model.status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(Contains(model.status().message(), "'blk.2.attn_norm.weight'")) << model.status().message();

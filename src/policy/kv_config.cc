@@ -607,7 +607,7 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
       bool layer_has_budget = false;
       KVS_RETURN_IF_ERROR(
           ReadLayerFields(entry, where, /*is_entry=*/true, fallback, fallback_has_budget, &layer, &layer_has_budget));
-      layer.explicit_layer = true;
+      layer.named_by_layers_entry = true;
       for (int l = first; l <= last; ++l) {
         config.layers[l] = layer;
         has_budget[l] = layer_has_budget;

@@ -54,6 +54,13 @@ AttentionShape WithHeads(const AttentionShape& shape, int n_heads, int n_kv_head
 }
 }  // namespace
 
+AttentionShape LayerAttentionShape(const ModelConfig& c, int layer) {
+  AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, c.AttentionLogitScale(layer)};
+  shape.window = c.LayerWindow(layer);
+  shape.softcap = c.attn_softcap;
+  return shape;
+}
+
 struct Engine::Entry {
   int seq = 0;
   int32_t n = 0;
@@ -141,6 +148,13 @@ Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvContro
                 fmt::format("KV cache geometry (layers {}, kv heads {}, head_dim {}) does not match the model "
                             "(layers {}, kv heads {}, head_dim {})",
                             g.n_layers, g.n_kv_heads, g.head_dim, c.n_layers, c.n_kv_heads, c.head_dim));
+  // The kernel masks by the model's windows; a cache that frees pages by other windows would
+  // drop tokens a query still sees.
+  for (int layer = 0; layer < c.n_layers && !g.layer_window.empty(); ++layer) {
+    KVS_CHECK_MSG(g.LayerWindow(layer) == c.LayerWindow(layer),
+                  fmt::format("KV cache window of layer {} is {} but the model's is {}", layer, g.LayerWindow(layer),
+                              c.LayerWindow(layer)));
+  }
   // Decode needs one row; prefill grows the scratch on first use.
   scratch_->Reserve(c, 1);
   scratch_->spans.reserve(16);
@@ -267,8 +281,7 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
   const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
   const bool parallel_rows = n >= kParallelRowThreshold;
-  AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, c.AttentionLogitScale()};
-  shape.softcap = c.attn_softcap;
+  AttentionShape shape;  // per layer: LayerAttentionShape
 
   // Embedding lookup: dequantize one row of token_embd per token.
   const WeightView& embd = model_.token_embedding;
@@ -307,7 +320,7 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
     const float* inv_freq = model_.RopeInvFreq(layer);
-    shape.window = c.LayerWindow(layer);
+    shape = LayerAttentionShape(c, layer);
     // RoPE positions of each sequence's rows in this layer, which are also their stored and
     // query positions: absolute, or (StreamingLLM cache positions) the places right after the
     // layer's live tokens.

@@ -1,5 +1,7 @@
 #include "kvsparse/runtime.h"
 
+#include <fmt/format.h>
+
 #include <optional>
 
 #include "kvsparse/contiguous_kv_cache.h"
@@ -16,16 +18,28 @@ KvGeometry ModelKvGeometry(const Model& model) {
   return g;
 }
 
-void ResolveSlidingLayers(const Model& model, KvSparsityConfig* config) {
+Status ResolveSlidingLayers(const Model& model, KvSparsityConfig* config) {
   const ModelConfig& c = model.config();
   for (int layer = 0; layer < c.n_layers && layer < static_cast<int>(config->layers.size()); ++layer) {
     LayerKvConfig& l = config->layers[static_cast<size_t>(layer)];
-    if (!c.IsSliding(layer) || l.explicit_layer || l.method == KvMethod::kFull) continue;
-    LayerKvConfig full;
-    full.kv_type = l.kv_type;
-    full.per_head = false;
-    l = full;
+    if (!c.IsSliding(layer) || l.method == KvMethod::kFull) continue;
+    if (!l.named_by_layers_entry) {
+      LayerKvConfig full;
+      full.kv_type = l.kv_type;
+      l = full;
+      continue;
+    }
+    // Methods that keep every token and choose what to read (Quest, oracle, reuse, cumulative's
+    // mask mode) cannot live with a window that frees pages under them.
+    KVS_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> policy, CreatePolicy(l, layer, c.n_layers, /*seed=*/0));
+    if (policy->SelectsSpans()) {
+      return InvalidArgumentError(fmt::format(
+          "kv config: layer {} is a sliding-window layer ({}-token window) and method '{}' keeps every token to "
+          "choose what to read, which the window's page freeing contradicts; name only global layers for it",
+          layer, c.sliding_window, KvMethodName(l.method)));
+    }
   }
+  return Status::Ok();
 }
 
 StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSparsityConfig* config,
@@ -44,7 +58,7 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
   }
   if (config != nullptr) {
     KvSparsityConfig resolved = *config;
-    ResolveSlidingLayers(model, &resolved);
+    KVS_RETURN_IF_ERROR(ResolveSlidingLayers(model, &resolved));
     KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
     KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(ModelKvGeometry(model), resolved, n_seqs, max_tokens, seed));
   } else {
@@ -62,7 +76,7 @@ StatusOr<std::unique_ptr<Runtime>> CreateServingRuntime(const Model& model, cons
                                                         size_t budget_bytes, int n_threads, uint64_t seed) {
   auto r = std::make_unique<Runtime>();
   KvSparsityConfig resolved = config;
-  ResolveSlidingLayers(model, &resolved);
+  KVS_RETURN_IF_ERROR(ResolveSlidingLayers(model, &resolved));
   KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
   KVS_ASSIGN_OR_RETURN(r->sparse, CreateServingKv(ModelKvGeometry(model), resolved, budget_bytes, seed));
   r->engine = std::make_unique<Engine>(model, r->sparse.cache.get(), n_threads, r->controller());

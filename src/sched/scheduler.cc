@@ -244,13 +244,31 @@ void Scheduler::SharePrefix(Active& a) {
     }
     return true;
   };
+  // Sliding-window layers free the positions their window has passed: the donor must still hold
+  // every position the new sequence's next query (at `common`) sees, common - window + 1 on.
+  PagedKvCache& cache = *controller_->cache();
+  std::vector<KvSpan> spans;
+  auto windows_cover = [&](const Active& donor, int32_t common) {
+    for (int layer = 0; layer < cache.geometry().n_layers; ++layer) {
+      const int32_t window = cache.geometry().LayerWindow(layer);
+      if (window <= 0) continue;
+      if (cache.per_head(layer)) return false;
+      cache.Spans(donor.seq, layer, &spans);
+      for (const KvSpan& span : spans) {
+        if (span.n == 0) continue;
+        if (span.positions[0] > std::max(0, common - window + 1)) return false;
+        break;
+      }
+    }
+    return true;
+  };
   for (const auto& r : running_) {
     // A fork shares pages, so the donor must store them in the same types.
     if (r.get() == &a || r->seq < 0 || !IsDense(*r) || !same_storage(*r)) continue;
     const int32_t limit = std::min<int32_t>(r->n_computed, static_cast<int32_t>(a.tokens.size()) - 1);
     int32_t common = 0;
     while (common < limit && r->tokens[common] == a.tokens[common]) ++common;
-    if (common > best) {
+    if (common > best && windows_cover(*r, common)) {
       best = common;
       donor = r.get();
     }

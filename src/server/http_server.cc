@@ -449,7 +449,9 @@ std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOver
   // As at start-up: on sliding-window layers the method stays "full" unless the config names them.
   KvSparsityConfig resolved;
   resolved.layers = std::move(*layers);
-  ResolveSlidingLayers(model, &resolved);
+  if (Status sliding = ResolveSlidingLayers(model, &resolved); !sliding.ok()) {
+    return BadRequest(sliding.message(), "kvsparse.kv_method");
+  }
   return std::make_shared<const std::vector<LayerKvConfig>>(std::move(resolved.layers));
 }
 

@@ -86,7 +86,7 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
     KVS_ASSIGN_OR_RETURN(factor, file->GetFloatOr(p + "rope.scaling.factor", 1.0));
   }
   KVS_ASSIGN_OR_RETURN(uint64_t original_context, file->GetUIntOr(p + "rope.scaling.original_context_length", context));
-  KVS_ASSIGN_OR_RETURN(m->rope_magnitude_, file->GetFloatOr(p + "rope.scaling.attn_factor", 1.0));
+  KVS_ASSIGN_OR_RETURN(const double attn_factor, file->GetFloatOr(p + "rope.scaling.attn_factor", 1.0));
   std::vector<double> factors(static_cast<size_t>(m->head_dim_ / 2), 1.0);
   int64_t rows, cols;
   if (file->FindTensor("rope_freqs.weight") != nullptr) {
@@ -118,7 +118,7 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
     }
     return freq;
   };
-  if (scaling == "yarn" && factor > 1.0) m->rope_magnitude_ *= 1.0 + 0.1 * std::log(factor);
+  const double yarn_mscale = scaling == "yarn" && factor > 1.0 ? 1.0 + 0.1 * std::log(factor) : 1.0;
 
   auto matrix = [&](const std::string& name, Matrix* out) -> Status {
     KVS_ASSIGN_OR_RETURN(out->w, ReadTensor(*file, name, &out->rows, &out->cols));
@@ -152,10 +152,13 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
     const std::string b = "blk." + std::to_string(l) + ".";
     const bool sliding = window > 0 && (period == 0 || l % period < period - 1);
     L.window = sliding ? static_cast<int>(window) : 0;
-    if (sliding && theta_sliding != theta) {
+    // gemma3's sliding layers: their own base, none of the file's scaling.
+    if (sliding && (arch == "gemma3" || theta_sliding != theta)) {
       for (int i = 0; i < hd / 2; ++i) L.freq.push_back(std::pow(theta_sliding, -2.0 * i / hd));
+      L.rope_magnitude = attn_factor;
     } else {
       L.freq = global_freq();
+      L.rope_magnitude = attn_factor * yarn_mscale;
     }
     KVS_RETURN_IF_ERROR(vec(b + "attn_norm.weight", &L.attn_norm));
     KVS_RETURN_IF_ERROR(vec(b + "ffn_norm.weight", &L.ffn_norm));
@@ -226,7 +229,8 @@ void ReferenceModel::HeadNorm(std::vector<double>& x, int n_heads, const std::ve
   }
 }
 
-void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq) const {
+void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq,
+                          double magnitude) const {
   const int half = head_dim_ / 2;
   for (int h = 0; h < n_heads; ++h) {
     double* head = &x[static_cast<size_t>(h) * head_dim_];
@@ -236,8 +240,8 @@ void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos, const st
       const int a = neox_rope_ ? i : 2 * i;
       const int b = neox_rope_ ? i + half : 2 * i + 1;
       const double x0 = head[a], x1 = head[b];
-      head[a] = (x0 * std::cos(angle) - x1 * std::sin(angle)) * rope_magnitude_;
-      head[b] = (x0 * std::sin(angle) + x1 * std::cos(angle)) * rope_magnitude_;
+      head[a] = (x0 * std::cos(angle) - x1 * std::sin(angle)) * magnitude;
+      head[b] = (x0 * std::sin(angle) + x1 * std::cos(angle)) * magnitude;
     }
   }
 }
@@ -262,8 +266,8 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
         HeadNorm(q[t], n_heads_, L.q_norm);
         HeadNorm(k[t], n_kv_heads_, L.k_norm);
       }
-      Rope(q[t], n_heads_, static_cast<int>(t), L.freq);
-      Rope(k[t], n_kv_heads_, static_cast<int>(t), L.freq);
+      Rope(q[t], n_heads_, static_cast<int>(t), L.freq, L.rope_magnitude);
+      Rope(k[t], n_kv_heads_, static_cast<int>(t), L.freq, L.rope_magnitude);
     }
     for (size_t t = 0; t < n; ++t) {
       std::vector<double> att(static_cast<size_t>(n_heads_) * head_dim_, 0.0);

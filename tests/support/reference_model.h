@@ -36,6 +36,7 @@ class ReferenceModel {
     std::vector<double> post_attn_norm, post_ffn_norm;  // [dim] gemma; empty when absent
     int window = 0;                           // sliding-window layer: keys with t - s < window; 0: all
     std::vector<double> freq;                 // [head_dim/2] this layer's rotation speeds
+    double rope_magnitude = 1.0;              // YaRN mscale / LongRoPE attn_factor on q and k
   };
 
   ReferenceModel() = default;
@@ -45,15 +46,14 @@ class ReferenceModel {
   std::vector<double> RmsNorm(const std::vector<double>& x, const std::vector<double>& weight) const;
   // RMSNorm of each head_dim slice of x [n_heads, head_dim], in place.
   void HeadNorm(std::vector<double>& x, int n_heads, const std::vector<double>& weight) const;
-  // x [n_heads, head_dim]: rotated by pos * freq[i], times the magnitude factor.
-  void Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq) const;
+  // x [n_heads, head_dim]: rotated by pos * freq[i], times `magnitude`.
+  void Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq, double magnitude) const;
 
   bool neox_rope_ = false;
   bool gelu_ = false;               // GeGLU (gemma) instead of SwiGLU
   double embedding_scale_ = 1.0;
   double query_scale_ = 0.0;        // scores = query_scale * q.k
   double attn_softcap_ = 0.0, final_softcap_ = 0.0;
-  double rope_magnitude_ = 1.0;     // YaRN mscale / LongRoPE attn_factor on q and k
   int n_vocab_ = 0, dim_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
   double eps_ = 1e-5;
   Matrix embedding_, output_;
