@@ -971,8 +971,9 @@ std::vector<WindowCase> AllWindowCases() {
 // a hole, the last position), against the scalar twin: outputs, statistics and raw scores.
 // The scores are large (scale 0.3, queries up to 3), so a softcap of 5 changes them a lot.
 void CheckWindowCase(const WindowCase& c) {
-  std::mt19937 rng(3000 + static_cast<int>(c.storage) * 977 + c.window * 31 + static_cast<int>(c.softcap) * 7 +
-                   c.n_q);
+  // Unsigned: the widest window (2^30) times 31 overflows an int.
+  std::mt19937 rng(3000u + static_cast<uint32_t>(c.storage) * 977u + static_cast<uint32_t>(c.window) * 31u +
+                   static_cast<uint32_t>(c.softcap) * 7u + static_cast<uint32_t>(c.n_q));
   if (!KvStorageFits(c.storage, c.head_dim)) return;
   const int n_kv_heads = c.group == 8 ? 1 : 2;
   AttentionShape shape{n_kv_heads * c.group, n_kv_heads, c.head_dim, 0.3f};
