@@ -124,18 +124,6 @@ class ArchitectureReferenceTest : public ::testing::TestWithParam<std::tuple<std
   testing::IsaGuard isa_guard_;
 };
 
-double WorstRowError(const std::vector<float>& got, const std::vector<double>& want, size_t vocab) {
-  double worst = 0;
-  for (size_t row = 0; row * vocab < want.size(); ++row) {
-    double max_diff = 0, max_ref = 1.0;
-    for (size_t i = row * vocab; i < (row + 1) * vocab; ++i) {
-      max_diff = std::max(max_diff, std::fabs(got[i] - want[i]));
-      max_ref = std::max(max_ref, std::fabs(want[i]));
-    }
-    worst = std::max(worst, max_diff / max_ref);
-  }
-  return worst;
-}
 
 TEST_P(ArchitectureReferenceTest, MatchesFloat64Reference) {
   const auto& [shape, isa] = GetParam();
@@ -157,7 +145,7 @@ TEST_P(ArchitectureReferenceTest, MatchesFloat64Reference) {
     ContiguousKvCache cache(ModelKvGeometry(*model), KvStorage::kF32, 1, n);
     Engine engine(*model, &cache, 2);
     ASSERT_TRUE(engine.Forward(0, tokens.data(), n, 0, logits.data(), /*all_logits=*/true).ok());
-    EXPECT_LT(WorstRowError(logits, want, vocab), kTolerance) << "prompt path";
+    EXPECT_LT(testing::WorstRowError(logits, want, vocab), kTolerance) << "prompt path";
   }
   {
     // The default runtime: paged with window trimming where the model has sliding layers.
@@ -166,7 +154,7 @@ TEST_P(ArchitectureReferenceTest, MatchesFloat64Reference) {
     for (int i = 0; i < n; ++i) {
       ASSERT_TRUE((*runtime)->engine->Forward(0, &tokens[i], 1, i, &logits[static_cast<size_t>(i) * vocab]).ok());
     }
-    EXPECT_LT(WorstRowError(logits, want, vocab), kTolerance) << "decode path";
+    EXPECT_LT(testing::WorstRowError(logits, want, vocab), kTolerance) << "decode path";
   }
 }
 
@@ -176,20 +164,10 @@ std::string ParamName(const ::testing::TestParamInfo<std::tuple<std::string, Isa
   return name;
 }
 
-// Under the sanitizers (10x slower) only the best family the CPU runs; the kernels' twins are
-// checked family by family in the ops tests there.
-std::vector<Isa> FamiliesToRun() {
-#ifdef __SANITIZE_ADDRESS__
-  return {SupportedIsas().back()};
-#else
-  return CompiledIsas();
-#endif
-}
-
 INSTANTIATE_TEST_SUITE_P(Shapes, ArchitectureReferenceTest,
                          ::testing::Combine(::testing::Values("tiny-gemma2", "tiny-gemma3", "tiny-phi3",
                                                               "tiny-qwen2-yarn"),
-                                            ::testing::ValuesIn(FamiliesToRun())),
+                                            ::testing::ValuesIn(testing::EndToEndFamilies())),
                          ParamName);
 
 }  // namespace

@@ -159,19 +159,10 @@ std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, Isa>>& info)
   return name;
 }
 
-// Under the sanitizers (10x slower) only the best family the CPU runs: matmul_test still checks
-// every family's kernels there, shape by shape.
-std::vector<Isa> FamiliesToRun() {
-#ifdef __SANITIZE_ADDRESS__
-  return {SupportedIsas().back()};
-#else
-  return CompiledIsas();
-#endif
-}
 
 INSTANTIATE_TEST_SUITE_P(Fixture, LlamaCppGreedyTest,
                          ::testing::Combine(::testing::Range(0, static_cast<int>(LoadFixture().cases.size())),
-                                            ::testing::ValuesIn(FamiliesToRun())),
+                                            ::testing::ValuesIn(testing::EndToEndFamilies())),
                          CaseName);
 
 }  // namespace

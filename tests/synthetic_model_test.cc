@@ -99,19 +99,6 @@ double Tolerance(DType t) {
   }
 }
 
-// Rows of `vocab` logits: the worst max_i |a_i - b_i| / max(1, max_i |b_i|).
-double WorstRowError(const std::vector<float>& got, const std::vector<double>& want, size_t vocab) {
-  double worst = 0;
-  for (size_t row = 0; row * vocab < want.size(); ++row) {
-    double max_diff = 0, max_ref = 1.0;
-    for (size_t i = row * vocab; i < (row + 1) * vocab; ++i) {
-      max_diff = std::max(max_diff, std::fabs(got[i] - want[i]));
-      max_ref = std::max(max_ref, std::fabs(want[i]));
-    }
-    worst = std::max(worst, max_diff / max_ref);
-  }
-  return worst;
-}
 
 // (variant, weight type, kernel family): the reference match must hold for every family.
 class SyntheticModelTest : public ::testing::TestWithParam<std::tuple<int, DType, Isa>> {
@@ -141,7 +128,7 @@ class SyntheticModelTest : public ::testing::TestWithParam<std::tuple<int, DType
   }
 
   double WorstError(const std::vector<float>& logits) const {
-    return WorstRowError(logits, expected_, static_cast<size_t>(reference_->n_vocab()));
+    return testing::WorstRowError(logits, expected_, static_cast<size_t>(reference_->n_vocab()));
   }
 
   TinyModelSpec spec_;
@@ -245,7 +232,7 @@ TEST(SyntheticModelSanity, ToleranceDetectsAWrongRopeTheta) {
   Engine engine(**model, &cache, 2);
   std::vector<float> logits(tokens.size() * c.n_vocab);
   ASSERT_TRUE(engine.Forward(0, tokens.data(), static_cast<int32_t>(tokens.size()), 0, logits.data(), true).ok());
-  const double err = WorstRowError(logits, (*reference)->Forward(tokens), static_cast<size_t>(c.n_vocab));
+  const double err = testing::WorstRowError(logits, (*reference)->Forward(tokens), static_cast<size_t>(c.n_vocab));
   RecordProperty("max_relative_error", std::to_string(err));
   EXPECT_GT(err, 2 * kQuantizedTolerance);
 }

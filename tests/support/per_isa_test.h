@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "kvsparse/isa.h"
 
@@ -50,6 +51,16 @@ class PerIsaTest : public ::testing::TestWithParam<Isa> {
 };
 
 inline std::string IsaParamName(const ::testing::TestParamInfo<Isa>& info) { return IsaName(info.param); }
+
+// Families for whole-model tests: every compiled one, but under the sanitizers (10x slower) only
+// the best this CPU runs; the kernels' twins are checked family by family in the ops tests there.
+inline std::vector<Isa> EndToEndFamilies() {
+#ifdef __SANITIZE_ADDRESS__
+  return {SupportedIsas().back()};
+#else
+  return CompiledIsas();
+#endif
+}
 
 }  // namespace kvsparse::testing
 

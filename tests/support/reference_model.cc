@@ -324,4 +324,17 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
   return logits;
 }
 
+double WorstRowError(const std::vector<float>& got, const std::vector<double>& want, size_t vocab) {
+  double worst = 0;
+  for (size_t row = 0; row * vocab < want.size(); ++row) {
+    double max_diff = 0, max_ref = 1.0;
+    for (size_t i = row * vocab; i < (row + 1) * vocab; ++i) {
+      max_diff = std::max(max_diff, std::fabs(got[i] - want[i]));
+      max_ref = std::max(max_ref, std::fabs(want[i]));
+    }
+    worst = std::max(worst, max_diff / max_ref);
+  }
+  return worst;
+}
+
 }  // namespace kvsparse::testing

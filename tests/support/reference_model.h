@@ -61,4 +61,8 @@ class ReferenceModel {
   std::vector<Layer> layers_;
 };
 
+// Logits [rows, vocab] against the reference's: the worst over rows of max_i |got_i - want_i| /
+// max(1, max_i |want_i|).
+double WorstRowError(const std::vector<float>& got, const std::vector<double>& want, size_t vocab);
+
 }  // namespace kvsparse::testing
