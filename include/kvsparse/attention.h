@@ -21,6 +21,13 @@ struct AttentionShape {
   // Attention-logit softcapping (Gemma 2): when > 0, each score s = scale * q.k becomes
   // softcap * tanh(s / softcap) before the softmax. 0: none.
   float softcap = 0.f;
+  // int8 KV (kInt8, head_dim a multiple of 64) on kernel families with integer dot products
+  // (avx512: VNNI; scalar: its twin): q.k and p.v as integer dots. Each query row is quantized
+  // to int8 per 32 dims (scale amax / 127, as llama.cpp's q8_0) and each row's block of 16
+  // probabilities times the tokens' V scales to u8 (step max / 255). Off: f32 dots of the
+  // dequantized values (exact up to f32 rounding). The engine turns it on; the error it adds
+  // is bounded in docs/DESIGN.md ("Integer attention") and tested in attention_test.cc.
+  bool integer_dots = false;
 };
 
 namespace ops {
@@ -45,6 +52,9 @@ namespace ops {
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
                const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum = nullptr,
                float* raw_scores = nullptr);
+// Whether the active kernel family computes attention over this storage and head size with
+// integer dot products when AttentionShape::integer_dots is on.
+bool UsesIntegerDots(KvStorage storage, int head_dim);
 }  // namespace ops
 
 // Sparse prefill (sparse_prefill.h): the key tokens each block of a prompt chunk's queries

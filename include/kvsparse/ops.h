@@ -70,6 +70,16 @@ void Add(float* y, const float* x, int64_t n);
 // best of a few passes. Decode-time matvec cannot beat weight_bytes / this.
 double MeasureReadBandwidthGBs(int n_threads, size_t bytes = 1ull << 30);
 
+// Peak arithmetic rates of the active kernel family's dot-product instructions over n_threads
+// (<= 0: all), counting a multiply-add as two operations: f32 FMA (the f32 attention and matmul
+// paths) and u8 x s8 int8 dot products (vpdpbusd on avx512, vpmaddubsw + vpmaddwd on avx2;
+// the integer attention and the quantized matmuls). A few ms.
+struct ComputePeak {
+  double f32_fma_gflops = 0;
+  double int8_dot_gops = 0;
+};
+ComputePeak MeasureComputePeak(int n_threads);
+
 }  // namespace ops
 
 // Scalar reference twins: straightforward loops, no SIMD, no threads.

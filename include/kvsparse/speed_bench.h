@@ -47,7 +47,12 @@ struct SpeedResult {
   std::vector<double> samples_tokens_per_s;
   // Decode floor: bytes that must be read per generated token (weights + KV at this depth).
   double bytes_per_token = 0;
-  double limit_tokens_per_s = 0;  // read bandwidth / bytes_per_token (0 when not measured)
+  // Decode floor: a step takes at least max(bytes_per_token / read bandwidth, its arithmetic /
+  // the measured peak of the instructions doing it); the limits are 1 / each, 0 when not measured.
+  double bandwidth_limit_tokens_per_s = 0;  // read bandwidth / bytes_per_token
+  double compute_limit_tokens_per_s = 0;    // 1 / (attention ops / its peak + weight ops / the int8 peak)
+  double limit_tokens_per_s = 0;            // the smaller of the two
+  double attention_ops_per_token = 0;       // q.k and p.v, 2 per multiply-add, at the end of the test
   // KV cache at the end of the test's last repetition, and (sparse runs) the policy work of
   // the timed part: scoring + selection + compaction, per processed token.
   size_t kv_allocated_bytes = 0;
@@ -80,6 +85,9 @@ struct SpeedReport {
   double weight_bytes = 0;
   int64_t n_params = 0;
   double read_bandwidth_gbs = 0;
+  double f32_peak_gflops = 0;  // ops::MeasureComputePeak over the run's threads (with the bandwidth)
+  double int8_peak_gops = 0;
+  std::string attention_dots;  // what decode attention computes with: "int8 dot products" or "f32 FMA"
   std::string kv_desc;  // "dense f16" or the sparsity config summary
   std::vector<SpeedResult> results;
 };

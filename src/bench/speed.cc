@@ -92,6 +92,35 @@ double TimeDecodeAttention(const KvCache& cache, const ModelConfig& c, int32_t p
   return best;
 }
 
+// One decode step's attention arithmetic over the cache as it stands: q.k and p.v, 2 multiply-adds
+// per query head, attended token and head dim (4 ops), and the seconds they take at least, at the
+// measured peak of the instructions the kernel uses for each layer's storage.
+struct AttentionArithmetic {
+  double ops = 0;
+  double seconds = 0;
+  std::string dots;  // "int8 dot products", "f32 FMA" or both, joined by " + "
+};
+AttentionArithmetic DecodeAttentionOps(const KvCache& cache, const ModelConfig& c, const SpeedReport& report) {
+  AttentionArithmetic a;
+  bool any_integer = false, any_float = false;
+  const int group = c.n_heads / c.n_kv_heads;
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    double tokens = 0;  // attended tokens, summed over kv heads
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      int64_t n = cache.per_head(layer) ? cache.NumHeadTokens(0, layer, h) : cache.NumTokens(0, layer);
+      if (const int32_t window = c.LayerWindow(layer); window > 0) n = std::min<int64_t>(n, window);
+      tokens += static_cast<double>(n);
+    }
+    const double ops = 4.0 * group * c.head_dim * tokens;
+    const bool integer = ops::UsesIntegerDots(cache.layer_storage(layer), c.head_dim);
+    (integer ? any_integer : any_float) = true;
+    a.ops += ops;
+    a.seconds += ops / ((integer ? report.int8_peak_gops : report.f32_peak_gflops) * 1e9);
+  }
+  a.dots = any_integer && any_float ? "int8 dot products + f32 FMA" : any_integer ? "int8 dot products" : "f32 FMA";
+  return a;
+}
+
 // The policy work recorded since the last ResetStats.
 double PolicySeconds(const SparseKvController& controller, int64_t* evictions) {
   double s = 0;
@@ -158,6 +187,11 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
     report.read_bandwidth_gbs = config.known_bandwidth_gbs;
   } else if (config.measure_bandwidth) {
     report.read_bandwidth_gbs = ops::MeasureReadBandwidthGBs(n_threads);
+  }
+  if (config.measure_bandwidth || config.known_bandwidth_gbs > 0) {
+    const ops::ComputePeak peak = ops::MeasureComputePeak(n_threads);
+    report.f32_peak_gflops = peak.f32_fma_gflops;
+    report.int8_peak_gops = peak.int8_dot_gops;
   }
 
   int max_tokens = 0;
@@ -291,7 +325,21 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
         r.attention_ms_per_token =
             1e3 * TimeDecodeAttention(cache, c, depth + n, n_threads, config.attention_reps);
       }
-      if (report.read_bandwidth_gbs > 0) r.limit_tokens_per_s = report.read_bandwidth_gbs * 1e9 / r.bytes_per_token;
+      if (report.read_bandwidth_gbs > 0) {
+        r.bandwidth_limit_tokens_per_s = report.read_bandwidth_gbs * 1e9 / r.bytes_per_token;
+        r.limit_tokens_per_s = r.bandwidth_limit_tokens_per_s;
+      }
+      if (report.f32_peak_gflops > 0 && report.int8_peak_gops > 0) {
+        const AttentionArithmetic attention = DecodeAttentionOps(cache, c, report);
+        r.attention_ops_per_token = attention.ops;
+        // The weights' multiply-adds at the int8 dot peak (the quantized matmuls' instructions).
+        const double weight_s = 2.0 * report.n_params / (report.int8_peak_gops * 1e9);
+        r.compute_limit_tokens_per_s = 1.0 / (attention.seconds + weight_s);
+        if (r.limit_tokens_per_s <= 0 || r.compute_limit_tokens_per_s < r.limit_tokens_per_s) {
+          r.limit_tokens_per_s = r.compute_limit_tokens_per_s;
+        }
+        report.attention_dots = attention.dots;
+      }
       finish(r, policy_s, evictions, config.repetitions);
       report.results.push_back(r);
     }
@@ -306,18 +354,25 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   out += fmt::format("weights: {:.1f} MiB, {:.3f} B params", report.weight_bytes / (1 << 20), report.n_params / 1e9);
   if (report.read_bandwidth_gbs > 0) out += fmt::format(", measured read bandwidth {:.1f} GB/s", report.read_bandwidth_gbs);
   out += "\n";
+  if (report.f32_peak_gflops > 0) {
+    out += fmt::format("measured peaks: f32 FMA {:.0f} GFLOPS, int8 dot products {:.0f} GOPS; decode attention uses {}\n",
+                       report.f32_peak_gflops, report.int8_peak_gops,
+                       report.attention_dots.empty() ? std::string("(no decode test)") : report.attention_dots);
+  }
   out += fmt::format("KV: {}\n\n", report.kv_desc);
-  out += "| test | depth | threads | t/s | ± | limit t/s | % of limit | KV alloc MiB | KV live MiB | % of dense f16 | policy ms/tok | attn ms/tok |\n";
-  out += "|------|------:|--------:|----:|--:|----------:|-----------:|-------------:|------------:|---------------:|--------------:|------------:|\n";
+  out += "| test | depth | threads | t/s | ± | limit t/s | % of limit | bound | KV alloc MiB | KV live MiB | % of dense f16 | policy ms/tok | attn ms/tok |\n";
+  out += "|------|------:|--------:|----:|--:|----------:|-----------:|:------|-------------:|------------:|---------------:|--------------:|------------:|\n";
   for (const SpeedResult& r : report.results) {
-    std::string limit = "", pct = "";
+    std::string limit = "", pct = "", bound = "";
     if (r.limit_tokens_per_s > 0) {
       limit = fmt::format("{:.2f}", r.limit_tokens_per_s);
       pct = fmt::format("{:.0f}%", 100.0 * r.tokens_per_s_mean / r.limit_tokens_per_s);
+      bound = r.compute_limit_tokens_per_s > 0 && r.compute_limit_tokens_per_s <= r.limit_tokens_per_s ? "compute"
+                                                                                                      : "bandwidth";
     }
     const std::string attn = r.attention_ms_per_token > 0 ? fmt::format("{:.2f}", r.attention_ms_per_token) : "";
-    out += fmt::format("| {} | {} | {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.1f}% | {:.3f} | {} |\n", r.test,
-                       r.depth, r.n_threads, r.tokens_per_s_mean, r.tokens_per_s_stddev, limit, pct,
+    out += fmt::format("| {} | {} | {} | {:.2f} | {:.2f} | {} | {} | {} | {:.2f} | {:.2f} | {:.1f}% | {:.3f} | {} |\n",
+                       r.test, r.depth, r.n_threads, r.tokens_per_s_mean, r.tokens_per_s_stddev, limit, pct, bound,
                        r.kv_allocated_bytes / 1048576.0, r.kv_live_bytes / 1048576.0,
                        100.0 * r.kv_allocated_bytes / r.dense_f16_kv_bytes, r.policy_ms_per_token, attn);
   }
@@ -328,7 +383,10 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   }
   out += fmt::format("\npeak KV allocated {:.2f} MiB; peak resident memory of the process {:.1f} MiB (weights are mmapped and count once read)\n",
                      peak_kv / 1048576.0, peak_rss / 1048576.0);
-  out += "\nlimit = measured read bandwidth / bytes one generated token must read (all weights except the unread rows of an untied token-embedding table, plus the live KV)\n";
+  out += "\nlimit = 1 / max(bytes / read bandwidth, ops / peak): the bytes one generated token must read (all weights "
+         "except the unread rows of an untied token-embedding table, plus the live KV), and its arithmetic at the "
+         "measured peaks: attention's q.k and p.v (4 x head_dim ops per query head and attended token) at the peak of "
+         "the instructions the kernel uses, 2 ops per weight at the int8 dot peak; bound = the side that sets it\n";
   for (const SpeedResult& r : report.results) {
     if (r.kv_stats_table.empty()) continue;
     out += fmt::format("\nKV stats after {} at depth {}:\n{}", r.test, r.depth, r.kv_stats_table);
@@ -399,6 +457,9 @@ std::string SpeedReportJson(const SpeedReport& report) {
   j["weight_bytes"] = report.weight_bytes;
   j["n_params"] = report.n_params;
   j["read_bandwidth_gbs"] = report.read_bandwidth_gbs;
+  j["f32_peak_gflops"] = report.f32_peak_gflops;
+  j["int8_peak_gops"] = report.int8_peak_gops;
+  j["attention_dots"] = report.attention_dots;
   j["kv"] = report.kv_desc;
   for (const SpeedResult& r : report.results) {
     j["results"].push_back({{"test", r.test},
@@ -410,6 +471,9 @@ std::string SpeedReportJson(const SpeedReport& report) {
                             {"samples", r.samples_tokens_per_s},
                             {"bytes_per_token", r.bytes_per_token},
                             {"limit_tokens_per_s", r.limit_tokens_per_s},
+                            {"bandwidth_limit_tokens_per_s", r.bandwidth_limit_tokens_per_s},
+                            {"compute_limit_tokens_per_s", r.compute_limit_tokens_per_s},
+                            {"attention_ops_per_token", r.attention_ops_per_token},
                             {"kv_allocated_bytes", r.kv_allocated_bytes},
                             {"kv_live_bytes", r.kv_live_bytes},
                             {"policy_ms_per_token", r.policy_ms_per_token},

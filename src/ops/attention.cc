@@ -158,6 +158,17 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   }
   std::fill(acc, acc + q_floats, 0.f);
   std::fill(l_lanes, l_lanes + static_cast<size_t>(rows) * kBlock, 0.f);
+  // Integer dots (int8 KV on families that have them): q quantized once per unit; K and V
+  // blocks packed as codes into the k_block / v_block scratch (bytes, 4x smaller than floats).
+  const bool integer = kIntegerDots && shape.integer_dots && IntegerDotsServe(storage, d);
+  static thread_local QueryCodes query_codes;
+  static thread_local std::vector<uint8_t> p_codes;  // [rows, 2, kBlock] hi and lo parts, lane order
+  static thread_local std::vector<float> p_step;     // [rows]
+  if (integer) {
+    QuantizeQueryRows(q_rows, rows, dp, &query_codes);
+    p_codes.resize(static_cast<size_t>(rows) * 2 * kBlock);
+    p_step.resize(rows);
+  }
 
   const bool int8 = IsScaledCodeStorage(storage);  // int8, fp8 or KIVI: scaled codes
   const bool kivi = IsKiviStorage(storage);
@@ -199,6 +210,15 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       const size_t offset = static_cast<size_t>(t - seq.span_start[prefetch_span]) * token_bytes;
       prefetch_k[n_prefetch] = static_cast<const uint8_t*>(s.k) + offset;
       prefetch_v[n_prefetch++] = static_cast<const uint8_t*>(s.v) + offset;
+      // Per-token scales ([n, row_heads] floats beside the codes): one line per 64 bytes of them.
+      if (s.k_scale != nullptr || s.v_scale != nullptr) {
+        const size_t scale_index = static_cast<size_t>(t - seq.span_start[prefetch_span]) * plan.row_heads;
+        if ((scale_index * sizeof(float)) % 64 < static_cast<size_t>(plan.row_heads) * sizeof(float) ||
+            t == t0 + kPrefetchTokens) {
+          if (s.k_scale != nullptr) Prefetch(s.k_scale + scale_index);
+          if (s.v_scale != nullptr) Prefetch(s.v_scale + scale_index);
+        }
+      }
     }
     BlockRows block;  // this block's token rows (head 0) in storage type
     if (consecutive) {
@@ -226,7 +246,15 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           v_scale[j] = block.v_scale[j][stored_head];
         }
       }
-      if (low_bit) {
+      alignas(64) float lane_k_scale[kBlock];  // integer: each lane's token K scale (0 past the block)
+      if (integer) {
+        if constexpr (kIntegerDots) {
+          for (int lane = 0; lane < kBlock; ++lane) {
+            lane_k_scale[lane] = LaneToken(lane) < n_block ? k_scale[LaneToken(lane)] : 0.f;
+          }
+          PackKCodes(k_head, n_block, dp, reinterpret_cast<uint8_t*>(k_block));
+        }
+      } else if (low_bit) {
         DequantizeLowBitKBlock(bits, block, stored_head, n_block, d, dp, &low_bit_scratch, k_head);
         PackK(KvStorage::kF32, k_head, k_scale, k_chan, n_block, d, dp, k_block);
       } else {
@@ -237,7 +265,13 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       const void* v_rows = v_block;
       size_t v_stride = dp;  // elements
       KvStorage v_type = KvStorage::kF32;
-      if (v_in_place) {
+      if (integer) {
+        if constexpr (kIntegerDots) {
+          const uint8_t* v_head[kBlock];
+          for (int j = 0; j < n_block; ++j) v_head[j] = block.v[j] + head_offset;
+          PackVCodes(v_head, n_block, dp, reinterpret_cast<uint8_t*>(v_block));
+        }
+      } else if (v_in_place) {
         v_rows = block.v[0] + head_offset;
         v_stride = span_stride;
         v_type = storage;
@@ -256,6 +290,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       }
 
       // Scores and online softmax, two rows at a time so they share the K loads.
+      ScoreVec quad_scores[4];  // integer: scores of four rows at once
       const int r_begin = kv_head * head_rows, r_end = r_begin + head_rows;
       // This head's share of the prefetches, spread over the row pairs so that the requests
       // trickle out instead of filling the miss queue at once.
@@ -268,7 +303,24 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
         const int n_pair = std::min(2, r_end - r);
         ScoreVec scores[2];
-        if (n_pair == 2) {
+        if (integer) {
+          if constexpr (kIntegerDots) {
+            // Four rows per pass (more chains per K load); pairs then take their share.
+            const int in_quad = (r - r_begin) % 4;
+            if (in_quad == 0) {
+              const uint8_t* codes = reinterpret_cast<const uint8_t*>(k_block);
+              const int n_rows4 = std::min(4, r_end - r);
+              if (n_rows4 == 4) {
+                ScoreRowsCodes<4>(query_codes, r, codes, lane_k_scale, quad_scores);
+              } else {
+                if (n_rows4 >= 2) ScoreRowsCodes<2>(query_codes, r, codes, lane_k_scale, quad_scores);
+                if (n_rows4 % 2 == 1) ScoreRowsCodes<1>(query_codes, r + n_rows4 - 1, codes, lane_k_scale, quad_scores + n_rows4 - 1);
+              }
+            }
+            scores[0] = quad_scores[in_quad];
+            if (n_pair == 2) scores[1] = quad_scores[in_quad + 1];
+          }
+        } else if (n_pair == 2) {
           ScoreRows<2>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
         } else {
           ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
@@ -303,6 +355,28 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
       }
       // acc += p v, several rows per V load.
+      if (integer) {
+        if constexpr (kIntegerDots) {
+          // The V scales fold into the probabilities, which become u8 codes per row and block.
+          alignas(64) float lane_scale[kBlock];
+          for (int lane = 0; lane < kBlock; ++lane) lane_scale[lane] = LaneToken(lane) < n_block ? v_scale[LaneToken(lane)] : 0.f;
+          for (int r = r_begin; r < r_end; ++r) {
+            p_step[r] = QuantizeProbabilities(p + static_cast<size_t>(r) * kBlock, lane_scale,
+                                              p_codes.data() + static_cast<size_t>(r) * 2 * kBlock);
+          }
+          const uint8_t* v_codes = reinterpret_cast<const uint8_t*>(v_block);
+          int r = r_begin;
+          for (; r + 2 <= r_end; r += 2) {  // (2 rows x 2 parts x 4 registers of sums: 16 of the 32 zmm)
+            AccumulateRowsCodes<2>(p_codes.data() + static_cast<size_t>(r) * 2 * kBlock, p_step.data() + r, correction + r,
+                                   v_codes, acc + static_cast<size_t>(r) * dp, dp);
+          }
+          for (; r < r_end; ++r) {
+            AccumulateRowsCodes<1>(p_codes.data() + static_cast<size_t>(r) * 2 * kBlock, p_step.data() + r, correction + r,
+                                   v_codes, acc + static_cast<size_t>(r) * dp, dp);
+          }
+        }
+        continue;
+      }
       switch (v_type) {
         case KvStorage::kF32:
           AccumulateHead(p, correction, static_cast<const float*>(v_rows), v_stride, acc, dp, r_begin, r_end);
@@ -339,7 +413,10 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
 
   for (int r = 0; r < rows; ++r) {
     const size_t row_index = static_cast<size_t>(row_query(r)) * shape.n_heads + row_head(r);
-    const float* a = acc + static_cast<size_t>(r) * dp;
+    float* a = acc + static_cast<size_t>(r) * dp;
+    if constexpr (kIntegerDots) {
+      if (integer) UnpermuteVDims(a, dp);
+    }
     const float l = SumLanes(l_lanes + static_cast<size_t>(r) * kBlock);
     if (output.partial != nullptr) {
       output.partial->m[row_index] = m[r];
@@ -566,6 +643,10 @@ void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* 
   AttentionBatchImpl(shape, shape.n_kv_heads, storage, q_pos, n_q, &job, 1, n_threads);
 }
 
+bool UsesIntegerDotsImpl(KvStorage storage, int head_dim) {
+  return attn_detail::kIntegerDots && attn_detail::IntegerDotsServe(storage, head_dim);
+}
+
 }  // namespace kvsparse::ops::HWY_NAMESPACE
 #include "ops/family_end-inl.h"
 
@@ -574,6 +655,9 @@ namespace kvsparse::ops {
 
 HWY_EXPORT(AttentionImpl);
 HWY_EXPORT(AttentionBatchImpl);
+HWY_EXPORT(UsesIntegerDotsImpl);
+
+bool UsesIntegerDots(KvStorage storage, int head_dim) { return KVS_DISPATCH(UsesIntegerDotsImpl)(storage, head_dim); }
 
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
                const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,

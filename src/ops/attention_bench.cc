@@ -147,7 +147,8 @@ void BM_AttentionDecode(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(3));
   const int64_t span_tokens = state.range(4) > 0 ? state.range(4) : depth;
   BenchCache cache(storage, depth, span_tokens);
-  const AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  AttentionShape shape{kHeads, kKvHeads, kHeadDim, 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+  shape.integer_dots = true;  // as the engine runs it (int8 KV: integer dot products where the family has them)
   std::vector<float> q = RandomQ(kHeads * kHeadDim), out(kHeads * kHeadDim);
   const int32_t q_pos = static_cast<int32_t>(depth);
   for (auto _ : state) {

@@ -334,6 +334,180 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
   }
 }
 
+
+// ---- Integer dots (int8 KV, IntegerDotsServe): VNNI's vpdpbusd multiplies u8 by s8 ----
+constexpr bool kIntegerDots = true;
+typedef int32_t AliasedI32 __attribute__((may_alias, aligned(1)));  // four codes read as one word
+
+// Packs the int8 K rows of up to kBlock tokens (rows[j]: token j's head row of dp codes; rows
+// past n_rows repeat row 0, their lanes are masked) as [dp / 4 quads][16 lanes][4 bytes]: lane
+// k holds dims 4c..4c+3 of token LaneToken(k), offset by +128 to u8 (QueryCodes::sums undo it).
+inline void PackKCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* k_codes) {
+  const uint8_t* src[kBlock];
+  for (int j = 0; j < kBlock; ++j) src[j] = j < n_rows ? rows[j] : rows[0];
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int d0 = 0; d0 < dp; d0 += 16) {
+    __m512i x[4];  // x[i] 128-bit lane L: dims d0..d0+15 of token 4i + L
+    for (int i = 0; i < 4; ++i) {
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[4 * i] + d0)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[4 * i + 1] + d0)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[4 * i + 2] + d0)), 2);
+      x[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[4 * i + 3] + d0)), 3);
+    }
+    // 4x4 transpose of dwords within each 128-bit lane: quad j, lane L, dword i = token 4i + L,
+    // which is register lane 4L + i = LaneToken's order.
+    const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+    uint8_t* dst = k_codes + static_cast<size_t>(d0 / 4) * 64;
+    _mm512_store_si512(dst, _mm512_xor_si512(_mm512_unpacklo_epi64(t0, t2), offset));
+    _mm512_store_si512(dst + 64, _mm512_xor_si512(_mm512_unpackhi_epi64(t0, t2), offset));
+    _mm512_store_si512(dst + 128, _mm512_xor_si512(_mm512_unpacklo_epi64(t1, t3), offset));
+    _mm512_store_si512(dst + 192, _mm512_xor_si512(_mm512_unpackhi_epi64(t1, t3), offset));
+  }
+}
+
+// Scores of kRows query rows (codes rows r0..) against a packed K block, in lane order: per
+// group of kQueryGroup dims two exact integer dots (the query's hi and lo parts), combined as
+// CombineGroupDots does, times lane_scale (each lane's token K scale). dp % kQueryGroup == 0
+// (IntegerDotsServe).
+template <int kRows>
+inline void ScoreRowsCodes(const QueryCodes& q, int r0, const uint8_t* k_codes, const float* lane_scale,
+                           ScoreVec* scores) {
+  constexpr int kGroupQuads = kQueryGroup / 4;
+  __m512 s[kRows];
+  for (int g = 0; g < q.n_groups; ++g) {
+    const uint8_t* k = k_codes + static_cast<size_t>(g) * kGroupQuads * 64;
+    __m512i hi[kRows], lo[kRows];  // two dependency chains per row
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < kGroupQuads; ++c) {
+      const __m512i kc = _mm512_load_si512(k + c * 64);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        // (A may_alias load lets the broadcast fold into vpdpbusd's memory operand.)
+        const int32_t q_hi = *reinterpret_cast<const AliasedI32*>(q.Hi(r0 + r) + g * kQueryGroup + 4 * c);
+        const int32_t q_lo = *reinterpret_cast<const AliasedI32*>(q.Lo(r0 + r) + g * kQueryGroup + 4 * c);
+        hi[r] = _mm512_dpbusd_epi32(hi[r], kc, _mm512_set1_epi32(q_hi));
+        lo[r] = _mm512_dpbusd_epi32(lo[r], kc, _mm512_set1_epi32(q_lo));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const float* steps = q.Steps(r0 + r) + 2 * g;
+      const int32_t* sums = q.Sums(r0 + r) + 2 * g;
+      const __m512 dot_hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r], _mm512_set1_epi32(128 * sums[0])));
+      const __m512 dot_lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r], _mm512_set1_epi32(128 * sums[1])));
+      s[r] = g == 0 ? _mm512_mul_ps(dot_hi, _mm512_set1_ps(steps[0])) : _mm512_fmadd_ps(dot_hi, _mm512_set1_ps(steps[0]), s[r]);
+      s[r] = _mm512_fmadd_ps(dot_lo, _mm512_set1_ps(steps[1]), s[r]);
+    }
+  }
+  const __m512 k_scale = _mm512_load_ps(lane_scale);
+  for (int r = 0; r < kRows; ++r) scores[r] = _mm512_mul_ps(s[r], k_scale);
+}
+
+// Packs the int8 V rows of a block (rows[j]: token j's head row of dp codes, dp % 64 == 0; rows
+// past n_rows repeat row 0, their probabilities are 0) for the u8 x s8 product with the
+// probability codes: [4 token groups][dp / 64 chunks][4 registers][64 bytes]. Group i holds the
+// tokens of lanes 4i..4i+3 (LaneToken); register j of a chunk holds in 32-bit lane 4L + e the
+// four tokens' codes of dim 64 chunk + 16L + 4j + e. Accumulators in that register order keep
+// the dims of each 64-dim chunk transposed as (j, L) <-> (L, j): UnpermuteVDims restores them.
+inline void PackVCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* v_codes) {
+  const int chunks = dp / 64;
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* src[4];
+    for (int x = 0; x < 4; ++x) {
+      const int j = LaneToken(4 * i + x);
+      src[x] = j < n_rows ? rows[j] : rows[0];
+    }
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i a = _mm512_loadu_si512(src[0] + 64 * c), b = _mm512_loadu_si512(src[1] + 64 * c);
+      const __m512i cc = _mm512_loadu_si512(src[2] + 64 * c), d = _mm512_loadu_si512(src[3] + 64 * c);
+      const __m512i ab_lo = _mm512_unpacklo_epi8(a, b), ab_hi = _mm512_unpackhi_epi8(a, b);
+      const __m512i cd_lo = _mm512_unpacklo_epi8(cc, d), cd_hi = _mm512_unpackhi_epi8(cc, d);
+      uint8_t* dst = v_codes + (static_cast<size_t>(i) * chunks + c) * 256;
+      _mm512_store_si512(dst, _mm512_unpacklo_epi16(ab_lo, cd_lo));
+      _mm512_store_si512(dst + 64, _mm512_unpackhi_epi16(ab_lo, cd_lo));
+      _mm512_store_si512(dst + 128, _mm512_unpacklo_epi16(ab_hi, cd_hi));
+      _mm512_store_si512(dst + 192, _mm512_unpackhi_epi16(ab_hi, cd_hi));
+    }
+  }
+}
+
+// QuantizeProbabilityCodes (attention_kernels.h) of p * lane_scale, 16 lanes at once: the same
+// codes (hi, then lo, kBlock apart) and step.
+inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint8_t* codes) {
+  const __m512 x = _mm512_mul_ps(_mm512_load_ps(p), _mm512_load_ps(lane_scale));
+  const float max_p = _mm512_reduce_max_ps(x);
+  if (!(max_p > 0.f)) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_setzero_si128());
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + kBlock), _mm_setzero_si128());
+    return 0.f;
+  }
+  const float inv = 255.f / max_p, step = max_p / 255.f, lo_inv = 255.f / step;
+  const __m512 hi = _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(inv)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                  _mm512_set1_ps(255.f));
+  const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(step), hi, x);
+  const __m512 lo = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(lo_inv)),
+                                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                                 _mm512_setzero_ps()),
+                                  _mm512_set1_ps(255.f));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(hi)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + kBlock), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(lo)));
+  return step;
+}
+
+// acc[r] = acc[r] * correction[r] + step[r] * (hi[r] . v) + step[r] / 255 * (lo[r] . v) for kRows
+// rows (p codes rows 2 kBlock apart, hi then lo, lane order; acc rows dp apart in PackVCodes' dim
+// order).
+template <int kRows>
+inline void AccumulateRowsCodes(const uint8_t* p_codes, const float* step, const float* correction,
+                                const uint8_t* v_codes, float* acc, int dp) {
+  const int chunks = dp / 64;
+  for (int c = 0; c < chunks; ++c) {
+    __m512i a_hi[kRows][4], a_lo[kRows][4];
+    for (int r = 0; r < kRows; ++r)
+      for (int j = 0; j < 4; ++j) a_hi[r][j] = a_lo[r][j] = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* v = v_codes + (static_cast<size_t>(i) * chunks + c) * 256;
+      const __m512i v0 = _mm512_load_si512(v), v1 = _mm512_load_si512(v + 64);
+      const __m512i v2 = _mm512_load_si512(v + 128), v3 = _mm512_load_si512(v + 192);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i ph = _mm512_set1_epi32(*reinterpret_cast<const AliasedI32*>(p_codes + r * 2 * kBlock + 4 * i));
+        const __m512i pl = _mm512_set1_epi32(*reinterpret_cast<const AliasedI32*>(p_codes + r * 2 * kBlock + kBlock + 4 * i));
+        a_hi[r][0] = _mm512_dpbusd_epi32(a_hi[r][0], ph, v0);
+        a_hi[r][1] = _mm512_dpbusd_epi32(a_hi[r][1], ph, v1);
+        a_hi[r][2] = _mm512_dpbusd_epi32(a_hi[r][2], ph, v2);
+        a_hi[r][3] = _mm512_dpbusd_epi32(a_hi[r][3], ph, v3);
+        a_lo[r][0] = _mm512_dpbusd_epi32(a_lo[r][0], pl, v0);
+        a_lo[r][1] = _mm512_dpbusd_epi32(a_lo[r][1], pl, v1);
+        a_lo[r][2] = _mm512_dpbusd_epi32(a_lo[r][2], pl, v2);
+        a_lo[r][3] = _mm512_dpbusd_epi32(a_lo[r][3], pl, v3);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 corr = _mm512_set1_ps(correction[r]), st = _mm512_set1_ps(step[r]);
+      const __m512 lo_st = _mm512_set1_ps(step[r] / 255.f);
+      for (int j = 0; j < 4; ++j) {
+        float* dst = acc + static_cast<size_t>(r) * dp + 64 * c + 16 * j;
+        const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a_hi[r][j]), st, _mm512_mul_ps(_mm512_load_ps(dst), corr));
+        _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a_lo[r][j]), lo_st, a));
+      }
+    }
+  }
+}
+
+// Restores natural dim order in one accumulator row of AccumulateRowsCodes (the (j, L)
+// transpose of each 64-dim chunk is its own inverse).
+inline void UnpermuteVDims(float* row, int dp) {
+  for (int c = 0; c < dp; c += 64) {
+    __m128 x[16];
+    for (int k = 0; k < 16; ++k) x[k] = _mm_load_ps(row + c + 4 * k);
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 4; ++l) _mm_store_ps(row + c + 16 * l + 4 * j, x[4 * j + l]);
+  }
+}
+
 #elif KVS_ISA_AVX2
 
 // K layout [dp / 4 chunks][8 pairs][8 floats]: pair g = 4h + i (h = 0, 1; i = 0..3) holds dims
@@ -732,6 +906,20 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
   }
 }
 
+
+// Integer dots: not in this family yet (int8 KV takes the f32 path). The primitives are
+// declared for the callers' discarded `if constexpr (kIntegerDots)` branches.
+constexpr bool kIntegerDots = false;
+inline void PackKCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* k_codes);
+template <int kRows>
+void ScoreRowsCodes(const QueryCodes& q, int r0, const uint8_t* k_codes, const float* lane_scale, ScoreVec* scores);
+inline void PackVCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* v_codes);
+inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint8_t* codes);
+template <int kRows>
+void AccumulateRowsCodes(const uint8_t* p_codes, const float* step, const float* correction, const uint8_t* v_codes,
+                         float* acc, int dp);
+inline void UnpermuteVDims(float* row, int dp);
+
 #else  // portable scalar path with the same structure; K stays in plain rows, lane = token
 
 constexpr int LaneToken(int lane) { return lane; }
@@ -858,6 +1046,71 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
     }
   }
 }
+
+
+// Integer dots, the scalar twins of the AVX-512 family's (same codes, same integer sums, same
+// float operations in the same order): K and V stay plain [kBlock, dp] code rows.
+constexpr bool kIntegerDots = true;
+
+inline void PackKCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* k_codes) {
+  for (int j = 0; j < kBlock; ++j) std::memcpy(k_codes + static_cast<size_t>(j) * dp, rows[j < n_rows ? j : 0], dp);
+}
+
+template <int kRows>
+inline void ScoreRowsCodes(const QueryCodes& q, int r0, const uint8_t* k_codes, const float* lane_scale,
+                           ScoreVec* scores) {
+  int32_t dots[128];  // [n_groups, 2] (head_dim <= 2048)
+  KVS_CHECK(q.n_groups <= 64);
+  for (int r = 0; r < kRows; ++r) {
+    const int8_t* hi = q.Hi(r0 + r);
+    const int8_t* lo = q.Lo(r0 + r);
+    for (int j = 0; j < kBlock; ++j) {
+      const int8_t* k = reinterpret_cast<const int8_t*>(k_codes) + static_cast<size_t>(j) * q.dp;
+      for (int g = 0; g < q.n_groups; ++g) {
+        int32_t dot_hi = 0, dot_lo = 0;
+        for (int c = g * kQueryGroup; c < std::min(q.dp, (g + 1) * kQueryGroup); ++c) {
+          dot_hi += int32_t{hi[c]} * k[c];
+          dot_lo += int32_t{lo[c]} * k[c];
+        }
+        dots[2 * g] = dot_hi;
+        dots[2 * g + 1] = dot_lo;
+      }
+      scores[r].s[j] = CombineGroupDots(dots, q.Steps(r0 + r), q.n_groups, lane_scale[j]);
+    }
+  }
+}
+
+inline void PackVCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* v_codes) {
+  PackKCodes(rows, n_rows, dp, v_codes);
+}
+
+inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint8_t* codes) {
+  float scaled[kBlock];
+  for (int j = 0; j < kBlock; ++j) scaled[j] = p[j] * lane_scale[j];
+  return QuantizeProbabilityCodes(scaled, codes);
+}
+
+template <int kRows>
+inline void AccumulateRowsCodes(const uint8_t* p_codes, const float* step, const float* correction,
+                                const uint8_t* v_codes, float* acc, int dp) {
+  for (int r = 0; r < kRows; ++r) {
+    float* a = acc + static_cast<size_t>(r) * dp;
+    const uint8_t* hi = p_codes + r * 2 * kBlock;
+    const uint8_t* lo = hi + kBlock;
+    for (int c = 0; c < dp; ++c) {
+      int32_t dot_hi = 0, dot_lo = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int32_t v = reinterpret_cast<const int8_t*>(v_codes)[static_cast<size_t>(j) * dp + c];
+        dot_hi += int32_t{hi[j]} * v;
+        dot_lo += int32_t{lo[j]} * v;
+      }
+      const float with_hi = std::fma(static_cast<float>(dot_hi), step[r], a[c] * correction[r]);
+      a[c] = std::fma(static_cast<float>(dot_lo), step[r] / 255.f, with_hi);
+    }
+  }
+}
+
+inline void UnpermuteVDims(float*, int) {}
 
 #endif
 

@@ -390,6 +390,102 @@ struct LowBitScratch {
   AlignedBuffer k_rows;        // [kBlock, dp]
 };
 
+// ---- Integer attention (int8 KV): see "Integer dots" in attention_kernels-inl.h ----
+
+constexpr int kQueryGroup = 32;  // q dims sharing one int8 scale (llama.cpp's q8_0 block)
+
+// Whether a family's integer path serves this storage and head size (kInt8, head_dim a multiple
+// of 64: the V packing works in 64-dim chunks). Other shapes take the f32 path.
+inline bool IntegerDotsServe(KvStorage storage, int head_dim) {
+  return storage == KvStorage::kInt8 && head_dim % 64 == 0;
+}
+
+// A tile's pre-scaled query rows quantized once per call, in two int8 parts so that the query
+// adds almost no error of its own (a single int8 query would add about as much as int8 K's own
+// rounding): per row and group of kQueryGroup dims, hi = nearbyint(q * 127 / amax) with step
+// amax / 127, then the remainder q - step * hi (at most step / 2) as lo with step / 254. So
+// q.k = sum_g step_g (hi_g . k_g) + step_g / 254 (lo_g . k_g) up to step / 508 per dim: two
+// integer dots per group on the same packed K. `sums` (each part's sum of codes) undo the
+// AVX-512 family's +128 offset on K (VNNI multiplies u8 by s8).
+struct QueryCodes {
+  int dp = 0, n_groups = 0;
+  std::vector<int8_t> hi, lo;        // [rows, dp]
+  std::vector<float> steps;          // [rows, n_groups, 2] hi's step, lo's step
+  std::vector<int32_t> sums;         // [rows, n_groups, 2] sum of hi codes, of lo codes
+  const int8_t* Hi(int r) const { return hi.data() + static_cast<size_t>(r) * dp; }
+  const int8_t* Lo(int r) const { return lo.data() + static_cast<size_t>(r) * dp; }
+  const float* Steps(int r) const { return steps.data() + static_cast<size_t>(r) * n_groups * 2; }
+  const int32_t* Sums(int r) const { return sums.data() + static_cast<size_t>(r) * n_groups * 2; }
+};
+
+// Shared by every family (compiled once, outside the family regions), so all quantize alike.
+inline void QuantizeQueryRows(const float* q_rows, int rows, int dp, QueryCodes* out) {
+  out->dp = dp;
+  out->n_groups = static_cast<int>((dp + kQueryGroup - 1) / kQueryGroup);
+  out->hi.resize(static_cast<size_t>(rows) * dp);
+  out->lo.resize(static_cast<size_t>(rows) * dp);
+  out->steps.resize(static_cast<size_t>(rows) * out->n_groups * 2);
+  out->sums.resize(static_cast<size_t>(rows) * out->n_groups * 2);
+  for (int r = 0; r < rows; ++r) {
+    const float* q = q_rows + static_cast<size_t>(r) * dp;
+    int8_t* hi = out->hi.data() + static_cast<size_t>(r) * dp;
+    int8_t* lo = out->lo.data() + static_cast<size_t>(r) * dp;
+    for (int g = 0; g < out->n_groups; ++g) {
+      const int begin = g * kQueryGroup, end = std::min(dp, begin + kQueryGroup);
+      float amax = 0.f;
+      for (int c = begin; c < end; ++c) amax = std::max(amax, std::fabs(q[c]));
+      const float step = amax / 127.f, lo_step = step / 254.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, lo_inv = amax > 0.f ? 1.f / lo_step : 0.f;
+      int32_t hi_sum = 0, lo_sum = 0;
+      for (int c = begin; c < end; ++c) {
+        hi[c] = static_cast<int8_t>(std::clamp(std::nearbyint(q[c] * inv), -127.f, 127.f));
+        const float rest = q[c] - step * static_cast<float>(hi[c]);
+        lo[c] = static_cast<int8_t>(std::clamp(std::nearbyint(rest * lo_inv), -127.f, 127.f));
+        hi_sum += hi[c];
+        lo_sum += lo[c];
+      }
+      const size_t at = (static_cast<size_t>(r) * out->n_groups + g) * 2;
+      out->steps[at] = step;
+      out->steps[at + 1] = lo_step;
+      out->sums[at] = hi_sum;
+      out->sums[at + 1] = lo_sum;
+    }
+  }
+}
+
+// One row's score from its integer group dots (dots[2g], dots[2g + 1]: group g's hi and lo
+// dots), in the order every family uses (so the families' scores agree bit for bit):
+// s = hi_0 * step_0, s = fma(lo_0, lo_step_0, s), then fma per part of each later group, then
+// times the token's K scale.
+inline float CombineGroupDots(const int32_t* dots, const float* steps, int n_groups, float k_scale) {
+  float s = static_cast<float>(dots[0]) * steps[0];
+  s = std::fma(static_cast<float>(dots[1]), steps[1], s);
+  for (int i = 2; i < 2 * n_groups; ++i) s = std::fma(static_cast<float>(dots[i]), steps[i], s);
+  return s * k_scale;
+}
+
+// Probabilities (already times each token's V scale) of one row and block as two u8 parts for
+// the integer PV product, as the query is split: with step = max p / 255,
+// hi = floor(p / step) and lo = nearbyint((p - step * hi) / (step / 255)), so
+// p = step * hi + step / 255 * lo up to step / 510. codes: [2, kBlock] hi then lo. Returns the
+// step (0 when the row has no probability in the block: then every code is 0).
+inline float QuantizeProbabilityCodes(const float* p, uint8_t* codes) {
+  float max_p = 0.f;
+  for (int j = 0; j < kBlock; ++j) max_p = std::max(max_p, p[j]);
+  if (!(max_p > 0.f)) {
+    std::fill(codes, codes + 2 * kBlock, uint8_t{0});
+    return 0.f;
+  }
+  const float inv = 255.f / max_p, step = max_p / 255.f, lo_inv = 255.f / step;
+  for (int j = 0; j < kBlock; ++j) {
+    const float hi = std::min(std::floor(p[j] * inv), 255.f);
+    const float rest = std::fma(-step, hi, p[j]);  // fused, as the SIMD families compute it
+    codes[j] = static_cast<uint8_t>(hi);
+    codes[kBlock + j] = static_cast<uint8_t>(std::clamp(std::nearbyint(rest * lo_inv), 0.f, 255.f));
+  }
+  return step;
+}
+
 // Copies and pre-scales one query head row into a padded scratch row (log2 domain:
 // scale * log2(e), so the softmax can use exp2).
 inline void LoadQueryRow(const float* src, int head_dim, int dp, float q_scale, float* dst) {

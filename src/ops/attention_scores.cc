@@ -94,6 +94,10 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
   const ScoreOutputs& out = plan.outputs;
   const size_t out_row = static_cast<size_t>(kv_head) * plan.n_tokens + segment.first_token;
   const float q_scale = shape.scale * kLog2e;
+  // Integer dots as ops::Attention computes them (AttentionShape::integer_dots), so the scores
+  // match its statistics.
+  const bool integer = kIntegerDots && shape.integer_dots && IntegerDotsServe(segment.storage, d);
+  static thread_local QueryCodes query_codes;
 
   for (int32_t q_begin = 0; q_begin < plan.n_q; q_begin += tile_queries) {
     const int32_t q_end = std::min(plan.n_q, q_begin + tile_queries);
@@ -111,6 +115,7 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
       const float sum = plan.row_max_sum[2 * row_index + 1];
       row_inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
     }
+    if (integer) QuantizeQueryRows(q_rows, rows, dp, &query_codes);
     const bool has_last = q_end == plan.n_q;
 
     int32_t block_span = seq.SpanOf(tile_begin);
@@ -129,7 +134,15 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
           k_scale[j] = block.k_scale[j][kv_head];
         }
       }
-      if (low_bit) {
+      alignas(64) float lane_k_scale[kBlock];  // integer: each lane's token K scale (0 past the block)
+      if (integer) {
+        if constexpr (kIntegerDots) {
+          for (int lane = 0; lane < kBlock; ++lane) {
+            lane_k_scale[lane] = LaneToken(lane) < n_block ? k_scale[LaneToken(lane)] : 0.f;
+          }
+          PackKCodes(k_head, n_block, dp, reinterpret_cast<uint8_t*>(k_block));
+        }
+      } else if (low_bit) {
         DequantizeLowBitKBlock(KvStorageBits(segment.storage), block, kv_head, n_block, d, dp, &low_bit_scratch,
                                k_head);
         PackK(KvStorage::kF32, k_head, k_scale, k_chan, n_block, d, dp, k_block);
@@ -155,7 +168,16 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
           continue;
         }
         ScoreVec scores[2];
-        if (n_pair == 2) {
+        if (integer) {
+          if constexpr (kIntegerDots) {
+            const uint8_t* codes = reinterpret_cast<const uint8_t*>(k_block);
+            if (n_pair == 2) {
+              ScoreRowsCodes<2>(query_codes, r, codes, lane_k_scale, scores);
+            } else {
+              ScoreRowsCodes<1>(query_codes, r, codes, lane_k_scale, scores);
+            }
+          }
+        } else if (n_pair == 2) {
           ScoreRows<2>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
         } else {
           ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);

@@ -58,6 +58,7 @@ AttentionShape LayerAttentionShape(const ModelConfig& c, int layer) {
   AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, c.AttentionLogitScale(layer)};
   shape.window = c.LayerWindow(layer);
   shape.softcap = c.attn_softcap;
+  shape.integer_dots = true;  // int8 KV: integer q.k and p.v where the kernel family has them
   return shape;
 }
 
