@@ -168,6 +168,19 @@ TEST(EngineBatch, ForwardBatchMatchesSeparateForwards) {
   EXPECT_LT(close(l0, r0), 1e-4f);
   EXPECT_LT(close(l1, r1), 1e-4f);
   EXPECT_LT(close(l2, r2), 1e-4f);
+
+  // Then a decode row of each: their attention runs as one batched call (Engine::AttendDecodeBatch).
+  const int32_t next[3] = {5, 9, 17};
+  const int32_t pos[3] = {static_cast<int32_t>(p0.size()), static_cast<int32_t>(p1.size()), 2};
+  std::vector<std::vector<float>> got(3, std::vector<float>(vocab)), want(3, std::vector<float>(vocab));
+  for (int i = 0; i < 3; ++i) {
+    batch[i] = {seqs[i], &next[i], 1, pos[i], EvictionPoint::kDecodeStep, got[i].data(), false};
+  }
+  ASSERT_TRUE(batched.engine->ForwardBatch(batch).ok());
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(alone.engine->Forward(seqs[i], &next[i], 1, pos[i], want[i].data()).ok());
+    EXPECT_LT(close(got[i], want[i]), 1e-4f) << "decode row of sequence " << i;
+  }
 }
 
 // A step that cannot get its pages fails before anything is stored, and one with a bad entry

@@ -82,6 +82,9 @@ struct AttentionJob {
   // Optional: attend only to these tokens (sparse prefill). The kernel walks only the selected
   // tokens, so its cost follows the selection. Not with raw_scores.
   const KeySelection* selection = nullptr;
+  // Optional: the job's own query positions [n_q] instead of the call's (one decode row of each
+  // of several sequences in one call).
+  const int32_t* q_pos = nullptr;
 };
 
 namespace ops {
@@ -93,7 +96,7 @@ namespace ops {
 // each pay a parallel region and leave threads idle at its end.
 // row_heads: kv heads per stored token row of the spans (1 for HeadSpans; a shared layer's
 // n_kv_heads), >= first_kv_head + shape.n_kv_heads for every job. All jobs share shape,
-// storage, q_pos and n_q.
+// storage and n_q, and q_pos unless a job brings its own (AttentionJob::q_pos).
 void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
                     const AttentionJob* jobs, int32_t n_jobs, int n_threads);
 }  // namespace ops

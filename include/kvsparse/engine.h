@@ -84,6 +84,14 @@ class Engine {
   Status SparsePrefillAttention(const Entry& e, int layer, const AttentionShape& shape, const PrefillSparsity& prefill);
   // A per-head layer (KvCache::per_head): one call per kv head, with or without a controller.
   Status PerHeadAttention(const Entry& e, int layer, const AttentionShape& shape);
+  // Whether a sequence's rows in this layer join the step's batched decode attention: one decode
+  // row, a shared layer, and (with a controller) a policy that neither observes this step's
+  // attention nor selects pages, so its attention is the plain kernel call.
+  bool JoinsDecodeBatch(const Entry& e, int layer) const;
+  // The attention of those sequences (s.decode_batch) in one ops::AttentionBatch call per storage
+  // type: one parallel region for all of them instead of one per sequence, each job exactly what
+  // its own call would compute. The controller's OnAppend before, AfterAttention after.
+  Status AttendDecodeBatch(int layer, const AttentionShape& shape);
   const Model& model_;
   KvCache* cache_;
   int n_threads_;

@@ -184,6 +184,8 @@ class SparseKvController {
                    std::vector<KvSpan>* spans, std::vector<KvSpan>* query_head_spans = nullptr);
   // Whether the layer's per-query-head selection is one per KV head (KvPolicy::SelectsPerKvHead).
   bool SelectsPerKvHead(int seq, int layer) const { return policies_[Index(seq, layer)]->SelectsPerKvHead(); }
+  // Whether the (seq, layer) policy narrows decode steps' spans (SelectSpans may pick pages).
+  bool SelectsSpans(int seq, int layer) const { return policies_[Index(seq, layer)]->SelectsSpans(); }
 
   // Drops every token of seq from the cache and restarts its policies.
   Status ResetSequence(int seq);

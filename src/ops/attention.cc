@@ -569,7 +569,7 @@ void AttentionBatchImpl(const AttentionShape& shape, int row_heads, KvStorage st
   int n_units = 0;
   for (int32_t j = 0; j < n_jobs; ++j) {
     JobPlan& jp = plans[j];
-    PlanJob(shape, row_heads, storage, q_pos, n_q, jobs[j], n_threads, &jp);
+    PlanJob(shape, row_heads, storage, jobs[j].q_pos != nullptr ? jobs[j].q_pos : q_pos, n_q, jobs[j], n_threads, &jp);
     jp.first_unit = n_units;
     unit_start[j] = n_units;
     n_units += jp.n_units;

@@ -113,8 +113,8 @@ void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storag
                     const AttentionJob* jobs, int32_t n_jobs) {
   for (int32_t j = 0; j < n_jobs; ++j) {
     const AttentionJob& job = jobs[j];
-    AttentionOverHeads(shape, row_heads, job.first_kv_head, storage, job.q, q_pos, n_q, job.spans, job.n_spans, job.out,
-                       job.row_max_sum, job.raw_scores, job.selection);
+    AttentionOverHeads(shape, row_heads, job.first_kv_head, storage, job.q, job.q_pos != nullptr ? job.q_pos : q_pos,
+                       n_q, job.spans, job.n_spans, job.out, job.row_max_sum, job.raw_scores, job.selection);
   }
 }
 

@@ -680,6 +680,38 @@ TEST_P(AttentionTest, BatchMatchesReferenceOverRaggedJobs) {
   }
 }
 
+// Decode rows of several sequences in one call (AttentionJob::q_pos): each job, at its own
+// position, is bit-identical to its own ops::Attention call; int8 jobs with integer dots too.
+TEST_P(AttentionTest, JobsWithOwnPositionsMatchLoneCalls) {
+  std::mt19937 rng(31);
+  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8}) {
+    AttentionShape shape{8, 2, 64, 0.125f};
+    shape.integer_dots = true;
+    std::vector<SpanSet> sets;
+    for (const std::vector<int>& l : std::vector<std::vector<int>>{{16, 16, 7}, {300, 16}, {1}, {16, 16, 16, 16, 40}}) {
+      sets.push_back(MakeSpans(storage, l, shape.n_kv_heads, 64, rng));
+    }
+    std::vector<int32_t> positions;
+    for (const SpanSet& set : sets) positions.push_back(LastPosition(set) - static_cast<int32_t>(positions.size()));
+    const size_t row = static_cast<size_t>(shape.n_heads) * 64;
+    const std::vector<float> q = RandomQueries(sets.size() * row, rng, 2.f);
+    std::vector<float> batched(q.size()), alone(q.size());
+    std::vector<AttentionJob> jobs;
+    for (size_t j = 0; j < sets.size(); ++j) {
+      AttentionJob job{sets[j].spans.data(), static_cast<int32_t>(sets[j].spans.size()), 0, q.data() + j * row,
+                       batched.data() + j * row};
+      job.q_pos = &positions[j];
+      jobs.push_back(job);
+      ops::Attention(shape, storage, q.data() + j * row, &positions[j], 1, sets[j].spans.data(),
+                     static_cast<int32_t>(sets[j].spans.size()), alone.data() + j * row, 2);
+    }
+    const int32_t unused_position = 0;  // every job brings its own
+    ops::AttentionBatch(shape, shape.n_kv_heads, storage, &unused_position, 1, jobs.data(),
+                        static_cast<int32_t>(jobs.size()), 2);
+    for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(batched[i], alone[i]) << KvStorageName(storage) << " element " << i;
+  }
+}
+
 // A job is computed exactly as a lone call: bit-identical to ops::Attention over its spans
 // (same chunks, same merge), and a job reading kv head h of shared rows is bit-identical to
 // that head's rows of one call over every head (what makes per-head layers equal shared ones

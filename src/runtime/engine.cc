@@ -95,6 +95,12 @@ struct Engine::Scratch {
   // Query-aware layers selecting per query head (Quest): the runs each query head reads. [n_heads]
   std::vector<std::vector<KvSpan>> query_spans;
   std::vector<AttentionJob> jobs;  // one ops::AttentionBatch call's jobs
+  // The step's batched decode attention (Engine::AttendDecodeBatch): the joining entries, each
+  // one's live spans, and the call's jobs. [joining entries]
+  std::vector<const Entry*> decode_batch;
+  std::vector<std::vector<KvSpan>> decode_spans;
+  std::vector<AttentionJob> decode_jobs;
+  std::vector<uint8_t> decode_done;  // 1: the entry's storage type had its call
   std::vector<size_t> raw_offset;  // [n_kv_heads + 1] each head's first raw score in raw_scores
   std::vector<uint8_t> selected_by_query;  // [n_kv_heads] 1: the head's query heads got their own runs
   // Per-head layers, prompt chunks only (a decode step's group rows are contiguous in q / att):
@@ -360,6 +366,7 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
       ops::Rope(q_row, c.n_heads, c.head_dim, pos, inv_freq, c.rope_style);
       ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, inv_freq, c.rope_style);
     }
+    s.decode_batch.clear();
     for (const Entry& e : entries) {
       const size_t r = static_cast<size_t>(e.row0);
       Status appended = cache_->Append(e.seq, layer, e.n, &s.k[r * kv_dim], &s.v[r * kv_dim], &s.positions[r]);
@@ -368,8 +375,13 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
                       fmt::format("Forward: storing K/V of sequence {} layer {} (positions {}..{}): {}", e.seq, layer,
                                   s.positions[r], s.positions[r + e.n - 1], appended.message()));
       }
+      if (entries.size() > 1 && JoinsDecodeBatch(e, layer)) {
+        s.decode_batch.push_back(&e);
+        continue;
+      }
       KVS_RETURN_IF_ERROR(Attend(e, layer, shape));
     }
+    KVS_RETURN_IF_ERROR(AttendDecodeBatch(layer, shape));
     ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
     add_residual(w.post_attn_norm);
 
@@ -442,6 +454,52 @@ Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {
   cache_->Spans(e.seq, layer, &s.spans);
   ops::Attention(shape, cache_->sequence_storage(e.seq, layer), s.q.data() + q_off, s.positions.data() + e.row0, e.n,
                  s.spans.data(), static_cast<int32_t>(s.spans.size()), s.att.data() + q_off, n_threads_);
+  return Status::Ok();
+}
+
+bool Engine::JoinsDecodeBatch(const Entry& e, int layer) const {
+  if (e.n != 1 || e.phase != EvictionPoint::kDecodeStep || cache_->per_head(layer)) return false;
+  return controller_ == nullptr ||
+         (!controller_->WantsScores(e.seq, layer, e.phase) && !controller_->SelectsSpans(e.seq, layer));
+}
+
+Status Engine::AttendDecodeBatch(int layer, const AttentionShape& shape) {
+  Scratch& s = *scratch_;
+  const size_t n = s.decode_batch.size();
+  if (n == 0) return Status::Ok();
+  if (s.decode_spans.size() < n) s.decode_spans.resize(n);
+  const size_t row_floats = static_cast<size_t>(shape.n_heads) * shape.head_dim;
+  for (size_t i = 0; i < n; ++i) {
+    const Entry& e = *s.decode_batch[i];
+    if (controller_ != nullptr) controller_->OnAppend(e.seq, layer, e.n, e.pos0 + e.n - 1);
+    cache_->Spans(e.seq, layer, &s.decode_spans[i]);
+  }
+  // One call per storage type among the sequences (they may differ by request).
+  std::vector<uint8_t>& done = s.decode_done;
+  done.assign(n, 0);
+  for (size_t first = 0; first < n; ++first) {
+    if (done[first]) continue;
+    const KvStorage storage = cache_->sequence_storage(s.decode_batch[first]->seq, layer);
+    s.decode_jobs.clear();
+    for (size_t i = first; i < n; ++i) {
+      const Entry& e = *s.decode_batch[i];
+      if (done[i] || cache_->sequence_storage(e.seq, layer) != storage) continue;
+      done[i] = 1;
+      const std::vector<KvSpan>& spans = s.decode_spans[i];
+      AttentionJob job{spans.data(), static_cast<int32_t>(spans.size()), 0, s.q.data() + e.row0 * row_floats,
+                       s.att.data() + e.row0 * row_floats};
+      job.q_pos = s.positions.data() + e.row0;
+      s.decode_jobs.push_back(job);
+    }
+    ops::AttentionBatch(shape, shape.n_kv_heads, storage, s.decode_jobs[0].q_pos, 1, s.decode_jobs.data(),
+                        static_cast<int32_t>(s.decode_jobs.size()), n_threads_);
+  }
+  if (controller_ != nullptr) {
+    for (const Entry* e : s.decode_batch) {
+      KVS_RETURN_IF_ERROR(controller_->AfterAttention(e->seq, layer, e->phase, controller_->SeenTokens(e->seq),
+                                                      /*current_position=*/e->pos0 + e->n - 1));
+    }
+  }
   return Status::Ok();
 }
 
