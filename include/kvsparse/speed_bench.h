@@ -50,7 +50,9 @@ struct SpeedResult {
   // Decode floor: a step takes at least max(bytes_per_token / read bandwidth, its arithmetic /
   // the measured peak of the instructions doing it); the limits are 1 / each, 0 when not measured.
   double bandwidth_limit_tokens_per_s = 0;  // read bandwidth / bytes_per_token
-  double compute_limit_tokens_per_s = 0;    // 1 / (attention ops / its peak + weight ops / the int8 peak)
+  // tgN: 1 / (attention ops / its peak + weight ops / the int8 peak); ppN: the prompt's tokens over
+  // its weight ops and causal attention at the same peaks (prefill's only limit).
+  double compute_limit_tokens_per_s = 0;
   double limit_tokens_per_s = 0;            // the smaller of the two
   double attention_ops_per_token = 0;       // q.k and p.v, 2 per multiply-add, at the end of the test
   // KV cache at the end of the test's last repetition, and (sparse runs) the policy work of

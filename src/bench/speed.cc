@@ -121,6 +121,25 @@ AttentionArithmetic DecodeAttentionOps(const KvCache& cache, const ModelConfig& 
   return a;
 }
 
+// The least time a prompt of n tokens after `depth` others spends in causal attention: q.k and
+// p.v over every pair each layer attends (a sliding window caps a query's keys), at the peak of
+// the layer's path.
+double PromptAttentionSeconds(const KvCache& cache, const ModelConfig& c, int depth, int n, const SpeedReport& report) {
+  double seconds = 0;
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    const int32_t window = c.LayerWindow(layer);
+    double pairs = 0;  // (query, key) pairs of one query head
+    for (int i = 0; i < n; ++i) {
+      const double keys = depth + i + 1.0;
+      pairs += window > 0 ? std::min<double>(keys, window) : keys;
+    }
+    const double ops = 4.0 * c.n_heads * c.head_dim * pairs;
+    const bool integer = ops::UsesIntegerDots(cache.layer_storage(layer), c.head_dim);
+    seconds += ops / ((integer ? report.int8_peak_gops : report.f32_peak_gflops) * 1e9);
+  }
+  return seconds;
+}
+
 // The policy work recorded since the last ResetStats.
 double PolicySeconds(const SparseKvController& controller, int64_t* evictions) {
   double s = 0;
@@ -286,6 +305,14 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       // sparse chunks' pairs (a mixed config's dense layers are not in it).
       r.prefill_computed_share = causal_pairs > 0 ? static_cast<double>(selected_pairs) / causal_pairs : 1.0;
       MeanStd(r.samples_tokens_per_s, &r.tokens_per_s_mean, &r.tokens_per_s_stddev);
+      // Prefill is compute-bound: its floor is the arithmetic at the measured peaks (the weights'
+      // multiply-adds at the int8 dot peak, causal attention at its path's peak).
+      if (report.f32_peak_gflops > 0 && report.int8_peak_gops > 0) {
+        const double weight_s = 2.0 * report.n_params * n / (report.int8_peak_gops * 1e9);
+        const double attention_s = PromptAttentionSeconds(cache, c, depth, n, report);
+        r.compute_limit_tokens_per_s = n / (weight_s + attention_s);
+        r.limit_tokens_per_s = r.compute_limit_tokens_per_s;
+      }
       finish(r, policy_s, evictions, config.repetitions);
       report.results.push_back(r);
     }
@@ -386,7 +413,8 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   out += "\nlimit = 1 / max(bytes / read bandwidth, ops / peak): the bytes one generated token must read (all weights "
          "except the unread rows of an untied token-embedding table, plus the live KV), and its arithmetic at the "
          "measured peaks: attention's q.k and p.v (4 x head_dim ops per query head and attended token) at the peak of "
-         "the instructions the kernel uses, 2 ops per weight at the int8 dot peak; bound = the side that sets it\n";
+         "the instructions the kernel uses, 2 ops per weight at the int8 dot peak; bound = the side that sets it. "
+         "ppN: compute only, the N tokens' weight ops and causal attention at the same peaks\n";
   for (const SpeedResult& r : report.results) {
     if (r.kv_stats_table.empty()) continue;
     out += fmt::format("\nKV stats after {} at depth {}:\n{}", r.test, r.depth, r.kv_stats_table);
