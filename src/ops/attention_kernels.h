@@ -418,8 +418,18 @@ struct QueryCodes {
   const int32_t* Sums(int r) const { return sums.data() + static_cast<size_t>(r) * n_groups * 2; }
 };
 
-// Shared by every family (compiled once, outside the family regions), so all quantize alike.
-inline void QuantizeQueryRows(const float* q_rows, int rows, int dp, QueryCodes* out) {
+// Round half to even of |x| <= 2^22 without a libm call (the baseline target has no rounding
+// instruction): adding and subtracting 1.5 * 2^23 leaves the rounded value, exactly as nearbyint
+// in the default rounding mode (the project never builds with -ffast-math, which could fold it).
+inline float RoundHalfEven(float x) {
+  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23
+  return (x + kMagic) - kMagic;
+}
+
+// Shared by every family and kept out of line, so it is compiled once, for the baseline target:
+// inlined into a family region its multiply and subtract could fuse into an FMA there and
+// quantize differently from the other families.
+__attribute__((noinline)) inline void QuantizeQueryRows(const float* q_rows, int rows, int dp, QueryCodes* out) {
   out->dp = dp;
   out->n_groups = static_cast<int>((dp + kQueryGroup - 1) / kQueryGroup);
   out->hi.resize(static_cast<size_t>(rows) * dp);
@@ -438,9 +448,9 @@ inline void QuantizeQueryRows(const float* q_rows, int rows, int dp, QueryCodes*
       const float inv = amax > 0.f ? 127.f / amax : 0.f, lo_inv = amax > 0.f ? 1.f / lo_step : 0.f;
       int32_t hi_sum = 0, lo_sum = 0;
       for (int c = begin; c < end; ++c) {
-        hi[c] = static_cast<int8_t>(std::clamp(std::nearbyint(q[c] * inv), -127.f, 127.f));
+        hi[c] = static_cast<int8_t>(std::clamp(RoundHalfEven(q[c] * inv), -127.f, 127.f));
         const float rest = q[c] - step * static_cast<float>(hi[c]);
-        lo[c] = static_cast<int8_t>(std::clamp(std::nearbyint(rest * lo_inv), -127.f, 127.f));
+        lo[c] = static_cast<int8_t>(std::clamp(RoundHalfEven(rest * lo_inv), -127.f, 127.f));
         hi_sum += hi[c];
         lo_sum += lo[c];
       }

@@ -471,8 +471,8 @@ Status Engine::AttendDecodeBatch(int layer, const AttentionShape& shape) {
   const size_t row_floats = static_cast<size_t>(shape.n_heads) * shape.head_dim;
   for (size_t i = 0; i < n; ++i) {
     const Entry& e = *s.decode_batch[i];
+    cache_->Spans(e.seq, layer, &s.decode_spans[i]);  // (before OnAppend, as Attend reads them)
     if (controller_ != nullptr) controller_->OnAppend(e.seq, layer, e.n, e.pos0 + e.n - 1);
-    cache_->Spans(e.seq, layer, &s.decode_spans[i]);
   }
   // One call per storage type among the sequences (they may differ by request).
   std::vector<uint8_t>& done = s.decode_done;
