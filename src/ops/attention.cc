@@ -249,9 +249,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       alignas(64) float lane_k_scale[kBlock];  // integer: each lane's token K scale (0 past the block)
       if (integer) {
         if constexpr (kIntegerDots) {
-          for (int lane = 0; lane < kBlock; ++lane) {
-            lane_k_scale[lane] = LaneToken(lane) < n_block ? k_scale[LaneToken(lane)] : 0.f;
-          }
+          ScalesInLaneOrder(k_scale, n_block, lane_k_scale);
           PackKCodes(k_head, n_block, dp, reinterpret_cast<uint8_t*>(k_block));
         }
       } else if (low_bit) {
@@ -290,7 +288,6 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       }
 
       // Scores and online softmax, two rows at a time so they share the K loads.
-      ScoreVec quad_scores[4];  // integer: scores of four rows at once
       const int r_begin = kv_head * head_rows, r_end = r_begin + head_rows;
       // This head's share of the prefetches, spread over the row pairs so that the requests
       // trickle out instead of filling the miss queue at once.
@@ -305,20 +302,12 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         ScoreVec scores[2];
         if (integer) {
           if constexpr (kIntegerDots) {
-            // Four rows per pass (more chains per K load); pairs then take their share.
-            const int in_quad = (r - r_begin) % 4;
-            if (in_quad == 0) {
-              const uint8_t* codes = reinterpret_cast<const uint8_t*>(k_block);
-              const int n_rows4 = std::min(4, r_end - r);
-              if (n_rows4 == 4) {
-                ScoreRowsCodes<4>(query_codes, r, codes, lane_k_scale, quad_scores);
-              } else {
-                if (n_rows4 >= 2) ScoreRowsCodes<2>(query_codes, r, codes, lane_k_scale, quad_scores);
-                if (n_rows4 % 2 == 1) ScoreRowsCodes<1>(query_codes, r + n_rows4 - 1, codes, lane_k_scale, quad_scores + n_rows4 - 1);
-              }
+            const uint8_t* codes = reinterpret_cast<const uint8_t*>(k_block);
+            if (n_pair == 2) {
+              ScoreRowsCodes<2>(query_codes, r, codes, lane_k_scale, scores);
+            } else {
+              ScoreRowsCodes<1>(query_codes, r, codes, lane_k_scale, scores);
             }
-            scores[0] = quad_scores[in_quad];
-            if (n_pair == 2) scores[1] = quad_scores[in_quad + 1];
           }
         } else if (n_pair == 2) {
           ScoreRows<2>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
@@ -358,10 +347,10 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       if (integer) {
         if constexpr (kIntegerDots) {
           // The V scales fold into the probabilities, which become u8 codes per row and block.
-          alignas(64) float lane_scale[kBlock];
-          for (int lane = 0; lane < kBlock; ++lane) lane_scale[lane] = LaneToken(lane) < n_block ? v_scale[LaneToken(lane)] : 0.f;
+          alignas(64) float lane_v_scale[kBlock];
+          ScalesInLaneOrder(v_scale, n_block, lane_v_scale);
           for (int r = r_begin; r < r_end; ++r) {
-            p_step[r] = QuantizeProbabilities(p + static_cast<size_t>(r) * kBlock, lane_scale,
+            p_step[r] = QuantizeProbabilities(p + static_cast<size_t>(r) * kBlock, lane_v_scale,
                                               p_codes.data() + static_cast<size_t>(r) * 2 * kBlock);
           }
           const uint8_t* v_codes = reinterpret_cast<const uint8_t*>(v_block);

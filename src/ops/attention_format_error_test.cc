@@ -50,14 +50,7 @@ TEST_P(AttentionFormatErrorTest, WithinStatedBoundOfFloat64) {
     const std::vector<int32_t> q_pos = {last - 30, last - 20, last - 10, last};
     const std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * shape.n_heads * 64, rng, 4.f);
     // The float64 attention over the values before storage (f32 spans over the same positions).
-    std::vector<KvSpan> original = set.spans;
-    for (size_t i = 0; i < original.size(); ++i) {
-      original[i] = KvSpan{};
-      original[i].k = set.k_f32[i].data();
-      original[i].v = set.v_f32[i].data();
-      original[i].positions = set.spans[i].positions;
-      original[i].n = set.spans[i].n;
-    }
+    const std::vector<KvSpan> original = testing::OriginalSpans(set);
     std::vector<float> want(q.size()), got(q.size());
     ref::Attention(shape, KvStorage::kF32, q.data(), q_pos.data(), n_q, original.data(),
                    static_cast<int32_t>(original.size()), want.data());

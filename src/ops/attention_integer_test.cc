@@ -147,12 +147,7 @@ TEST_P(AttentionIntegerTest, WithinBoundOfExactReference) {
                        static_cast<int32_t>(p.set.spans.size()), exact.data());
         const std::vector<double> bound = ErrorBound(p);
         // The format's own error: the exact attention over the values before int8 quantization.
-        std::vector<KvSpan> f32_spans = p.set.spans;
-        for (size_t i = 0; i < f32_spans.size(); ++i) {
-          f32_spans[i].k = p.set.k_f32[i].data();
-          f32_spans[i].v = p.set.v_f32[i].data();
-          f32_spans[i].k_scale = f32_spans[i].v_scale = nullptr;
-        }
+        const std::vector<KvSpan> f32_spans = testing::OriginalSpans(p.set);
         std::vector<float> original(p.q.size());
         ref::Attention(p.shape, KvStorage::kF32, p.q.data(), p.q_pos.data(), p.n_q(), f32_spans.data(),
                        static_cast<int32_t>(f32_spans.size()), original.data());

@@ -334,7 +334,6 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
   }
 }
 
-
 // ---- Integer dots (int8 KV, IntegerDotsServe): VNNI's vpdpbusd multiplies u8 by s8 ----
 constexpr bool kIntegerDots = true;
 typedef int32_t AliasedI32 __attribute__((may_alias, aligned(1)));  // four codes read as one word
@@ -385,7 +384,6 @@ inline void ScoreRowsCodes(const QueryCodes& q, int r0, const uint8_t* k_codes, 
       const __m512i kc = _mm512_load_si512(k + c * 64);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        // (A may_alias load lets the broadcast fold into vpdpbusd's memory operand.)
         const int32_t q_hi = *reinterpret_cast<const AliasedI32*>(q.Hi(r0 + r) + g * kQueryGroup + 4 * c);
         const int32_t q_lo = *reinterpret_cast<const AliasedI32*>(q.Lo(r0 + r) + g * kQueryGroup + 4 * c);
         hi[r] = _mm512_dpbusd_epi32(hi[r], kc, _mm512_set1_epi32(q_hi));
@@ -906,7 +904,6 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
   }
 }
 
-
 // Integer dots: not in this family yet (int8 KV takes the f32 path). The primitives are
 // declared for the callers' discarded `if constexpr (kIntegerDots)` branches.
 constexpr bool kIntegerDots = false;
@@ -1182,6 +1179,12 @@ inline void DequantizeLowBitKBlock(int bits, const BlockRows& block, int stored_
                    /*channel_wise=*/true, head_dim, dp, scratch->codes.data(), row);
     k_head[j] = reinterpret_cast<const uint8_t*>(row);
   }
+}
+
+// Per-token scales of a block (token j: scale[j], j < n_block) in lane order, 0 on lanes past
+// the block: what the integer kernels multiply scores (K) or probabilities (V) by.
+inline void ScalesInLaneOrder(const float* scale, int n_block, float* lanes) {
+  for (int lane = 0; lane < kBlock; ++lane) lanes[lane] = LaneToken(lane) < n_block ? scale[LaneToken(lane)] : 0.f;
 }
 
 // AccumulateRows over rows [r_begin, r_end), in groups that share each V load.

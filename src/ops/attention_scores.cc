@@ -137,9 +137,7 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
       alignas(64) float lane_k_scale[kBlock];  // integer: each lane's token K scale (0 past the block)
       if (integer) {
         if constexpr (kIntegerDots) {
-          for (int lane = 0; lane < kBlock; ++lane) {
-            lane_k_scale[lane] = LaneToken(lane) < n_block ? k_scale[LaneToken(lane)] : 0.f;
-          }
+          ScalesInLaneOrder(k_scale, n_block, lane_k_scale);
           PackKCodes(k_head, n_block, dp, reinterpret_cast<uint8_t*>(k_block));
         }
       } else if (low_bit) {

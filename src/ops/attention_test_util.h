@@ -201,6 +201,19 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
   return set;
 }
 
+// The set's values before storage as kF32 spans over the same positions (the exact reference a
+// storage type's error is measured against).
+inline std::vector<KvSpan> OriginalSpans(const SpanSet& set) {
+  std::vector<KvSpan> spans(set.spans.size());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    spans[i].k = set.k_f32[i].data();
+    spans[i].v = set.v_f32[i].data();
+    spans[i].positions = set.spans[i].positions;
+    spans[i].n = set.spans[i].n;
+  }
+  return spans;
+}
+
 inline std::vector<float> RandomQueries(size_t n, std::mt19937& rng, float amplitude) {
   std::uniform_real_distribution<float> value(-amplitude, amplitude);
   std::vector<float> q(n);
