@@ -35,14 +35,14 @@ struct Problem {
 
 // Ragged spans (page-sized, short and long ones) and queries at, and before, the end: decode
 // (n_q = 1) and a prefill tile.
-Problem MakeProblem(int head_dim, int group, int n_q, std::mt19937& rng) {
+Problem MakeProblem(int head_dim, int group, int n_q, std::mt19937& rng, float q_amplitude = 2.f) {
   Problem p;
   p.shape = AttentionShape{2 * group, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
   p.shape.integer_dots = true;
   p.set = MakeSpans(KvStorage::kInt8, {37, 16, 5, 211, 16, 90}, p.shape.n_kv_heads, head_dim, rng);
   const int32_t last = LastPosition(p.set);
   for (int i = 0; i < n_q; ++i) p.q_pos.push_back(last - (n_q - 1 - i) * 7);
-  p.q = RandomQueries(static_cast<size_t>(n_q) * p.shape.n_heads * head_dim, rng, 2.f);
+  p.q = RandomQueries(static_cast<size_t>(n_q) * p.shape.n_heads * head_dim, rng, q_amplitude);
   return p;
 }
 
@@ -199,6 +199,23 @@ TEST_P(AttentionIntegerTest, VnniKernelMatchesScalarTwin) {
         }
       }
     }
+  }
+}
+
+// Scores hundreds of nats apart: most blocks' probabilities fall below 2^-127 (times V scales
+// of 0.01, below f32's normal range), where a block's step would overflow; they count as zero
+// and the result stays finite and within the bound.
+TEST_P(AttentionIntegerTest, ExtremeScoreGapsStayWithinBound) {
+  std::mt19937 rng(7);
+  const Problem p = MakeProblem(64, 4, 3, rng, /*q_amplitude=*/40.f);
+  std::vector<float> exact(p.q.size());
+  ref::Attention(p.shape, KvStorage::kInt8, p.q.data(), p.q_pos.data(), p.n_q(), p.set.spans.data(),
+                 static_cast<int32_t>(p.set.spans.size()), exact.data());
+  const std::vector<double> bound = ErrorBound(p);
+  const std::vector<float> got = RunOps(p, 2);
+  for (size_t e = 0; e < got.size(); ++e) {
+    ASSERT_TRUE(std::isfinite(got[e])) << "element " << e;
+    ASSERT_LE(std::fabs(got[e] - exact[e]), bound[e]) << "element " << e;
   }
 }
 

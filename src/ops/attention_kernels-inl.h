@@ -437,7 +437,7 @@ inline void PackVCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* 
 inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint8_t* codes) {
   const __m512 x = _mm512_mul_ps(_mm512_load_ps(p), _mm512_load_ps(lane_scale));
   const float max_p = _mm512_reduce_max_ps(x);
-  if (!(max_p > 0.f)) {
+  if (!(max_p >= kNegligible)) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_setzero_si128());
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + kBlock), _mm_setzero_si128());
     return 0.f;

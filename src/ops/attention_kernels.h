@@ -393,6 +393,9 @@ struct LowBitScratch {
 // ---- Integer attention (int8 KV): see "Integer dots" in attention_kernels-inl.h ----
 
 constexpr int kQueryGroup = 32;  // q dims sharing one int8 scale (llama.cpp's q8_0 block)
+// Below this a query group or a block's probabilities count as zero in the integer path: their
+// reciprocal steps would overflow f32 (and they cannot move a result by more than ~1e-27).
+constexpr float kNegligible = 1e-30f;
 
 // Whether a family's integer path serves this storage and head size (kInt8, head_dim a multiple
 // of 64: the V packing works in 64-dim chunks). Other shapes take the f32 path.
@@ -426,6 +429,12 @@ inline float RoundHalfEven(float x) {
   return (x + kMagic) - kMagic;
 }
 
+// x clamped to [-127, 127], NaN (a broken model's query) to -127: a defined int8 code always.
+inline float ClampCode(float x) {
+  if (!(x >= -127.f)) return -127.f;
+  return x > 127.f ? 127.f : x;
+}
+
 // Shared by every family and kept out of line, so it is compiled once, for the baseline target:
 // inlined into a family region its multiply and subtract could fuse into an FMA there and
 // quantize differently from the other families.
@@ -444,13 +453,14 @@ __attribute__((noinline)) inline void QuantizeQueryRows(const float* q_rows, int
       const int begin = g * kQueryGroup, end = std::min(dp, begin + kQueryGroup);
       float amax = 0.f;
       for (int c = begin; c < end; ++c) amax = std::max(amax, std::fabs(q[c]));
+      if (!(amax >= kNegligible)) amax = 0.f;
       const float step = amax / 127.f, lo_step = step / 254.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f, lo_inv = amax > 0.f ? 1.f / lo_step : 0.f;
       int32_t hi_sum = 0, lo_sum = 0;
       for (int c = begin; c < end; ++c) {
-        hi[c] = static_cast<int8_t>(std::clamp(RoundHalfEven(q[c] * inv), -127.f, 127.f));
+        hi[c] = static_cast<int8_t>(ClampCode(RoundHalfEven(q[c] * inv)));
         const float rest = q[c] - step * static_cast<float>(hi[c]);
-        lo[c] = static_cast<int8_t>(std::clamp(RoundHalfEven(rest * lo_inv), -127.f, 127.f));
+        lo[c] = static_cast<int8_t>(ClampCode(RoundHalfEven(rest * lo_inv)));
         hi_sum += hi[c];
         lo_sum += lo[c];
       }
@@ -478,11 +488,11 @@ inline float CombineGroupDots(const int32_t* dots, const float* steps, int n_gro
 // the integer PV product, as the query is split: with step = max p / 255,
 // hi = floor(p / step) and lo = nearbyint((p - step * hi) / (step / 255)), so
 // p = step * hi + step / 255 * lo up to step / 510. codes: [2, kBlock] hi then lo. Returns the
-// step (0 when the row has no probability in the block: then every code is 0).
+// step (0 when the row has no probability in the block, or a negligible one: then every code is 0).
 inline float QuantizeProbabilityCodes(const float* p, uint8_t* codes) {
   float max_p = 0.f;
   for (int j = 0; j < kBlock; ++j) max_p = std::max(max_p, p[j]);
-  if (!(max_p > 0.f)) {
+  if (!(max_p >= kNegligible)) {
     std::fill(codes, codes + 2 * kBlock, uint8_t{0});
     return 0.f;
   }
