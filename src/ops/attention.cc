@@ -300,20 +300,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
         const int n_pair = std::min(2, r_end - r);
         ScoreVec scores[2];
-        if (integer) {
-          if constexpr (kIntegerDots) {
-            const uint8_t* codes = reinterpret_cast<const uint8_t*>(k_block);
-            if (n_pair == 2) {
-              ScoreRowsCodes<2>(query_codes, r, codes, lane_k_scale, scores);
-            } else {
-              ScoreRowsCodes<1>(query_codes, r, codes, lane_k_scale, scores);
-            }
-          }
-        } else if (n_pair == 2) {
-          ScoreRows<2>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
-        } else {
-          ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
-        }
+        ScoreRowPair(n_pair, integer ? &query_codes : nullptr, q_rows, r, dp, k_block, lane_k_scale, scores);
         if (capped) {
           for (int i = 0; i < n_pair; ++i) ApplySoftcap(softcap, &scores[i]);
         }

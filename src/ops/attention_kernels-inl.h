@@ -1187,6 +1187,27 @@ inline void ScalesInLaneOrder(const float* scale, int n_block, float* lanes) {
   for (int lane = 0; lane < kBlock; ++lane) lanes[lane] = LaneToken(lane) < n_block ? scale[LaneToken(lane)] : 0.f;
 }
 
+// Scores of rows r and r + 1 (n_pair of them) against the packed K block: with `codes` (the
+// integer path) from the rows' query codes and k_block's codes times lane_k_scale, else from the
+// pre-scaled f32 rows q_rows [rows, dp] and k_block's floats.
+inline void ScoreRowPair(int n_pair, const QueryCodes* codes, const float* q_rows, int r, int dp, const float* k_block,
+                         const float* lane_k_scale, ScoreVec* scores) {
+  if (codes != nullptr) {
+    if constexpr (kIntegerDots) {
+      const uint8_t* k_codes = reinterpret_cast<const uint8_t*>(k_block);
+      if (n_pair == 2) {
+        ScoreRowsCodes<2>(*codes, r, k_codes, lane_k_scale, scores);
+      } else {
+        ScoreRowsCodes<1>(*codes, r, k_codes, lane_k_scale, scores);
+      }
+    }
+  } else if (n_pair == 2) {
+    ScoreRows<2>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
+  } else {
+    ScoreRows<1>(q_rows + static_cast<size_t>(r) * dp, dp, k_block, scores);
+  }
+}
+
 // AccumulateRows over rows [r_begin, r_end), in groups that share each V load.
 template <typename T>
 void AccumulateHead(const float* p, const float* correction, const T* v, size_t v_stride, float* acc, int dp,
