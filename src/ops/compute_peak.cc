@@ -74,7 +74,12 @@ int64_t Int8DotLoopImpl(int64_t iterations, float* sink) {
   }
   __m512i sum = acc[0];
   for (int i = 1; i < kChains; ++i) sum = _mm512_add_epi32(sum, acc[i]);
-  *sink = static_cast<float>(_mm512_reduce_add_epi32(sum));
+  // (Not _mm512_reduce_add_epi32: GCC adds its lanes as signed ints, which these wrapped sums overflow.)
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, sum);
+  uint32_t total = 0;
+  for (uint32_t lane : lanes) total += lane;
+  *sink = static_cast<float>(total);
   return iterations * kChains * 64;
 #elif KVS_ISA_AVX2
   __m256i acc[kChains];
