@@ -125,6 +125,21 @@ void MatMulRows(const matmul::Kernel& kernel, const WeightView& w, const uint8_t
   // Many tokens: 4x4 register tiles reuse every load 4 times and are compute-bound.
   for (int64_t t_block = 0; t_block < n_tokens; t_block += block_tokens) {
     const int64_t t_block_end = std::min(n_tokens, t_block + block_tokens);
+    if (kernel.panel != nullptr) {  // the kernel walks the thread's rows itself
+      matmul::TileArgs args;
+      args.w = w_bytes + row_begin * row_bytes;
+      args.w_row_bytes = row_bytes;
+      args.n_rows = static_cast<int>(row_end - row_begin);
+      args.x = x + t_block * x_token_bytes;
+      args.x_token_bytes = x_token_bytes;
+      args.n_tokens = static_cast<int>(t_block_end - t_block);
+      args.cols = w.cols;
+      args.y = y + t_block * w.rows + row_begin;
+      args.y_stride = w.rows;
+      args.w_prefetch = nullptr;
+      kernel.panel(args);
+      continue;
+    }
     for (int64_t r0 = row_begin; r0 < row_end; r0 += matmul::kMaxTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(matmul::kMaxTileRows, row_end - r0));
       const int64_t next_r0 = r0 + matmul::kMaxTileRows;

@@ -44,6 +44,11 @@ struct Kernel {
   // kernel's single-token strip then reads this layout. Null: pack_token serves decode too.
   size_t (*decode_token_bytes)(int64_t cols) = nullptr;
   void (*pack_decode_token)(const float* x, int64_t cols, uint8_t* dst) = nullptr;
+  // Optional many-token path (prefill, batched decode): computes all args.n_rows rows (any
+  // count) for all args.n_tokens tokens (any count) of one token block over the full inner
+  // dimension, packing the weights into a layout of its own (see matmul_q8_0.cc). Null: the
+  // driver walks `tile`s.
+  void (*panel)(const TileArgs& args) = nullptr;
 };
 
 }  // namespace kvsparse::matmul

@@ -1,0 +1,151 @@
+// Panels: the many-token matmul path (Kernel::panel) of the avx512 family, shared by the weight
+// types that have one (matmul_q8_0.cc, matmul_q4_k.cc). Include it inside a family region (see
+// simd_family.h), after matmul_tile-inl.h.
+//
+// Why: a register tile (matmul_tile-inl.h) multiplies one weight row by one token per vpdpbusd,
+// so each int32 lane sums 4 products of one row, and the block scales change every 8 lanes: a
+// convert, a multiply and an FMA follow every vpdpbusd. A panel turns the weights so that one
+// vpdpbusd serves 16 rows: a group of 16 rows is packed per 32-element (sub-)block as
+//   uint8_t codes[8 quads][16 lanes][4 bytes]   lane k: elements 4c..4c+3 of row PanelRow(k)
+// plus the type's per-row f32 factors in the same lane order, so 8 vpdpbusd with 4 of a token's
+// int8 codes broadcast each sum the whole block for 16 rows, and the scales cost one convert and
+// FMA (or two) per 8 of them. A panel of kPanelGroups groups is packed once per token block into
+// per-thread scratch (it stays in L2) and multiplied by every token of the block, kPanelTokens at
+// a time (2 x 4 int32 sums and 2 x 4 f32 accumulators: 16 of the 32 zmm registers).
+//
+// A weight type supplies P (its block arithmetic; see RunPanels), and its Kernel's `panel` is
+// &RunPanels<P>. The integer block dots are exact, as the tiles'; only the f32 sum order differs.
+#if defined(KVS_OPS_MATMUL_PANEL_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KVS_OPS_MATMUL_PANEL_INL_H_
+#undef KVS_OPS_MATMUL_PANEL_INL_H_
+#else
+#define KVS_OPS_MATMUL_PANEL_INL_H_
+#endif
+
+namespace kvsparse::matmul::HWY_NAMESPACE {
+
+#if KVS_ISA_AVX512
+constexpr int kPanelGroupRows = 16;  // rows per vector
+constexpr int kPanelGroups = 2;      // groups per panel
+constexpr int kPanelRows = kPanelGroups * kPanelGroupRows;
+constexpr int kPanelTokens = 4;
+constexpr size_t kPanelCodeBytes = 8 * 64;  // one 32-element block of a group: 8 quads x 64 bytes
+
+// The row of a group held by vector lane k: the 4x4 dword transpose per 128-bit lane leaves row
+// 4i + L in lane 4L + i (an involution, so it also maps rows to lanes).
+constexpr int PanelRow(int lane) { return 4 * (lane % 4) + lane / 4; }
+
+typedef int32_t PanelAliasedI32 __attribute__((may_alias, aligned(1)));  // four codes read as one word
+
+// 16 bytes at chunk[j] of each row j of a group, as 4 quad vectors: quad[c] lane k holds bytes
+// 4c..4c+3 of row PanelRow(k)'s chunk.
+inline void TransposeRowChunks(const uint8_t* const* chunk, __m512i (&quad)[4]) {
+  __m512i x[4];  // x[i] 128-bit lane L: row 4i + L
+  for (int i = 0; i < 4; ++i) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[4 * i])));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[4 * i + 1])), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[4 * i + 2])), 2);
+    x[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[4 * i + 3])), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+  quad[0] = _mm512_unpacklo_epi64(t0, t2);
+  quad[1] = _mm512_unpackhi_epi64(t0, t2);
+  quad[2] = _mm512_unpacklo_epi64(t1, t3);
+  quad[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// Lanes of a group whose row is one of its first n_valid rows.
+inline __mmask16 PanelValidLanes(int n_valid) {
+  __mmask16 lanes = 0;
+  for (int k = 0; k < kPanelGroupRows; ++k) lanes |= static_cast<__mmask16>((PanelRow(k) < n_valid ? 1 : 0) << k);
+  return lanes;
+}
+
+// dot[g] (16 rows' int32 sums, from their start values) += a block's 8 quads of G groups'
+// codes times one token's 32 codes x.
+template <int G, int T>
+inline void PanelBlockDots(const uint8_t* codes, size_t group_stride, const int8_t* const* x, __m512i (&dot)[G][T]) {
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    __m512i w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm512_load_si512(codes + g * group_stride + c * 64);
+    for (int t = 0; t < T; ++t) {
+      const __m512i xq = _mm512_set1_epi32(*reinterpret_cast<const PanelAliasedI32*>(x[t] + 4 * c));
+      for (int g = 0; g < G; ++g) dot[g][t] = _mm512_dpbusd_epi32(dot[g][t], w[g], xq);
+    }
+  }
+}
+
+// P supplies:
+//   kBlockElems, kGroupBlockBytes     weight block size; packed bytes per block and group
+//   PrepareTokens(a, n_blocks)        per-call token data (gathered once per token block)
+//   PackGroup(a, row, n_valid, group, n_blocks, panel)
+//                                     rows row .. row + n_valid - 1 as group `group` of the panel
+//                                     (block b at panel + b * kPanelGroups * kGroupBlockBytes)
+//   Sums<G, T>(a, panel, n_blocks, t0, acc)
+//                                     acc[g][t] = sum over the blocks for tokens t0 + t
+template <class P, int G, int T>
+void PanelTokens(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, int r0, int n_rows) {
+  __m512 acc[G][T];
+  P::template Sums<G, T>(a, panel, n_blocks, t0, acc);
+  const __m512i natural = _mm512_setr_epi32(PanelRow(0), PanelRow(1), PanelRow(2), PanelRow(3), PanelRow(4),
+                                            PanelRow(5), PanelRow(6), PanelRow(7), PanelRow(8), PanelRow(9),
+                                            PanelRow(10), PanelRow(11), PanelRow(12), PanelRow(13), PanelRow(14),
+                                            PanelRow(15));
+  for (int g = 0; g < G; ++g) {
+    const int rows_here = std::min(kPanelGroupRows, n_rows - g * kPanelGroupRows);
+    const __mmask16 mask = static_cast<__mmask16>((1u << rows_here) - 1);
+    for (int t = 0; t < T; ++t) {
+      _mm512_mask_storeu_ps(a.y + (t0 + t) * a.y_stride + r0 + g * kPanelGroupRows, mask,
+                            _mm512_permutexvar_ps(natural, acc[g][t]));
+    }
+  }
+}
+
+template <class P, int G>
+void DispatchPanelTokens(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, int n_tokens, int r0,
+                         int n_rows) {
+  switch (n_tokens) {
+    case 1: return PanelTokens<P, G, 1>(a, panel, n_blocks, t0, r0, n_rows);
+    case 2: return PanelTokens<P, G, 2>(a, panel, n_blocks, t0, r0, n_rows);
+    case 3: return PanelTokens<P, G, 3>(a, panel, n_blocks, t0, r0, n_rows);
+    default: return PanelTokens<P, G, 4>(a, panel, n_blocks, t0, r0, n_rows);
+  }
+}
+
+// Kernel::panel of weight type P: every row of `a` (any count) times every token (any count).
+template <class P>
+void RunPanels(const TileArgs& a) {
+  const int64_t n_blocks = a.cols / P::kBlockElems;
+  P::PrepareTokens(a, n_blocks);
+  static thread_local hwy::AlignedFreeUniquePtr<uint8_t[]> panel;
+  static thread_local int64_t panel_blocks = 0;
+  if (n_blocks > panel_blocks) {
+    panel = hwy::AllocateAligned<uint8_t>(static_cast<size_t>(n_blocks) * kPanelGroups * P::kGroupBlockBytes);
+    KVS_CHECK(panel != nullptr && reinterpret_cast<uintptr_t>(panel.get()) % 64 == 0);
+    panel_blocks = n_blocks;
+  }
+  for (int r0 = 0; r0 < a.n_rows; r0 += kPanelRows) {
+    const int n_rows = std::min(kPanelRows, a.n_rows - r0);
+    const int groups = (n_rows + kPanelGroupRows - 1) / kPanelGroupRows;
+    for (int g = 0; g < groups; ++g) {
+      P::PackGroup(a, r0 + g * kPanelGroupRows, std::min(kPanelGroupRows, n_rows - g * kPanelGroupRows), g, n_blocks,
+                   panel.get());
+    }
+    for (int t0 = 0; t0 < a.n_tokens; t0 += kPanelTokens) {
+      const int n_tokens = std::min(kPanelTokens, a.n_tokens - t0);
+      static_assert(kPanelGroups == 2);
+      if (groups == 2) {
+        DispatchPanelTokens<P, 2>(a, panel.get(), n_blocks, t0, n_tokens, r0, n_rows);
+      } else {
+        DispatchPanelTokens<P, 1>(a, panel.get(), n_blocks, t0, n_tokens, r0, n_rows);
+      }
+    }
+  }
+}
+#endif  // KVS_ISA_AVX512
+
+}  // namespace kvsparse::matmul::HWY_NAMESPACE
+
+#endif  // KVS_OPS_MATMUL_PANEL_INL_H_ toggle
