@@ -62,12 +62,12 @@ inline __mmask16 PanelValidLanes(int n_valid) {
   return lanes;
 }
 
-// dot[g] (16 rows' int32 sums, from their start values) += a block's 8 quads of G groups'
-// codes times one token's 32 codes x.
-template <int G, int T>
+// dot[g][t] (16 rows' int32 sums, from their start values) += a block's kQuads quads of G
+// groups' codes times token t's 4 kQuads codes x[t].
+template <int G, int T, int kQuads = 8>
 inline void PanelBlockDots(const uint8_t* codes, size_t group_stride, const int8_t* const* x, __m512i (&dot)[G][T]) {
 #pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c) {
+  for (int c = 0; c < kQuads; ++c) {
     __m512i w[G];
     for (int g = 0; g < G; ++g) w[g] = _mm512_load_si512(codes + g * group_stride + c * 64);
     for (int t = 0; t < T; ++t) {
@@ -76,6 +76,113 @@ inline void PanelBlockDots(const uint8_t* codes, size_t group_stride, const int8
     }
   }
 }
+
+// The super-block types against Q8_K activations (value = s_j * u - m_j per row and sub-block j
+// of kSubBlockElems elements, u unsigned codes): per row and token
+//   sum = d_x * (sum_j s_j dot(u_j, x_j) - sum_j m_j sum(x_j))
+// with sum(x_j) from the activations' bsums, converted once per call. C supplies kSubBlockElems
+// (32 or 16) and PackSuperBlock(src, n_valid, b, group, block), which writes a super-block's codes
+// [sub-block][group][kQuads x 64 bytes], then s [sub-block][group][16 f32] at kScalesOffset and
+// m likewise at kMinsOffset (lanes of rows past n_valid get s = m = 0).
+template <class C>
+struct SuperBlockPanel {
+  using Block = typename C::Block;
+  static constexpr int kBlockElems = kQK_K;
+  static constexpr int kSubBlocks = kQK_K / C::kSubBlockElems;
+  static constexpr int kQuads = C::kSubBlockElems / 4;
+  static constexpr size_t kSubBlockCodeBytes = kQuads * 64;
+  static constexpr size_t kGroupBlockBytes = kSubBlocks * (kSubBlockCodeBytes + 2 * kPanelGroupRows * sizeof(float));
+  static constexpr size_t kBlockBytes = kPanelGroups * kGroupBlockBytes;
+  static constexpr size_t kScalesOffset = kSubBlocks * kPanelGroups * kSubBlockCodeBytes;
+  static constexpr size_t kMinsOffset = kScalesOffset + kSubBlocks * kPanelGroups * kPanelGroupRows * sizeof(float);
+  static uint8_t* SubBlockCodes(uint8_t* block, int j, int group) {
+    return block + (j * kPanelGroups + group) * kSubBlockCodeBytes;
+  }
+  static float* Scales(uint8_t* block, int j, int group) {
+    return reinterpret_cast<float*>(block + kScalesOffset) + (j * kPanelGroups + group) * kPanelGroupRows;
+  }
+  static float* Mins(uint8_t* block, int j, int group) {
+    return reinterpret_cast<float*>(block + kMinsOffset) + (j * kPanelGroups + group) * kPanelGroupRows;
+  }
+
+  static std::vector<float>& SubBlockSums() {
+    static thread_local std::vector<float> sums;  // [n_tokens, n_blocks, kSubBlocks] sum(x_j)
+    return sums;
+  }
+
+  static void PrepareTokens(const TileArgs& a, int64_t n_blocks) {
+    constexpr int kSumsPerSubBlock = C::kSubBlockElems / 16;  // bsums cover 16 codes each
+    std::vector<float>& sums = SubBlockSums();
+    sums.resize(static_cast<size_t>(a.n_tokens) * n_blocks * kSubBlocks);
+    for (int t = 0; t < a.n_tokens; ++t) {
+      const BlockQ8_K* x = Q8KTokenBlocks(a, t);
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        for (int j = 0; j < kSubBlocks; ++j) {
+          int32_t sum = 0;
+          for (int i = 0; i < kSumsPerSubBlock; ++i) sum += x[b].bsums[kSumsPerSubBlock * j + i];
+          sums[(t * n_blocks + b) * kSubBlocks + j] = static_cast<float>(sum);
+        }
+      }
+    }
+  }
+
+  static void PackGroup(const TileArgs& a, int row, int n_valid, int group, int64_t n_blocks, uint8_t* panel) {
+    const Block* src[kPanelGroupRows];
+    for (int j = 0; j < kPanelGroupRows; ++j) src[j] = WeightBlocks<Block>(a, row + (j < n_valid ? j : 0));
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      C::PackSuperBlock(src, n_valid, b, group, panel + b * kBlockBytes);
+      if (b + 2 < n_blocks) {  // the rows' next super-blocks, ahead of this walk
+        for (int j = 0; j < n_valid; ++j) {
+          for (size_t off = 0; off < sizeof(Block); off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(&src[j][b + 2]) + off, _MM_HINT_T0);
+          }
+        }
+      }
+    }
+  }
+
+  template <int G, int T>
+  static void Sums(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, __m512 (&acc)[G][T]) {
+    const float* sums = SubBlockSums().data();
+    const BlockQ8_K* x[T];
+    for (int t = 0; t < T; ++t) {
+      x[t] = Q8KTokenBlocks(a, t0 + t);
+      for (int g = 0; g < G; ++g) acc[g][t] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      uint8_t* block = const_cast<uint8_t*>(panel + b * kBlockBytes);
+      __m512 sb[G][T];  // the super-block's sum before d_x
+      for (int j = 0; j < kSubBlocks; ++j) {
+        const int8_t* xj[T];
+        __m512i dot[G][T];
+        for (int t = 0; t < T; ++t) {
+          xj[t] = x[t][b].qs + C::kSubBlockElems * j;
+          for (int g = 0; g < G; ++g) dot[g][t] = _mm512_setzero_si512();
+        }
+        PanelBlockDots<G, T, kQuads>(SubBlockCodes(block, j, 0), kSubBlockCodeBytes, xj, dot);
+        for (int g = 0; g < G; ++g) {
+          const __m512 ws = _mm512_load_ps(Scales(block, j, g));
+          for (int t = 0; t < T; ++t) {
+            sb[g][t] = j == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot[g][t]), ws)
+                              : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g][t]), ws, sb[g][t]);
+          }
+        }
+      }
+      for (int j = 0; j < kSubBlocks; ++j) {
+        for (int g = 0; g < G; ++g) {
+          const __m512 wm = _mm512_load_ps(Mins(block, j, g));
+          for (int t = 0; t < T; ++t) {
+            sb[g][t] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(sums[((t0 + t) * n_blocks + b) * kSubBlocks + j]), sb[g][t]);
+          }
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512 dx = _mm512_set1_ps(x[t][b].d);
+        for (int g = 0; g < G; ++g) acc[g][t] = _mm512_fmadd_ps(sb[g][t], dx, acc[g][t]);
+      }
+    }
+  }
+};
 
 // P supplies:
 //   kBlockElems, kGroupBlockBytes     weight block size; packed bytes per block and group

@@ -233,123 +233,37 @@ struct Q4_KSteps {
 };
 
 #if KVS_ISA_AVX512
-// The panel arithmetic (matmul_panel-inl.h), per super-block with its 8 sub-blocks j as the
-// panel's 32-element blocks: codes u (0..15, unsigned as they stand, so the dots start at 0),
-// and per row and sub-block the f32 factors d * sc_j and dmin * m_j. Per row and token:
-//   sum = d_x * (sum_j (d sc_j) dot(u_j, x_j) - sum_j (dmin m_j) sum(x_j))
-// with sum(x_j) from the activations' bsums, converted once per call.
-struct Q4_KPanel {
-  static constexpr int kBlockElems = kQK_K;
-  static constexpr size_t kGroupBlockBytes = kSubBlocks * (kPanelCodeBytes + 2 * kPanelGroupRows * sizeof(float));
-  // A super-block of the panel: codes [sub-block][group][512], then scales and mins
-  // [sub-block][group][16 floats] each.
-  static constexpr size_t kBlockBytes = kPanelGroups * kGroupBlockBytes;
-  static constexpr size_t kScalesOffset = kSubBlocks * kPanelGroups * kPanelCodeBytes;
-  static constexpr size_t kMinsOffset = kScalesOffset + kSubBlocks * kPanelGroups * kPanelGroupRows * sizeof(float);
-
-  static std::vector<float>& SubBlockSums() {
-    static thread_local std::vector<float> sums;  // [n_tokens, n_blocks, kSubBlocks] sum(x_j) as f32
-    return sums;
-  }
-  static const BlockQ8_K* TokenBlocks(const TileArgs& a, int t) { return Q8KTokenBlocks(a, t); }
-
-  static void PrepareTokens(const TileArgs& a, int64_t n_blocks) {
-    std::vector<float>& sums = SubBlockSums();
-    sums.resize(static_cast<size_t>(a.n_tokens) * n_blocks * kSubBlocks);
-    for (int t = 0; t < a.n_tokens; ++t) {
-      const BlockQ8_K* x = TokenBlocks(a, t);
-      for (int64_t b = 0; b < n_blocks; ++b) {
-        for (int j = 0; j < kSubBlocks; ++j) {
-          sums[(t * n_blocks + b) * kSubBlocks + j] = static_cast<float>(x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
-        }
-      }
-    }
-  }
-
-  static void PackGroup(const TileArgs& a, int row, int n_valid, int group, int64_t n_blocks, uint8_t* panel) {
-    const BlockQ4_K* src[kPanelGroupRows];
-    for (int j = 0; j < kPanelGroupRows; ++j) src[j] = WeightBlocks<BlockQ4_K>(a, row + (j < n_valid ? j : 0));
+// The panel's super-block packing (SuperBlockPanel in matmul_panel-inl.h): sub-blocks of 32 codes
+// u = the nibbles (0..15), s_j = d * sc_j, m_j = dmin * m_j.
+struct Q4_KPanelCodes {
+  using Block = BlockQ4_K;
+  static constexpr int kSubBlockElems = 32;
+  using Panel = SuperBlockPanel<Q4_KPanelCodes>;
+  static void PackSuperBlock(const Block* const* src, int n_valid, int64_t b, int group, uint8_t* block) {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      uint8_t* block = panel + b * kBlockBytes;
-      for (int pair = 0; pair < kSubBlocks / 2; ++pair) {
-        for (int half = 0; half < 2; ++half) {
-          const uint8_t* chunk[kPanelGroupRows];
-          for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].qs + 32 * pair + 16 * half;
-          __m512i quad[4];
-          TransposeRowChunks(chunk, quad);
-          // Low nibbles are sub-block 2 pair, high nibbles 2 pair + 1.
-          uint8_t* lo = block + ((2 * pair) * kPanelGroups + group) * kPanelCodeBytes + 4 * half * 64;
-          uint8_t* hi = block + ((2 * pair + 1) * kPanelGroups + group) * kPanelCodeBytes + 4 * half * 64;
-          for (int c = 0; c < 4; ++c) {
-            _mm512_store_si512(lo + 64 * c, _mm512_and_si512(quad[c], low_nibbles));
-            _mm512_store_si512(hi + 64 * c, _mm512_and_si512(_mm512_srli_epi16(quad[c], 4), low_nibbles));
-          }
-        }
-      }
-      float* scales = reinterpret_cast<float*>(block + kScalesOffset);
-      float* mins = reinterpret_cast<float*>(block + kMinsOffset);
-      for (int k = 0; k < kPanelGroupRows; ++k) {
-        const int r = PanelRow(k);
-        const BlockQ4_K& w = src[r][b];
-        const ScalesMins sm = Unpack(w);
-        const float d = r < n_valid ? _cvtsh_ss(w.d) : 0.f, dmin = r < n_valid ? _cvtsh_ss(w.dmin) : 0.f;
-        for (int j = 0; j < kSubBlocks; ++j) {
-          scales[(j * kPanelGroups + group) * kPanelGroupRows + k] = d * static_cast<float>(sm.scale[j]);
-          mins[(j * kPanelGroups + group) * kPanelGroupRows + k] = dmin * static_cast<float>(sm.min[j]);
-        }
-      }
-      if (b + 2 < n_blocks) {  // the rows' next super-blocks, ahead of this walk
-        for (int j = 0; j < n_valid; ++j) {
-          for (size_t off = 0; off < sizeof(BlockQ4_K); off += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(&src[j][b + 2]) + off, _MM_HINT_T0);
-          }
+    for (int pair = 0; pair < kSubBlocks / 2; ++pair) {
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* chunk[kPanelGroupRows];
+        for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].qs + 32 * pair + 16 * half;
+        __m512i quad[4];
+        TransposeRowChunks(chunk, quad);
+        // Low nibbles are sub-block 2 pair, high nibbles 2 pair + 1.
+        uint8_t* lo = Panel::SubBlockCodes(block, 2 * pair, group) + 4 * half * 64;
+        uint8_t* hi = Panel::SubBlockCodes(block, 2 * pair + 1, group) + 4 * half * 64;
+        for (int c = 0; c < 4; ++c) {
+          _mm512_store_si512(lo + 64 * c, _mm512_and_si512(quad[c], low_nibbles));
+          _mm512_store_si512(hi + 64 * c, _mm512_and_si512(_mm512_srli_epi16(quad[c], 4), low_nibbles));
         }
       }
     }
-  }
-
-  template <int G, int T>
-  static void Sums(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, __m512 (&acc)[G][T]) {
-    const float* sums = SubBlockSums().data();
-    const BlockQ8_K* x[T];
-    for (int t = 0; t < T; ++t) {
-      x[t] = TokenBlocks(a, t0 + t);
-      for (int g = 0; g < G; ++g) acc[g][t] = _mm512_setzero_ps();
-    }
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      const uint8_t* block = panel + b * kBlockBytes;
-      const float* scales = reinterpret_cast<const float*>(block + kScalesOffset);
-      const float* mins = reinterpret_cast<const float*>(block + kMinsOffset);
-      __m512 sb[G][T];  // the super-block's sum before d_x
+    for (int k = 0; k < kPanelGroupRows; ++k) {
+      const int r = PanelRow(k);
+      const Block& w = src[r][b];
+      const ScalesMins sm = Unpack(w);
+      const float d = r < n_valid ? _cvtsh_ss(w.d) : 0.f, dmin = r < n_valid ? _cvtsh_ss(w.dmin) : 0.f;
       for (int j = 0; j < kSubBlocks; ++j) {
-        const int8_t* xj[T];
-        __m512i dot[G][T];
-        for (int t = 0; t < T; ++t) {
-          xj[t] = x[t][b].qs + 32 * j;
-          for (int g = 0; g < G; ++g) dot[g][t] = _mm512_setzero_si512();
-        }
-        PanelBlockDots<G, T>(block + j * kPanelGroups * kPanelCodeBytes, kPanelCodeBytes, xj, dot);
-        for (int g = 0; g < G; ++g) {
-          const __m512 ws = _mm512_load_ps(scales + (j * kPanelGroups + g) * kPanelGroupRows);
-          for (int t = 0; t < T; ++t) {
-            sb[g][t] = j == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot[g][t]), ws)
-                              : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g][t]), ws, sb[g][t]);
-          }
-        }
-      }
-      for (int j = 0; j < kSubBlocks; ++j) {
-        for (int g = 0; g < G; ++g) {
-          const __m512 wm = _mm512_load_ps(mins + (j * kPanelGroups + g) * kPanelGroupRows);
-          for (int t = 0; t < T; ++t) {
-            const float sum_x = sums[((t0 + t) * n_blocks + b) * kSubBlocks + j];
-            sb[g][t] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(sum_x), sb[g][t]);
-          }
-        }
-      }
-      for (int t = 0; t < T; ++t) {
-        const __m512 dx = _mm512_set1_ps(x[t][b].d);
-        for (int g = 0; g < G; ++g) acc[g][t] = _mm512_fmadd_ps(sb[g][t], dx, acc[g][t]);
+        Panel::Scales(block, j, group)[k] = d * static_cast<float>(sm.scale[j]);
+        Panel::Mins(block, j, group)[k] = dmin * static_cast<float>(sm.min[j]);
       }
     }
   }
@@ -366,7 +280,7 @@ void PackToken(const float* x, int64_t cols, uint8_t* dst) {
 constexpr Kernel MakeKernel() {
   Kernel kernel{&PackedBytes, &PackToken, &DispatchTile<BlockTile<Q4_KSteps>>};
 #if KVS_ISA_AVX512
-  kernel.panel = &RunPanels<Q4_KPanel>;
+  kernel.panel = &RunPanels<Q4_KPanelCodes::Panel>;
 #endif
   return kernel;
 }

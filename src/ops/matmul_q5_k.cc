@@ -1,13 +1,17 @@
 // Q5_K weights x Q8_K activations -- ggml's vec_dot_q5_k_q8_K arithmetic (matmul_kquant-inl.h).
 // Compiled once per kernel family; the tile loop is shared (BlockTile in matmul_tile-inl.h), this
 // file holds one super-block step.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/kquant_blocks.h"
 #include "ops/matmul_kernels.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_q5_k.cc"
@@ -20,6 +24,7 @@
 #include "ops/matmul_tile-inl.h"
 #include "ops/quantize-inl.h"
 #include "ops/matmul_kquant-inl.h"
+#include "ops/matmul_panel-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
@@ -106,7 +111,59 @@ using Q5_KSteps = KQuantAvx2Steps<Q5_KCodes>;
 using Q5_KSteps = KQuantScalarSteps<Q5_KInts>;
 #endif
 
-constexpr Kernel kKernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q5_KSteps>>};
+#if KVS_ISA_AVX512
+// The panel's super-block packing (SuperBlockPanel in matmul_panel-inl.h): Q4_K's with the fifth
+// bit of element 32j + l (bit j of qh[l]) on top, so u = 0..31; s_j = d * sc_j, m_j = dmin * m_j.
+struct Q5_KPanelCodes {
+  using Block = BlockQ5_K;
+  static constexpr int kSubBlockElems = 32;
+  using Panel = SuperBlockPanel<Q5_KPanelCodes>;
+  static void PackSuperBlock(const Block* const* src, int n_valid, int64_t b, int group, uint8_t* block) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* chunk[kPanelGroupRows];
+      __m512i qh[4];
+      for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].qh + 16 * half;
+      TransposeRowChunks(chunk, qh);
+      for (int pair = 0; pair < Panel::kSubBlocks / 2; ++pair) {
+        __m512i qs[4];
+        for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].qs + 32 * pair + 16 * half;
+        TransposeRowChunks(chunk, qs);
+        for (int nibble = 0; nibble < 2; ++nibble) {
+          const int sub = 2 * pair + nibble;
+          uint8_t* dst = Panel::SubBlockCodes(block, sub, group) + 4 * half * 64;
+          for (int c = 0; c < 4; ++c) {
+            // 16-bit shifts leak no neighbour bits into the kept ones (low 4 after >> 4, bit 0).
+            const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs[c], 4 * nibble), low4);
+            const __m512i fifth = _mm512_and_si512(_mm512_srli_epi16(qh[c], sub), one);
+            _mm512_store_si512(dst + 64 * c, _mm512_or_si512(low, _mm512_slli_epi16(fifth, 4)));
+          }
+        }
+      }
+    }
+    for (int k = 0; k < kPanelGroupRows; ++k) {
+      const int r = PanelRow(k);
+      const Block& w = src[r][b];
+      const float d = r < n_valid ? _cvtsh_ss(w.d) : 0.f, dmin = r < n_valid ? _cvtsh_ss(w.dmin) : 0.f;
+      for (int j = 0; j < Panel::kSubBlocks; ++j) {
+        int scale, min;
+        quant::KScaleMin(j, w.scales, &scale, &min);
+        Panel::Scales(block, j, group)[k] = d * static_cast<float>(scale);
+        Panel::Mins(block, j, group)[k] = dmin * static_cast<float>(min);
+      }
+    }
+  }
+};
+#endif
+
+constexpr Kernel MakeKernel() {
+  Kernel kernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q5_KSteps>>};
+#if KVS_ISA_AVX512
+  kernel.panel = &RunPanels<Q5_KPanelCodes::Panel>;
+#endif
+  return kernel;
+}
+constexpr Kernel kKernel = MakeKernel();
 
 }  // namespace
 

@@ -1,13 +1,17 @@
 // Q6_K weights x Q8_K activations -- ggml's vec_dot_q6_k_q8_K arithmetic (matmul_kquant-inl.h).
 // Compiled once per kernel family; the tile loop is shared (BlockTile in matmul_tile-inl.h), this
 // file holds one super-block step.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/kquant_blocks.h"
 #include "ops/matmul_kernels.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_q6_k.cc"
@@ -20,6 +24,7 @@
 #include "ops/matmul_tile-inl.h"
 #include "ops/quantize-inl.h"
 #include "ops/matmul_kquant-inl.h"
+#include "ops/matmul_panel-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
@@ -88,7 +93,59 @@ using Q6_KSteps = KQuantAvx2Steps<Q6_KCodes>;
 using Q6_KSteps = KQuantScalarSteps<Q6_KInts>;
 #endif
 
-constexpr Kernel kKernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q6_KSteps>>};
+#if KVS_ISA_AVX512
+// The panel's super-block packing (SuperBlockPanel in matmul_panel-inl.h): sub-blocks of 16 codes
+// u = q + 32 (0..63), s_g = d * sc_g and m_g = 32 * s_g. Element 128 h + 32 k + l takes its low 4
+// bits from nibble k / 2 of ql[64 h + 32 (k % 2) + l] and its top 2 from bits 2k, 2k+1 of
+// qh[32 h + l]: three 16-byte transposes give four sub-blocks.
+struct Q6_KPanelCodes {
+  using Block = BlockQ6_K;
+  static constexpr int kSubBlockElems = 16;
+  using Panel = SuperBlockPanel<Q6_KPanelCodes>;
+  static void PackSuperBlock(const Block* const* src, int n_valid, int64_t b, int group, uint8_t* block) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+    for (int h = 0; h < 2; ++h) {
+      for (int half = 0; half < 2; ++half) {  // l in [16 half, 16 half + 16)
+        const uint8_t* chunk[kPanelGroupRows];
+        __m512i ql[2][4], qh[4];
+        for (int odd = 0; odd < 2; ++odd) {
+          for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].ql + 64 * h + 32 * odd + 16 * half;
+          TransposeRowChunks(chunk, ql[odd]);
+        }
+        for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].qh + 32 * h + 16 * half;
+        TransposeRowChunks(chunk, qh);
+        for (int k = 0; k < 4; ++k) {
+          uint8_t* dst = Panel::SubBlockCodes(block, 8 * h + 2 * k + half, group);
+          for (int c = 0; c < 4; ++c) {
+            // 16-bit shifts leak no neighbour bits into the kept ones (low 4 after >> 4, low 2).
+            const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ql[k % 2][c], 4 * (k / 2)), low4);
+            const __m512i top = _mm512_and_si512(_mm512_srli_epi16(qh[c], 2 * k), low2);
+            _mm512_store_si512(dst + 64 * c, _mm512_or_si512(low, _mm512_slli_epi16(top, 4)));
+          }
+        }
+      }
+    }
+    for (int k = 0; k < kPanelGroupRows; ++k) {
+      const int r = PanelRow(k);
+      const float d = r < n_valid ? _cvtsh_ss(src[r][b].d) : 0.f;
+      for (int g = 0; g < Panel::kSubBlocks; ++g) {
+        const float s = d * static_cast<float>(src[r][b].scales[g]);
+        Panel::Scales(block, g, group)[k] = s;
+        Panel::Mins(block, g, group)[k] = 32.f * s;
+      }
+    }
+  }
+};
+#endif
+
+constexpr Kernel MakeKernel() {
+  Kernel kernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q6_KSteps>>};
+#if KVS_ISA_AVX512
+  kernel.panel = &RunPanels<Q6_KPanelCodes::Panel>;
+#endif
+  return kernel;
+}
+constexpr Kernel kKernel = MakeKernel();
 
 }  // namespace
 
