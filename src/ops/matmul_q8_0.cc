@@ -132,7 +132,8 @@ struct Q8_0Panel {
   }
 
   template <int G, int T>
-  static void Sums(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, __m512 (&acc)[G][T]) {
+  static void Sums(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, PanelPrefetch& prefetch,
+                   __m512 (&acc)[G][T]) {
     const TokenBlocks& tb = Tokens();
     const uint8_t* x[T];
     const int32_t* init[T];
@@ -144,6 +145,7 @@ struct Q8_0Panel {
       for (int g = 0; g < G; ++g) acc[g][t] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < n_blocks; ++b) {
+      prefetch.Step();
       const uint8_t* block = panel + b * kBlockBytes;
       const int8_t* xb[T];
       __m512i dot[G][T];
