@@ -1,13 +1,17 @@
 // Q3_K weights x Q8_K activations -- ggml's vec_dot_q3_k_q8_K arithmetic (matmul_kquant-inl.h).
 // Compiled once per kernel family; the tile loop is shared (BlockTile in matmul_tile-inl.h), this
 // file holds one super-block step.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/kquant_blocks.h"
 #include "ops/matmul_kernels.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_q3_k.cc"
@@ -20,6 +24,7 @@
 #include "ops/matmul_tile-inl.h"
 #include "ops/quantize-inl.h"
 #include "ops/matmul_kquant-inl.h"
+#include "ops/matmul_panel-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
@@ -102,7 +107,58 @@ using Q3_KSteps = KQuantAvx2Steps<Q3_KCodes>;
 using Q3_KSteps = KQuantScalarSteps<Q3_KInts>;
 #endif
 
-constexpr Kernel kKernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q3_KSteps>>};
+#if KVS_ISA_AVX512
+// The panel's super-block packing (SuperBlockPanel in matmul_panel-inl.h): sub-blocks of 16 codes
+// u = low + 4 * high (0..7, q = u - 4), s_g = d * sc_g and m_g = 4 * s_g. Element 128 h + 32 k + l
+// has its low 2 bits at bits 2k, 2k+1 of qs[32 h + l] and its high bit at bit 4h + k of hmask[l]:
+// one qs transpose gives four sub-blocks, one hmask transpose serves both h.
+struct Q3_KPanelCodes {
+  using Block = BlockQ3_K;
+  static constexpr int kSubBlockElems = 16;
+  using Panel = SuperBlockPanel<Q3_KPanelCodes>;
+  static void PackSuperBlock(const Block* const* src, int n_valid, int64_t b, int group, uint8_t* block) {
+    const __m512i low2 = _mm512_set1_epi8(0x03), one = _mm512_set1_epi8(0x01);
+    for (int half = 0; half < 2; ++half) {  // l in [16 half, 16 half + 16)
+      const uint8_t* chunk[kPanelGroupRows];
+      __m512i hmask[4];
+      for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].hmask + 16 * half;
+      TransposeRowChunks(chunk, hmask);
+      for (int h = 0; h < 2; ++h) {
+        __m512i qs[4];
+        for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].qs + 32 * h + 16 * half;
+        TransposeRowChunks(chunk, qs);
+        for (int k = 0; k < 4; ++k) {
+          uint8_t* dst = Panel::SubBlockCodes(block, 8 * h + 2 * k + half, group);
+          for (int c = 0; c < 4; ++c) {
+            // 16-bit shifts leak no neighbour bits into the kept ones (low 2, bit 0).
+            const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs[c], 2 * k), low2);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(hmask[c], 4 * h + k), one);
+            _mm512_store_si512(dst + 64 * c, _mm512_or_si512(low, _mm512_slli_epi16(high, 2)));
+          }
+        }
+      }
+    }
+    for (int k = 0; k < kPanelGroupRows; ++k) {
+      const int r = PanelRow(k);
+      const float d = r < n_valid ? _cvtsh_ss(src[r][b].d) : 0.f;
+      for (int g = 0; g < Panel::kSubBlocks; ++g) {
+        const float s = d * static_cast<float>(quant::Q3KScale(src[r][b].scales, g));
+        Panel::Scales(block, g, group)[k] = s;
+        Panel::Mins(block, g, group)[k] = 4.f * s;
+      }
+    }
+  }
+};
+#endif
+
+constexpr Kernel MakeKernel() {
+  Kernel kernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q3_KSteps>>};
+#if KVS_ISA_AVX512
+  kernel.panel = &RunPanels<Q3_KPanelCodes::Panel>;
+#endif
+  return kernel;
+}
+constexpr Kernel kKernel = MakeKernel();
 
 }  // namespace
 

@@ -128,7 +128,9 @@ void RunShapes(DType type, const std::vector<int64_t>& rows_list, const std::vec
 }
 
 // Rows: one, a partial tile, several tiles plus a ragged one. Tokens: decode (1), the few-token
-// strips (2..4), a ragged token tile (5) and many tiles (17, 64).
+// strips (2..4), a ragged token tile (5) and many tiles (17, 64). Where the avx512 family has a
+// panel kernel (Q8_0, Q3_K..Q6_K), 5+ tokens take it: 17 rows are a panel with a one-row second
+// group, 33 a full panel and a one-row one, and 5 and 17 tokens end on a one-token group.
 const std::vector<int64_t> kRows = {1, 3, 17, 33};
 const std::vector<int64_t> kTokens = {1, 2, 3, 4, 5, 17, 64};
 
