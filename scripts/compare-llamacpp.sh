@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 : "${LLAMA_BENCH:?set LLAMA_BENCH to a llama-bench binary}"
 out=${1:-/tmp/kvsparse-vs-llamacpp}
 mkdir -p "$out"
-for spec in "tinyllama-1.1b q4_k_m" "tinyllama-1.1b q5_k_m" "llama-3.2-1b q4_k_m"; do
+for spec in "tinyllama-1.1b q8_0" "tinyllama-1.1b q4_k_m" "tinyllama-1.1b q5_k_m" "llama-3.2-1b q4_k_m"; do
   set -- $spec
   file="$out/$1-$2.gguf"
   [ -f "$file" ] || ./build/kvsparse synth --shape "$1" --type "$2" -o "$file" >/dev/null
