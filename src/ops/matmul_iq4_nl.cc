@@ -5,12 +5,16 @@
 // (2 * 241 * 127), so it takes the signed levels with the sign trick and no bias. Compiled once per
 // kernel family; the tile loops are shared (matmul_packed_q8-inl.h), this file holds the block
 // arithmetic.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/matmul_kernels.h"
 #include "ops/packed_q8.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_iq4_nl.cc"
@@ -21,6 +25,7 @@
 
 #include "ops/family_begin-inl.h"
 #include "ops/matmul_tile-inl.h"
+#include "ops/matmul_panel-inl.h"
 #include "ops/packed_q8-inl.h"
 #include "ops/matmul_packed_q8-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
@@ -32,12 +37,18 @@ struct IQ4_NLBlocks {
 #if KVS_ISA_AVX512
   static constexpr int kOffset = 128;
   static constexpr Q8Order kOrder = Q8Order::kQ4NibbleHalves;
+  // The levels as (level + 128) u8: flipping the sign bit of the int8 table adds 128.
+  static __m512i BiasedLevels() {
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues))),
+                            _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
   static __m512i Load(const Block& b0, const Block& b1) {
-    // The levels as (level + 128) u8: flipping the sign bit of the int8 table adds 128.
-    const __m512i biased_levels = _mm512_xor_si512(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues))),
-        _mm512_set1_epi8(static_cast<char>(0x80)));
-    return _mm512_shuffle_epi8(biased_levels, NibblesOfPair(b0.qs, b1.qs));
+    return _mm512_shuffle_epi8(BiasedLevels(), NibblesOfPair(b0.qs, b1.qs));
+  }
+  static void PanelCodes(const Block* const* rows, int64_t b, __m512i (&quad)[8]) {
+    PanelNibbles(rows, b, quad);
+    const __m512i levels = BiasedLevels();
+    for (int c = 0; c < 8; ++c) quad[c] = _mm512_shuffle_epi8(levels, quad[c]);
   }
   static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
     return UnbiasedDot(Load(b0, b1), xq, kOffset);

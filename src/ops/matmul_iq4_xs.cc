@@ -6,13 +6,17 @@
 // The levels reach -127 and 113, so a u8 x s8 product cannot take them offset by 128 without
 // saturating int16: avx512 uses vpdpbusd (int32, no saturation) on level + 128 and subtracts
 // 128 * sum(x) per sub-block from the bsums; avx2 uses maddubs(|level|, x * sign(level)).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/kquant_blocks.h"
 #include "ops/matmul_kernels.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_iq4_xs.cc"
@@ -25,6 +29,7 @@
 #include "ops/matmul_tile-inl.h"
 #include "ops/quantize-inl.h"
 #include "ops/matmul_kquant-inl.h"
+#include "ops/matmul_panel-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
@@ -217,7 +222,54 @@ struct IQ4_XSSteps {
 };
 #endif
 
-#if KVS_ISA_AVX512 || KVS_ISA_AVX2
+#if KVS_ISA_AVX512
+// The panel's super-block packing (SuperBlockPanel in matmul_panel-inl.h): sub-blocks of 32 codes
+// u = level + 128 (qs[16 j ..] laid out as an IQ4_NL block), s_j = d * (ls_j - 32), m_j = 128 s_j;
+// the tokens' codes in PackQ8KIQ4XSOrder (sub-block 4c + k at 128c + 16k, its elements 16.. 64
+// further).
+struct IQ4_XSPanelCodes {
+  using Block = BlockIQ4_XS;
+  static constexpr int kSubBlockElems = 32;
+  static constexpr int XOffset(int j) { return 128 * (j / 4) + 16 * (j % 4); }
+  static constexpr int kXHi = 64;
+  using Panel = SuperBlockPanel<IQ4_XSPanelCodes>;
+  static void PackSuperBlock(const Block* const* src, int n_valid, int64_t b, int group, uint8_t* block) {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    // The levels as (level + 128) u8: flipping the sign bit of the int8 table adds 128.
+    const __m512i levels = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues))),
+        _mm512_set1_epi8(static_cast<char>(0x80)));
+    for (int j = 0; j < Panel::kSubBlocks; ++j) {
+      const uint8_t* chunk[kPanelGroupRows];
+      for (int r = 0; r < kPanelGroupRows; ++r) chunk[r] = src[r][b].qs + 16 * j;
+      __m512i q[4];
+      TransposeRowChunks(chunk, q);
+      uint8_t* dst = Panel::SubBlockCodes(block, j, group);
+      for (int c = 0; c < 4; ++c) {
+        _mm512_store_si512(dst + 64 * c, _mm512_shuffle_epi8(levels, _mm512_and_si512(q[c], low_nibbles)));
+        _mm512_store_si512(dst + 64 * (4 + c),
+                           _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(q[c], 4), low_nibbles)));
+      }
+    }
+    for (int k = 0; k < kPanelGroupRows; ++k) {
+      const int r = PanelRow(k);
+      const float d = r < n_valid ? _cvtsh_ss(src[r][b].d) : 0.f;
+      for (int j = 0; j < Panel::kSubBlocks; ++j) {
+        const float s = d * static_cast<float>(quant::IQ4XSScale(src[r][b], j));
+        Panel::Scales(block, j, group)[k] = s;
+        Panel::Mins(block, j, group)[k] = 128.f * s;
+      }
+    }
+  }
+};
+
+constexpr Kernel MakeKernel() {
+  Kernel kernel{&Q8KPackedBytes, &PackQ8KIQ4XSOrder, &DispatchTile<BlockTile<IQ4_XSSteps>>};
+  kernel.panel = &RunPanels<IQ4_XSPanelCodes::Panel>;
+  return kernel;
+}
+constexpr Kernel kKernel = MakeKernel();
+#elif KVS_ISA_AVX2
 constexpr Kernel kKernel{&Q8KPackedBytes, &PackQ8KIQ4XSOrder, &DispatchTile<BlockTile<IQ4_XSSteps>>};
 #else
 struct IQ4_XSInts {

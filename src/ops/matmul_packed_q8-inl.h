@@ -1,7 +1,8 @@
 // Tile steps of the 32-element weight types multiplied against packed Q8_0 activations
 // (packed_q8.h): Q8_0, Q4_0, Q5_0, IQ4_NL and, with a min, Q4_1 and Q5_1. Compiled once per
-// kernel family. Include it inside a family region (see simd_family.h), after matmul_tile-inl.h
-// and packed_q8-inl.h.
+// kernel family. Include it inside a family region (see simd_family.h), after matmul_tile-inl.h,
+// matmul_panel-inl.h and packed_q8-inl.h (<vector> and hwy/aligned_allocator.h before the region).
+// A type whose B has PanelCodes also gets the panel path (PackedQ8Panel below).
 //
 // A weight type supplies its block arithmetic as `B` (matmul_q8_0.cc, matmul_q4_0.cc, ...):
 //   using Block;                    // the GGUF weight block (32 elements, f16 scale d)
@@ -404,6 +405,180 @@ struct PackedQ8MinTile : BlockTile<PackedQ8Steps<B>> {
   }
 };
 
+#if KVS_ISA_AVX512
+// Whether weight type B packs panels: B::PanelCodes(rows, b, quad) gives block b of 16 rows as
+// 8 quad vectors of u8 codes u in PanelRow lane order (matmul_panel-inl.h), value = d * (u -
+// kOffset), or d * u + m with a min.
+template <class B>
+concept PanelWeights = requires(const typename B::Block* const* rows, __m512i (&quad)[8]) {
+  B::PanelCodes(rows, int64_t{0}, quad);
+};
+
+// The panel arithmetic (matmul_panel-inl.h) of the 32-element types: per block and group, the
+// codes and the rows' d (and m with a min); per token and block, the dot's start (the packed
+// steps' `init`, -kOffset * sum(x), summed over the block's lanes) and d_x, gathered once per
+// call. Per row and token: sum_b d_w d_x (dot(u, x) - kOffset sum(x)) (+ m_w s_x with a min, s_x =
+// d_x sum(x) from the packed block sums).
+template <class B>
+struct PackedQ8Panel {
+  using Block = typename B::Block;
+  static constexpr bool kHasMin = WeightsWithMin<B>;
+  static constexpr int kBlockElems = 32;
+  static constexpr int kFactors = kHasMin ? 2 : 1;  // d, then m
+  static constexpr size_t kGroupBlockBytes = kPanelCodeBytes + kFactors * kPanelGroupRows * sizeof(float);
+  // A block of the panel: codes of all groups, then d [group][16], then m [group][16].
+  static constexpr size_t kBlockBytes = kPanelGroups * kGroupBlockBytes;
+  static constexpr size_t kScalesOffset = kPanelGroups * kPanelCodeBytes;
+  static constexpr size_t kMinsOffset = kScalesOffset + kPanelGroups * kPanelGroupRows * sizeof(float);
+  // Where elements 0 and 16 of a step's block j sit in its codes.
+  static constexpr int kLo[2] = {PositionInStep(B::kOrder, 0, 0), PositionInStep(B::kOrder, 1, 0)};
+  static constexpr int kHi = PositionInStep(B::kOrder, 0, 16) - PositionInStep(B::kOrder, 0, 0);
+  static_assert(kStepBlocks == 2 && PositionInStep(B::kOrder, 1, 16) - PositionInStep(B::kOrder, 1, 0) == kHi);
+
+  struct TokenBlocks {
+    std::vector<int32_t> init;  // [n_tokens, n_blocks]
+    std::vector<float> scale;   // [n_tokens, n_blocks]
+  };
+  static TokenBlocks& Tokens() {
+    static thread_local TokenBlocks tokens;
+    return tokens;
+  }
+
+  static void PrepareTokens(const TileArgs& a, int64_t n_blocks) {
+    TokenBlocks& tb = Tokens();
+    tb.init.resize(static_cast<size_t>(a.n_tokens) * n_blocks);
+    tb.scale.resize(tb.init.size());
+    for (int t = 0; t < a.n_tokens; ++t) {
+      const uint8_t* token = a.x + t * a.x_token_bytes;
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        const uint8_t* step = token + (b / kStepBlocks) * kStepBytes;
+        const int j = static_cast<int>(b % kStepBlocks);
+        const int32_t* init = reinterpret_cast<const int32_t*>(step + kStepInitOffset);
+        int32_t sum = 0;
+        float scale = 0.f;
+        for (int lane = 0; lane < kLanes; ++lane) {
+          if (BlockOfLane(B::kOrder, lane) != j) continue;
+          sum += init[lane];
+          scale = reinterpret_cast<const float*>(step + kStepScaleOffset)[lane];
+        }
+        tb.init[t * n_blocks + b] = sum;
+        tb.scale[t * n_blocks + b] = scale;
+      }
+    }
+  }
+
+  // Lanes of rows past n_valid repeat the first row with d = m = 0.
+  static void PackGroup(const TileArgs& a, int row, int n_valid, int group, int64_t n_blocks, uint8_t* panel) {
+    const Block* src[kPanelGroupRows];
+    for (int j = 0; j < kPanelGroupRows; ++j) src[j] = RowBlocks(a, row + (j < n_valid ? j : 0));
+    const __mmask16 valid_lanes = PanelValidLanes(n_valid);
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      uint8_t* block = panel + b * kBlockBytes;
+      __m512i quad[8];
+      B::PanelCodes(src, b, quad);
+      for (int c = 0; c < 8; ++c) _mm512_store_si512(block + group * kPanelCodeBytes + 64 * c, quad[c]);
+      alignas(32) f16_bits d[kPanelGroupRows];
+      for (int k = 0; k < kPanelGroupRows; ++k) d[k] = src[PanelRow(k)][b].d;
+      _mm512_store_ps(reinterpret_cast<float*>(block + kScalesOffset) + group * kPanelGroupRows,
+                      _mm512_maskz_mov_ps(valid_lanes, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d)))));
+      if constexpr (kHasMin) {
+        for (int k = 0; k < kPanelGroupRows; ++k) d[k] = src[PanelRow(k)][b].m;
+        _mm512_store_ps(reinterpret_cast<float*>(block + kMinsOffset) + group * kPanelGroupRows,
+                        _mm512_maskz_mov_ps(valid_lanes, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d)))));
+      }
+      // The rows' next blocks, ahead of this walk (16 row streams are more than the hardware
+      // prefetcher follows).
+      if (b + 8 < n_blocks) {
+        for (int j = 0; j < n_valid; ++j) _mm_prefetch(reinterpret_cast<const char*>(&src[j][b + 8]), _MM_HINT_T0);
+      }
+    }
+  }
+
+  template <int G, int T>
+  static void Sums(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, PanelPrefetch& prefetch,
+                   __m512 (&acc)[G][T]) {
+    const TokenBlocks& tb = Tokens();
+    const uint8_t* x[T];
+    const int32_t* init[T];
+    const float* x_scale[T];
+    const float* x_sums[T];  // with a min: d_x * sum(x) per block
+    for (int t = 0; t < T; ++t) {
+      x[t] = a.x + (t0 + t) * a.x_token_bytes;
+      init[t] = tb.init.data() + (t0 + t) * n_blocks;
+      x_scale[t] = tb.scale.data() + (t0 + t) * n_blocks;
+      x_sums[t] = reinterpret_cast<const float*>(x[t] + PackedBlockSumsOffset(a.cols));
+      for (int g = 0; g < G; ++g) acc[g][t] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      prefetch.Step();
+      const uint8_t* block = panel + b * kBlockBytes;
+      const int8_t* xb[T];
+      __m512i dot[G][T];
+      for (int t = 0; t < T; ++t) {
+        xb[t] = reinterpret_cast<const int8_t*>(x[t] + (b / kStepBlocks) * kStepBytes + kLo[b % kStepBlocks]);
+        const __m512i start = _mm512_set1_epi32(init[t][b]);
+        for (int g = 0; g < G; ++g) dot[g][t] = start;
+      }
+      PanelBlockDots<G, T>(block, kPanelCodeBytes, xb, dot, kHi);
+      const float* w_scale = reinterpret_cast<const float*>(block + kScalesOffset);
+      for (int g = 0; g < G; ++g) {
+        const __m512 ws = _mm512_load_ps(w_scale + g * kPanelGroupRows);
+        for (int t = 0; t < T; ++t) {
+          acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g][t]), _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[t][b])),
+                                      acc[g][t]);
+        }
+      }
+      if constexpr (kHasMin) {
+        const float* w_min = reinterpret_cast<const float*>(block + kMinsOffset);
+        for (int g = 0; g < G; ++g) {
+          const __m512 wm = _mm512_load_ps(w_min + g * kPanelGroupRows);
+          for (int t = 0; t < T; ++t) acc[g][t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x_sums[t][b]), acc[g][t]);
+        }
+      }
+    }
+  }
+
+ private:
+  static const Block* RowBlocks(const TileArgs& a, int r) {
+    return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
+  }
+};
+
+// Block b's nibbles of 16 rows (Q4_0, Q4_1, IQ4_NL: element e < 16 the low nibble of qs[e], e >=
+// 16 the high nibble of qs[e - 16]) as 8 quads of nibble values, PanelRow lane order.
+template <class Block>
+inline void PanelNibbles(const Block* const* rows, int64_t b, __m512i (&quad)[8]) {
+  const uint8_t* chunk[kPanelGroupRows];
+  for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = rows[j][b].qs;
+  __m512i q[4];
+  TransposeRowChunks(chunk, q);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    quad[c] = _mm512_and_si512(q[c], low_nibbles);
+    quad[4 + c] = _mm512_and_si512(_mm512_srli_epi16(q[c], 4), low_nibbles);
+  }
+}
+
+// Q5_0 / Q5_1: the nibbles plus 16 where bit e of the row's little-endian qh is set (element e),
+// the bits spread to bytes per row and transposed like the nibbles' bytes.
+template <class Block>
+inline void PanelQ5Codes(const Block* const* rows, int64_t b, __m512i (&quad)[8]) {
+  PanelNibbles(rows, b, quad);
+  alignas(64) uint8_t sixteens[kPanelGroupRows][32];  // [row][element]: 16 where the fifth bit is set
+  for (int j = 0; j < kPanelGroupRows; ++j) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sixteens[j]),
+                       _mm256_maskz_mov_epi8(_cvtu32_mask32(FifthBitWord(rows[j][b].qh)), _mm256_set1_epi8(16)));
+  }
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* chunk[kPanelGroupRows];
+    for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = sixteens[j] + 16 * half;
+    __m512i fifth[4];
+    TransposeRowChunks(chunk, fifth);
+    for (int c = 0; c < 4; ++c) quad[4 * half + c] = _mm512_or_si512(quad[4 * half + c], fifth[c]);
+  }
+}
+#endif
+
 // The Kernel of weight type B against packed Q8 activations.
 template <class B>
 struct PackedQ8Kernel {
@@ -430,6 +605,9 @@ struct PackedQ8Kernel {
       kernel.decode_token_bytes = &DecodeBytes;
       kernel.pack_decode_token = &PackDecode;
     }
+#if KVS_ISA_AVX512
+    if constexpr (PanelWeights<B>) kernel.panel = &RunPanels<PackedQ8Panel<B>>;
+#endif
     return kernel;
   }
 };

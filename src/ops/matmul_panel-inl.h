@@ -63,15 +63,17 @@ inline __mmask16 PanelValidLanes(int n_valid) {
 }
 
 // dot[g][t] (16 rows' int32 sums, from their start values) += a block's kQuads quads of G
-// groups' codes times token t's 4 kQuads codes x[t].
+// groups' codes times token t's 4 kQuads codes: elements 0..15 at x[t], 16.. at x[t] + x_hi.
 template <int G, int T, int kQuads = 8>
-inline void PanelBlockDots(const uint8_t* codes, size_t group_stride, const int8_t* const* x, __m512i (&dot)[G][T]) {
+inline void PanelBlockDots(const uint8_t* codes, size_t group_stride, const int8_t* const* x, __m512i (&dot)[G][T],
+                           int x_hi = 16) {
 #pragma GCC unroll 8
   for (int c = 0; c < kQuads; ++c) {
     __m512i w[G];
     for (int g = 0; g < G; ++g) w[g] = _mm512_load_si512(codes + g * group_stride + c * 64);
+    const int x_offset = c < 4 ? 4 * c : x_hi + 4 * (c - 4);
     for (int t = 0; t < T; ++t) {
-      const __m512i xq = _mm512_set1_epi32(*reinterpret_cast<const PanelAliasedI32*>(x[t] + 4 * c));
+      const __m512i xq = _mm512_set1_epi32(*reinterpret_cast<const PanelAliasedI32*>(x[t] + x_offset));
       for (int g = 0; g < G; ++g) dot[g][t] = _mm512_dpbusd_epi32(dot[g][t], w[g], xq);
     }
   }
@@ -94,7 +96,8 @@ struct PanelPrefetch {
 // of kSubBlockElems elements, u unsigned codes): per row and token
 //   sum = d_x * (sum_j s_j dot(u_j, x_j) - sum_j m_j sum(x_j))
 // with sum(x_j) from the activations' bsums, converted once per call. C supplies kSubBlockElems
-// (32 or 16) and PackSuperBlock(src, n_valid, b, group, block), which writes a super-block's codes
+// (32 or 16), optionally XOffset / kXHi (see below), and PackSuperBlock(src, n_valid, b, group,
+// block), which writes a super-block's codes
 // [sub-block][group][kQuads x 64 bytes], then s [sub-block][group][16 f32] at kScalesOffset and
 // m likewise at kMinsOffset (lanes of rows past n_valid get s = m = 0).
 template <class C>
@@ -116,6 +119,24 @@ struct SuperBlockPanel {
   }
   static float* Mins(uint8_t* block, int j, int group) {
     return reinterpret_cast<float*>(block + kMinsOffset) + (j * kPanelGroups + group) * kPanelGroupRows;
+  }
+
+  // Where sub-block j's element 0 (and, for 32-element sub-blocks, element 16 relative to it) sits
+  // in a token's Q8_K codes: ggml's order, or the permuted one a type's tiles pack (C::XOffset,
+  // C::kXHi).
+  static constexpr int XOffset(int j) {
+    if constexpr (requires { C::XOffset(0); }) {
+      return C::XOffset(j);
+    } else {
+      return C::kSubBlockElems * j;
+    }
+  }
+  static constexpr int XHi() {
+    if constexpr (requires { C::kXHi; }) {
+      return C::kXHi;
+    } else {
+      return 16;
+    }
   }
 
   static std::vector<float>& SubBlockSums() {
@@ -171,10 +192,10 @@ struct SuperBlockPanel {
         const int8_t* xj[T];
         __m512i dot[G][T];
         for (int t = 0; t < T; ++t) {
-          xj[t] = x[t][b].qs + C::kSubBlockElems * j;
+          xj[t] = x[t][b].qs + XOffset(j);
           for (int g = 0; g < G; ++g) dot[g][t] = _mm512_setzero_si512();
         }
-        PanelBlockDots<G, T, kQuads>(SubBlockCodes(block, j, 0), kSubBlockCodeBytes, xj, dot);
+        PanelBlockDots<G, T, kQuads>(SubBlockCodes(block, j, 0), kSubBlockCodeBytes, xj, dot, XHi());
         for (int g = 0; g < G; ++g) {
           const __m512 ws = _mm512_load_ps(Scales(block, j, g));
           for (int t = 0; t < T; ++t) {

@@ -7,15 +7,19 @@
 // row (q * sc <= 45 fits a byte; one vpmullw scales two codes per int16 lane without carries), so
 // each token costs a plain u8 x s8 dot product: vpdpbusd on avx512, maddubs on avx2. The decode
 // loops, which see each code once, apply the scales in the widening step instead.
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/kquant_blocks.h"
 #include "ops/matmul_kernels.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_q2_k.cc"
@@ -28,6 +32,7 @@
 #include "ops/matmul_tile-inl.h"
 #include "ops/quantize-inl.h"
 #include "ops/matmul_kquant-inl.h"
+#include "ops/matmul_panel-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
@@ -188,7 +193,47 @@ struct Q2_KSteps {
   }
 };
 
-constexpr Kernel kKernel{&Q8KPackedBytes, &PackQ8KQ2Order, &DispatchTile<BlockTile<Q2_KSteps>>};
+// The panel's super-block packing (SuperBlockPanel in matmul_panel-inl.h): sub-blocks of 16 codes
+// u = the 2-bit q (element 128 h + 32 k + l at bits 2k, 2k+1 of qs[32 h + l]), s_g = d * (sc_g &
+// 15), m_g = dmin * (sc_g >> 4); the tokens' codes in PackQ8KQ2Order (group 8h + 2k + m at
+// 64k + 32h + 16m).
+struct Q2_KPanelCodes {
+  using Block = BlockQ2_K;
+  static constexpr int kSubBlockElems = 16;
+  static constexpr int XOffset(int g) { return 64 * ((g % 8) / 2) + 32 * (g / 8) + 16 * (g % 2); }
+  using Panel = SuperBlockPanel<Q2_KPanelCodes>;
+  static void PackSuperBlock(const Block* const* src, int n_valid, int64_t b, int group, uint8_t* block) {
+    const __m512i low2 = _mm512_set1_epi8(0x03);
+    for (int h = 0; h < 2; ++h) {
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* chunk[kPanelGroupRows];
+        for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = src[j][b].qs + 32 * h + 16 * half;
+        __m512i q[4];
+        TransposeRowChunks(chunk, q);
+        for (int k = 0; k < 4; ++k) {
+          uint8_t* dst = Panel::SubBlockCodes(block, 8 * h + 2 * k + half, group);
+          // 16-bit shifts leak no neighbour bits into the kept low 2.
+          for (int c = 0; c < 4; ++c) _mm512_store_si512(dst + 64 * c, _mm512_and_si512(_mm512_srli_epi16(q[c], 2 * k), low2));
+        }
+      }
+    }
+    for (int k = 0; k < kPanelGroupRows; ++k) {
+      const int r = PanelRow(k);
+      const float d = r < n_valid ? _cvtsh_ss(src[r][b].d) : 0.f, dmin = r < n_valid ? _cvtsh_ss(src[r][b].dmin) : 0.f;
+      for (int g = 0; g < Panel::kSubBlocks; ++g) {
+        Panel::Scales(block, g, group)[k] = d * static_cast<float>(src[r][b].scales[g] & 0xF);
+        Panel::Mins(block, g, group)[k] = dmin * static_cast<float>(src[r][b].scales[g] >> 4);
+      }
+    }
+  }
+};
+
+constexpr Kernel MakeKernel() {
+  Kernel kernel{&Q8KPackedBytes, &PackQ8KQ2Order, &DispatchTile<BlockTile<Q2_KSteps>>};
+  kernel.panel = &RunPanels<Q2_KPanelCodes::Panel>;
+  return kernel;
+}
+constexpr Kernel kKernel = MakeKernel();
 
 #elif KVS_ISA_AVX2
 // ggml's activation order: 32 bytes qs[32h..] shifted right by 2k hold elements 128h + 32k + l,

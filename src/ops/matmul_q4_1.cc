@@ -3,12 +3,16 @@
 // shared kHasMin path of matmul_packed_q8-inl.h -- ggml's vec_dot_q4_1_q8_1 arithmetic with Q8_1's
 // s in f32. Compiled once per kernel family; the tile loops are shared, this file holds the block
 // arithmetic.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/matmul_kernels.h"
 #include "ops/packed_q8.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_q4_1.cc"
@@ -19,6 +23,7 @@
 
 #include "ops/family_begin-inl.h"
 #include "ops/matmul_tile-inl.h"
+#include "ops/matmul_panel-inl.h"
 #include "ops/packed_q8-inl.h"
 #include "ops/matmul_packed_q8-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
@@ -32,6 +37,7 @@ struct Q4_1Blocks {
 #if KVS_ISA_AVX512
   static constexpr Q8Order kOrder = Q8Order::kQ4NibbleHalves;
   static __m512i Load(const Block& b0, const Block& b1) { return NibblesOfPair(b0.qs, b1.qs); }
+  static void PanelCodes(const Block* const* rows, int64_t b, __m512i (&quad)[8]) { PanelNibbles(rows, b, quad); }
   static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), Load(b0, b1), xq);
   }

@@ -3,12 +3,16 @@
 // (no bias); the min terms m * d_x * sum(x) are the shared kHasMin path of
 // matmul_packed_q8-inl.h. Compiled once per kernel family; the tile loops are shared, this file
 // holds the block arithmetic.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kvsparse/dtype.h"
 #include "kvsparse/status.h"
 #include "ops/matmul_kernels.h"
 #include "ops/packed_q8.h"
+
+#include <hwy/aligned_allocator.h>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/matmul_q5_1.cc"
@@ -19,6 +23,7 @@
 
 #include "ops/family_begin-inl.h"
 #include "ops/matmul_tile-inl.h"
+#include "ops/matmul_panel-inl.h"
 #include "ops/packed_q8-inl.h"
 #include "ops/matmul_packed_q8-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
@@ -33,6 +38,7 @@ struct Q5_1Blocks {
 
 #if KVS_ISA_AVX512
   static __m512i Load(const Block& b0, const Block& b1) { return Q5CodesOfPair(b0.qs, b0.qh, b1.qs, b1.qh); }
+  static void PanelCodes(const Block* const* rows, int64_t b, __m512i (&quad)[8]) { PanelQ5Codes(rows, b, quad); }
   static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), Load(b0, b1), xq);
   }

@@ -22,9 +22,9 @@
 
 #include "ops/family_begin-inl.h"
 #include "ops/matmul_tile-inl.h"
+#include "ops/matmul_panel-inl.h"
 #include "ops/packed_q8-inl.h"
 #include "ops/matmul_packed_q8-inl.h"
-#include "ops/matmul_panel-inl.h"
 namespace kvsparse::matmul::HWY_NAMESPACE {
 namespace {
 
@@ -43,6 +43,17 @@ struct Q8_0Blocks {
   }
   static __m512i Load(const Block& b0, const Block& b1) {
     return _mm512_xor_si512(Signed(b0, b1), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  // Panel codes (matmul_panel-inl.h): the block's 32 codes of 16 rows as (q + 128) u8, quads 0..7.
+  static void PanelCodes(const Block* const* rows, int64_t b, __m512i (&quad)[8]) {
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* chunk[kPanelGroupRows];
+      for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = reinterpret_cast<const uint8_t*>(rows[j][b].qs) + 16 * half;
+      __m512i q[4];
+      TransposeRowChunks(chunk, q);
+      for (int c = 0; c < 4; ++c) quad[4 * half + c] = _mm512_xor_si512(q[c], offset);
+    }
   }
   // The sign trick: |w| times x carrying w's sign.
   static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
@@ -66,116 +77,7 @@ struct Q8_0Blocks {
 #endif
 };
 
-#if KVS_ISA_AVX512
-// The panel arithmetic (matmul_panel-inl.h): per 32-element block and group, the codes (w + 128,
-// as the tile steps feed them) and the rows' d; per token and block, the dot's start
-// -128 * sum(x) (cancelling the + 128) and d_x, gathered from the packed steps once per call.
-struct Q8_0Panel {
-  static constexpr int kBlockElems = kQK8_0;
-  static constexpr size_t kGroupBlockBytes = kPanelCodeBytes + kPanelGroupRows * sizeof(float);
-  static constexpr size_t kBlockBytes = kPanelGroups * kGroupBlockBytes;  // codes of all groups, then scales
-  struct TokenBlocks {
-    std::vector<int32_t> init;  // [n_tokens, n_blocks]
-    std::vector<float> scale;   // [n_tokens, n_blocks]
-  };
-  static TokenBlocks& Tokens() {
-    static thread_local TokenBlocks tokens;
-    return tokens;
-  }
-
-  static void PrepareTokens(const TileArgs& a, int64_t n_blocks) {
-    TokenBlocks& tb = Tokens();
-    tb.init.resize(static_cast<size_t>(a.n_tokens) * n_blocks);
-    tb.scale.resize(tb.init.size());
-    for (int t = 0; t < a.n_tokens; ++t) {
-      const uint8_t* token = a.x + t * a.x_token_bytes;
-      for (int64_t b = 0; b < n_blocks; ++b) {
-        // Init lanes 8j..8j+7 and scale lane 8j of a step belong to its block j.
-        const uint8_t* step = token + (b / kStepBlocks) * kStepBytes;
-        const int lane = static_cast<int>(b % kStepBlocks) * 8;
-        const int32_t* init = reinterpret_cast<const int32_t*>(step + kStepInitOffset) + lane;
-        int32_t sum = 0;
-        for (int i = 0; i < 8; ++i) sum += init[i];
-        tb.init[t * n_blocks + b] = sum;
-        tb.scale[t * n_blocks + b] = reinterpret_cast<const float*>(step + kStepScaleOffset)[lane];
-      }
-    }
-  }
-
-  // Lanes of rows past n_valid repeat the first row with scale 0.
-  static void PackGroup(const TileArgs& a, int row, int n_valid, int group, int64_t n_blocks, uint8_t* panel) {
-    const BlockQ8_0* src[kPanelGroupRows];
-    for (int j = 0; j < kPanelGroupRows; ++j) src[j] = WeightBlocks<BlockQ8_0>(a, row + (j < n_valid ? j : 0));
-    const __mmask16 valid_lanes = PanelValidLanes(n_valid);
-    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      uint8_t* block = panel + b * kBlockBytes;
-      for (int half = 0; half < 2; ++half) {
-        const uint8_t* chunk[kPanelGroupRows];
-        for (int j = 0; j < kPanelGroupRows; ++j) chunk[j] = reinterpret_cast<const uint8_t*>(src[j][b].qs) + 16 * half;
-        __m512i quad[4];
-        TransposeRowChunks(chunk, quad);
-        uint8_t* dst = block + group * kPanelCodeBytes + 4 * half * 64;  // quads 4 half .. 4 half + 3
-        for (int c = 0; c < 4; ++c) _mm512_store_si512(dst + 64 * c, _mm512_xor_si512(quad[c], offset));
-      }
-      alignas(32) f16_bits d[kPanelGroupRows];
-      for (int k = 0; k < kPanelGroupRows; ++k) d[k] = src[PanelRow(k)][b].d;
-      float* scales = reinterpret_cast<float*>(block + kPanelGroups * kPanelCodeBytes) + group * kPanelGroupRows;
-      _mm512_store_ps(scales, _mm512_maskz_mov_ps(valid_lanes, _mm512_cvtph_ps(_mm256_load_si256(
-                                                                   reinterpret_cast<const __m256i*>(d)))));
-      // The rows' next blocks, ahead of this walk (16 row streams are more than the hardware
-      // prefetcher follows).
-      if (b + 8 < n_blocks) {
-        for (int j = 0; j < n_valid; ++j) _mm_prefetch(reinterpret_cast<const char*>(&src[j][b + 8]), _MM_HINT_T0);
-      }
-    }
-  }
-
-  template <int G, int T>
-  static void Sums(const TileArgs& a, const uint8_t* panel, int64_t n_blocks, int t0, PanelPrefetch& prefetch,
-                   __m512 (&acc)[G][T]) {
-    const TokenBlocks& tb = Tokens();
-    const uint8_t* x[T];
-    const int32_t* init[T];
-    const float* x_scale[T];
-    for (int t = 0; t < T; ++t) {
-      x[t] = a.x + (t0 + t) * a.x_token_bytes;
-      init[t] = tb.init.data() + (t0 + t) * n_blocks;
-      x_scale[t] = tb.scale.data() + (t0 + t) * n_blocks;
-      for (int g = 0; g < G; ++g) acc[g][t] = _mm512_setzero_ps();
-    }
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      prefetch.Step();
-      const uint8_t* block = panel + b * kBlockBytes;
-      const int8_t* xb[T];
-      __m512i dot[G][T];
-      for (int t = 0; t < T; ++t) {
-        xb[t] = reinterpret_cast<const int8_t*>(x[t] + (b / kStepBlocks) * kStepBytes + (b % kStepBlocks) * 32);
-        const __m512i start = _mm512_set1_epi32(init[t][b]);
-        for (int g = 0; g < G; ++g) dot[g][t] = start;
-      }
-      PanelBlockDots<G, T>(block, kPanelCodeBytes, xb, dot);
-      const float* w_scale = reinterpret_cast<const float*>(block + kPanelGroups * kPanelCodeBytes);
-      for (int g = 0; g < G; ++g) {
-        const __m512 ws = _mm512_load_ps(w_scale + g * kPanelGroupRows);
-        for (int t = 0; t < T; ++t) {
-          acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g][t]), _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[t][b])),
-                                      acc[g][t]);
-        }
-      }
-    }
-  }
-};
-#endif
-
-constexpr Kernel MakeKernel() {
-  Kernel kernel = PackedQ8Kernel<Q8_0Blocks>::Make();
-#if KVS_ISA_AVX512
-  kernel.panel = &RunPanels<Q8_0Panel>;
-#endif
-  return kernel;
-}
-constexpr Kernel kKernel = MakeKernel();
+constexpr Kernel kKernel = PackedQ8Kernel<Q8_0Blocks>::Make();
 
 }  // namespace
 
