@@ -172,7 +172,9 @@ TEST_P(MatMulTest, BF16MatchesReference) { RunShapes(DType::kBF16, kRows, kFloat
 // Many row tiles per thread, a ragged row tail and more tokens than one L2 token block.
 TEST_P(MatMulTest, LargeShapesCrossTokenBlocks) {
   uint32_t seed = 77;
-  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16, DType::kQ5_0, DType::kQ6_K}) {
+  // (Every quantized type: on avx512 this is 2 threads x 2+ panels each, the last ragged.)
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1, DType::kIQ4_NL, DType::kQ2_K,
+                     DType::kQ3_K, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS, DType::kF16}) {
     CheckCase({type, 130, 2048, 200, 2}, seed++);
   }
 }
