@@ -251,15 +251,12 @@ struct IQ4_XSPanelCodes {
                            _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(q[c], 4), low_nibbles)));
       }
     }
-    for (int k = 0; k < kPanelGroupRows; ++k) {
-      const int r = PanelRow(k);
-      const float d = r < n_valid ? _cvtsh_ss(src[r][b].d) : 0.f;
+    Panel::PackFactors(src, n_valid, b, group, block, [](const Block& w, float* s, float* m) {
       for (int j = 0; j < Panel::kSubBlocks; ++j) {
-        const float s = d * static_cast<float>(quant::IQ4XSScale(src[r][b], j));
-        Panel::Scales(block, j, group)[k] = s;
-        Panel::Mins(block, j, group)[k] = 128.f * s;
+        s[j] = _cvtsh_ss(w.d) * static_cast<float>(quant::IQ4XSScale(w, j));
+        m[j] = 128.f * s[j];
       }
-    }
+    });
   }
 };
 

@@ -139,6 +139,20 @@ struct SuperBlockPanel {
     }
   }
 
+  // Fills a super-block's s and m lanes of `group`: factors(w, s, m) writes row w's s_j and m_j
+  // for every sub-block j; lanes of rows past n_valid get 0.
+  template <class F>
+  static void PackFactors(const Block* const* src, int n_valid, int64_t b, int group, uint8_t* block, F factors) {
+    for (int k = 0; k < kPanelGroupRows; ++k) {
+      float s[kSubBlocks] = {}, m[kSubBlocks] = {};
+      if (PanelRow(k) < n_valid) factors(src[PanelRow(k)][b], s, m);
+      for (int j = 0; j < kSubBlocks; ++j) {
+        Scales(block, j, group)[k] = s[j];
+        Mins(block, j, group)[k] = m[j];
+      }
+    }
+  }
+
   static std::vector<float>& SubBlockSums() {
     static thread_local std::vector<float> sums;  // [n_tokens, n_blocks, kSubBlocks] sum(x_j)
     return sums;

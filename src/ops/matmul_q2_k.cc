@@ -217,14 +217,12 @@ struct Q2_KPanelCodes {
         }
       }
     }
-    for (int k = 0; k < kPanelGroupRows; ++k) {
-      const int r = PanelRow(k);
-      const float d = r < n_valid ? _cvtsh_ss(src[r][b].d) : 0.f, dmin = r < n_valid ? _cvtsh_ss(src[r][b].dmin) : 0.f;
+    Panel::PackFactors(src, n_valid, b, group, block, [](const Block& w, float* s, float* m) {
       for (int g = 0; g < Panel::kSubBlocks; ++g) {
-        Panel::Scales(block, g, group)[k] = d * static_cast<float>(src[r][b].scales[g] & 0xF);
-        Panel::Mins(block, g, group)[k] = dmin * static_cast<float>(src[r][b].scales[g] >> 4);
+        s[g] = _cvtsh_ss(w.d) * static_cast<float>(w.scales[g] & 0xF);
+        m[g] = _cvtsh_ss(w.dmin) * static_cast<float>(w.scales[g] >> 4);
       }
-    }
+    });
   }
 };
 

@@ -256,16 +256,13 @@ struct Q4_KPanelCodes {
         }
       }
     }
-    for (int k = 0; k < kPanelGroupRows; ++k) {
-      const int r = PanelRow(k);
-      const Block& w = src[r][b];
+    Panel::PackFactors(src, n_valid, b, group, block, [](const Block& w, float* s, float* m) {
       const ScalesMins sm = Unpack(w);
-      const float d = r < n_valid ? _cvtsh_ss(w.d) : 0.f, dmin = r < n_valid ? _cvtsh_ss(w.dmin) : 0.f;
       for (int j = 0; j < kSubBlocks; ++j) {
-        Panel::Scales(block, j, group)[k] = d * static_cast<float>(sm.scale[j]);
-        Panel::Mins(block, j, group)[k] = dmin * static_cast<float>(sm.min[j]);
+        s[j] = _cvtsh_ss(w.d) * static_cast<float>(sm.scale[j]);
+        m[j] = _cvtsh_ss(w.dmin) * static_cast<float>(sm.min[j]);
       }
-    }
+    });
   }
 };
 #endif

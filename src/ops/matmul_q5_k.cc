@@ -141,17 +141,14 @@ struct Q5_KPanelCodes {
         }
       }
     }
-    for (int k = 0; k < kPanelGroupRows; ++k) {
-      const int r = PanelRow(k);
-      const Block& w = src[r][b];
-      const float d = r < n_valid ? _cvtsh_ss(w.d) : 0.f, dmin = r < n_valid ? _cvtsh_ss(w.dmin) : 0.f;
+    Panel::PackFactors(src, n_valid, b, group, block, [](const Block& w, float* s, float* m) {
       for (int j = 0; j < Panel::kSubBlocks; ++j) {
         int scale, min;
         quant::KScaleMin(j, w.scales, &scale, &min);
-        Panel::Scales(block, j, group)[k] = d * static_cast<float>(scale);
-        Panel::Mins(block, j, group)[k] = dmin * static_cast<float>(min);
+        s[j] = _cvtsh_ss(w.d) * static_cast<float>(scale);
+        m[j] = _cvtsh_ss(w.dmin) * static_cast<float>(min);
       }
-    }
+    });
   }
 };
 #endif

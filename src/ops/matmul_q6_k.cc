@@ -125,15 +125,12 @@ struct Q6_KPanelCodes {
         }
       }
     }
-    for (int k = 0; k < kPanelGroupRows; ++k) {
-      const int r = PanelRow(k);
-      const float d = r < n_valid ? _cvtsh_ss(src[r][b].d) : 0.f;
+    Panel::PackFactors(src, n_valid, b, group, block, [](const Block& w, float* s, float* m) {
       for (int g = 0; g < Panel::kSubBlocks; ++g) {
-        const float s = d * static_cast<float>(src[r][b].scales[g]);
-        Panel::Scales(block, g, group)[k] = s;
-        Panel::Mins(block, g, group)[k] = 32.f * s;
+        s[g] = _cvtsh_ss(w.d) * static_cast<float>(w.scales[g]);
+        m[g] = 32.f * s[g];
       }
-    }
+    });
   }
 };
 #endif
