@@ -106,38 +106,33 @@ void MatMulRows(const matmul::Kernel& kernel, const WeightView& w, const uint8_t
   // Few tokens (decode): the weights are read once, so the kernel is bound by DRAM bandwidth.
   // Walking the thread's rows one at a time keeps its reads a single sequential stream, which the
   // hardware prefetcher sustains at full bandwidth (4 interleaved row streams reach ~60-70% of it).
-  if (n_tokens <= matmul::kMaxTileTokens) {
+  // All of the thread's rows against tokens [t0, t0 + count), full inner dimension.
+  auto row_range = [&](int64_t t0, int64_t count) {
     matmul::TileArgs args;
     args.w = w_bytes + row_begin * row_bytes;
     args.w_row_bytes = row_bytes;
     args.n_rows = static_cast<int>(row_end - row_begin);
-    args.x = x;
+    args.x = x + t0 * x_token_bytes;
     args.x_token_bytes = x_token_bytes;
-    args.n_tokens = static_cast<int>(n_tokens);
+    args.n_tokens = static_cast<int>(count);
     args.cols = w.cols;
-    args.y = y + row_begin;
+    args.y = y + t0 * w.rows + row_begin;
     args.y_stride = w.rows;
     args.w_prefetch = nullptr;
+    return args;
+  };
+  if (n_tokens <= matmul::kMaxTileTokens) {
+    matmul::TileArgs args = row_range(0, n_tokens);
     args.row_strip = true;
     kernel.tile(args);
     return;
   }
-  // Many tokens: 4x4 register tiles reuse every load 4 times and are compute-bound.
+  // Many tokens: 4x4 register tiles reuse every load 4 times and are compute-bound; a kernel with
+  // panels (matmul_panel-inl.h) walks the thread's rows itself, one token block at a time.
   for (int64_t t_block = 0; t_block < n_tokens; t_block += block_tokens) {
     const int64_t t_block_end = std::min(n_tokens, t_block + block_tokens);
-    if (kernel.panel != nullptr) {  // the kernel walks the thread's rows itself
-      matmul::TileArgs args;
-      args.w = w_bytes + row_begin * row_bytes;
-      args.w_row_bytes = row_bytes;
-      args.n_rows = static_cast<int>(row_end - row_begin);
-      args.x = x + t_block * x_token_bytes;
-      args.x_token_bytes = x_token_bytes;
-      args.n_tokens = static_cast<int>(t_block_end - t_block);
-      args.cols = w.cols;
-      args.y = y + t_block * w.rows + row_begin;
-      args.y_stride = w.rows;
-      args.w_prefetch = nullptr;
-      kernel.panel(args);
+    if (kernel.panel != nullptr) {
+      kernel.panel(row_range(t_block, t_block_end - t_block));
       continue;
     }
     for (int64_t r0 = row_begin; r0 < row_end; r0 += matmul::kMaxTileRows) {

@@ -46,7 +46,7 @@ struct Kernel {
   void (*pack_decode_token)(const float* x, int64_t cols, uint8_t* dst) = nullptr;
   // Optional many-token path (prefill, batched decode): computes all args.n_rows rows (any
   // count) for all args.n_tokens tokens (any count) of one token block over the full inner
-  // dimension, packing the weights into a layout of its own (see matmul_q8_0.cc). Null: the
+  // dimension, packing the weights into a layout of its own (matmul_panel-inl.h). Null: the
   // driver walks `tile`s.
   void (*panel)(const TileArgs& args) = nullptr;
 };

@@ -470,22 +470,22 @@ struct PackedQ8Panel {
   // Lanes of rows past n_valid repeat the first row with d = m = 0.
   static void PackGroup(const TileArgs& a, int row, int n_valid, int group, int64_t n_blocks, uint8_t* panel) {
     const Block* src[kPanelGroupRows];
-    for (int j = 0; j < kPanelGroupRows; ++j) src[j] = RowBlocks(a, row + (j < n_valid ? j : 0));
+    for (int j = 0; j < kPanelGroupRows; ++j) src[j] = WeightBlocks<Block>(a, row + (j < n_valid ? j : 0));
     const __mmask16 valid_lanes = PanelValidLanes(n_valid);
     for (int64_t b = 0; b < n_blocks; ++b) {
       uint8_t* block = panel + b * kBlockBytes;
       __m512i quad[8];
       B::PanelCodes(src, b, quad);
       for (int c = 0; c < 8; ++c) _mm512_store_si512(block + group * kPanelCodeBytes + 64 * c, quad[c]);
-      alignas(32) f16_bits d[kPanelGroupRows];
-      for (int k = 0; k < kPanelGroupRows; ++k) d[k] = src[PanelRow(k)][b].d;
-      _mm512_store_ps(reinterpret_cast<float*>(block + kScalesOffset) + group * kPanelGroupRows,
-                      _mm512_maskz_mov_ps(valid_lanes, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d)))));
-      if constexpr (kHasMin) {
-        for (int k = 0; k < kPanelGroupRows; ++k) d[k] = src[PanelRow(k)][b].m;
-        _mm512_store_ps(reinterpret_cast<float*>(block + kMinsOffset) + group * kPanelGroupRows,
-                        _mm512_maskz_mov_ps(valid_lanes, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d)))));
-      }
+      // The rows' f16 field (d or m) of block b as f32 lanes at `offset`, 0 on padding lanes.
+      auto store_factor = [&](size_t offset, auto field) {
+        alignas(32) f16_bits h[kPanelGroupRows];
+        for (int k = 0; k < kPanelGroupRows; ++k) h[k] = src[PanelRow(k)][b].*field;
+        _mm512_store_ps(reinterpret_cast<float*>(block + offset) + group * kPanelGroupRows,
+                        _mm512_maskz_mov_ps(valid_lanes, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)))));
+      };
+      store_factor(kScalesOffset, &Block::d);
+      if constexpr (kHasMin) store_factor(kMinsOffset, &Block::m);
       // The rows' next blocks, ahead of this walk (16 row streams are more than the hardware
       // prefetcher follows).
       if (b + 8 < n_blocks) {
@@ -538,10 +538,6 @@ struct PackedQ8Panel {
     }
   }
 
- private:
-  static const Block* RowBlocks(const TileArgs& a, int r) {
-    return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
-  }
 };
 
 // Block b's nibbles of 16 rows (Q4_0, Q4_1, IQ4_NL: element e < 16 the low nibble of qs[e], e >=

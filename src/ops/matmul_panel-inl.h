@@ -1,15 +1,17 @@
-// Panels: the many-token matmul path (Kernel::panel) of the avx512 family, shared by the weight
-// types that have one (matmul_q8_0.cc, matmul_q4_k.cc). Include it inside a family region (see
-// simd_family.h), after matmul_tile-inl.h.
+// Panels: the many-token matmul path (Kernel::panel) of the avx512 family, shared by every
+// quantized weight type (the 32-element types through PackedQ8Panel in matmul_packed_q8-inl.h,
+// the super-blocks through SuperBlockPanel below). Include it inside a family region (see
+// simd_family.h), after matmul_tile-inl.h, with <vector> and hwy/aligned_allocator.h before it.
 //
 // Why: a register tile (matmul_tile-inl.h) multiplies one weight row by one token per vpdpbusd,
 // so each int32 lane sums 4 products of one row, and the block scales change every 8 lanes: a
 // convert, a multiply and an FMA follow every vpdpbusd. A panel turns the weights so that one
-// vpdpbusd serves 16 rows: a group of 16 rows is packed per 32-element (sub-)block as
-//   uint8_t codes[8 quads][16 lanes][4 bytes]   lane k: elements 4c..4c+3 of row PanelRow(k)
-// plus the type's per-row f32 factors in the same lane order, so 8 vpdpbusd with 4 of a token's
-// int8 codes broadcast each sum the whole block for 16 rows, and the scales cost one convert and
-// FMA (or two) per 8 of them. A panel of kPanelGroups groups is packed once per token block into
+// vpdpbusd serves 16 rows: a group of 16 rows is packed per 32-element block (or 16-element
+// sub-block) as
+//   uint8_t codes[8 (4) quads][16 lanes][4 bytes]   lane k: elements 4c..4c+3 of row PanelRow(k)
+// plus the type's per-row f32 factors in the same lane order, so 8 (4) vpdpbusd with 4 of a
+// token's int8 codes broadcast each sum the whole block for 16 rows, and the scales cost one
+// convert and FMA (or two) per 8 (4) of them. A panel of kPanelGroups groups is packed once per token block into
 // per-thread scratch (it stays in L2) and multiplied by every token of the block, kPanelTokens at
 // a time (2 x 4 int32 sums and 2 x 4 f32 accumulators: 16 of the 32 zmm registers).
 //
@@ -111,15 +113,21 @@ struct SuperBlockPanel {
   static constexpr size_t kBlockBytes = kPanelGroups * kGroupBlockBytes;
   static constexpr size_t kScalesOffset = kSubBlocks * kPanelGroups * kSubBlockCodeBytes;
   static constexpr size_t kMinsOffset = kScalesOffset + kSubBlocks * kPanelGroups * kPanelGroupRows * sizeof(float);
-  static uint8_t* SubBlockCodes(uint8_t* block, int j, int group) {
+  // A super-block's codes, s and m of sub-block j and `group` (Byte: uint8_t or const uint8_t).
+  template <class Byte>
+  static Byte* SubBlockCodes(Byte* block, int j, int group) {
     return block + (j * kPanelGroups + group) * kSubBlockCodeBytes;
   }
-  static float* Scales(uint8_t* block, int j, int group) {
-    return reinterpret_cast<float*>(block + kScalesOffset) + (j * kPanelGroups + group) * kPanelGroupRows;
+  template <class Byte>
+  static auto* Scales(Byte* block, int j, int group) {
+    return Factors(block + kScalesOffset) + (j * kPanelGroups + group) * kPanelGroupRows;
   }
-  static float* Mins(uint8_t* block, int j, int group) {
-    return reinterpret_cast<float*>(block + kMinsOffset) + (j * kPanelGroups + group) * kPanelGroupRows;
+  template <class Byte>
+  static auto* Mins(Byte* block, int j, int group) {
+    return Factors(block + kMinsOffset) + (j * kPanelGroups + group) * kPanelGroupRows;
   }
+  static float* Factors(uint8_t* bytes) { return reinterpret_cast<float*>(bytes); }
+  static const float* Factors(const uint8_t* bytes) { return reinterpret_cast<const float*>(bytes); }
 
   // Where sub-block j's element 0 (and, for 32-element sub-blocks, element 16 relative to it) sits
   // in a token's Q8_K codes: ggml's order, or the permuted one a type's tiles pack (C::XOffset,
@@ -200,7 +208,7 @@ struct SuperBlockPanel {
     }
     for (int64_t b = 0; b < n_blocks; ++b) {
       prefetch.Step();
-      uint8_t* block = const_cast<uint8_t*>(panel + b * kBlockBytes);
+      const uint8_t* block = panel + b * kBlockBytes;
       __m512 sb[G][T];  // the super-block's sum before d_x
       for (int j = 0; j < kSubBlocks; ++j) {
         const int8_t* xj[T];
