@@ -92,6 +92,11 @@ class GgufFile {
   const std::vector<GgufTensorInfo>& tensors() const { return tensors_; }
   const GgufTensorInfo* FindTensor(std::string_view name) const;
 
+  // Drops the whole mapped pages inside [data, data + bytes) from memory (a range outside the
+  // mapping is ignored). The mapping is read-only, so a later read loads them from the file again:
+  // for tensors whose bytes another copy now serves (Model's kept panels).
+  void ReleasePages(const void* data, size_t bytes) const;
+
  private:
   GgufFile() = default;
   std::string path_;

@@ -128,6 +128,10 @@ class Model {
 
   int64_t ParameterCount() const;
   size_t WeightBytes() const;  // bytes of all weight tensors as stored
+  // Bytes of the matrices packed at load into the active kernel family's panel layout
+  // (ops::PackPanels; today Q8_0 on avx512): their file pages are released, so these replace
+  // them in memory. 0 when none were packed, or with KVSPARSE_REPACK=0 in the environment.
+  size_t KeptPanelBytes() const { return kept_panel_bytes_; }
 
  private:
   Model() = default;
@@ -135,6 +139,10 @@ class Model {
   ModelConfig config_;
   std::unique_ptr<GgufFile> gguf_;
   std::vector<std::vector<uint8_t>> owned_;  // llama2.c weights (f32)
+  // Packs every matrix the active family keeps panels for (see KeptPanelBytes).
+  void KeepPanels();
+  std::vector<std::unique_ptr<void, void (*)(void*)>> kept_panels_;
+  size_t kept_panel_bytes_ = 0;
   friend class ModelLoader;
 };
 

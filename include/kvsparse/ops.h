@@ -17,6 +17,11 @@ struct WeightView {
   const void* data = nullptr;
   int64_t rows = 0;  // output features
   int64_t cols = 0;  // input features (contiguous); multiple of the block size
+  // Optional: the same rows packed once into a kernel family's panel layout (ops::PackPanels).
+  // MatMul reads them instead of `data` while the family that packed them (panel_kernel) is
+  // active; `data` stays valid for every other reader and family.
+  const void* panels = nullptr;
+  const void* panel_kernel = nullptr;
 };
 
 enum class RopeStyle {
@@ -41,6 +46,13 @@ void QuantizeRow(DType type, const float* src, void* dst, int64_t n);
 // calling thread). With n_tokens <= 4 the weights are streamed once (decode, bandwidth-bound);
 // larger n_tokens use register-tiled GEMM (compute-bound).
 void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads);
+// Bytes of w packed into the active kernel family's panel layout (the many-token matmul path's
+// own, see matmul_panel-inl.h), or 0 when the family keeps no panels for w.type (it does for
+// Q8_0 on avx512, whose panels hold exactly the rows' bytes).
+size_t PanelBytes(const WeightView& w);
+// Packs w into dst (PanelBytes(w) bytes, 64-byte aligned) on n_threads threads and returns w
+// with panels = dst: MatMul's per-call weight packing then happens once, here.
+WeightView PackPanels(const WeightView& w, void* dst, int n_threads);
 // out[r, t] = rows[r] . keys[t]: rows [n_rows, dim], keys [n_keys, dim], out [n_rows, n_keys], all
 // f32, on n_threads threads (<= 0: all). The attention kernel's QK blocks: for many rows against
 // a short inner dimension (query rows against keys), where MatMul's weight tiling is slow.

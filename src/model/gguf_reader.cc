@@ -482,6 +482,16 @@ StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
   return file;
 }
 
+void GgufFile::ReleasePages(const void* data, size_t bytes) const {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data), end = begin + bytes;
+  const uintptr_t map_begin = reinterpret_cast<uintptr_t>(base_), map_end = map_begin + size_;
+  if (base_ == nullptr || begin < map_begin || end > map_end || end < begin) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (begin + page - 1) / page * page, last = end / page * page;
+  // (Advice only: on failure the pages simply stay resident.)
+  if (first < last) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 GgufFile::~GgufFile() {
   if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
   if (fd_ >= 0) ::close(fd_);

@@ -43,6 +43,7 @@ class GgufModelBuilder {
     GgufModelBuilder builder(model.get(), f);
     KVS_RETURN_IF_ERROR(builder.ReadConfig());
     KVS_RETURN_IF_ERROR(builder.BindTensors());
+    ModelLoader::KeepPanels(*model);
     return model;
   }
 

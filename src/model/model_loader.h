@@ -30,6 +30,8 @@ class ModelLoader {
     m.owned_.push_back(std::move(bytes));
     return m.owned_.back().data();
   }
+  // Model::KeepPanels unless KVSPARSE_REPACK=0 (llama.cpp's --no-repack).
+  static void KeepPanels(Model& m);
   friend class GgufModelBuilder;
   friend class Llama2cModelBuilder;
 };

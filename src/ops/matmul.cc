@@ -92,6 +92,11 @@ uint8_t* PackScratch(size_t bytes) {
   return buffer.get();
 }
 
+// Whether MatMul reads w's kept panels (packed by this family's kernel).
+bool UsesKeptPanels(const matmul::Kernel& kernel, const WeightView& w) {
+  return w.panels != nullptr && w.panel_kernel == &kernel && kernel.packed_panels != nullptr;
+}
+
 // Computes weight rows [row_begin, row_end) for all tokens.
 void MatMulRows(const matmul::Kernel& kernel, const WeightView& w, const uint8_t* x, size_t x_token_bytes,
                 int64_t n_tokens, float* y, int64_t row_begin, int64_t row_end) {
@@ -121,6 +126,16 @@ void MatMulRows(const matmul::Kernel& kernel, const WeightView& w, const uint8_t
     args.w_prefetch = nullptr;
     return args;
   };
+  if (UsesKeptPanels(kernel, w)) {  // row_begin is a whole panel's first row
+    const size_t panel_bytes = kernel.panel_bytes(kernel.panel_rows, w.cols);
+    for (int64_t t_block = 0; t_block < n_tokens; t_block += block_tokens) {
+      matmul::TileArgs args = row_range(t_block, std::min(n_tokens, t_block + block_tokens) - t_block);
+      args.w = static_cast<const uint8_t*>(w.panels) + static_cast<size_t>(row_begin / kernel.panel_rows) * panel_bytes;
+      args.w_row_bytes = 0;
+      kernel.packed_panels(args);
+    }
+    return;
+  }
   if (n_tokens <= matmul::kMaxTileTokens) {
     matmul::TileArgs args = row_range(0, n_tokens);
     args.row_strip = true;
@@ -182,8 +197,11 @@ void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int
   KVS_CHECK(w.data != nullptr && x != nullptr && y != nullptr);
   const matmul::Kernel& kernel = KernelFor(w.type);
 
+  const bool kept_panels = UsesKeptPanels(kernel, w);
   if (n_threads <= 0) n_threads = omp_get_max_threads();
-  const int64_t row_tiles = (w.rows + matmul::kMaxTileRows - 1) / matmul::kMaxTileRows;
+  // Threads take whole row tiles, or whole panels when the panels are kept.
+  const int64_t tile_rows = kept_panels ? kernel.panel_rows : matmul::kMaxTileRows;
+  const int64_t row_tiles = (w.rows + tile_rows - 1) / tile_rows;
   if (w.rows * w.cols * n_tokens < kMinParallelMacs) n_threads = 1;
   n_threads = static_cast<int>(std::min<int64_t>(n_threads, row_tiles));
 
@@ -192,7 +210,7 @@ void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int
   uint8_t* scratch = nullptr;
   // Decode may use a kernel-specific compact single-token layout (see Kernel::pack_decode_token).
   auto pack_token = kernel.pack_token;
-  if (n_tokens == 1 && kernel.pack_decode_token != nullptr) {
+  if (n_tokens == 1 && kernel.pack_decode_token != nullptr && !kept_panels) {
     pack_token = kernel.pack_decode_token;
     token_bytes = kernel.decode_token_bytes(w.cols);
   } else if (pack_token != nullptr) {
@@ -219,10 +237,37 @@ void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int
     const int id = omp_get_thread_num();
     const int64_t tile_begin = row_tiles * id / n;
     const int64_t tile_end = row_tiles * (id + 1) / n;
-    const int64_t row_begin = tile_begin * matmul::kMaxTileRows;
-    const int64_t row_end = std::min(w.rows, tile_end * matmul::kMaxTileRows);
+    const int64_t row_begin = tile_begin * tile_rows;
+    const int64_t row_end = std::min(w.rows, tile_end * tile_rows);
     if (row_begin < row_end) MatMulRows(kernel, w, packed, token_bytes, n_tokens, y, row_begin, row_end);
   }
+}
+
+size_t PanelBytes(const WeightView& w) {
+  const matmul::Kernel* kernel = KVS_DISPATCH(matmul::KernelFor)(w.type);
+  if (kernel == nullptr || kernel->pack_panels == nullptr || w.rows <= 0 || w.cols <= 0) return 0;
+  return kernel->panel_bytes(w.rows, w.cols);
+}
+
+WeightView PackPanels(const WeightView& w, void* dst, int n_threads) {
+  const matmul::Kernel& kernel = KernelFor(w.type);
+  KVS_CHECK_MSG(kernel.pack_panels != nullptr && PanelBytes(w) > 0, "PackPanels: the active family keeps no panels for this type");
+  KVS_CHECK(w.data != nullptr && dst != nullptr && w.cols % DTypeBlockSize(w.type) == 0);
+  const size_t row_bytes = DTypeRowBytes(w.type, w.cols);
+  const size_t panel_bytes = kernel.panel_bytes(kernel.panel_rows, w.cols);
+  const int64_t n_panels = (w.rows + kernel.panel_rows - 1) / kernel.panel_rows;
+  if (n_threads <= 0) n_threads = omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(std::min<int64_t>(n_threads, n_panels)))
+  for (int64_t p = 0; p < n_panels; ++p) {
+    const int64_t r0 = p * kernel.panel_rows;
+    kernel.pack_panels(static_cast<const uint8_t*>(w.data) + r0 * row_bytes, row_bytes,
+                       std::min<int64_t>(kernel.panel_rows, w.rows - r0), w.cols,
+                       static_cast<uint8_t*>(dst) + static_cast<size_t>(p) * panel_bytes);
+  }
+  WeightView packed = w;
+  packed.panels = dst;
+  packed.panel_kernel = &kernel;
+  return packed;
 }
 
 }  // namespace ops

@@ -95,18 +95,32 @@ void BM_ReadBandwidth(benchmark::State& state) {
 }
 BENCHMARK(BM_ReadBandwidth)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
 
+// w with kept panels (ops::PackPanels, what a loaded model's Q8_0 matrices get on avx512) in
+// `holder`, or w itself where the active family keeps none.
+WeightView KeepPanels(const WeightView& w, Buffer* holder) {
+  const size_t bytes = ops::PanelBytes(w);
+  if (bytes == 0) return w;
+  holder->reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  return ops::PackPanels(w, holder->get(), BenchThreads());
+}
+
 // Matrix-vector over enough distinct copies of the matrix (>= 512 MiB) that weights stream from DRAM.
-void BM_MatVec(benchmark::State& state, DType type) {
+void BM_MatVec(benchmark::State& state, DType type, bool kept = false) {
   const int64_t rows = state.range(0), cols = state.range(1);
   const size_t matrix_bytes = DTypeRowBytes(type, cols) * rows;
   const int copies = static_cast<int>(std::max<size_t>(2, (512ull << 20) / matrix_bytes));
-  std::vector<Buffer> weights;
-  for (int i = 0; i < copies; ++i) weights.push_back(RandomWeights(type, rows, cols, i));
+  std::vector<Buffer> weights, panels(copies);
+  std::vector<WeightView> views;
+  for (int i = 0; i < copies; ++i) {
+    weights.push_back(RandomWeights(type, rows, cols, i));
+    const WeightView w{type, weights.back().get(), rows, cols};
+    views.push_back(kept ? KeepPanels(w, &panels[i]) : w);
+  }
   const std::vector<float> x = RandomActivations(cols);
   std::vector<float> y(rows);
   int next = 0;
   for (auto _ : state) {
-    ops::MatMul(WeightView{type, weights[next].get(), rows, cols}, x.data(), 1, y.data(), BenchThreads());
+    ops::MatMul(views[next], x.data(), 1, y.data(), BenchThreads());
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % copies;
   }
@@ -114,27 +128,31 @@ void BM_MatVec(benchmark::State& state, DType type) {
       benchmark::Counter(static_cast<double>(matrix_bytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
-void BM_Gemm(benchmark::State& state, DType type) {
+void BM_Gemm(benchmark::State& state, DType type, bool kept = false) {
   const int64_t rows = state.range(0), cols = state.range(1), n_tokens = state.range(2);
   const Buffer w = RandomWeights(type, rows, cols, 1);
+  Buffer panels;
+  const WeightView view =
+      kept ? KeepPanels(WeightView{type, w.get(), rows, cols}, &panels) : WeightView{type, w.get(), rows, cols};
   const std::vector<float> x = RandomActivations(cols * n_tokens);
   std::vector<float> y(rows * n_tokens);
   for (auto _ : state) {
-    ops::MatMul(WeightView{type, w.get(), rows, cols}, x.data(), n_tokens, y.data(), BenchThreads());
+    ops::MatMul(view, x.data(), n_tokens, y.data(), BenchThreads());
     benchmark::DoNotOptimize(y.data());
   }
   state.counters["GOP/s"] =
       benchmark::Counter(2.0 * rows * cols * n_tokens * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
-#define KVS_MATVEC(name, type)             \
-  BENCHMARK_CAPTURE(BM_MatVec, name, type) \
-      ->Args({2048, 2048})                 \
+#define KVS_MATVEC(name, ...)                     \
+  BENCHMARK_CAPTURE(BM_MatVec, name, __VA_ARGS__) \
+      ->Args({2048, 2048})                        \
       ->Args({5632, 2048})                 \
       ->Args({2048, 5632})                 \
       ->Unit(benchmark::kMicrosecond)      \
       ->UseRealTime()
 KVS_MATVEC(q8_0, DType::kQ8_0);
+KVS_MATVEC(q8_0_kept, DType::kQ8_0, true);
 KVS_MATVEC(q4_0, DType::kQ4_0);
 KVS_MATVEC(q4_K, DType::kQ4_K);
 KVS_MATVEC(q4_1, DType::kQ4_1);
@@ -150,18 +168,21 @@ KVS_MATVEC(f16, DType::kF16);
 KVS_MATVEC(bf16, DType::kBF16);
 KVS_MATVEC(f32, DType::kF32);
 
-BENCHMARK_CAPTURE(BM_Gemm, q8_0, DType::kQ8_0)
-    ->Args({2048, 2048, 512})
-    ->Args({5632, 2048, 512})
-    ->Args({2048, 5632, 512})
-    ->Args({2048, 2048, 64})
-    ->Args({2048, 2048, 16})
-    ->Args({2048, 2048, 8})
-    ->Args({2048, 2048, 4})
-    ->Args({2048, 2048, 2})
-    ->Args({4, 2048, 512})  // mostly activation packing
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+#define KVS_GEMM_Q8_0(name, ...)                           \
+  BENCHMARK_CAPTURE(BM_Gemm, name, DType::kQ8_0, __VA_ARGS__) \
+      ->Args({2048, 2048, 512})                               \
+      ->Args({5632, 2048, 512})                               \
+      ->Args({2048, 5632, 512})                               \
+      ->Args({2048, 2048, 64})                                \
+      ->Args({2048, 2048, 16})                                \
+      ->Args({2048, 2048, 8})                                 \
+      ->Args({2048, 2048, 4})                                 \
+      ->Args({2048, 2048, 2})                                 \
+      ->Args({4, 2048, 512}) /* mostly activation packing */  \
+      ->Unit(benchmark::kMillisecond)                         \
+      ->UseRealTime()
+KVS_GEMM_Q8_0(q8_0, false);
+KVS_GEMM_Q8_0(q8_0_kept, true);  // panels packed once (a loaded model's Q8_0 matrices on avx512)
 #define KVS_GEMM(name, type)             \
   BENCHMARK_CAPTURE(BM_Gemm, name, type) \
       ->Args({2048, 2048, 512})          \

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "kvsparse/dtype.h"
 
@@ -49,6 +50,16 @@ struct Kernel {
   // dimension, packing the weights into a layout of its own (matmul_panel-inl.h). Null: the
   // driver walks `tile`s.
   void (*panel)(const TileArgs& args) = nullptr;
+  // Optional kept panels: the weights packed into the panel layout once (ops::PackPanels, at
+  // model load) where that layout is no larger than the type's own (avx512 Q8_0), so that no
+  // call packs them again and 1..4 tokens read them too. panel_bytes(rows, cols) sizes them;
+  // pack_panels(w, w_row_bytes, rows, cols, dst) packs rows [0, rows) of GGUF-layout weights;
+  // packed_panels(args) is `panel` reading args.w as kept panels (args.w at the first row's
+  // panel: the driver splits rows in whole panels of panel_rows).
+  size_t (*panel_bytes)(int64_t n_rows, int64_t cols) = nullptr;
+  void (*pack_panels)(const uint8_t* w, size_t w_row_bytes, int64_t n_rows, int64_t cols, uint8_t* dst) = nullptr;
+  void (*packed_panels)(const TileArgs& args) = nullptr;
+  int panel_rows = 0;
 };
 
 }  // namespace kvsparse::matmul

@@ -415,7 +415,8 @@ concept PanelWeights = requires(const typename B::Block* const* rows, __m512i (&
 };
 
 // The panel arithmetic (matmul_panel-inl.h) of the 32-element types: per block and group, the
-// codes and the rows' d (and m with a min); per token and block, the dot's start (the packed
+// codes and the rows' d (and m with a min) as the f16 they are stored in (so a Q8_0 panel holds
+// exactly the bytes of its rows, and can be kept: Kernel::packed_panels); per token and block, the dot's start (the packed
 // steps' `init`, -kOffset * sum(x), summed over the block's lanes) and d_x, gathered once per
 // call. Per row and token: sum_b d_w d_x (dot(u, x) - kOffset sum(x)) (+ m_w s_x with a min, s_x =
 // d_x sum(x) from the packed block sums).
@@ -425,11 +426,17 @@ struct PackedQ8Panel {
   static constexpr bool kHasMin = WeightsWithMin<B>;
   static constexpr int kBlockElems = 32;
   static constexpr int kFactors = kHasMin ? 2 : 1;  // d, then m
-  static constexpr size_t kGroupBlockBytes = kPanelCodeBytes + kFactors * kPanelGroupRows * sizeof(float);
-  // A block of the panel: codes of all groups, then d [group][16], then m [group][16].
+  static constexpr size_t kGroupBlockBytes = kPanelCodeBytes + kFactors * kPanelGroupRows * sizeof(f16_bits);
+  // A block of the panel: codes of all groups, then d [group][16] f16, then m [group][16] f16.
   static constexpr size_t kBlockBytes = kPanelGroups * kGroupBlockBytes;
   static constexpr size_t kScalesOffset = kPanelGroups * kPanelCodeBytes;
-  static constexpr size_t kMinsOffset = kScalesOffset + kPanelGroups * kPanelGroupRows * sizeof(float);
+  static constexpr size_t kMinsOffset = kScalesOffset + kPanelGroups * kPanelGroupRows * sizeof(f16_bits);
+  static_assert(kBlockBytes % 64 == 0, "blocks keep the codes 64-byte aligned");
+  // The f16 factors of `group` at offset as f32 lanes.
+  static __m512 LoadFactors(const uint8_t* block, size_t offset, int group) {
+    return _mm512_cvtph_ps(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(block + offset + group * kPanelGroupRows * sizeof(f16_bits))));
+  }
   // Where elements 0 and 16 of a step's block j sit in its codes.
   static constexpr int kLo[2] = {PositionInStep(B::kOrder, 0, 0), PositionInStep(B::kOrder, 1, 0)};
   static constexpr int kHi = PositionInStep(B::kOrder, 0, 16) - PositionInStep(B::kOrder, 0, 0);
@@ -477,12 +484,10 @@ struct PackedQ8Panel {
       __m512i quad[8];
       B::PanelCodes(src, b, quad);
       for (int c = 0; c < 8; ++c) _mm512_store_si512(block + group * kPanelCodeBytes + 64 * c, quad[c]);
-      // The rows' f16 field (d or m) of block b as f32 lanes at `offset`, 0 on padding lanes.
+      // The rows' f16 field (d or m) of block b in lane order at `offset`, 0 on padding lanes.
       auto store_factor = [&](size_t offset, auto field) {
-        alignas(32) f16_bits h[kPanelGroupRows];
-        for (int k = 0; k < kPanelGroupRows; ++k) h[k] = src[PanelRow(k)][b].*field;
-        _mm512_store_ps(reinterpret_cast<float*>(block + offset) + group * kPanelGroupRows,
-                        _mm512_maskz_mov_ps(valid_lanes, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)))));
+        f16_bits* h = reinterpret_cast<f16_bits*>(block + offset) + group * kPanelGroupRows;
+        for (int k = 0; k < kPanelGroupRows; ++k) h[k] = (valid_lanes >> k) & 1 ? src[PanelRow(k)][b].*field : f16_bits{0};
       };
       store_factor(kScalesOffset, &Block::d);
       if constexpr (kHasMin) store_factor(kMinsOffset, &Block::m);
@@ -520,18 +525,16 @@ struct PackedQ8Panel {
         for (int g = 0; g < G; ++g) dot[g][t] = start;
       }
       PanelBlockDots<G, T>(block, kPanelCodeBytes, xb, dot, kHi);
-      const float* w_scale = reinterpret_cast<const float*>(block + kScalesOffset);
       for (int g = 0; g < G; ++g) {
-        const __m512 ws = _mm512_load_ps(w_scale + g * kPanelGroupRows);
+        const __m512 ws = LoadFactors(block, kScalesOffset, g);
         for (int t = 0; t < T; ++t) {
           acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g][t]), _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[t][b])),
                                       acc[g][t]);
         }
       }
       if constexpr (kHasMin) {
-        const float* w_min = reinterpret_cast<const float*>(block + kMinsOffset);
         for (int g = 0; g < G; ++g) {
-          const __m512 wm = _mm512_load_ps(w_min + g * kPanelGroupRows);
+          const __m512 wm = LoadFactors(block, kMinsOffset, g);
           for (int t = 0; t < T; ++t) acc[g][t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x_sums[t][b]), acc[g][t]);
         }
       }
@@ -603,6 +606,11 @@ struct PackedQ8Kernel {
     }
 #if KVS_ISA_AVX512
     if constexpr (PanelWeights<B>) kernel.panel = &RunPanels<PackedQ8Panel<B>>;
+    // Kept only where a panel is no larger than the rows (a byte per code: Q8_0); the others'
+    // codes widen from 4-6 bits to a byte.
+    if constexpr (PanelWeights<B> && PackedQ8Panel<B>::kGroupBlockBytes == kPanelGroupRows * sizeof(typename B::Block)) {
+      KeepPanels<PackedQ8Panel<B>>(kernel);
+    }
 #endif
     return kernel;
   }

@@ -281,32 +281,48 @@ void DispatchPanelTokens(const TileArgs& a, const uint8_t* panel, int64_t n_bloc
   }
 }
 
-// Kernel::panel of weight type P: every row of `a` (any count) times every token (any count).
+// Bytes of one panel (kPanelRows rows, the last one possibly ragged) over n_blocks blocks.
 template <class P>
+constexpr size_t PanelBytes(int64_t n_blocks) {
+  return static_cast<size_t>(n_blocks) * kPanelGroups * P::kGroupBlockBytes;
+}
+
+// Kernel::panel of weight type P (kKept false): every row of `a` (any count) times every token
+// (any count), packing each panel into per-thread scratch first. Kernel::packed_panels (kKept
+// true): the same with the panels packed once (PackPanels), a.w at the first row's panel.
+template <class P, bool kKept = false>
 void RunPanels(const TileArgs& a) {
   const int64_t n_blocks = a.cols / P::kBlockElems;
+  const size_t panel_bytes = PanelBytes<P>(n_blocks);
   P::PrepareTokens(a, n_blocks);
-  static thread_local hwy::AlignedFreeUniquePtr<uint8_t[]> panel;
-  static thread_local int64_t panel_blocks = 0;
-  if (n_blocks > panel_blocks) {
-    panel = hwy::AllocateAligned<uint8_t>(static_cast<size_t>(n_blocks) * kPanelGroups * P::kGroupBlockBytes);
-    KVS_CHECK(panel != nullptr && reinterpret_cast<uintptr_t>(panel.get()) % 64 == 0);
-    panel_blocks = n_blocks;
+  static thread_local hwy::AlignedFreeUniquePtr<uint8_t[]> scratch;
+  static thread_local int64_t scratch_blocks = 0;
+  if (!kKept && n_blocks > scratch_blocks) {
+    scratch = hwy::AllocateAligned<uint8_t>(panel_bytes);
+    KVS_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch.get()) % 64 == 0);
+    scratch_blocks = n_blocks;
   }
+  if constexpr (kKept) KVS_CHECK(reinterpret_cast<uintptr_t>(a.w) % 64 == 0);
   for (int r0 = 0; r0 < a.n_rows; r0 += kPanelRows) {
     const int n_rows = std::min(kPanelRows, a.n_rows - r0);
     const int groups = (n_rows + kPanelGroupRows - 1) / kPanelGroupRows;
-    for (int g = 0; g < groups; ++g) {
-      P::PackGroup(a, r0 + g * kPanelGroupRows, std::min(kPanelGroupRows, n_rows - g * kPanelGroupRows), g, n_blocks,
-                   panel.get());
+    const uint8_t* panel = a.w + static_cast<size_t>(r0 / kPanelRows) * panel_bytes;
+    if constexpr (!kKept) {
+      for (int g = 0; g < groups; ++g) {
+        P::PackGroup(a, r0 + g * kPanelGroupRows, std::min(kPanelGroupRows, n_rows - g * kPanelGroupRows), g,
+                     n_blocks, scratch.get());
+      }
+      panel = scratch.get();
     }
-    // The next panel's rows (contiguous after this one's) are prefetched over this one's blocks.
+    // The next panel (its weight rows, contiguous after this one's, or its kept bytes) is
+    // prefetched over this one's blocks.
     PanelPrefetch prefetch;
     const int next_rows = std::min(kPanelRows, a.n_rows - r0 - n_rows);
     const int token_groups = (a.n_tokens + kPanelTokens - 1) / kPanelTokens;
     if (next_rows > 0) {
-      prefetch.next = reinterpret_cast<const char*>(a.w + (r0 + n_rows) * a.w_row_bytes);
-      prefetch.end = prefetch.next + next_rows * a.w_row_bytes;
+      prefetch.next = kKept ? reinterpret_cast<const char*>(panel + panel_bytes)
+                            : reinterpret_cast<const char*>(a.w + (r0 + n_rows) * a.w_row_bytes);
+      prefetch.end = prefetch.next + (kKept ? panel_bytes : next_rows * a.w_row_bytes);
       const int64_t lines = (prefetch.end - prefetch.next + 63) / 64;
       prefetch.per_step = static_cast<int>((lines + token_groups * n_blocks - 1) / (token_groups * n_blocks));
     }
@@ -314,12 +330,45 @@ void RunPanels(const TileArgs& a) {
       const int n_tokens = std::min(kPanelTokens, a.n_tokens - t0);
       static_assert(kPanelGroups == 2);
       if (groups == 2) {
-        DispatchPanelTokens<P, 2>(a, panel.get(), n_blocks, t0, n_tokens, r0, n_rows, prefetch);
+        DispatchPanelTokens<P, 2>(a, panel, n_blocks, t0, n_tokens, r0, n_rows, prefetch);
       } else {
-        DispatchPanelTokens<P, 1>(a, panel.get(), n_blocks, t0, n_tokens, r0, n_rows, prefetch);
+        DispatchPanelTokens<P, 1>(a, panel, n_blocks, t0, n_tokens, r0, n_rows, prefetch);
       }
     }
   }
+}
+
+// Kernel::pack_panels of weight type P: rows [0, n_rows) at w (GGUF layout) into dst, one panel
+// after another (PanelBytes each; a ragged last panel's missing group is zeros).
+template <class P>
+void PackPanels(const uint8_t* w, size_t w_row_bytes, int64_t n_rows, int64_t cols, uint8_t* dst) {
+  KVS_CHECK(reinterpret_cast<uintptr_t>(dst) % 64 == 0);
+  TileArgs a{};
+  a.w = w;
+  a.w_row_bytes = w_row_bytes;
+  a.cols = cols;
+  const int64_t n_blocks = cols / P::kBlockElems;
+  const size_t panel_bytes = PanelBytes<P>(n_blocks);
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kPanelRows) {
+    uint8_t* panel = dst + static_cast<size_t>(r0 / kPanelRows) * panel_bytes;
+    const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n_rows - r0));
+    if (rows < kPanelRows) std::memset(panel, 0, panel_bytes);
+    a.w = w + r0 * w_row_bytes;  // (PackGroup's rows are relative to a.w: row counts stay int)
+    for (int g = 0; g * kPanelGroupRows < rows; ++g) {
+      P::PackGroup(a, g * kPanelGroupRows, std::min(kPanelGroupRows, rows - g * kPanelGroupRows), g, n_blocks, panel);
+    }
+  }
+}
+
+// The Kernel fields of a type whose panels are kept (packed once, at load).
+template <class P>
+constexpr void KeepPanels(Kernel& kernel) {
+  kernel.panel_bytes = [](int64_t n_rows, int64_t cols) {
+    return static_cast<size_t>((n_rows + kPanelRows - 1) / kPanelRows) * PanelBytes<P>(cols / P::kBlockElems);
+  };
+  kernel.pack_panels = &PackPanels<P>;
+  kernel.packed_panels = &RunPanels<P, true>;
+  kernel.panel_rows = kPanelRows;
 }
 #endif  // KVS_ISA_AVX512
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,6 +19,19 @@ namespace {
 
 using testing::QuantizeMatrix;
 using testing::RandomFloats;
+
+// w packed into the active family's kept panels (ops::PackPanels), with the buffer that holds
+// them; panels == nullptr where the family keeps none for w.type.
+struct KeptPanels {
+  std::unique_ptr<void, decltype(&std::free)> buffer{nullptr, &std::free};
+  WeightView view;
+  explicit KeptPanels(const WeightView& w, int threads) : view(w) {
+    const size_t bytes = ops::PanelBytes(w);
+    if (bytes == 0) return;
+    buffer.reset(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    view = ops::PackPanels(w, buffer.get(), threads);
+  }
+};
 
 // The activation type the fast path quantizes x to for a given weight type (nullopt: none).
 std::optional<DType> ActivationType(DType weight) {
@@ -63,6 +78,10 @@ std::string Describe(const Case& c) {
          (c.random_bits ? " random bits" : "");
 }
 
+void CheckOutputs(const Case& c, const std::vector<uint8_t>& w_data, const std::vector<float>& x,
+                  const std::vector<float>& x_rt, const std::vector<float>& y, const std::vector<float>& y_exact,
+                  const std::vector<float>& y_raw);
+
 // Checks ops::MatMul against two references:
 //  1. ref::MatMul on the quantize-dequantized activations: only f32 rounding may differ
 //     (the integer dot products are exact), so the tolerance is 2e-5 of sum |w x|.
@@ -82,7 +101,23 @@ void CheckCase(const Case& c, uint32_t seed) {
   std::vector<float> y_exact(y.size()), y_raw(y.size());
   ref::MatMul(w, x_rt.data(), c.n_tokens, y_exact.data());
   ref::MatMul(w, x.data(), c.n_tokens, y_raw.data());
+  CheckOutputs(c, w_data, x, x_rt, y, y_exact, y_raw);
 
+  // Kept panels (where the family keeps them): the same bounds, and with 5+ tokens the very
+  // bits of the per-call panels (same layout, same sums); 1..4 tokens read them instead of the
+  // rows.
+  const KeptPanels kept(w, c.threads);
+  if (kept.view.panels == nullptr) return;
+  SCOPED_TRACE("kept panels");
+  std::vector<float> y_kept(y.size(), -1.f);
+  ops::MatMul(kept.view, x.data(), c.n_tokens, y_kept.data(), c.threads);
+  CheckOutputs(c, w_data, x, x_rt, y_kept, y_exact, y_raw);
+  if (c.n_tokens > 4) EXPECT_EQ(y_kept, y);
+}
+
+void CheckOutputs(const Case& c, const std::vector<uint8_t>& w_data, const std::vector<float>& x,
+                  const std::vector<float>& x_rt, const std::vector<float>& y, const std::vector<float>& y_exact,
+                  const std::vector<float>& y_raw) {
   std::vector<float> w_deq(c.cols);
   const size_t row_bytes = DTypeRowBytes(c.type, c.cols);
   int failures = 0;
@@ -228,7 +263,34 @@ TEST_P(MatMulTest, ResultDoesNotDependOnThreadCount) {
       ops::MatMul(w, x.data(), n_tokens, y3.data(), 3);
       EXPECT_EQ(y1, y2) << DTypeName(type) << " n_tokens " << n_tokens;
       EXPECT_EQ(y1, y3) << DTypeName(type) << " n_tokens " << n_tokens;
+      const KeptPanels kept(w, 2);  // (threads split kept panels by whole panels)
+      if (kept.view.panels == nullptr) continue;
+      ops::MatMul(kept.view, x.data(), n_tokens, y2.data(), 2);
+      ops::MatMul(kept.view, x.data(), n_tokens, y3.data(), 3);
+      ops::MatMul(kept.view, x.data(), n_tokens, y1.data(), 1);
+      EXPECT_EQ(y1, y2) << DTypeName(type) << " kept panels, n_tokens " << n_tokens;
+      EXPECT_EQ(y1, y3) << DTypeName(type) << " kept panels, n_tokens " << n_tokens;
     }
+  }
+}
+
+// Panels kept by one family are ignored by another: MatMul reads the rows then, as if there were
+// none (tests and --isa switch families after a model packed its weights).
+TEST(MatMulKeptPanels, OtherFamiliesReadTheRows) {
+  testing::IsaGuard guard;
+  const int64_t rows = 40, cols = 256, n_tokens = 6;
+  const std::vector<uint8_t> w_data = QuantizeMatrix(DType::kQ8_0, RandomFloats(rows * cols, 11), rows, cols);
+  const WeightView w{DType::kQ8_0, w_data.data(), rows, cols};
+  const KeptPanels kept(w, 1);
+  if (kept.view.panels == nullptr) GTEST_SKIP() << "the active family (" << IsaName(ActiveIsa()) << ") keeps no panels";
+  const std::vector<float> x = RandomFloats(n_tokens * cols, 12);
+  for (Isa isa : SupportedIsas()) {
+    ASSERT_TRUE(SetIsa(isa).ok());
+    if (ops::PanelBytes(w) > 0) continue;  // (the family that packed them)
+    std::vector<float> want(rows * n_tokens), got(rows * n_tokens);
+    ops::MatMul(w, x.data(), n_tokens, want.data(), 1);
+    ops::MatMul(kept.view, x.data(), n_tokens, got.data(), 1);
+    EXPECT_EQ(got, want) << IsaName(isa);
   }
 }
 
