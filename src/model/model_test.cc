@@ -174,6 +174,45 @@ TEST(GgufModelLoader, MinimallyAlignedTensorDataComputesLikeDefault) {
   }
 }
 
+// Kept panels (Model::KeptPanelBytes: Q8_0 matrices packed at load on avx512, their file pages
+// released) compute what the rows do: bit for bit with 5+ tokens (the same panels, packed per
+// call without them), within f32 rounding in decode (panels instead of row strips). A tied output
+// keeps panels while the embedding lookups fault its rows back in.
+TEST(GgufModelLoader, KeptPanelsComputeLikeTheRows) {
+  for (bool tied : {false, true}) {
+    TinyModelSpec spec;
+    spec.weight_type = DType::kQ8_0;
+    spec.tied_output = tied;
+    auto kept = LoadSpec(spec, "loader_kept.gguf");
+    ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+    ::setenv("KVSPARSE_REPACK", "0", 1);
+    auto rows = LoadSpec(spec, "loader_rows.gguf");
+    ::unsetenv("KVSPARSE_REPACK");
+    ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+    EXPECT_EQ((*rows)->KeptPanelBytes(), 0u);
+    if ((*kept)->KeptPanelBytes() == 0) GTEST_SKIP() << "the active kernel family keeps no panels";
+    EXPECT_NE((*kept)->layers[0].wq.panels, nullptr);
+    EXPECT_NE((*kept)->output.panels, nullptr);
+    EXPECT_EQ((*kept)->token_embedding.panels, nullptr);
+
+    const std::vector<int32_t> tokens = {1, 5, 9, 77, 3, 12};
+    EXPECT_EQ(RunAll(**kept, tokens), RunAll(**rows, tokens)) << "tied " << tied;
+    // Decode: one token per step.
+    const ModelConfig& c = (*kept)->config();
+    std::vector<float> got(c.n_vocab), want(c.n_vocab);
+    ContiguousKvCache cache_kept(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, KvStorage::kF32, 1, 16);
+    ContiguousKvCache cache_rows(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, KvStorage::kF32, 1, 16);
+    Engine engine_kept(**kept, &cache_kept, 2), engine_rows(**rows, &cache_rows, 2);
+    for (int32_t pos = 0; pos < static_cast<int32_t>(tokens.size()); ++pos) {
+      ASSERT_TRUE(engine_kept.Forward(0, &tokens[pos], 1, pos, got.data(), false).ok());
+      ASSERT_TRUE(engine_rows.Forward(0, &tokens[pos], 1, pos, want.data(), false).ok());
+      for (int32_t v = 0; v < c.n_vocab; ++v) {
+        ASSERT_NEAR(got[v], want[v], 1e-4f * (1.f + std::fabs(want[v]))) << "tied " << tied << " pos " << pos;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- GGUF errors
 
 TEST(ModelLoaderError, MissingTensorIsNamed) {
