@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 
 #include "kvsparse/dtype.h"
 
@@ -58,6 +60,31 @@ WeightView PackPanels(const WeightView& w, void* dst, int n_threads);
 // a short inner dimension (query rows against keys), where MatMul's weight tiling is slow.
 void ScoreMatrix(const float* rows, int64_t n_rows, const float* keys, int64_t n_keys, int dim, float* out,
                  int n_threads);
+
+// Int8 score products, for estimates (the sparse-prefill selectors' query x key products): the
+// keys are quantized once (QuantizeKeysInt8) into the active family's packed layout, then
+// ScoreMatrixInt8 quantizes the rows the same way and computes
+//   out[r, t] = (dot(codes_r, codes_t) * step_r) * step_t,   step = max|x| / 127 per row or key,
+// with exact integer dots: VNNI on avx512, plain sums in the scalar family (its twin, bit for
+// bit). Each score is within sum_c |r_c| step_t / 2 + |k_c| step_r / 2 + step_r step_t / 4 of
+// the exact product. Int8ScoresAvailable() is false where the family has no integer dots (avx2):
+// callers then use ScoreMatrix.
+struct Int8Keys {
+  int64_t n_keys = 0;
+  int dim = 0, dp = 0;           // dp: dim padded to 16
+  const void* layout = nullptr;  // the family that packed them (checked by ScoreMatrixInt8)
+  // 64-byte aligned: codes [ceil(n_keys / 16) blocks][16 keys x dp] in the family's layout, then
+  // lane_steps [blocks][16] each block's key steps in the family's lane order. Grows, never shrinks.
+  std::unique_ptr<void, void (*)(void*)> buffer{nullptr, &std::free};
+  size_t capacity = 0;
+  size_t CodeBytes() const { return static_cast<size_t>((n_keys + 15) / 16) * 16 * static_cast<size_t>(dp); }
+  const uint8_t* codes() const { return static_cast<const uint8_t*>(buffer.get()); }
+  const float* lane_steps() const { return reinterpret_cast<const float*>(codes() + CodeBytes()); }
+};
+bool Int8ScoresAvailable();
+void QuantizeKeysInt8(const float* keys, int64_t n_keys, int dim, Int8Keys* out, int n_threads);
+// rows [n_rows, keys.dim], out [n_rows, keys.n_keys].
+void ScoreMatrixInt8(const float* rows, int64_t n_rows, const Int8Keys& keys, float* out, int n_threads);
 
 // ---- vector kernels ----
 float Dot(const float* a, const float* b, int64_t n);

@@ -24,7 +24,11 @@
 //   the blocks of its own tokens are kept, then the others by descending score while the kept
 //   share is below `threshold` (0.9) of the row (the block that crosses it is kept).
 // Estimates are made per kv head (GQA: a group's query heads share one selection, from the
-// mean of their scores) on f32 copies of the keys. A chunk with fewer than `min_queries` (128)
+// mean of their scores) on f32 copies of the keys. `estimate_bits` (8 or 32) sets the precision
+// of the estimating products: 8 (the default of vertical_slash and xattention, whose products
+// cost as much as the sparse attention they steer) rounds queries and keys to int8 per row and
+// key (ops::ScoreMatrixInt8: exact integer dots, VNNI; each score within its stated bound) on
+// families with integer dots, 32 is f32 (block_sparse's default: its pooled products are cheap). A chunk with fewer than `min_queries` (128)
 // queries, or whose layer holds fewer than `min_context` (1024) tokens, is attended densely.
 #pragma once
 
@@ -36,6 +40,7 @@
 
 #include "kvsparse/attention.h"
 #include "kvsparse/kv_types.h"
+#include "kvsparse/ops.h"
 #include "kvsparse/status.h"
 
 namespace kvsparse {
@@ -61,9 +66,13 @@ struct PrefillSparsity {
   // xattention
   int stride = 8;
   double threshold = 0.9;
+  // every method: the estimating products' precision, 8 (int8, where the family has integer dots)
+  // or 32 (f32)
+  int estimate_bits = 8;
 };
 
-// A method's paper defaults (block 128 for xattention, 64 otherwise).
+// A method's paper defaults (block 128 for xattention, 64 otherwise; estimate_bits 32 for
+// block_sparse, 8 otherwise).
 PrefillSparsity DefaultPrefillSparsity(PrefillMethod method);
 
 // Parameter keys of a method (block, min_queries, min_context, then the method's own).
@@ -115,6 +124,7 @@ class PrefillSelector {
                   int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
   std::vector<float> a_, b_, c_, d_, e_;  // scratch
   std::vector<int64_t> index_;
+  ops::Int8Keys int8_keys_;  // estimate_bits 8: the keys packed once per estimate
 };
 
 // Every kv head's keys of the spans as f32: out [row_heads, n_rows, head_dim] with n_rows =

@@ -473,6 +473,29 @@ __attribute__((noinline)) inline void QuantizeQueryRows(const float* q_rows, int
   }
 }
 
+// Int8 codes of n rows of dim floats (ops::ScoreMatrixInt8): per row, step = max|x| / 127 (0 for
+// a negligible or NaN row) and codes round(x / step) in [-127, 127], zero-padded to dp; sums (if
+// not null) the codes' sum per row. Out of line for the same reason as QuantizeQueryRows.
+__attribute__((noinline)) inline void QuantizeInt8Rows(const float* x, int64_t n, int dim, int dp, int8_t* codes,
+                                                       float* steps, int32_t* sums) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = x + r * dim;
+    int8_t* code = codes + r * dp;
+    float amax = 0.f;
+    for (int c = 0; c < dim; ++c) amax = std::max(amax, std::fabs(row[c]));
+    if (!(amax >= kNegligible)) amax = 0.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int c = 0; c < dim; ++c) {
+      code[c] = static_cast<int8_t>(ClampCode(RoundHalfEven(row[c] * inv)));
+      sum += code[c];
+    }
+    std::fill(code + dim, code + dp, int8_t{0});
+    steps[r] = amax / 127.f;
+    if (sums != nullptr) sums[r] = sum;
+  }
+}
+
 // One row's score from its integer group dots (dots[2g], dots[2g + 1]: group g's hi and lo
 // dots), in the order every family uses (so the families' scores agree bit for bit):
 // s = hi_0 * step_0, s = fma(lo_0, lo_step_0, s), then fma per part of each later group, then

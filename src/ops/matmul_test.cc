@@ -240,6 +240,51 @@ TEST_P(MatMulTest, ScoreMatrixMatchesReference) {
   }
 }
 
+// ScoreMatrixInt8 (the sparse-prefill estimates' int8 products): within its stated bound of the
+// exact products, and bit for bit the scalar family's (its twin) on the same inputs. Ragged row
+// counts around the 4-row groups, keys around the 16-key block, dims around the 16-code padding.
+TEST_P(MatMulTest, Int8ScoreMatrixMatchesTwinWithinBound) {
+  if (!ops::Int8ScoresAvailable()) GTEST_SKIP() << IsaName(GetParam()) << " has no integer dots";
+  uint32_t seed = 120;
+  for (int64_t n_rows : {1, 3, 4, 7, 65}) {
+    for (int64_t n_keys : {1, 15, 16, 17, 300}) {
+      for (int dim : {1, 5, 16, 64, 100, 128}) {
+        const auto rows = testing::RandomFloats(n_rows * dim, seed++), keys = testing::RandomFloats(n_keys * dim, seed++);
+        std::vector<float> got(n_rows * n_keys, -1.f), twin(n_rows * n_keys, -2.f), exact(n_rows * n_keys);
+        ops::Int8Keys packed;
+        ops::QuantizeKeysInt8(keys.data(), n_keys, dim, &packed, 1 + static_cast<int>(seed % 3));
+        ops::ScoreMatrixInt8(rows.data(), n_rows, packed, got.data(), 1 + static_cast<int>(seed % 2));
+        {
+          testing::IsaGuard guard;
+          ASSERT_TRUE(SetIsa(Isa::kScalar).ok());
+          ops::Int8Keys scalar_keys;
+          ops::QuantizeKeysInt8(keys.data(), n_keys, dim, &scalar_keys, 1);
+          ops::ScoreMatrixInt8(rows.data(), n_rows, scalar_keys, twin.data(), 1);
+        }
+        ref::ScoreMatrix(rows.data(), n_rows, keys.data(), n_keys, dim, exact.data());
+        ASSERT_EQ(got, twin) << n_rows << "x" << n_keys << " dim " << dim;
+        for (int64_t r = 0; r < n_rows; ++r) {
+          float r_max = 0.f;
+          for (int c = 0; c < dim; ++c) r_max = std::max(r_max, std::fabs(rows[r * dim + c]));
+          for (int64_t t = 0; t < n_keys; ++t) {
+            float k_max = 0.f;
+            double r_abs = 0, k_abs = 0;
+            for (int c = 0; c < dim; ++c) {
+              k_max = std::max(k_max, std::fabs(keys[t * dim + c]));
+              r_abs += std::fabs(rows[r * dim + c]);
+              k_abs += std::fabs(keys[t * dim + c]);
+            }
+            const double step_r = r_max / 127.0, step_k = k_max / 127.0;
+            const double bound = r_abs * step_k / 2 + k_abs * step_r / 2 + dim * step_r * step_k / 4;
+            ASSERT_NEAR(got[r * n_keys + t], exact[r * n_keys + t], bound * 1.001 + 1e-6)
+                << n_rows << "x" << n_keys << " dim " << dim << " at " << r << ", " << t;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(MatMulTest, EmptyShapesDoNothing) {
   const std::vector<float> x(64, 1.f);
   std::vector<float> y(4, 7.f);

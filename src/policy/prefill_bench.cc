@@ -2,7 +2,8 @@
 // (group 8, head_dim 64): a 512-query chunk at the end of `depth` tokens, on one thread as the
 // engine runs it (one kv head per thread). Compare with
 // attention_bench's BM_SparsePrefillChunk (all 4 kv heads: divide its time by 4).
-// Args: method (1 vertical_slash, 2 block_sparse, 3 xattention), depth.
+// Args: method (1 vertical_slash, 2 block_sparse, 3 xattention), depth, bits (the estimate's
+// products: 8 int8 where the family has integer dots, 32 f32).
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -17,6 +18,7 @@ namespace {
 void BM_PrefillEstimate(benchmark::State& state) {
   const auto method = static_cast<PrefillMethod>(state.range(0));
   const int64_t depth = state.range(1);
+  const int bits = static_cast<int>(state.range(2));
   constexpr int32_t kChunk = 512;
   constexpr int kGroup = 8, kHeadDim = 64;
   std::mt19937 rng(3);
@@ -28,6 +30,7 @@ void BM_PrefillEstimate(benchmark::State& state) {
   std::vector<int64_t> visible(kChunk);
   for (int32_t i = 0; i < kChunk; ++i) visible[i] = depth - kChunk + i + 1;
   PrefillSparsity config = DefaultPrefillSparsity(method);
+  config.estimate_bits = bits;
   const AttentionShape shape{kGroup, 1, kHeadDim, 0.125f};
   PrefillSelector selector;
   PrefillSelection selection;
@@ -38,8 +41,8 @@ void BM_PrefillEstimate(benchmark::State& state) {
 }
 
 BENCHMARK(BM_PrefillEstimate)
-    ->ArgNames({"method", "depth"})
-    ->ArgsProduct({{1, 2, 3}, {8192}})
+    ->ArgNames({"method", "depth", "bits"})
+    ->ArgsProduct({{1, 2, 3}, {8192}, {8, 32}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

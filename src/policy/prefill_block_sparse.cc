@@ -43,7 +43,8 @@ void PrefillSelector::BlockSparse(const PrefillSparsity& c, const AttentionShape
     for (int e = 0; e < group * d; ++e) dst[e] *= inv;
   }
   // a_: [n_qb * group, n_kb] pooled products, unscaled (MInference ranks them as they are).
-  ScoreProducts(pooled_q.data(), static_cast<int64_t>(n_qb) * group, pooled_k.data(), n_kb, d, n_threads, &a_);
+  ScoreProducts(pooled_q.data(), static_cast<int64_t>(n_qb) * group, pooled_k.data(), n_kb, d, n_threads, &a_,
+                PrepareEstimateKeys(c, pooled_k.data(), n_kb, d, n_threads, &int8_keys_));
 
   RangeAssembler ranges(B, out);
   std::vector<float> score(static_cast<size_t>(n_kb));

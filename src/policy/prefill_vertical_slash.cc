@@ -49,12 +49,13 @@ void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionSha
   std::vector<float>& scaled_q = e_;  // [last_q, group, head_dim]
   scaled_q.assign(q + static_cast<size_t>(first) * group * d, q + static_cast<size_t>(n_q) * group * d);
   for (float& x : scaled_q) x *= s.scale;
+  const ops::Int8Keys* int8_keys = PrepareEstimateKeys(c, keys, n_tokens, d, n_threads, &int8_keys_);
   for (int32_t i = 0; i < last_q; ++i) {
     const int32_t slab_row = i % kSlab;
     if (slab_row == 0) {
       const int32_t slab = std::min(kSlab, last_q - i);
       ScoreProducts(scaled_q.data() + static_cast<size_t>(i) * group * d, static_cast<int64_t>(slab) * group, keys,
-                    n_tokens, d, n_threads, &a_);
+                    n_tokens, d, n_threads, &a_, int8_keys);
     }
     const int64_t seen = visible[first + i];
     if (seen == 0) continue;

@@ -35,7 +35,8 @@ void PrefillSelector::XAttention(const PrefillSparsity& c, const AttentionShape&
     }
   }
   // a_: [n_qt * group, n_kt] antidiagonal scores.
-  ScoreProducts(strided_q.data(), static_cast<int64_t>(n_qt) * group, keys, n_kt, S * d, n_threads, &a_);
+  ScoreProducts(strided_q.data(), static_cast<int64_t>(n_qt) * group, keys, n_kt, S * d, n_threads, &a_,
+                PrepareEstimateKeys(c, keys, n_kt, S * d, n_threads, &int8_keys_));
 
   // Per query tile: softmax over the key tiles it reaches (its last query's view, the tile's
   // diagonal tile included whole, as in the reference), mean over the group, summed into the

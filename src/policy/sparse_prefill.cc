@@ -41,11 +41,12 @@ PrefillSparsity DefaultPrefillSparsity(PrefillMethod method) {
   PrefillSparsity p;
   p.method = method;
   if (method == PrefillMethod::kXAttention) p.block = 128;
+  if (method == PrefillMethod::kBlockSparse) p.estimate_bits = 32;
   return p;
 }
 
 std::vector<std::string_view> PrefillParamKeys(PrefillMethod method) {
-  std::vector<std::string_view> keys = {"block", "min_queries", "min_context"};
+  std::vector<std::string_view> keys = {"block", "min_queries", "min_context", "estimate_bits"};
   switch (method) {
     case PrefillMethod::kDense:
       return {};
@@ -96,6 +97,7 @@ Status SetPrefillParam(std::string_view key, double value, PrefillSparsity* p) {
   if (key == "local_diagonals") p->local_diagonals = v;
   if (key == "top_blocks") p->top_blocks = v;
   if (key == "stride") p->stride = v;
+  if (key == "estimate_bits") p->estimate_bits = v;
   return Status::Ok();
 }
 
@@ -116,6 +118,9 @@ Status ValidatePrefillSparsity(const PrefillSparsity& p) {
   }
   if (p.stride < 1 || p.stride > p.block || p.block % p.stride != 0) {
     return bad("stride", fmt::format("must divide the block ({}); found {}", p.block, p.stride));
+  }
+  if (p.estimate_bits != 8 && p.estimate_bits != 32) {
+    return bad("estimate_bits", fmt::format("must be 8 or 32; found {}", p.estimate_bits));
   }
   if (!(p.threshold > 0 && p.threshold <= 1))
     return bad("threshold", fmt::format("must be in (0, 1]; found {}", p.threshold));
@@ -173,6 +178,7 @@ std::string PrefillSparsitySummary(const PrefillSparsity& p) {
       s += fmt::format(" block={} stride={} threshold={:g}", p.block, p.stride, p.threshold);
       break;
   }
+  if (p.method != PrefillMethod::kDense) s += fmt::format(" estimate_bits={}", p.estimate_bits);
   return s;
 }
 
@@ -257,10 +263,22 @@ void PrefillSelector::Select(const PrefillSparsity& config, const AttentionShape
 
 namespace prefill_detail {
 
+const ops::Int8Keys* PrepareEstimateKeys(const PrefillSparsity& config, const float* keys, int64_t n_keys, int dim,
+                                         int n_threads, ops::Int8Keys* int8_keys) {
+  if (config.estimate_bits != 8 || !ops::Int8ScoresAvailable()) return nullptr;
+  ops::QuantizeKeysInt8(keys, n_keys, dim, int8_keys, n_threads);
+  return int8_keys;
+}
+
 void ScoreProducts(const float* rows, int64_t n_rows, const float* keys, int64_t n_keys, int dim, int n_threads,
-                   std::vector<float>* scores) {
+                   std::vector<float>* scores, const ops::Int8Keys* int8_keys) {
   scores->resize(static_cast<size_t>(n_rows) * n_keys);
-  ops::ScoreMatrix(rows, n_rows, keys, n_keys, dim, scores->data(), n_threads);
+  if (int8_keys != nullptr) {
+    KVS_CHECK(int8_keys->n_keys == n_keys && int8_keys->dim == dim);
+    ops::ScoreMatrixInt8(rows, n_rows, *int8_keys, scores->data(), n_threads);
+  } else {
+    ops::ScoreMatrix(rows, n_rows, keys, n_keys, dim, scores->data(), n_threads);
+  }
 }
 
 RangeAssembler::RangeAssembler(int query_block, PrefillSelection* out) : out_(out) {

@@ -10,9 +10,14 @@
 
 namespace kvsparse::prefill_detail {
 
-// scores [n_rows, n_keys] = rows [n_rows, dim] . keys [n_keys, dim]^T (ops::ScoreMatrix, n_threads).
+// The keys of an estimate as int8 codes (into int8_keys) when config.estimate_bits is 8 and the
+// family has integer dots; null (f32 products) otherwise.
+const ops::Int8Keys* PrepareEstimateKeys(const PrefillSparsity& config, const float* keys, int64_t n_keys, int dim,
+                                         int n_threads, ops::Int8Keys* int8_keys);
+// scores [n_rows, n_keys] = rows [n_rows, dim] . keys [n_keys, dim]^T on n_threads: ops::ScoreMatrix,
+// or ops::ScoreMatrixInt8 over int8_keys (PrepareEstimateKeys of the same keys) when not null.
 void ScoreProducts(const float* rows, int64_t n_rows, const float* keys, int64_t n_keys, int dim, int n_threads,
-                   std::vector<float>* scores);
+                   std::vector<float>* scores, const ops::Int8Keys* int8_keys = nullptr);
 
 // Builds a PrefillSelection block by block: Add() the (begin, end) token ranges of the current
 // query block in any order, overlapping or not; EndBlock() sorts (unless they came in ascending

@@ -156,6 +156,62 @@ TEST(SparsePrefill, XAttentionThresholdBoundsTheKeptBlocks) {
   EXPECT_EQ(ComputedShare(all, chunk), 1.0) << "a threshold of 1 keeps every block";
 }
 
+// The attention mass (softmax over every visible key, mean over queries and group heads) that a
+// selection keeps.
+double KeptMass(const PrefillSelection& s, const Chunk& chunk) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
+  double kept = 0;
+  std::vector<double> p;
+  for (int32_t i = 0; i < chunk.n_q; ++i) {
+    const int block = i / s.query_block;
+    for (int g = 0; g < kGroup; ++g) {
+      const float* q = chunk.q.data() + (static_cast<size_t>(i) * kGroup + g) * kHeadDim;
+      p.assign(static_cast<size_t>(chunk.visible[i]), 0.0);
+      double max = -1e30, sum = 0;
+      for (int64_t t = 0; t < chunk.visible[i]; ++t) {
+        double dot = 0;
+        for (int c = 0; c < kHeadDim; ++c) dot += q[c] * chunk.keys[t * kHeadDim + c];
+        p[t] = dot * scale;
+        max = std::max(max, p[t]);
+      }
+      for (double& x : p) sum += (x = std::exp(x - max));
+      for (int64_t r = s.range_offsets[block]; r < s.range_offsets[block + 1]; ++r) {
+        for (int64_t t = s.ranges[2 * r]; t < std::min(s.ranges[2 * r + 1], chunk.visible[i]); ++t) kept += p[t] / sum;
+      }
+    }
+  }
+  return kept / (chunk.n_q * kGroup);
+}
+
+// estimate_bits 8 (int8 products, where the family has integer dots) selects within a stated
+// tolerance of the f32 estimate: it keeps at least the attention mass the f32 selection keeps,
+// less 0.01, and about as many pairs. Peaked attention (planted columns, a local band) as
+// models have it, plus noise.
+TEST(SparsePrefill, Int8EstimatesKeepTheMassOfF32Estimates) {
+  std::mt19937 rng(31);
+  Chunk chunk(256, 3000, rng);
+  for (int64_t t : {5, 700, 1900}) {
+    for (int c = 1; c < kHeadDim; ++c) chunk.keys[t * kHeadDim + c] = 0.f;
+    chunk.keys[t * kHeadDim] = 4.f;
+  }
+  for (size_t r = 0; r < chunk.q.size() / kHeadDim; ++r) chunk.q[r * kHeadDim] += 1.f;
+  for (PrefillMethod method : {PrefillMethod::kVerticalSlash, PrefillMethod::kXAttention, PrefillMethod::kBlockSparse}) {
+    PrefillSparsity config = DefaultPrefillSparsity(method);
+    config.vertical = 100;
+    config.slash = 200;
+    config.top_blocks = 8;
+    config.threshold = 0.5;
+    config.estimate_bits = 32;
+    const PrefillSelection f32 = chunk.Select(config);
+    config.estimate_bits = 8;
+    const PrefillSelection int8 = chunk.Select(config);
+    ExpectWellFormed(int8, chunk);
+    const double f32_mass = KeptMass(f32, chunk), int8_mass = KeptMass(int8, chunk);
+    EXPECT_GE(int8_mass, f32_mass - 0.01) << PrefillMethodName(method);
+    EXPECT_NEAR(ComputedShare(int8, chunk), ComputedShare(f32, chunk), 0.02) << PrefillMethodName(method);
+  }
+}
+
 TEST(SparsePrefill, ParsesAndValidatesSpecs) {
   StatusOr<PrefillSparsity> p = ParsePrefillSparsity("xattention:threshold=0.8:stride=16", "--sparse-prefill");
   ASSERT_TRUE(p.ok()) << p.status().ToString();
@@ -163,8 +219,12 @@ TEST(SparsePrefill, ParsesAndValidatesSpecs) {
   EXPECT_EQ(p->block, 128);
   EXPECT_EQ(p->stride, 16);
   EXPECT_DOUBLE_EQ(p->threshold, 0.8);
+  EXPECT_EQ(p->estimate_bits, 8);
+  EXPECT_EQ(ParsePrefillSparsity("block_sparse", "--sparse-prefill")->estimate_bits, 32);
+  EXPECT_EQ(ParsePrefillSparsity("vertical_slash:estimate_bits=32", "--sparse-prefill")->estimate_bits, 32);
   for (const char* bad :
        {"xattn", "xattention:threshold=2", "xattention:stride=7", "block_sparse:vertical=3", "vertical_slash:slash=-1",
+        "vertical_slash:estimate_bits=16",
         "vertical_slash:slash", "block_sparse:top_blocks=1.5", "block_sparse:block=0", "vertical_slash:last_q=x"}) {
     StatusOr<PrefillSparsity> parsed = ParsePrefillSparsity(bad, "--sparse-prefill");
     EXPECT_FALSE(parsed.ok()) << bad;
