@@ -28,8 +28,9 @@
 // of the estimating products: 8 (the default of vertical_slash and xattention, whose products
 // cost as much as the sparse attention they steer) rounds queries and keys to int8 per row and
 // key (ops::ScoreMatrixInt8: exact integer dots, VNNI; each score within its stated bound) on
-// families with integer dots, 32 is f32 (block_sparse's default: its pooled products are cheap). A chunk with fewer than `min_queries` (128)
-// queries, or whose layer holds fewer than `min_context` (1024) tokens, is attended densely.
+// families with integer dots, 32 is f32 (block_sparse's default: its pooled products are cheap).
+// A chunk with fewer than `min_queries` (128) queries, or whose layer holds fewer than
+// `min_context` (1024) tokens, is attended densely.
 #pragma once
 
 #include <cstdint>

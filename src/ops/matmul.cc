@@ -251,7 +251,8 @@ size_t PanelBytes(const WeightView& w) {
 
 WeightView PackPanels(const WeightView& w, void* dst, int n_threads) {
   const matmul::Kernel& kernel = KernelFor(w.type);
-  KVS_CHECK_MSG(kernel.pack_panels != nullptr && PanelBytes(w) > 0, "PackPanels: the active family keeps no panels for this type");
+  KVS_CHECK_MSG(kernel.pack_panels != nullptr && PanelBytes(w) > 0,
+                "PackPanels: the active family keeps no panels for this type");
   KVS_CHECK(w.data != nullptr && dst != nullptr && w.cols % DTypeBlockSize(w.type) == 0);
   const size_t row_bytes = DTypeRowBytes(w.type, w.cols);
   const size_t panel_bytes = kernel.panel_bytes(kernel.panel_rows, w.cols);

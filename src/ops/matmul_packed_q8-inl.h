@@ -416,7 +416,8 @@ concept PanelWeights = requires(const typename B::Block* const* rows, __m512i (&
 
 // The panel arithmetic (matmul_panel-inl.h) of the 32-element types: per block and group, the
 // codes and the rows' d (and m with a min) as the f16 they are stored in (so a Q8_0 panel holds
-// exactly the bytes of its rows, and can be kept: Kernel::packed_panels); per token and block, the dot's start (the packed
+// exactly the bytes of its rows, and can be kept: Kernel::packed_panels); per token and block,
+// the dot's start (the packed
 // steps' `init`, -kOffset * sum(x), summed over the block's lanes) and d_x, gathered once per
 // call. Per row and token: sum_b d_w d_x (dot(u, x) - kOffset sum(x)) (+ m_w s_x with a min, s_x =
 // d_x sum(x) from the packed block sums).
@@ -435,7 +436,7 @@ struct PackedQ8Panel {
   // The f16 factors of `group` at offset as f32 lanes.
   static __m512 LoadFactors(const uint8_t* block, size_t offset, int group) {
     return _mm512_cvtph_ps(
-        _mm256_load_si256(reinterpret_cast<const __m256i*>(block + offset + group * kPanelGroupRows * sizeof(f16_bits))));
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(block + offset + group * kPanelGroupRows * 2)));
   }
   // Where elements 0 and 16 of a step's block j sit in its codes.
   static constexpr int kLo[2] = {PositionInStep(B::kOrder, 0, 0), PositionInStep(B::kOrder, 1, 0)};
@@ -487,7 +488,9 @@ struct PackedQ8Panel {
       // The rows' f16 field (d or m) of block b in lane order at `offset`, 0 on padding lanes.
       auto store_factor = [&](size_t offset, auto field) {
         f16_bits* h = reinterpret_cast<f16_bits*>(block + offset) + group * kPanelGroupRows;
-        for (int k = 0; k < kPanelGroupRows; ++k) h[k] = (valid_lanes >> k) & 1 ? src[PanelRow(k)][b].*field : f16_bits{0};
+        for (int k = 0; k < kPanelGroupRows; ++k) {
+          h[k] = (valid_lanes >> k) & 1 ? src[PanelRow(k)][b].*field : f16_bits{0};
+        }
       };
       store_factor(kScalesOffset, &Block::d);
       if constexpr (kHasMin) store_factor(kMinsOffset, &Block::m);
@@ -608,7 +611,8 @@ struct PackedQ8Kernel {
     if constexpr (PanelWeights<B>) kernel.panel = &RunPanels<PackedQ8Panel<B>>;
     // Kept only where a panel is no larger than the rows (a byte per code: Q8_0); the others'
     // codes widen from 4-6 bits to a byte.
-    if constexpr (PanelWeights<B> && PackedQ8Panel<B>::kGroupBlockBytes == kPanelGroupRows * sizeof(typename B::Block)) {
+    if constexpr (PanelWeights<B> &&
+                  PackedQ8Panel<B>::kGroupBlockBytes == kPanelGroupRows * sizeof(typename B::Block)) {
       KeepPanels<PackedQ8Panel<B>>(kernel);
     }
 #endif

@@ -306,13 +306,14 @@ void RunPanels(const TileArgs& a) {
   for (int r0 = 0; r0 < a.n_rows; r0 += kPanelRows) {
     const int n_rows = std::min(kPanelRows, a.n_rows - r0);
     const int groups = (n_rows + kPanelGroupRows - 1) / kPanelGroupRows;
-    const uint8_t* panel = a.w + static_cast<size_t>(r0 / kPanelRows) * panel_bytes;
-    if constexpr (!kKept) {
+    const uint8_t* panel = scratch.get();
+    if constexpr (kKept) {
+      panel = a.w + static_cast<size_t>(r0 / kPanelRows) * panel_bytes;
+    } else {
       for (int g = 0; g < groups; ++g) {
         P::PackGroup(a, r0 + g * kPanelGroupRows, std::min(kPanelGroupRows, n_rows - g * kPanelGroupRows), g,
                      n_blocks, scratch.get());
       }
-      panel = scratch.get();
     }
     // The next panel (its weight rows, contiguous after this one's, or its kept bytes) is
     // prefetched over this one's blocks.

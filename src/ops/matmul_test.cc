@@ -249,7 +249,8 @@ TEST_P(MatMulTest, Int8ScoreMatrixMatchesTwinWithinBound) {
   for (int64_t n_rows : {1, 3, 4, 7, 65}) {
     for (int64_t n_keys : {1, 15, 16, 17, 300}) {
       for (int dim : {1, 5, 16, 64, 100, 128}) {
-        const auto rows = testing::RandomFloats(n_rows * dim, seed++), keys = testing::RandomFloats(n_keys * dim, seed++);
+        const auto rows = testing::RandomFloats(n_rows * dim, seed++);
+        const auto keys = testing::RandomFloats(n_keys * dim, seed++);
         std::vector<float> got(n_rows * n_keys, -1.f), twin(n_rows * n_keys, -2.f), exact(n_rows * n_keys);
         ops::Int8Keys packed;
         ops::QuantizeKeysInt8(keys.data(), n_keys, dim, &packed, 1 + static_cast<int>(seed % 3));

@@ -195,7 +195,8 @@ TEST(SparsePrefill, Int8EstimatesKeepTheMassOfF32Estimates) {
     chunk.keys[t * kHeadDim] = 4.f;
   }
   for (size_t r = 0; r < chunk.q.size() / kHeadDim; ++r) chunk.q[r * kHeadDim] += 1.f;
-  for (PrefillMethod method : {PrefillMethod::kVerticalSlash, PrefillMethod::kXAttention, PrefillMethod::kBlockSparse}) {
+  for (PrefillMethod method :
+       {PrefillMethod::kVerticalSlash, PrefillMethod::kXAttention, PrefillMethod::kBlockSparse}) {
     PrefillSparsity config = DefaultPrefillSparsity(method);
     config.vertical = 100;
     config.slash = 200;
