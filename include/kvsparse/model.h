@@ -132,6 +132,9 @@ class Model {
   // (ops::PackPanels; today Q8_0 on avx512): their file pages are released, so these replace
   // them in memory. 0 when none were packed, or with KVSPARSE_REPACK=0 in the environment.
   size_t KeptPanelBytes() const { return kept_panel_bytes_; }
+  // "llama 1.10B q8_0" (the first layer's weight type), plus ", kept panels 1049 MiB" when
+  // there are some: what benchmark reports name the model by.
+  std::string Summary() const;
 
  private:
   Model() = default;

@@ -425,8 +425,7 @@ StatusOr<ServeBenchReport> RunServeBench(const Model& model, const ServeBenchCon
   ServeBenchReport report;
   report.isa = IsaName(ActiveIsa());
   report.model_path = model.path();
-  report.model_desc = fmt::format("{} {:.2f}B {}", ArchName(c.arch), model.ParameterCount() / 1e9,
-                                  DTypeName(model.layers.empty() ? DType::kF32 : model.layers[0].wq.type));
+  report.model_desc = model.Summary();
   report.n_threads = n_threads;
   report.kv_memory_mib = config.kv_memory_mib;
   report.step_tokens = config.step_tokens;

@@ -200,8 +200,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   const double weight_bytes_per_token =
       model.config().tied_output ? report.weight_bytes : report.weight_bytes - embedding_bytes + embedding_bytes / emb.rows;
   report.n_params = model.ParameterCount();
-  report.model_desc = fmt::format("{} {:.2f}B {}", ArchName(c.arch), report.n_params / 1e9,
-                                  DTypeName(model.layers.empty() ? DType::kF32 : model.layers[0].wq.type));
+  report.model_desc = model.Summary();
   if (config.known_bandwidth_gbs > 0) {
     report.read_bandwidth_gbs = config.known_bandwidth_gbs;
   } else if (config.measure_bandwidth) {

@@ -133,6 +133,13 @@ size_t Model::WeightBytes() const {
   return total;
 }
 
+std::string Model::Summary() const {
+  std::string s = fmt::format("{} {:.2f}B {}", ArchName(config_.arch), ParameterCount() / 1e9,
+                              DTypeName(layers.empty() ? DType::kF32 : layers[0].wq.type));
+  if (kept_panel_bytes_ > 0) s += fmt::format(", kept panels {:.0f} MiB", kept_panel_bytes_ / 1048576.0);
+  return s;
+}
+
 Status ValidateModelConfig(const ModelConfig& c, const std::string& source) {
   struct Field {
     const char* name;
