@@ -34,7 +34,8 @@ std::string ValueToString(const GgufValue& v) {
 }
 
 int Run(const std::string& path, bool show_tensors) {
-  auto model_or = Model::Load(path);
+  // Metadata only: no kept panels (packing them would read every weight).
+  auto model_or = Model::Load(path, ModelLoadOptions{.keep_panels = false});
   if (!model_or.ok()) return Fail(model_or.status());
   const Model& model = **model_or;
   const ModelConfig& c = model.config();

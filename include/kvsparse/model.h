@@ -93,11 +93,17 @@ struct LayerWeights {
   // w_gate/w_up then point into one tensor, so the forward pass is the same.
 };
 
+struct ModelLoadOptions {
+  // Pack the matrices into kept panels (Model::KeptPanelBytes). Off for a caller that never
+  // multiplies (kvsparse inspect): loading then maps the file and reads only metadata and norms.
+  bool keep_panels = true;
+};
+
 class Model {
  public:
   // Detects the format from the file's magic: GGUF or a llama2.c checkpoint.
-  static StatusOr<std::unique_ptr<Model>> Load(const std::string& path);
-  static StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path);
+  static StatusOr<std::unique_ptr<Model>> Load(const std::string& path, const ModelLoadOptions& options = {});
+  static StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path, const ModelLoadOptions& options = {});
   static StatusOr<std::unique_ptr<Model>> LoadLlama2c(const std::string& path);
   ~Model();
 
@@ -130,7 +136,8 @@ class Model {
   size_t WeightBytes() const;  // bytes of all weight tensors as stored
   // Bytes of the matrices packed at load into the active kernel family's panel layout
   // (ops::PackPanels; today Q8_0 on avx512): their file pages are released, so these replace
-  // them in memory. 0 when none were packed, or with KVSPARSE_REPACK=0 in the environment.
+  // them in memory. 0 when none were packed, with KVSPARSE_REPACK=0 in the environment, or when
+  // loaded with ModelLoadOptions::keep_panels off.
   size_t KeptPanelBytes() const { return kept_panel_bytes_; }
   // "llama 1.10B q8_0" (the first layer's weight type), plus ", kept panels 1049 MiB" when
   // there are some: what benchmark reports name the model by.

@@ -73,7 +73,7 @@ std::string_view SupportedWeightTypeNames() {
 
 Model::~Model() = default;
 
-StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
+StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelLoadOptions& options) {
   // Checked before opening: fopen succeeds on a directory and blocks on a FIFO.
   struct stat st;
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
@@ -86,12 +86,14 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
   char magic[4] = {0, 0, 0, 0};
   const size_t got = std::fread(magic, 1, sizeof(magic), f);
   std::fclose(f);
-  if (got == sizeof(magic) && std::memcmp(magic, "GGUF", 4) == 0) return LoadGguf(path);
+  if (got == sizeof(magic) && std::memcmp(magic, "GGUF", 4) == 0) return LoadGguf(path, options);
   // llama2.c checkpoints have no magic; the loader validates the header and file size instead.
   return LoadLlama2c(path);
 }
 
-StatusOr<std::unique_ptr<Model>> Model::LoadGguf(const std::string& path) { return ModelLoader::FromGguf(path); }
+StatusOr<std::unique_ptr<Model>> Model::LoadGguf(const std::string& path, const ModelLoadOptions& options) {
+  return ModelLoader::FromGguf(path, options);
+}
 
 StatusOr<std::unique_ptr<Model>> Model::LoadLlama2c(const std::string& path) {
   return ModelLoader::FromLlama2c(path);

@@ -35,7 +35,7 @@ bool SameShape(const std::vector<int64_t>& ne, const std::vector<int64_t>& want)
 
 class GgufModelBuilder {
  public:
-  static StatusOr<std::unique_ptr<Model>> Build(const std::string& path) {
+  static StatusOr<std::unique_ptr<Model>> Build(const std::string& path, const ModelLoadOptions& options) {
     KVS_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> file, GgufFile::Open(path));
     std::unique_ptr<Model> model = ModelLoader::NewModel(path);
     const GgufFile& f = *file;
@@ -43,7 +43,7 @@ class GgufModelBuilder {
     GgufModelBuilder builder(model.get(), f);
     KVS_RETURN_IF_ERROR(builder.ReadConfig());
     KVS_RETURN_IF_ERROR(builder.BindTensors());
-    ModelLoader::KeepPanels(*model);
+    if (options.keep_panels) ModelLoader::KeepPanels(*model);
     return model;
   }
 
@@ -431,8 +431,8 @@ class GgufModelBuilder {
   std::string source_;
 };
 
-StatusOr<std::unique_ptr<Model>> ModelLoader::FromGguf(const std::string& path) {
-  return GgufModelBuilder::Build(path);
+StatusOr<std::unique_ptr<Model>> ModelLoader::FromGguf(const std::string& path, const ModelLoadOptions& options) {
+  return GgufModelBuilder::Build(path, options);
 }
 
 }  // namespace kvsparse

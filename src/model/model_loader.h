@@ -14,7 +14,7 @@ namespace kvsparse {
 
 class ModelLoader {
  public:
-  static StatusOr<std::unique_ptr<Model>> FromGguf(const std::string& path);
+  static StatusOr<std::unique_ptr<Model>> FromGguf(const std::string& path, const ModelLoadOptions& options);
   static StatusOr<std::unique_ptr<Model>> FromLlama2c(const std::string& path);
 
  private:

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <string>
@@ -32,11 +33,12 @@ bool Contains(const std::string& haystack, const std::string& needle) {
 }
 
 // Writes `spec` to a temp file and returns Model::Load's result.
-StatusOr<std::unique_ptr<Model>> LoadSpec(const TinyModelSpec& spec, const std::string& name) {
+StatusOr<std::unique_ptr<Model>> LoadSpec(const TinyModelSpec& spec, const std::string& name,
+                                          const ModelLoadOptions& options = {}) {
   const std::string path = TempPath(name);
   Status written = WriteTinyModelGguf(spec, path);
   if (!written.ok()) return written;
-  return Model::Load(path);
+  return Model::Load(path, options);
 }
 
 void WriteBytes(const std::string& path, const void* data, size_t n) {
@@ -190,6 +192,11 @@ TEST(GgufModelLoader, KeptPanelsComputeLikeTheRows) {
     ::unsetenv("KVSPARSE_REPACK");
     ASSERT_TRUE(rows.ok()) << rows.status().ToString();
     EXPECT_EQ((*rows)->KeptPanelBytes(), 0u);
+    // A metadata-only load (kvsparse inspect) packs nothing either.
+    auto metadata_only = LoadSpec(spec, "loader_metadata.gguf", ModelLoadOptions{.keep_panels = false});
+    ASSERT_TRUE(metadata_only.ok()) << metadata_only.status().ToString();
+    EXPECT_EQ((*metadata_only)->KeptPanelBytes(), 0u);
+    EXPECT_EQ((*metadata_only)->layers[0].wq.panels, nullptr);
     if ((*kept)->KeptPanelBytes() == 0) GTEST_SKIP() << "the active kernel family keeps no panels";
     EXPECT_NE((*kept)->layers[0].wq.panels, nullptr);
     EXPECT_NE((*kept)->output.panels, nullptr);
@@ -523,7 +530,10 @@ TEST(ModelLoaderError, TinyOrEmptyFileIsNeitherFormat) {
 
 TEST(ModelLoaderError, DirectoryIsNotAModelFile) {
   const std::string dir = std::filesystem::path(TempPath("x")).parent_path().string();
-  for (auto load : {&Model::Load, &Model::LoadLlama2c, &Model::LoadGguf}) {
+  using Loader = std::function<StatusOr<std::unique_ptr<Model>>(const std::string&)>;
+  const Loader loaders[] = {[](const std::string& p) { return Model::Load(p); }, &Model::LoadLlama2c,
+                            [](const std::string& p) { return Model::LoadGguf(p); }};
+  for (const Loader& load : loaders) {
     auto model = load(dir);
     ASSERT_FALSE(model.ok());
     EXPECT_EQ(model.status().code(), StatusCode::kInvalidArgument) << model.status().ToString();

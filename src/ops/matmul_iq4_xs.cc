@@ -260,12 +260,7 @@ struct IQ4_XSPanelCodes {
   }
 };
 
-constexpr Kernel MakeKernel() {
-  Kernel kernel{&Q8KPackedBytes, &PackQ8KIQ4XSOrder, &DispatchTile<BlockTile<IQ4_XSSteps>>};
-  kernel.panel = &RunPanels<IQ4_XSPanelCodes::Panel>;
-  return kernel;
-}
-constexpr Kernel kKernel = MakeKernel();
+constexpr Kernel kKernel = WithPanels<IQ4_XSPanelCodes::Panel>({&Q8KPackedBytes, &PackQ8KIQ4XSOrder, &DispatchTile<BlockTile<IQ4_XSSteps>>});
 #elif KVS_ISA_AVX2
 constexpr Kernel kKernel{&Q8KPackedBytes, &PackQ8KIQ4XSOrder, &DispatchTile<BlockTile<IQ4_XSSteps>>};
 #else

@@ -361,6 +361,13 @@ void PackPanels(const uint8_t* w, size_t w_row_bytes, int64_t n_rows, int64_t co
   }
 }
 
+// `kernel` with its many-token path: RunPanels over P.
+template <class P>
+constexpr Kernel WithPanels(Kernel kernel) {
+  kernel.panel = &RunPanels<P>;
+  return kernel;
+}
+
 // The Kernel fields of a type whose panels are kept (packed once, at load).
 template <class P>
 constexpr void KeepPanels(Kernel& kernel) {

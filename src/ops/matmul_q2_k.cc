@@ -226,12 +226,7 @@ struct Q2_KPanelCodes {
   }
 };
 
-constexpr Kernel MakeKernel() {
-  Kernel kernel{&Q8KPackedBytes, &PackQ8KQ2Order, &DispatchTile<BlockTile<Q2_KSteps>>};
-  kernel.panel = &RunPanels<Q2_KPanelCodes::Panel>;
-  return kernel;
-}
-constexpr Kernel kKernel = MakeKernel();
+constexpr Kernel kKernel = WithPanels<Q2_KPanelCodes::Panel>({&Q8KPackedBytes, &PackQ8KQ2Order, &DispatchTile<BlockTile<Q2_KSteps>>});
 
 #elif KVS_ISA_AVX2
 // ggml's activation order: 32 bytes qs[32h..] shifted right by 2k hold elements 128h + 32k + l,

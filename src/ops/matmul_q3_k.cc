@@ -148,14 +148,12 @@ struct Q3_KPanelCodes {
 };
 #endif
 
-constexpr Kernel MakeKernel() {
-  Kernel kernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q3_KSteps>>};
+constexpr Kernel kRowKernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q3_KSteps>>};
 #if KVS_ISA_AVX512
-  kernel.panel = &RunPanels<Q3_KPanelCodes::Panel>;
+constexpr Kernel kKernel = WithPanels<Q3_KPanelCodes::Panel>(kRowKernel);
+#else
+constexpr Kernel kKernel = kRowKernel;
 #endif
-  return kernel;
-}
-constexpr Kernel kKernel = MakeKernel();
 
 }  // namespace
 

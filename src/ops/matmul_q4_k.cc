@@ -274,14 +274,12 @@ void PackToken(const float* x, int64_t cols, uint8_t* dst) {
   quant::HWY_NAMESPACE::QuantizeRowQ8_K(x, reinterpret_cast<BlockQ8_K*>(dst), cols);
 }
 
-constexpr Kernel MakeKernel() {
-  Kernel kernel{&PackedBytes, &PackToken, &DispatchTile<BlockTile<Q4_KSteps>>};
+constexpr Kernel kRowKernel{&PackedBytes, &PackToken, &DispatchTile<BlockTile<Q4_KSteps>>};
 #if KVS_ISA_AVX512
-  kernel.panel = &RunPanels<Q4_KPanelCodes::Panel>;
+constexpr Kernel kKernel = WithPanels<Q4_KPanelCodes::Panel>(kRowKernel);
+#else
+constexpr Kernel kKernel = kRowKernel;
 #endif
-  return kernel;
-}
-constexpr Kernel kKernel = MakeKernel();
 
 }  // namespace
 

@@ -153,14 +153,12 @@ struct Q5_KPanelCodes {
 };
 #endif
 
-constexpr Kernel MakeKernel() {
-  Kernel kernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q5_KSteps>>};
+constexpr Kernel kRowKernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q5_KSteps>>};
 #if KVS_ISA_AVX512
-  kernel.panel = &RunPanels<Q5_KPanelCodes::Panel>;
+constexpr Kernel kKernel = WithPanels<Q5_KPanelCodes::Panel>(kRowKernel);
+#else
+constexpr Kernel kKernel = kRowKernel;
 #endif
-  return kernel;
-}
-constexpr Kernel kKernel = MakeKernel();
 
 }  // namespace
 

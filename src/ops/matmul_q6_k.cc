@@ -135,14 +135,12 @@ struct Q6_KPanelCodes {
 };
 #endif
 
-constexpr Kernel MakeKernel() {
-  Kernel kernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q6_KSteps>>};
+constexpr Kernel kRowKernel{&Q8KPackedBytes, &PackQ8KToken, &DispatchTile<BlockTile<Q6_KSteps>>};
 #if KVS_ISA_AVX512
-  kernel.panel = &RunPanels<Q6_KPanelCodes::Panel>;
+constexpr Kernel kKernel = WithPanels<Q6_KPanelCodes::Panel>(kRowKernel);
+#else
+constexpr Kernel kKernel = kRowKernel;
 #endif
-  return kernel;
-}
-constexpr Kernel kKernel = MakeKernel();
 
 }  // namespace
 
