@@ -165,7 +165,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
   static thread_local std::vector<uint8_t> p_codes;  // [rows, 2, kBlock] hi and lo parts, lane order
   static thread_local std::vector<float> p_step;     // [rows]
   if (integer) {
-    QuantizeQueryRows(q_rows, rows, dp, &query_codes);
+    QuantizeQueries(q_rows, rows, dp, &query_codes);
     p_codes.resize(static_cast<size_t>(rows) * 2 * kBlock);
     p_step.resize(rows);
   }
@@ -236,7 +236,9 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       const float* k_chan[kBlock];   // KIVI only: token j's K channel scales for this head [d]
       float v_scale[kBlock];         // int8, fp8 and KIVI: token j's V scale for this head
       for (int j = 0; j < n_block; ++j) k_head[j] = block.k[j] + head_offset;
-      if (int8) {
+      // The integer path's whole blocks in one span read their scales straight into lane order.
+      const bool lane_scales_direct = integer && block.one_span;
+      if (int8 && !lane_scales_direct) {
         for (int j = 0; j < n_block; ++j) {
           if (kivi) {
             k_chan[j] = block.k_chan[j] + static_cast<size_t>(stored_head) * d;
@@ -247,9 +249,16 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
       }
       alignas(64) float lane_k_scale[kBlock];  // integer: each lane's token K scale (0 past the block)
+      alignas(64) float lane_v_scale[kBlock];  // integer: each lane's token V scale (0 past the block)
       if (integer) {
         if constexpr (kIntegerDots) {
-          ScalesInLaneOrder(k_scale, n_block, lane_k_scale);
+          if (lane_scales_direct) {
+            GatherLaneScales(block.k_scale[0] + stored_head, plan.row_heads, lane_k_scale);
+            GatherLaneScales(block.v_scale[0] + stored_head, plan.row_heads, lane_v_scale);
+          } else {
+            ScalesInLaneOrder(k_scale, n_block, lane_k_scale);
+            ScalesInLaneOrder(v_scale, n_block, lane_v_scale);
+          }
           PackKCodes(k_head, n_block, dp, reinterpret_cast<uint8_t*>(k_block));
         }
       } else if (low_bit) {
@@ -334,12 +343,8 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       if (integer) {
         if constexpr (kIntegerDots) {
           // The V scales fold into the probabilities, which become u8 codes per row and block.
-          alignas(64) float lane_v_scale[kBlock];
-          ScalesInLaneOrder(v_scale, n_block, lane_v_scale);
-          for (int r = r_begin; r < r_end; ++r) {
-            p_step[r] = QuantizeProbabilities(p + static_cast<size_t>(r) * kBlock, lane_v_scale,
-                                              p_codes.data() + static_cast<size_t>(r) * 2 * kBlock);
-          }
+          QuantizeProbabilityRows(p + static_cast<size_t>(r_begin) * kBlock, lane_v_scale, r_end - r_begin,
+                                  p_codes.data() + static_cast<size_t>(r_begin) * 2 * kBlock, p_step.data() + r_begin);
           const uint8_t* v_codes = reinterpret_cast<const uint8_t*>(v_block);
           int r = r_begin;
           for (; r + 2 <= r_end; r += 2) {  // (2 rows x 2 parts x 4 registers of sums: 16 of the 32 zmm)

@@ -202,6 +202,40 @@ TEST_P(AttentionIntegerTest, VnniKernelMatchesScalarTwin) {
   }
 }
 
+// The scores themselves, bit for bit: the AVX-512 family quantizes the query rows 16 dims at a
+// time (QuantizeQueries) with the scalar QuantizeQueryRows' float operations, so its codes,
+// steps and sums, hence its exact integer dots and their combination, equal the twin's.
+TEST_P(AttentionIntegerTest, VnniScoresEqualScalarTwinBitForBit) {
+  if (GetParam() != Isa::kAvx512) GTEST_SKIP() << "only the avx512 family has an integer kernel besides the twin";
+  std::mt19937 rng(123);
+  for (int head_dim : {64, 128}) {
+    for (int group : {1, 4, 8}) {
+      for (float amplitude : {0.01f, 2.f, 300.f}) {
+        const Problem p = MakeProblem(head_dim, group, 3, rng, amplitude);
+        int64_t n_tokens = 0;
+        for (const KvSpan& s : p.set.spans) n_tokens += s.n;
+        auto raw_scores = [&] {
+          std::vector<float> out(p.q.size()), raw(p.q.size() / head_dim * n_tokens);
+          AttentionJob job{p.set.spans.data(), static_cast<int32_t>(p.set.spans.size()), 0, p.q.data(), out.data()};
+          job.raw_scores = raw.data();
+          ops::AttentionBatch(p.shape, p.shape.n_kv_heads, KvStorage::kInt8, p.q_pos.data(), p.n_q(), &job, 1, 2);
+          return raw;
+        };
+        const std::vector<float> vnni = raw_scores();
+        std::vector<float> twin;
+        {
+          testing::IsaGuard guard;
+          ASSERT_TRUE(SetIsa(Isa::kScalar).ok());
+          twin = raw_scores();
+        }
+        for (size_t e = 0; e < vnni.size(); ++e) {
+          ASSERT_EQ(vnni[e], twin[e]) << "d" << head_dim << " g" << group << " amplitude " << amplitude << " score " << e;
+        }
+      }
+    }
+  }
+}
+
 // Scores hundreds of nats apart: most blocks' probabilities fall below 2^-127 (times V scales
 // of 0.01, below f32's normal range), where a block's step would overflow; they count as zero
 // and the result stays finite and within the bound.

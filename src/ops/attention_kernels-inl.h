@@ -365,6 +365,62 @@ inline void PackKCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* 
   }
 }
 
+// QuantizeQueryRows (attention_kernels.h) 16 dims at a time: the same float operations on the
+// same values (the product is kept from fusing with the subtraction), so the same codes, steps
+// and sums.
+inline void QuantizeQueries(const float* q_rows, int rows, int dp, QueryCodes* out) {
+  static_assert(kQueryGroup == 32);
+  if (dp % kQueryGroup != 0) {
+    QuantizeQueryRows(q_rows, rows, dp, out);
+    return;
+  }
+  out->dp = dp;
+  out->n_groups = dp / kQueryGroup;
+  out->hi.resize(static_cast<size_t>(rows) * dp);
+  out->lo.resize(static_cast<size_t>(rows) * dp);
+  out->steps.resize(static_cast<size_t>(rows) * out->n_groups * 2);
+  out->sums.resize(static_cast<size_t>(rows) * out->n_groups * 2);
+  const __m512 low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
+  auto code = [&](__m512 x) {  // RoundHalfEven then ClampCode (a NaN becomes -127: max returns its second operand)
+    return _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), low), high);
+  };
+  for (int r = 0; r < rows; ++r) {
+    for (int g = 0; g < out->n_groups; ++g) {
+      const size_t at = static_cast<size_t>(r) * dp + static_cast<size_t>(g) * kQueryGroup;
+      const __m512 x[2] = {_mm512_loadu_ps(q_rows + at), _mm512_loadu_ps(q_rows + at + 16)};
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x[0]), _mm512_abs_ps(x[1])));
+      if (!(amax >= kNegligible)) amax = 0.f;
+      const float step = amax / 127.f, lo_step = step / 254.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, lo_inv = amax > 0.f ? 1.f / lo_step : 0.f;
+      __m512i hi_sum = _mm512_setzero_si512(), lo_sum = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512 hi = code(_mm512_mul_ps(x[h], _mm512_set1_ps(inv)));
+        __m512 product = _mm512_mul_ps(_mm512_set1_ps(step), hi);
+        __asm__("" : "+v"(product));  // rounded on its own, as the twin's: GCC would fuse it into the subtraction
+        const __m512 rest = _mm512_sub_ps(x[h], product);
+        const __m512i hi_codes = _mm512_cvtps_epi32(hi);
+        const __m512i lo_codes = _mm512_cvtps_epi32(code(_mm512_mul_ps(rest, _mm512_set1_ps(lo_inv))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out->hi.data() + at + 16 * h), _mm512_cvtepi32_epi8(hi_codes));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out->lo.data() + at + 16 * h), _mm512_cvtepi32_epi8(lo_codes));
+        hi_sum = _mm512_add_epi32(hi_sum, hi_codes);
+        lo_sum = _mm512_add_epi32(lo_sum, lo_codes);
+      }
+      const size_t s = (static_cast<size_t>(r) * out->n_groups + g) * 2;
+      out->steps[s] = step;
+      out->steps[s + 1] = lo_step;
+      out->sums[s] = _mm512_reduce_add_epi32(hi_sum);
+      out->sums[s + 1] = _mm512_reduce_add_epi32(lo_sum);
+    }
+  }
+}
+
+// lanes[lane] = scales[LaneToken(lane) * stride]: a whole block's per-token scales of one kv
+// head (scales at its first token, stride floats apart) in lane order, in one gather.
+inline void GatherLaneScales(const float* scales, int stride, float* lanes) {
+  const __m512i token = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  // LaneToken
+  _mm512_store_ps(lanes, _mm512_i32gather_ps(_mm512_mullo_epi32(token, _mm512_set1_epi32(stride)), scales, 4));
+}
+
 // Scores of kRows query rows (codes rows r0..) against a packed K block, in lane order: per
 // group of kQueryGroup dims two exact integer dots (the query's hi and lo parts), combined as
 // CombineGroupDots does, times lane_scale (each lane's token K scale). dp % kQueryGroup == 0
@@ -453,6 +509,57 @@ inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(hi)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + kBlock), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(lo)));
   return step;
+}
+
+// QuantizeProbabilities of rows [0, n_rows) (p rows kBlock apart, codes rows 2 kBlock apart,
+// steps[r] each row's step): the same codes and steps, four rows at a time with their maxima
+// reduced together and their divisions done as one vector's.
+inline void QuantizeProbabilityRows(const float* p, const float* lane_scale, int n_rows, uint8_t* codes, float* steps) {
+  const __m512 scale = _mm512_load_ps(lane_scale);
+  int r = 0;
+  for (; r + 4 <= n_rows; r += 4) {
+    __m512 x[4];
+    for (int i = 0; i < 4; ++i) x[i] = _mm512_mul_ps(_mm512_load_ps(p + (r + i) * kBlock), scale);
+    // 128-bit block i of `c` ends up holding four partial maxima of row i, then (in-lane
+    // swaps) its maximum in every lane.
+    const __m512 a = _mm512_max_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+    const __m512 b = _mm512_max_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+    __m512 c = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+    c = _mm512_max_ps(c, _mm512_permute_ps(c, 0x4E));
+    c = _mm512_max_ps(c, _mm512_permute_ps(c, 0xB1));
+    const __m128 max_p = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), c));
+    const __m128 c255 = _mm_set1_ps(255.f);
+    const __m128 step = _mm_div_ps(max_p, c255);
+    alignas(16) float maxima[4], inv[4], steps4[4], lo_inv[4];
+    _mm_store_ps(maxima, max_p);
+    _mm_store_ps(inv, _mm_div_ps(c255, max_p));
+    _mm_store_ps(steps4, step);
+    _mm_store_ps(lo_inv, _mm_div_ps(c255, step));
+    for (int i = 0; i < 4; ++i) {
+      uint8_t* row_codes = codes + static_cast<size_t>(r + i) * 2 * kBlock;
+      if (!(maxima[i] >= kNegligible)) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes), _mm_setzero_si128());
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes + kBlock), _mm_setzero_si128());
+        steps[r + i] = 0.f;
+        continue;
+      }
+      const __m512 hi = _mm512_min_ps(
+          _mm512_roundscale_ps(_mm512_mul_ps(x[i], _mm512_set1_ps(inv[i])), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+          _mm512_set1_ps(255.f));
+      const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(steps4[i]), hi, x[i]);
+      const __m512 lo = _mm512_min_ps(
+          _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(lo_inv[i])),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                        _mm512_setzero_ps()),
+          _mm512_set1_ps(255.f));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(hi)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes + kBlock), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(lo)));
+      steps[r + i] = steps4[i];
+    }
+  }
+  for (; r < n_rows; ++r) {
+    steps[r] = QuantizeProbabilities(p + r * kBlock, lane_scale, codes + static_cast<size_t>(r) * 2 * kBlock);
+  }
 }
 
 // acc[r] = acc[r] * correction[r] + step[r] * (hi[r] . v) + step[r] / 255 * (lo[r] . v) for kRows
@@ -907,11 +1014,16 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
 // Integer dots: not in this family yet (int8 KV takes the f32 path). The primitives are
 // declared for the callers' discarded `if constexpr (kIntegerDots)` branches.
 constexpr bool kIntegerDots = false;
+inline void QuantizeQueries(const float* q_rows, int rows, int dp, QueryCodes* out) {
+  QuantizeQueryRows(q_rows, rows, dp, out);
+}
 inline void PackKCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* k_codes);
 template <int kRows>
 void ScoreRowsCodes(const QueryCodes& q, int r0, const uint8_t* k_codes, const float* lane_scale, ScoreVec* scores);
 inline void PackVCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* v_codes);
 inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint8_t* codes);
+inline void QuantizeProbabilityRows(const float* p, const float* lane_scale, int n_rows, uint8_t* codes, float* steps);
+inline void GatherLaneScales(const float* scales, int stride, float* lanes);
 template <int kRows>
 void AccumulateRowsCodes(const uint8_t* p_codes, const float* step, const float* correction, const uint8_t* v_codes,
                          float* acc, int dp);
@@ -1049,6 +1161,10 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
 // float operations in the same order): K and V stay plain [kBlock, dp] code rows.
 constexpr bool kIntegerDots = true;
 
+inline void QuantizeQueries(const float* q_rows, int rows, int dp, QueryCodes* out) {
+  QuantizeQueryRows(q_rows, rows, dp, out);
+}
+
 inline void PackKCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* k_codes) {
   for (int j = 0; j < kBlock; ++j) std::memcpy(k_codes + static_cast<size_t>(j) * dp, rows[j < n_rows ? j : 0], dp);
 }
@@ -1085,6 +1201,16 @@ inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint
   float scaled[kBlock];
   for (int j = 0; j < kBlock; ++j) scaled[j] = p[j] * lane_scale[j];
   return QuantizeProbabilityCodes(scaled, codes);
+}
+
+inline void GatherLaneScales(const float* scales, int stride, float* lanes) {
+  for (int lane = 0; lane < kBlock; ++lane) lanes[lane] = scales[static_cast<size_t>(lane) * stride];
+}
+
+inline void QuantizeProbabilityRows(const float* p, const float* lane_scale, int n_rows, uint8_t* codes, float* steps) {
+  for (int r = 0; r < n_rows; ++r) {
+    steps[r] = QuantizeProbabilities(p + r * kBlock, lane_scale, codes + static_cast<size_t>(r) * 2 * kBlock);
+  }
 }
 
 template <int kRows>

@@ -115,7 +115,7 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
       const float sum = plan.row_max_sum[2 * row_index + 1];
       row_inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
     }
-    if (integer) QuantizeQueryRows(q_rows, rows, dp, &query_codes);
+    if (integer) QuantizeQueries(q_rows, rows, dp, &query_codes);
     const bool has_last = q_end == plan.n_q;
 
     int32_t block_span = seq.SpanOf(tile_begin);
