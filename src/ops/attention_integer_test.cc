@@ -229,7 +229,8 @@ TEST_P(AttentionIntegerTest, VnniScoresEqualScalarTwinBitForBit) {
           twin = raw_scores();
         }
         for (size_t e = 0; e < vnni.size(); ++e) {
-          ASSERT_EQ(vnni[e], twin[e]) << "d" << head_dim << " g" << group << " amplitude " << amplitude << " score " << e;
+          ASSERT_EQ(vnni[e], twin[e]) << "d" << head_dim << " g" << group << " amplitude " << amplitude
+                                      << " score " << e;
         }
       }
     }

@@ -382,7 +382,8 @@ inline void QuantizeQueries(const float* q_rows, int rows, int dp, QueryCodes* o
   out->sums.resize(static_cast<size_t>(rows) * out->n_groups * 2);
   const __m512 low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
   auto code = [&](__m512 x) {  // RoundHalfEven then ClampCode (a NaN becomes -127: max returns its second operand)
-    return _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), low), high);
+    const __m512 rounded = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_min_ps(_mm512_max_ps(rounded, low), high);
   };
   for (int r = 0; r < rows; ++r) {
     for (int g = 0; g < out->n_groups; ++g) {
@@ -488,19 +489,12 @@ inline void PackVCodes(const uint8_t* const* rows, int n_rows, int dp, uint8_t* 
   }
 }
 
-// QuantizeProbabilityCodes (attention_kernels.h) of p * lane_scale, 16 lanes at once: the same
-// codes (hi, then lo, kBlock apart) and step.
-inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint8_t* codes) {
-  const __m512 x = _mm512_mul_ps(_mm512_load_ps(p), _mm512_load_ps(lane_scale));
-  const float max_p = _mm512_reduce_max_ps(x);
-  if (!(max_p >= kNegligible)) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_setzero_si128());
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + kBlock), _mm_setzero_si128());
-    return 0.f;
-  }
-  const float inv = 255.f / max_p, step = max_p / 255.f, lo_inv = 255.f / step;
-  const __m512 hi = _mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(inv)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
-                                  _mm512_set1_ps(255.f));
+// Codes of one row's 16 (scaled) probabilities x given max(x) >= kNegligible's inv = 255 / max,
+// step = max / 255 and lo_inv = 255 / step: hi (floor) then lo (nearest), kBlock bytes apart.
+inline void EncodeProbabilities(__m512 x, float inv, float step, float lo_inv, uint8_t* codes) {
+  const __m512 hi = _mm512_min_ps(
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(inv)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+      _mm512_set1_ps(255.f));
   const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(step), hi, x);
   const __m512 lo = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(lo_inv)),
                                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
@@ -508,6 +502,19 @@ inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint
                                   _mm512_set1_ps(255.f));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(hi)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + kBlock), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(lo)));
+}
+
+// QuantizeProbabilityCodes (attention_kernels.h) of p * lane_scale, 16 lanes at once: the same
+// codes (hi, then lo, kBlock apart) and step.
+inline float QuantizeProbabilities(const float* p, const float* lane_scale, uint8_t* codes) {
+  const __m512 x = _mm512_mul_ps(_mm512_load_ps(p), _mm512_load_ps(lane_scale));
+  const float max_p = _mm512_reduce_max_ps(x);
+  if (!(max_p >= kNegligible)) {
+    std::memset(codes, 0, 2 * kBlock);
+    return 0.f;
+  }
+  const float inv = 255.f / max_p, step = max_p / 255.f, lo_inv = 255.f / step;
+  EncodeProbabilities(x, inv, step, lo_inv, codes);
   return step;
 }
 
@@ -527,7 +534,8 @@ inline void QuantizeProbabilityRows(const float* p, const float* lane_scale, int
     __m512 c = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
     c = _mm512_max_ps(c, _mm512_permute_ps(c, 0x4E));
     c = _mm512_max_ps(c, _mm512_permute_ps(c, 0xB1));
-    const __m128 max_p = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), c));
+    const __m512i first_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    const __m128 max_p = _mm512_castps512_ps128(_mm512_permutexvar_ps(first_lanes, c));
     const __m128 c255 = _mm_set1_ps(255.f);
     const __m128 step = _mm_div_ps(max_p, c255);
     alignas(16) float maxima[4], inv[4], steps4[4], lo_inv[4];
@@ -538,22 +546,11 @@ inline void QuantizeProbabilityRows(const float* p, const float* lane_scale, int
     for (int i = 0; i < 4; ++i) {
       uint8_t* row_codes = codes + static_cast<size_t>(r + i) * 2 * kBlock;
       if (!(maxima[i] >= kNegligible)) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes), _mm_setzero_si128());
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes + kBlock), _mm_setzero_si128());
+        std::memset(row_codes, 0, 2 * kBlock);
         steps[r + i] = 0.f;
         continue;
       }
-      const __m512 hi = _mm512_min_ps(
-          _mm512_roundscale_ps(_mm512_mul_ps(x[i], _mm512_set1_ps(inv[i])), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
-          _mm512_set1_ps(255.f));
-      const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(steps4[i]), hi, x[i]);
-      const __m512 lo = _mm512_min_ps(
-          _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(lo_inv[i])),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                        _mm512_setzero_ps()),
-          _mm512_set1_ps(255.f));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(hi)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row_codes + kBlock), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(lo)));
+      EncodeProbabilities(x[i], inv[i], steps4[i], lo_inv[i], row_codes);
       steps[r + i] = steps4[i];
     }
   }
