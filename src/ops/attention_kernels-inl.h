@@ -418,7 +418,12 @@ inline void QuantizeQueries(const float* q_rows, int rows, int dp, QueryCodes* o
 // lanes[lane] = scales[LaneToken(lane) * stride]: a whole block's per-token scales of one kv
 // head (scales at its first token, stride floats apart) in lane order, in one gather.
 inline void GatherLaneScales(const float* scales, int stride, float* lanes) {
-  const __m512i token = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  // LaneToken
+  alignas(64) static constexpr auto kTokenOfLane = [] {
+    std::array<int32_t, kBlock> tokens{};
+    for (int lane = 0; lane < kBlock; ++lane) tokens[lane] = LaneToken(lane);
+    return tokens;
+  }();
+  const __m512i token = _mm512_load_si512(kTokenOfLane.data());
   _mm512_store_ps(lanes, _mm512_i32gather_ps(_mm512_mullo_epi32(token, _mm512_set1_epi32(stride)), scales, 4));
 }
 
