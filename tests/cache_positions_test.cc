@@ -220,7 +220,8 @@ TEST(CachePositions, GeneratingPastTheBudgetKeepsPositionsInsideTheCache) {
 TEST(CachePositions, PerHeadAndQuantizedLayersStayNumberedInsideTheCache) {
   const auto model = LoadSynth("tiny-gqa-untied");  // llama3 RoPE scaling, 8 heads on 2 kv heads
   const ModelConfig& c = model->config();
-  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2}) {
+  for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
+                            KvStorage::kFp8E5M2, KvStorage::kBf16}) {
     for (bool per_head : {false, true}) {
       const std::string what = std::string(KvStorageName(storage)) + (per_head ? " per-head" : "");
       SparseRun run = NewRun(*model, Config(*model, "streaming_llm", "20", storage, true, per_head), 200);

@@ -270,7 +270,7 @@ void RegisterBench(CLI::App& app, int* exit_code) {
   cmd->add_option("--budgets", a->budgets, "fractions of the context (0.1) or token counts (512)")->delimiter(',');
   cmd->add_option("--lengths", a->lengths, "context lengths in tokens: 1024,2k,32k")->delimiter(',');
   cmd->add_option("--kv-types", a->kv_types,
-                  "KV storage types: f32,f16,int8,int8_kivi,fp8_e4m3,fp8_e5m2,int4_kivi,int2_kivi")
+                  "KV storage types: f32,f16,bf16,int8,int8_kivi,fp8_e4m3,fp8_e5m2,int4_kivi,int2_kivi")
       ->delimiter(',');
   cmd->add_option("--tasks", a->tasks,
                   "niah_single,niah_multikey,niah_multiquery,kv_retrieval,variable_tracking,freq_words,copy,fidelity,latency,"

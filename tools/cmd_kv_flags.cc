@@ -12,7 +12,7 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
                   "KV tokens kept per layer: a fraction of the tokens seen (0.2) or a count (512)");
   cmd->add_option(
       "--kv-type", f->kv_type,
-      "KV storage: f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi or int2_kivi (default " +
+      "KV storage: f32, f16, bf16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi or int2_kivi (default " +
           default_kv_type + ")");
   cmd->add_option("--kv-config", f->config_file,
                   "per-layer KV sparsity config (JSON); excludes --kv-method/--kv-budget");
@@ -52,7 +52,7 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   const std::optional<KvStorage> storage = KvStorageFromName(kv_type);
   if (!storage) {
     return InvalidArgumentError(
-        fmt::format("--kv-type: expected f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi or "
+        fmt::format("--kv-type: expected f32, f16, bf16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi or "
                     "int2_kivi, found '{}'",
                     kv_type));
   }
@@ -86,8 +86,8 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   } else if (!f.budget.empty() || !f.params.empty()) {
     return InvalidArgumentError(fmt::format("{} needs --kv-method (one of {})",
                                             f.budget.empty() ? "--kv-param" : "--kv-budget", ValidKvMethodNames()));
-  } else if (IsScaledCodeStorage(*storage) || f.page_size > 0 || f.evict_interval > 0 || f.per_head || f.shared_heads ||
-             !f.sparse_prefill.empty()) {  // int8 and fp8 types need the paged cache
+  } else if (!DenseCacheHolds(*storage) || f.page_size > 0 || f.evict_interval > 0 || f.per_head || f.shared_heads ||
+             !f.sparse_prefill.empty()) {  // int8, fp8 and KIVI need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
   } else {
     if (f.kivi_residual > 0) return residual_without_kivi("--kv-type is " + kv_type);  // the dense cache

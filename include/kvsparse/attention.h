@@ -27,6 +27,8 @@ struct AttentionShape {
   // probabilities times the tokens' V scales to u8 (step max / 255). Off: f32 dots of the
   // dequantized values (exact up to f32 rounding). The engine turns it on; the error it adds
   // is bounded in docs/DESIGN.md ("Integer attention") and tested in attention_test.cc.
+  // bf16 KV on the avx512 family where the CPU has AVX512_BF16 (Bf16DotsEnabled, isa.h): q.k as
+  // bf16 dot products, the query rounded to bf16 (DESIGN.md, "bf16 dots"); p.v stays f32.
   bool integer_dots = false;
 };
 
@@ -55,6 +57,8 @@ void Attention(const AttentionShape& shape, KvStorage storage, const float* q, c
 // Whether the active kernel family computes attention over this storage and head size with
 // integer dot products when AttentionShape::integer_dots is on.
 bool UsesIntegerDots(KvStorage storage, int head_dim);
+// Whether it computes q.k with bf16 dot products then (bf16 KV, Bf16DotsEnabled).
+bool UsesBf16Dots(KvStorage storage);
 }  // namespace ops
 
 // Sparse prefill (sparse_prefill.h): the key tokens each block of a prompt chunk's queries

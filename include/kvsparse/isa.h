@@ -39,6 +39,16 @@ std::string CpuFeatureList();
 // One line for logs and reports: "avx512 (compiled: scalar, avx2, avx512; CPU: sse4.2 avx2 ...)".
 std::string IsaSummary();
 
+// Optional instructions inside a family: the avx512 family computes bf16 KV's q.k with
+// AVX512_BF16 dot products (vdpbf16ps: Cooper Lake, Sapphire Rapids, Zen 4 and later) where the
+// CPU has them. KVSPARSE_BF16_DOTS=0 in the environment or SetBf16Dots(false) keep bf16 KV on the
+// f32 path (tests compare the two; a benchmark measures both).
+bool CpuHasBf16Dots();
+// Whether the avx512 family's kernels use bf16 dot products now (the CPU has them, not turned off).
+bool Bf16DotsEnabled();
+// Turns them on (only where the CPU has them) or off; like SetIsa, between kernel calls.
+void SetBf16Dots(bool enabled);
+
 // Makes `isa` the active family. InvalidArgument (naming what the CPU has and which families
 // can run) when it is not compiled in or the CPU lacks it; the active family is then unchanged.
 Status SetIsa(Isa isa);

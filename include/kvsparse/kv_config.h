@@ -99,7 +99,8 @@ StatusOr<KvMethodSpec> ParseKvMethodSpec(const std::string& text, std::string_vi
 
 // "512" -> 512 tokens, "0.2" -> a fifth of the context.
 StatusOr<KvBudget> ParseKvBudget(std::string_view text);
-// "f32" | "f16" | "int8" | "int8_kivi" | "fp8_e4m3" | "fp8_e5m2" | "fp8" (= fp8_e4m3) | "int4_kivi" | "int2_kivi"
+// "f32" | "f16" | "bf16" | "int8" | "int8_kivi" | "fp8_e4m3" | "fp8_e5m2" | "fp8" (= fp8_e4m3) |
+// "int4_kivi" | "int2_kivi"
 std::optional<KvStorage> KvStorageFromName(std::string_view name);
 
 // Re-checks a config built in code (ranges, every layer's values).

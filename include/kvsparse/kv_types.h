@@ -19,16 +19,23 @@ namespace kvsparse {
 // kInt4Kivi, kInt2Kivi (KIVI's own setting): asymmetric 4- or 2-bit codes with a zero point, value =
 //   min + scale * code, code in [0, 2^bits - 1], packed several to a byte; K per (page, kv head,
 //   channel), V per (token, kv head), the residual page in full precision as kInt8Kivi.
-enum class KvStorage { kF32, kF16, kInt8, kInt8Kivi, kFp8E4M3, kFp8E5M2, kInt4Kivi, kInt2Kivi };
-inline constexpr int kNumKvStorage = 8;
+// kBf16: bfloat16 (f32's exponent, 8 significant bits), no scales. Where the CPU has AVX512_BF16
+//   the avx512 family computes q.K with bf16 dot products (vdpbf16ps, twice f32's rate; the
+//   query is rounded to bf16 too); elsewhere it is widened to f32 like f16.
+enum class KvStorage { kF32, kF16, kInt8, kInt8Kivi, kFp8E4M3, kFp8E5M2, kInt4Kivi, kInt2Kivi, kBf16 };
+inline constexpr int kNumKvStorage = 9;
 inline constexpr KvStorage kKiviResidualStorage = KvStorage::kF16;
-// "f32", "f16", "int8", "int8_kivi", "fp8_e4m3", "fp8_e5m2", "int4_kivi", "int2_kivi"
+// "f32", "f16", "int8", "int8_kivi", "fp8_e4m3", "fp8_e5m2", "int4_kivi", "int2_kivi", "bf16"
 const char* KvStorageName(KvStorage s);
-int KvStorageBits(KvStorage s);  // bits per stored value (32, 16, 8, 8, 8, 8, 4, 2)
+int KvStorageBits(KvStorage s);  // bits per stored value (32, 16, 8, 8, 8, 8, 4, 2, 16)
 // Bytes of `values` stored values (a row of whole bytes: low-bit rows hold a multiple of 8 / bits values).
 inline size_t KvRowBytes(KvStorage s, size_t values) { return values * KvStorageBits(s) / 8; }
 // Whether s can hold (token, kv head) rows of head_dim values: packed codes must fill whole bytes.
 inline bool KvStorageFits(KvStorage s, int head_dim) { return head_dim * KvStorageBits(s) % 8 == 0; }
+// Whether the dense (contiguous) cache can hold s; the other types need the paged cache.
+inline bool DenseCacheHolds(KvStorage s) {
+  return s == KvStorage::kF32 || s == KvStorage::kF16 || s == KvStorage::kBf16;
+}
 // Storage with one byte per value and one scale per (token, kv head) for K and V (int8, fp8).
 inline bool HasTokenScales(KvStorage s) {
   return s == KvStorage::kInt8 || s == KvStorage::kFp8E4M3 || s == KvStorage::kFp8E5M2;

@@ -112,10 +112,12 @@ double MeasureReadBandwidthGBs(int n_threads, size_t bytes = 1ull << 30);
 // Peak arithmetic rates of the active kernel family's dot-product instructions over n_threads
 // (<= 0: all), counting a multiply-add as two operations: f32 FMA (the f32 attention and matmul
 // paths) and u8 x s8 int8 dot products (vpdpbusd on avx512, vpmaddubsw + vpmaddwd on avx2;
-// the integer attention and the quantized matmuls). A few ms.
+// the integer attention and the quantized matmuls), and bf16 dot products (vdpbf16ps, bf16 KV's
+// attention) where the avx512 family runs with Bf16DotsEnabled (0 elsewhere). A few ms.
 struct ComputePeak {
   double f32_fma_gflops = 0;
   double int8_dot_gops = 0;
+  double bf16_dot_gflops = 0;
 };
 ComputePeak MeasureComputePeak(int n_threads);
 

@@ -34,7 +34,7 @@ KvGeometry ModelKvGeometry(const Model& model);
 // select what to read (quest, oracle, reuse, cumulative mask mode).
 Status ResolveSlidingLayers(const Model& model, KvSparsityConfig* config);
 
-// config null: a ContiguousKvCache of dense_storage (f32 or f16) holding n_seqs sequences of
+// config null: a ContiguousKvCache of dense_storage (f32, f16 or bf16) holding n_seqs sequences of
 // max_tokens; on a model with sliding-window layers, the paged cache with "full" on every layer
 // instead, so that the sliding layers free their pages as the window moves. Otherwise the paged cache sized for n_seqs × max_tokens (CreateSparseKv) and its
 // controller, seeded with `seed` (the Random method). Razor layers get their retrieval heads

@@ -89,7 +89,8 @@ struct SpeedReport {
   double read_bandwidth_gbs = 0;
   double f32_peak_gflops = 0;  // ops::MeasureComputePeak over the run's threads (with the bandwidth)
   double int8_peak_gops = 0;
-  std::string attention_dots;  // what decode attention computes with: "int8 dot products" or "f32 FMA"
+  double bf16_peak_gflops = 0;  // 0 where the kernels have no bf16 dot products
+  std::string attention_dots;  // what decode attention computes with: "int8 dot products", "f32 FMA", ...
   std::string kv_desc;  // "dense f16" or the sparsity config summary
   std::vector<SpeedResult> results;
 };

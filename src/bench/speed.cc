@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <set>
 
 #include "bench/synthetic_fill.h"
 #include "kvsparse/attention.h"
@@ -92,17 +93,37 @@ double TimeDecodeAttention(const KvCache& cache, const ModelConfig& c, int32_t p
   return best;
 }
 
+// Seconds for `ops` attention operations (q.k and p.v, half each) over a layer stored as
+// `storage`, at the measured peak of the instructions the kernel uses for each half; adds their
+// names to `dots`.
+double AttentionSeconds(double ops, KvStorage storage, int head_dim, const SpeedReport& report,
+                        std::set<std::string>* dots) {
+  if (ops::UsesIntegerDots(storage, head_dim)) {
+    dots->insert("int8 dot products");
+    return ops / (report.int8_peak_gops * 1e9);
+  }
+  if (ops::UsesBf16Dots(storage) && report.bf16_peak_gflops > 0) {
+    dots->insert("bf16 dot products");
+    const bool bf16_pv = head_dim % 32 == 0;  // else p.v stays f32 (attention.cc)
+    if (!bf16_pv) dots->insert("f32 FMA");
+    return ops / 2 / (report.bf16_peak_gflops * 1e9) +
+           ops / 2 / ((bf16_pv ? report.bf16_peak_gflops : report.f32_peak_gflops) * 1e9);
+  }
+  dots->insert("f32 FMA");
+  return ops / (report.f32_peak_gflops * 1e9);
+}
+
 // One decode step's attention arithmetic over the cache as it stands: q.k and p.v, 2 multiply-adds
 // per query head, attended token and head dim (4 ops), and the seconds they take at least, at the
 // measured peak of the instructions the kernel uses for each layer's storage.
 struct AttentionArithmetic {
   double ops = 0;
   double seconds = 0;
-  std::string dots;  // "int8 dot products", "f32 FMA" or both, joined by " + "
+  std::string dots;  // "int8 dot products", "bf16 dot products", "f32 FMA", joined by " + "
 };
 AttentionArithmetic DecodeAttentionOps(const KvCache& cache, const ModelConfig& c, const SpeedReport& report) {
   AttentionArithmetic a;
-  bool any_integer = false, any_float = false;
+  std::set<std::string> dots;
   const int group = c.n_heads / c.n_kv_heads;
   for (int layer = 0; layer < c.n_layers; ++layer) {
     double tokens = 0;  // attended tokens, summed over kv heads
@@ -112,12 +133,10 @@ AttentionArithmetic DecodeAttentionOps(const KvCache& cache, const ModelConfig& 
       tokens += static_cast<double>(n);
     }
     const double ops = 4.0 * group * c.head_dim * tokens;
-    const bool integer = ops::UsesIntegerDots(cache.layer_storage(layer), c.head_dim);
-    (integer ? any_integer : any_float) = true;
     a.ops += ops;
-    a.seconds += ops / ((integer ? report.int8_peak_gops : report.f32_peak_gflops) * 1e9);
+    a.seconds += AttentionSeconds(ops, cache.layer_storage(layer), c.head_dim, report, &dots);
   }
-  a.dots = any_integer && any_float ? "int8 dot products + f32 FMA" : any_integer ? "int8 dot products" : "f32 FMA";
+  for (const std::string& name : dots) a.dots += (a.dots.empty() ? "" : " + ") + name;
   return a;
 }
 
@@ -134,8 +153,8 @@ double PromptAttentionSeconds(const KvCache& cache, const ModelConfig& c, int de
       pairs += window > 0 ? std::min<double>(keys, window) : keys;
     }
     const double ops = 4.0 * c.n_heads * c.head_dim * pairs;
-    const bool integer = ops::UsesIntegerDots(cache.layer_storage(layer), c.head_dim);
-    seconds += ops / ((integer ? report.int8_peak_gops : report.f32_peak_gflops) * 1e9);
+    std::set<std::string> dots;
+    seconds += AttentionSeconds(ops, cache.layer_storage(layer), c.head_dim, report, &dots);
   }
   return seconds;
 }
@@ -210,6 +229,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
     const ops::ComputePeak peak = ops::MeasureComputePeak(n_threads);
     report.f32_peak_gflops = peak.f32_fma_gflops;
     report.int8_peak_gops = peak.int8_dot_gops;
+    report.bf16_peak_gflops = peak.bf16_dot_gflops;
   }
 
   int max_tokens = 0;
@@ -381,8 +401,11 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   if (report.read_bandwidth_gbs > 0) out += fmt::format(", measured read bandwidth {:.1f} GB/s", report.read_bandwidth_gbs);
   out += "\n";
   if (report.f32_peak_gflops > 0) {
-    out += fmt::format("measured peaks: f32 FMA {:.0f} GFLOPS, int8 dot products {:.0f} GOPS; decode attention uses {}\n",
-                       report.f32_peak_gflops, report.int8_peak_gops,
+    const std::string bf16 =
+        report.bf16_peak_gflops > 0 ? fmt::format(", bf16 dot products {:.0f} GFLOPS", report.bf16_peak_gflops) : "";
+    out += fmt::format("measured peaks: f32 FMA {:.0f} GFLOPS, int8 dot products {:.0f} GOPS{}; "
+                       "decode attention uses {}\n",
+                       report.f32_peak_gflops, report.int8_peak_gops, bf16,
                        report.attention_dots.empty() ? std::string("(no decode test)") : report.attention_dots);
   }
   out += fmt::format("KV: {}\n\n", report.kv_desc);
@@ -486,6 +509,7 @@ std::string SpeedReportJson(const SpeedReport& report) {
   j["read_bandwidth_gbs"] = report.read_bandwidth_gbs;
   j["f32_peak_gflops"] = report.f32_peak_gflops;
   j["int8_peak_gops"] = report.int8_peak_gops;
+  j["bf16_peak_gflops"] = report.bf16_peak_gflops;
   j["attention_dots"] = report.attention_dots;
   j["kv"] = report.kv_desc;
   for (const SpeedResult& r : report.results) {

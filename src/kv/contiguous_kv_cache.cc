@@ -10,7 +10,7 @@ namespace kvsparse {
 
 namespace {
 
-size_t StorageElementBytes(KvStorage storage) { return storage == KvStorage::kF16 ? sizeof(f16_bits) : sizeof(float); }
+size_t StorageElementBytes(KvStorage storage) { return storage == KvStorage::kF32 ? sizeof(float) : sizeof(f16_bits); }
 
 }  // namespace
 
@@ -18,9 +18,9 @@ ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage stora
     : geometry_(geometry), storage_(storage), n_seqs_(n_seqs), max_tokens_(max_tokens) {
   KVS_CHECK(geometry.n_layers > 0 && geometry.n_kv_heads > 0 && geometry.head_dim > 0);
   KVS_CHECK(n_seqs > 0 && max_tokens > 0);
-  // int8 and fp8 need per-row scales this layout has no room for: such a cache stores nothing and its
-  // Append reports Unimplemented (PagedKvCache stores int8).
-  row_bytes_ = IsScaledCodeStorage(storage)
+  // int8, fp8 and KIVI need scales this layout has no room for: such a cache stores nothing and its
+  // Append reports Unimplemented (PagedKvCache stores them).
+  row_bytes_ = !DenseCacheHolds(storage)
                    ? 0
                    : static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
   slots_.resize(static_cast<size_t>(n_seqs) * geometry.n_layers);
@@ -52,8 +52,8 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
                                 std::to_string(geometry_.n_layers) + ")");
   }
   if (n < 0) return InvalidArgumentError("KV cache append: negative token count " + std::to_string(n));
-  if (IsScaledCodeStorage(storage_)) {
-    return UnimplementedError(std::string("ContiguousKvCache stores f32 or f16 K/V only; ") +
+  if (!DenseCacheHolds(storage_)) {
+    return UnimplementedError(std::string("ContiguousKvCache stores f32, f16 or bf16 K/V only; ") +
                               KvStorageName(storage_) + " KV storage needs the paged KV cache");
   }
   if (n == 0) return Status::Ok();
@@ -86,8 +86,9 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
     std::memcpy(k_dst, k, n_elems * sizeof(float));
     std::memcpy(v_dst, v, n_elems * sizeof(float));
   } else {
-    ops::QuantizeRow(DType::kF16, k, k_dst, static_cast<int64_t>(n_elems));
-    ops::QuantizeRow(DType::kF16, v, v_dst, static_cast<int64_t>(n_elems));
+    const DType type = storage_ == KvStorage::kBf16 ? DType::kBF16 : DType::kF16;
+    ops::QuantizeRow(type, k, k_dst, static_cast<int64_t>(n_elems));
+    ops::QuantizeRow(type, v, v_dst, static_cast<int64_t>(n_elems));
   }
   std::memcpy(s.positions.data() + s.n, positions, n * sizeof(int32_t));
   s.n += n;

@@ -19,6 +19,7 @@ const char* KvStorageName(KvStorage s) {
       return "int4_kivi";
     case KvStorage::kInt2Kivi:
       return "int2_kivi";
+    case KvStorage::kBf16: return "bf16";
   }
   return "?";
 }
@@ -28,6 +29,7 @@ int KvStorageBits(KvStorage s) {
     case KvStorage::kF32:
       return 32;
     case KvStorage::kF16:
+    case KvStorage::kBf16:
       return 16;
     case KvStorage::kInt8:
     case KvStorage::kInt8Kivi:
@@ -52,6 +54,11 @@ void LoadSpanKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_head
     case KvStorage::kF16: {
       const f16_bits* k = static_cast<const f16_bits*>(span.k) + at;
       for (size_t i = 0; i < row; ++i) out[i] = F16ToF32(k[i]);
+      return;
+    }
+    case KvStorage::kBf16: {
+      const bf16_bits* k = static_cast<const bf16_bits*>(span.k) + at;
+      for (size_t i = 0; i < row; ++i) out[i] = BF16ToF32(k[i]);
       return;
     }
     case KvStorage::kInt8: {

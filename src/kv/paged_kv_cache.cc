@@ -341,6 +341,10 @@ void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_
         ops::QuantizeRow(DType::kF16, k_src, k_dst, values);
         ops::QuantizeRow(DType::kF16, v_src, v_dst, values);
         break;
+      case KvStorage::kBf16:
+        ops::QuantizeRow(DType::kBF16, k_src, k_dst, values);
+        ops::QuantizeRow(DType::kBF16, v_src, v_dst, values);
+        break;
       case KvStorage::kInt8: {
         float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + s * p.row_heads;  // [rows]
         float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + s * p.row_heads;

@@ -115,6 +115,11 @@ int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const Key
             rotate(k32, rows, delta);
             ops::QuantizeRow(DType::kF16, k32, k_dst, static_cast<int64_t>(values));
             break;
+          case KvStorage::kBf16:
+            ops::DequantizeRow(DType::kBF16, k_dst, k32, static_cast<int64_t>(values));
+            rotate(k32, rows, delta);
+            ops::QuantizeRow(DType::kBF16, k32, k_dst, static_cast<int64_t>(values));
+            break;
           case KvStorage::kInt8: {
             float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + static_cast<size_t>(s) * rh;
             ops::DequantizeKvRowsInt8(reinterpret_cast<const int8_t*>(k_dst), k_scale, rows, D, k32);

@@ -79,6 +79,7 @@ TableView Read(const PagedKvCache& cache, int seq, int head) {
     switch (storage) {
       case KvStorage::kF32: std::memcpy(k.data(), s.k, values * sizeof(float)); break;
       case KvStorage::kF16: ops::DequantizeRow(DType::kF16, s.k, k.data(), static_cast<int64_t>(values)); break;
+      case KvStorage::kBf16: ops::DequantizeRow(DType::kBF16, s.k, k.data(), static_cast<int64_t>(values)); break;
       case KvStorage::kInt8:
         ops::DequantizeKvRowsInt8(static_cast<const int8_t*>(s.k), s.k_scale, static_cast<int64_t>(s.n) * rows,
                                   kHeadDim, k.data());
@@ -167,6 +168,7 @@ float Tolerance(KvStorage storage) {
   switch (storage) {
     case KvStorage::kF32: return 1e-4f;
     case KvStorage::kF16: return 2e-3f;
+    case KvStorage::kBf16: return 8e-3f;  // as f16 with 2^-9 for 2^-11: (sqrt2 + 1) 2^-9 M < 0.0048 M
     case KvStorage::kInt8: return 0.012f;
     case KvStorage::kInt8Kivi: return 0.02f;
     case KvStorage::kFp8E4M3: return 0.16f;
@@ -243,7 +245,8 @@ TEST(RopeNegativePosition, UndoesPositiveAndMatchesReference) {
 TEST(PagedKvCacheRenumber, SurvivorsAreRotatedToTheirNewPositions) {
   const int32_t n = 47;
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
-                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi,
+                            KvStorage::kInt2Kivi}) {
     for (RopeStyle style : {RopeStyle::kAdjacentPairs, RopeStyle::kNeox}) {
       for (int scatter : {0, 9}) {
         const std::string what = std::string(KvStorageName(storage)) +
@@ -292,7 +295,8 @@ TEST(PagedKvCacheRenumber, PerHeadTablesRenumberEachHead) {
   const int32_t n = 40;
   const RopeStyle style = RopeStyle::kNeox;
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
-                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi,
+                            KvStorage::kInt2Kivi}) {
     std::mt19937 rng(5);
     const Tokens tokens = MakeTokens(n, 0, style, rng);
     auto cache = MakeCache(storage, true, 1, 8);
@@ -324,7 +328,7 @@ TEST(PagedKvCacheRenumber, SharedPagesAreCopiedFirst) {
   const int32_t n = 30;
   const RopeStyle style = RopeStyle::kAdjacentPairs;
   for (KvStorage storage : {KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                            KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
     const std::string what(KvStorageName(storage));
     std::mt19937 rng(11);
     const Tokens tokens = MakeTokens(n, 0, style, rng);

@@ -49,6 +49,12 @@ EncodedRow Encode(const std::vector<float>& x, KvStorage storage, int n_kv_heads
         std::memcpy(e.values.data() + 2 * i, &h, 2);
       }
       break;
+    case KvStorage::kBf16:
+      for (size_t i = 0; i < x.size(); ++i) {
+        const bf16_bits h = F32ToBF16(x[i]);
+        std::memcpy(e.values.data() + 2 * i, &h, 2);
+      }
+      break;
     case KvStorage::kInt8:
       e.scales.resize(n_kv_heads);
       ref::QuantizeKvRowsInt8(x.data(), n_kv_heads, head_dim, reinterpret_cast<int8_t*>(e.values.data()),
@@ -282,7 +288,7 @@ TEST_P(PagedKvCacheStorageTest, ByteAccountingIsExact) {
 
 // With no eviction, the paged spans concatenate to ContiguousKvCache's single span.
 TEST_P(PagedKvCacheStorageTest, ConcatenatedSpansEqualContiguousCache) {
-  if (HasTokenScales(GetParam())) GTEST_SKIP() << "ContiguousKvCache stores f32/f16 only";
+  if (!DenseCacheHolds(GetParam())) GTEST_SKIP() << "ContiguousKvCache stores f32, f16 and bf16 only";
   const KvGeometry geo{2, 3, 10};
   auto paged = MakePagedCache(geo, {GetParam()}, 1, 5, 1 << 20);
   ContiguousKvCache dense(geo, GetParam(), 1, 64);
@@ -410,7 +416,7 @@ TEST_P(PagedKvCacheStorageTest, RemoveRangeDropsPositionsFromEveryLayer) {
 
 INSTANTIATE_TEST_SUITE_P(Storage, PagedKvCacheStorageTest,
                          ::testing::Values(KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kFp8E4M3,
-                                           KvStorage::kFp8E5M2),
+                                           KvStorage::kFp8E5M2, KvStorage::kBf16),
                          [](const ::testing::TestParamInfo<KvStorage>& info) {
                            return std::string(KvStorageName(info.param));
                          });
@@ -852,7 +858,7 @@ TEST_P(PagedKvCachePerHeadTest, HeadsKeepDifferentTokensWithExactAccounting) {
 
 INSTANTIATE_TEST_SUITE_P(Storage, PagedKvCachePerHeadTest,
                          ::testing::Values(KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kFp8E4M3,
-                                           KvStorage::kFp8E5M2),
+                                           KvStorage::kFp8E5M2, KvStorage::kBf16),
                          [](const ::testing::TestParamInfo<KvStorage>& info) {
                            return std::string(KvStorageName(info.param));
                          });

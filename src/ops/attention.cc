@@ -30,6 +30,7 @@
 
 #include "kvsparse/attention.h"
 #include "kvsparse/dtype.h"
+#include "kvsparse/isa.h"
 #include "ops/attention_kernels.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -169,6 +170,21 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
     p_codes.resize(static_cast<size_t>(rows) * 2 * kBlock);
     p_step.resize(rows);
   }
+  // bf16 dots (bf16 and fp8 KV where the CPU has AVX512_BF16): q rounded to bf16 once per unit, K
+  // blocks packed as bf16 pairs into k_block (half its floats); with head_dim % 32 == 0 V as token
+  // pairs into v_block and the probabilities rounded to bf16 per block (else p.v stays f32).
+  const bool bf16_dots = kBf16Dots && shape.integer_dots && Bf16DotsServe(storage) && Bf16DotsEnabled();
+  const bool bf16_pv = bf16_dots && d % 32 == 0;
+  static thread_local std::vector<uint16_t> q_bf16;  // [rows, dp]
+  static thread_local AlignedBuffer p_bf16_buffer;
+  uint16_t* p_bf16 = nullptr;  // [rows, kBlock] this block's probabilities as bf16, lane order
+  if (bf16_dots) {
+    if constexpr (kBf16Dots) {
+      q_bf16.resize(q_floats);
+      QueryRowsToBf16(q_rows, rows, dp, q_bf16.data());
+      p_bf16 = reinterpret_cast<uint16_t*>(p_bf16_buffer.Get(static_cast<size_t>(rows) * kBlock / 2));
+    }
+  }
 
   const bool int8 = IsScaledCodeStorage(storage);  // int8, fp8 or KIVI: scaled codes
   const bool kivi = IsKiviStorage(storage);
@@ -248,8 +264,8 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           v_scale[j] = block.v_scale[j][stored_head];
         }
       }
-      alignas(64) float lane_k_scale[kBlock];  // integer: each lane's token K scale (0 past the block)
-      alignas(64) float lane_v_scale[kBlock];  // integer: each lane's token V scale (0 past the block)
+      alignas(64) float lane_k_scale[kBlock];  // integer, fp8 bf16 dots: token K scale per lane (0 past)
+      alignas(64) float lane_v_scale[kBlock];  // integer, fp8 bf16 dots: token V scale per lane (0 past)
       if (integer) {
         if constexpr (kIntegerDots) {
           if (lane_scales_direct) {
@@ -260,6 +276,18 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
             ScalesInLaneOrder(v_scale, n_block, lane_v_scale);
           }
           PackKCodes(k_head, n_block, dp, reinterpret_cast<uint8_t*>(k_block));
+        }
+      } else if (bf16_dots) {
+        if constexpr (kBf16Dots) {
+          if (int8) {  // fp8: the token scales apply to the scores and (below) the probabilities
+            const float factor = CodeScaleFactor(storage);
+            for (int lane = 0; lane < kBlock; ++lane) {
+              const int j = LaneToken(lane);
+              lane_k_scale[lane] = j < n_block ? k_scale[j] * factor : 0.f;
+              lane_v_scale[lane] = j < n_block ? v_scale[j] * factor : 0.f;
+            }
+          }
+          PackKBf16(storage, k_head, n_block, d, dp, reinterpret_cast<uint16_t*>(k_block));
         }
       } else if (low_bit) {
         DequantizeLowBitKBlock(bits, block, stored_head, n_block, d, dp, &low_bit_scratch, k_head);
@@ -277,6 +305,12 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
           const uint8_t* v_head[kBlock];
           for (int j = 0; j < n_block; ++j) v_head[j] = block.v[j] + head_offset;
           PackVCodes(v_head, n_block, dp, reinterpret_cast<uint8_t*>(v_block));
+        }
+      } else if (bf16_pv) {
+        if constexpr (kBf16Dots) {
+          const uint8_t* v_head[kBlock];
+          for (int j = 0; j < n_block; ++j) v_head[j] = block.v[j] + head_offset;
+          PackVBf16(storage, v_head, n_block, dp, reinterpret_cast<uint16_t*>(v_block));
         }
       } else if (v_in_place) {
         v_rows = block.v[0] + head_offset;
@@ -309,7 +343,13 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
         const int n_pair = std::min(2, r_end - r);
         ScoreVec scores[2];
-        ScoreRowPair(n_pair, integer ? &query_codes : nullptr, q_rows, r, dp, k_block, lane_k_scale, scores);
+        if (bf16_dots) {
+          if constexpr (kBf16Dots) {
+            ScoreRowPairBf16(n_pair, q_bf16.data(), r, dp, k_block, int8 ? lane_k_scale : nullptr, scores);
+          }
+        } else {
+          ScoreRowPair(n_pair, integer ? &query_codes : nullptr, q_rows, r, dp, k_block, lane_k_scale, scores);
+        }
         if (capped) {
           for (int i = 0; i < n_pair; ++i) ApplySoftcap(softcap, &scores[i]);
         }
@@ -358,12 +398,25 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
         continue;
       }
+      if (bf16_pv) {
+        if constexpr (kBf16Dots) {
+          // fp8 V is unscaled: its token scales fold into the probabilities (the running sums hold
+          // the unscaled ones).
+          if (int8) ScaleProbabilities(p, lane_v_scale, r_begin, r_end);
+          AccumulateHeadBf16(p, correction, reinterpret_cast<const uint16_t*>(v_block), acc, dp, r_begin, r_end,
+                             p_bf16);
+        }
+        continue;
+      }
       switch (v_type) {
         case KvStorage::kF32:
           AccumulateHead(p, correction, static_cast<const float*>(v_rows), v_stride, acc, dp, r_begin, r_end);
           break;
         case KvStorage::kF16:
           AccumulateHead(p, correction, static_cast<const f16_bits*>(v_rows), v_stride, acc, dp, r_begin, r_end);
+          break;
+        case KvStorage::kBf16:
+          AccumulateHead(p, correction, static_cast<const Bf16Value*>(v_rows), v_stride, acc, dp, r_begin, r_end);
           break;
         case KvStorage::kInt8:
         case KvStorage::kInt8Kivi:
@@ -397,6 +450,9 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
     float* a = acc + static_cast<size_t>(r) * dp;
     if constexpr (kIntegerDots) {
       if (integer) UnpermuteVDims(a, dp);
+    }
+    if constexpr (kBf16Dots) {
+      if (bf16_pv) UnpermuteBf16VDims(a, dp);
     }
     const float l = SumLanes(l_lanes + static_cast<size_t>(r) * kBlock);
     if (output.partial != nullptr) {
@@ -627,6 +683,9 @@ void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* 
 bool UsesIntegerDotsImpl(KvStorage storage, int head_dim) {
   return attn_detail::kIntegerDots && attn_detail::IntegerDotsServe(storage, head_dim);
 }
+bool UsesBf16DotsImpl(KvStorage storage) {
+  return attn_detail::kBf16Dots && attn_detail::Bf16DotsServe(storage) && Bf16DotsEnabled();
+}
 
 }  // namespace kvsparse::ops::HWY_NAMESPACE
 #include "ops/family_end-inl.h"
@@ -637,8 +696,10 @@ namespace kvsparse::ops {
 HWY_EXPORT(AttentionImpl);
 HWY_EXPORT(AttentionBatchImpl);
 HWY_EXPORT(UsesIntegerDotsImpl);
+HWY_EXPORT(UsesBf16DotsImpl);
 
 bool UsesIntegerDots(KvStorage storage, int head_dim) { return KVS_DISPATCH(UsesIntegerDotsImpl)(storage, head_dim); }
+bool UsesBf16Dots(KvStorage storage) { return KVS_DISPATCH(UsesBf16DotsImpl)(storage); }
 
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
                const KvSpan* spans, int32_t n_spans, float* out, int n_threads, float* row_max_sum,

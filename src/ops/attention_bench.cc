@@ -53,6 +53,10 @@ struct BenchCache {
           reinterpret_cast<f16_bits*>(k.data())[i] = F32ToF16(kv[0]);
           reinterpret_cast<f16_bits*>(v.data())[i] = F32ToF16(kv[1]);
           break;
+        case KvStorage::kBf16:
+          reinterpret_cast<bf16_bits*>(k.data())[i] = F32ToBF16(kv[0]);
+          reinterpret_cast<bf16_bits*>(v.data())[i] = F32ToBF16(kv[1]);
+          break;
         case KvStorage::kF32:
           reinterpret_cast<float*>(k.data())[i] = kv[0];
           reinterpret_cast<float*>(v.data())[i] = kv[1];
@@ -391,9 +395,9 @@ BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMil
 // back to back.
 BENCHMARK(BM_AttentionDecode)
     ->ArgNames({"isa", "depth", "storage", "threads", "span"})
-    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512, 4096, 32768}, {1, 0, 2}, {1, 2}, {0}})
+    ->ArgsProduct({{kScalar, kAvx2, kAvx512}, {512, 4096, 32768}, {1, 0, 2, 4, 8}, {1, 2}, {0}})
     ->ArgsProduct(
-        {{kScalar, kAvx2, kAvx512}, {4096}, {1, 2, 3, 4, 5, 6, 7}, {2}, {16}})  // paged: one span per 16-token page
+        {{kScalar, kAvx2, kAvx512}, {4096}, {1, 2, 3, 4, 5, 6, 7, 8}, {2}, {16}})  // paged: one span per 16-token page
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AttentionDecode22Layers)

@@ -36,7 +36,7 @@ struct FormatBound {
 constexpr FormatBound kBounds[] = {
     {KvStorage::kF16, 6e-4},        {KvStorage::kInt8, 1.1e-2},     {KvStorage::kInt8Kivi, 1.1e-2},
     {KvStorage::kFp8E4M3, 7.5e-2},  {KvStorage::kFp8E5M2, 1.5e-1},  {KvStorage::kInt4Kivi, 1.8e-1},
-    {KvStorage::kInt2Kivi, 1.1},
+    {KvStorage::kInt2Kivi, 1.1},         {KvStorage::kBf16, 6.5e-3},
 };
 
 TEST_P(AttentionFormatErrorTest, WithinStatedBoundOfFloat64) {

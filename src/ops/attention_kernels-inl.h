@@ -14,7 +14,7 @@
 // causal mask; less a prefix, first, under a sliding window: AttentionShape::window). The
 // softmax steps take both bounds; first is 0 without a window.
 //
-// Storage types: f32 and f16 rows are converted on load; int8 and fp8 rows (value = scale * q,
+// Storage types: f32, f16 and bf16 rows are converted on load; int8 and fp8 rows (value = scale * q,
 // one scale per token and kv head) are dequantized on load for K. fp8 codes are widened to f16
 // bits and converted by the f16 instruction (e4m3 reads value / 256: CodeScaleFactor). V is either dequantized
 // into scratch or read in place, with its per-token scale folded into the probabilities.
@@ -64,6 +64,10 @@ inline __m512 Fp8E4M3ToF32(__m128i codes) {
   return _mm512_cvtph_ps(_mm256_and_si256(bits, _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
 }
 inline __m512 Fp8E5M2ToF32(__m128i codes) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 8)); }
+// 16 bf16 values as f32 (exact: bf16 is f32's upper half).
+inline __m512 Bf16ToF32(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 // 16 one-byte codes of a scaled-code storage type (or the first `mask` ones) as f32, unscaled.
 inline __m512 CodesToF32(KvStorage storage, __mmask16 mask, const uint8_t* src) {
   const __m128i codes = _mm_maskz_loadu_epi8(mask, src);
@@ -87,6 +91,14 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
       if (c < head_dim) {
         const __mmask16 m = static_cast<__mmask16>((1u << (head_dim - c)) - 1);
         _mm512_store_ps(dst + c, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + c)));
+      }
+      break;
+    }
+    case KvStorage::kBf16: {
+      const uint16_t* h = static_cast<const uint16_t*>(src);
+      for (; c < head_dim; c += 16) {
+        const __mmask16 m = static_cast<__mmask16>(head_dim - c >= 16 ? 0xFFFF : (1u << (head_dim - c)) - 1);
+        _mm512_store_ps(dst + c, Bf16ToF32(_mm256_maskz_loadu_epi16(m, h + c)));
       }
       break;
     }
@@ -144,11 +156,13 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
         out[2] = _mm512_cvtph_ps(_mm256_permute2x128_si256(t0, t2, 0x31));
         out[3] = _mm512_cvtph_ps(_mm256_permute2x128_si256(t1, t3, 0x31));
       } else {
-        // f32 (int8: dequantized to f32 first), then a 4x4 transpose of 128-bit pieces (4 dims each).
+        // f32 (int8: dequantized, bf16: widened to f32 first), then a 4x4 transpose of 128-bit pieces (4 dims each).
         __m512 x[4];
         for (int lane = 0; lane < 4; ++lane) {
           if (src[lane] == nullptr) {
             x[lane] = _mm512_setzero_ps();
+          } else if (storage == KvStorage::kBf16) {
+            x[lane] = Bf16ToF32(_mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(src[lane]) + d0));
           } else if (HasTokenScales(storage)) {
             x[lane] = _mm512_mul_ps(CodesToF32(storage, mask, src[lane] + d0),
                                     _mm512_set1_ps(scales[4 * g + lane] * CodeScaleFactor(storage)));
@@ -173,6 +187,14 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
 
 using ScoreVec = __m512;  // one row's kBlock scores in lane order
 
+// The scores of four token groups' accumulators acc[g] (128-bit lane L: four partial sums of
+// token 4g+L): each lane's four floats summed into element 4L+g, i.e. lane order.
+inline ScoreVec SumLaneQuads(const __m512* acc) {
+  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_ps(acc[0], acc[1], 0x44), _mm512_shuffle_ps(acc[0], acc[1], 0xEE));
+  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_ps(acc[2], acc[3], 0x44), _mm512_shuffle_ps(acc[2], acc[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(u01, u23, 0x88), _mm512_shuffle_ps(u01, u23, 0xDD));
+}
+
 // Scores of kRows rows (q rows at stride dp, pre-scaled) against a packed K block, in lane order.
 template <int kRows>
 inline void ScoreRows(const float* q, int dp, const float* k_packed, ScoreVec* scores) {
@@ -187,14 +209,7 @@ inline void ScoreRows(const float* q, int dp, const float* k_packed, ScoreVec* s
       for (int r = 0; r < kRows; ++r) acc[r][g] = _mm512_fmadd_ps(qc[r], k, acc[r][g]);
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    // Sum each 128-bit lane's four floats of acc[g] into element 4L+g.
-    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_ps(acc[r][0], acc[r][1], 0x44),
-                                     _mm512_shuffle_ps(acc[r][0], acc[r][1], 0xEE));
-    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_ps(acc[r][2], acc[r][3], 0x44),
-                                     _mm512_shuffle_ps(acc[r][2], acc[r][3], 0xEE));
-    scores[r] = _mm512_add_ps(_mm512_shuffle_ps(u01, u23, 0x88), _mm512_shuffle_ps(u01, u23, 0xDD));
-  }
+  for (int r = 0; r < kRows; ++r) scores[r] = SumLaneQuads(acc[r]);
 }
 
 // Lanes (in lane order) holding one of the first `valid` tokens of the block.
@@ -312,6 +327,9 @@ inline __m512 LoadV(const Fp8E4M3Code* row, int c) {
 }
 inline __m512 LoadV(const Fp8E5M2Code* row, int c) {
   return Fp8E5M2ToF32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+}
+inline __m512 LoadV(const Bf16Value* row, int c) {
+  return Bf16ToF32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
 }
 
 // acc[r] = acc[r] * correction[r] + sum_lanes p[r][lane] * v_(LaneToken(lane)), for kRows rows
@@ -615,6 +633,191 @@ inline void UnpermuteVDims(float* row, int dp) {
   }
 }
 
+// ---- bf16 dots (bf16 KV where the CPU has AVX512_BF16: Bf16DotsEnabled) ----
+// vdpbf16ps multiplies pairs of bf16 into f32 sums (each product exact; the two adds rounded,
+// denormals flushed), 32 multiply-adds per instruction against an FMA's 16. K layout [dp / 8
+// chunks][4 token groups][16 dwords]: PackK's f32 layout with two dims per dword, the 128-bit lane
+// L of (chunk c, group g) holding dims 8c..8c+7 of token 4g+L, so the scores come out in the same
+// lane order and SumLaneQuads finishes them. The query rows are rounded to bf16 (nearest even)
+// once per unit: their rounding adds about as much error as K's own. fp8 codes take the same
+// path (Bf16DotsServe): widened to bf16, exactly (at most 4 significant bits, exponents well inside
+// bf16's normal range), their per-token K scales applied to the scores and V scales to the
+// probabilities. These functions carry the target attribute on top of the family's, so they are
+// called (not inlined) from the kernels.
+constexpr bool kBf16Dots = true;
+#define KVS_BF16_TARGET __attribute__((target("avx512bf16")))
+
+// Dims d0..d0+31 of a K or V row (the first `mask` ones, zeros after) as 32 bf16: bf16 rows as
+// stored, fp8 codes unscaled (e4m3 reads value / 256, as CodesToF32).
+KVS_BF16_TARGET inline __m512i RowToBf16(KvStorage storage, const uint8_t* row, int d0, __mmask32 mask) {
+  if (storage == KvStorage::kBf16) return _mm512_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(row) + d0);
+  const __m256i codes = _mm256_maskz_loadu_epi8(mask, row + d0);
+  const __m512 lo = CodesToF32(storage, 0xFFFF, reinterpret_cast<const uint8_t*>(&codes));
+  const __m512 hi = CodesToF32(storage, 0xFFFF, reinterpret_cast<const uint8_t*>(&codes) + 16);
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// out [rows, dp] = q_rows [rows, dp] rounded to bf16 (dp % 16 == 0).
+KVS_BF16_TARGET inline void QueryRowsToBf16(const float* q_rows, int rows, int dp, uint16_t* out) {
+  const size_t n = static_cast<size_t>(rows) * dp;
+  for (size_t i = 0; i < n; i += 16) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(q_rows + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<__m256i>(rounded));
+  }
+}
+
+// Packs the K rows (bf16 or fp8 codes, RowToBf16) of up to kBlock tokens (rows[j]: token j's head
+// row; tokens n_rows..kBlock-1 and dims head_dim..dp-1 become zeros) into k_packed [dp / 8][4][32] bf16.
+KVS_BF16_TARGET inline void PackKBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int head_dim,
+                                      int dp, uint16_t* k_packed) {
+  for (int g = 0; g < 4; ++g) {
+    for (int d0 = 0; d0 < dp; d0 += 32) {
+      const int dims = std::min(32, head_dim - d0);  // >= 1: d0 < dp = RoundUp(head_dim, 16)
+      const __mmask32 mask = dims >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << dims) - 1);
+      __m512i x[4];  // x[lane]: dims d0..d0+31 of token 4g + lane, 8 per 128-bit piece
+      for (int lane = 0; lane < 4; ++lane) {
+        const int j = 4 * g + lane;
+        x[lane] = j < n_rows ? RowToBf16(storage, rows[j], d0, mask) : _mm512_setzero_si512();
+      }
+      // 4x4 transpose of the 128-bit pieces, as PackK's f32 one.
+      const __m512i t0 = _mm512_shuffle_i32x4(x[0], x[1], 0x44), t1 = _mm512_shuffle_i32x4(x[0], x[1], 0xEE);
+      const __m512i t2 = _mm512_shuffle_i32x4(x[2], x[3], 0x44), t3 = _mm512_shuffle_i32x4(x[2], x[3], 0xEE);
+      const __m512i out[4] = {_mm512_shuffle_i32x4(t0, t2, 0x88), _mm512_shuffle_i32x4(t0, t2, 0xDD),
+                              _mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xDD)};
+      const int chunks = std::min(4, (dp - d0) / 8);
+      for (int c = 0; c < chunks; ++c) {
+        _mm512_store_si512(k_packed + (static_cast<size_t>(d0 / 8 + c) * 4 + g) * 32, out[c]);
+      }
+    }
+  }
+}
+
+// ScoreRows with bf16 query rows (stride dp) against a PackKBf16 block, in lane order.
+template <int kRows>
+KVS_BF16_TARGET inline void ScoreRowsBf16(const uint16_t* q, int dp, const uint16_t* k_packed, ScoreVec* scores) {
+  __m512 acc[kRows][4];
+  for (int r = 0; r < kRows; ++r)
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int c = 0; c < dp / 8; ++c) {
+    __m512i qc[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      qc[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * dp + 8 * c)));
+    }
+    for (int g = 0; g < 4; ++g) {
+      const __m512i k = _mm512_load_si512(k_packed + (c * 4 + g) * 32);
+      for (int r = 0; r < kRows; ++r) {
+        acc[r][g] = _mm512_dpbf16_ps(acc[r][g], reinterpret_cast<__m512bh>(qc[r]), reinterpret_cast<__m512bh>(k));
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) scores[r] = SumLaneQuads(acc[r]);
+}
+
+// Scores of rows r and r + 1 (n_pair of them; bf16 query rows [rows, dp]) against a PackKBf16 block,
+// times lane_k_scale (fp8: each lane's token K scale; null for bf16).
+KVS_BF16_TARGET inline void ScoreRowPairBf16(int n_pair, const uint16_t* q_bf16, int r, int dp, const float* k_block,
+                                             const float* lane_k_scale, ScoreVec* scores) {
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(k_block);
+  if (n_pair == 2) {
+    ScoreRowsBf16<2>(q_bf16 + static_cast<size_t>(r) * dp, dp, k, scores);
+  } else {
+    ScoreRowsBf16<1>(q_bf16 + static_cast<size_t>(r) * dp, dp, k, scores);
+  }
+  if (lane_k_scale != nullptr) {
+    const __m512 scale = _mm512_load_ps(lane_k_scale);
+    for (int i = 0; i < n_pair; ++i) scores[i] = _mm512_mul_ps(scores[i], scale);
+  }
+}
+
+// p.v with bf16 dots (head_dim % 32 == 0): each row's 16 probabilities rounded to bf16 (2^-9 of
+// each, about V's own rounding), token pairs (lanes 2i, 2i+1 of lane order) interleaved in V.
+// Packs a block's V rows (rows[j]: token j's head row, bf16 or fp8 codes as RowToBf16 reads
+// them; rows past n_rows repeat row 0, their
+// probabilities are 0) as [8 pairs][dp / 32 chunks][2 registers][32 bf16]: for pair i (tokens
+// a = LaneToken(2i), b = LaneToken(2i + 1)) and chunk c, dword 4L + e of register h holds dim
+// 32c + 8L + 4h + e of a then of b. Accumulators in that order: UnpermuteBf16VDims restores it.
+KVS_BF16_TARGET inline void PackVBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int dp,
+                                      uint16_t* v_packed) {
+  const int chunks = dp / 32;
+  for (int i = 0; i < 8; ++i) {
+    const int ta = LaneToken(2 * i), tb = LaneToken(2 * i + 1);
+    const uint8_t* a = rows[ta < n_rows ? ta : 0];
+    const uint8_t* b = rows[tb < n_rows ? tb : 0];
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i va = RowToBf16(storage, a, 32 * c, ~__mmask32{0});
+      const __m512i vb = RowToBf16(storage, b, 32 * c, ~__mmask32{0});
+      uint16_t* dst = v_packed + (static_cast<size_t>(i) * chunks + c) * 64;
+      _mm512_store_si512(dst, _mm512_unpacklo_epi16(va, vb));
+      _mm512_store_si512(dst + 32, _mm512_unpackhi_epi16(va, vb));
+    }
+  }
+}
+
+// acc[r] = acc[r] * correction[r] + sum_pairs p[r][pair] . v[pair] for kRows rows (p_bf16 rows
+// kBlock apart, lane order; acc rows dp apart in PackVBf16's dim order).
+template <int kRows>
+KVS_BF16_TARGET inline void AccumulateRowsBf16(const uint16_t* p_bf16, const float* correction,
+                                               const uint16_t* v_packed, float* acc, int dp) {
+  const int chunks = dp / 32;
+  for (int c = 0; c < chunks; ++c) {
+    __m512 a[kRows][2];
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 corr = _mm512_set1_ps(correction[r]);
+      a[r][0] = _mm512_mul_ps(_mm512_load_ps(acc + r * dp + 32 * c), corr);
+      a[r][1] = _mm512_mul_ps(_mm512_load_ps(acc + r * dp + 32 * c + 16), corr);
+    }
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t* v = v_packed + (static_cast<size_t>(i) * chunks + c) * 64;
+      const __m512bh v0 = reinterpret_cast<__m512bh>(_mm512_load_si512(v));
+      const __m512bh v1 = reinterpret_cast<__m512bh>(_mm512_load_si512(v + 32));
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh pair = reinterpret_cast<__m512bh>(
+            _mm512_set1_epi32(*reinterpret_cast<const AliasedI32*>(p_bf16 + r * kBlock + 2 * i)));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], pair, v0);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], pair, v1);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      _mm512_store_ps(acc + r * dp + 32 * c, a[r][0]);
+      _mm512_store_ps(acc + r * dp + 32 * c + 16, a[r][1]);
+    }
+  }
+}
+
+// AccumulateRowsBf16 over rows [r_begin, r_end) of p (f32, rows kBlock apart), each row's
+// probabilities rounded to bf16 into p_bf16 (same rows) first.
+KVS_BF16_TARGET inline void AccumulateHeadBf16(const float* p, const float* correction, const uint16_t* v_packed,
+                                               float* acc, int dp, int r_begin, int r_end, uint16_t* p_bf16) {
+  for (int r = r_begin; r < r_end; ++r) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p_bf16 + r * kBlock),
+                       reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(p + r * kBlock))));
+  }
+  int r = r_begin;
+  for (; r + 8 <= r_end; r += 8) {
+    AccumulateRowsBf16<8>(p_bf16 + r * kBlock, correction + r, v_packed, acc + static_cast<size_t>(r) * dp, dp);
+  }
+  for (; r + 4 <= r_end; r += 4) {
+    AccumulateRowsBf16<4>(p_bf16 + r * kBlock, correction + r, v_packed, acc + static_cast<size_t>(r) * dp, dp);
+  }
+  for (; r < r_end; ++r) {
+    AccumulateRowsBf16<1>(p_bf16 + r * kBlock, correction + r, v_packed, acc + static_cast<size_t>(r) * dp, dp);
+  }
+}
+#undef KVS_BF16_TARGET
+
+// Restores natural dim order in one accumulator row of AccumulateRowsBf16: per 32 dims, the
+// 4-float pieces [lo0..lo3, hi0..hi3] become [lo0, hi0, lo1, hi1, ...].
+inline void UnpermuteBf16VDims(float* row, int dp) {
+  for (int c = 0; c < dp; c += 32) {
+    __m128 x[8];
+    for (int k = 0; k < 8; ++k) x[k] = _mm_load_ps(row + c + 4 * k);
+    for (int l = 0; l < 4; ++l) {
+      _mm_store_ps(row + c + 8 * l, x[l]);
+      _mm_store_ps(row + c + 8 * l + 4, x[4 + l]);
+    }
+  }
+}
+
 #elif KVS_ISA_AVX2
 
 // K layout [dp / 4 chunks][8 pairs][8 floats]: pair g = 4h + i (h = 0, 1; i = 0..3) holds dims
@@ -636,6 +839,10 @@ inline __m256 Fp8E4M3ToF32(__m128i codes) {
   return _mm256_cvtph_ps(_mm_and_si128(bits, _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
 }
 inline __m256 Fp8E5M2ToF32(__m128i codes) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(codes), 8)); }
+// 8 bf16 values as f32 (exact).
+inline __m256 Bf16ToF32(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
 // The low 8 one-byte codes of a scaled-code storage type as f32, unscaled.
 inline __m256 CodesToF32(KvStorage storage, __m128i codes) {
   switch (storage) {
@@ -678,6 +885,14 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
         _mm256_store_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
       }
       for (; c < head_dim; ++c) dst[c] = F16ToF32(h[c]);
+      break;
+    }
+    case KvStorage::kBf16: {
+      const bf16_bits* h = static_cast<const bf16_bits*>(src);
+      for (; c + 8 <= head_dim; c += 8) {
+        _mm256_store_ps(dst + c, Bf16ToF32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
+      }
+      for (; c < head_dim; ++c) dst[c] = BF16ToF32(h[c]);
       break;
     }
     case KvStorage::kInt8:
@@ -743,6 +958,19 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
             _mm256_store_ps(dst + c * 64, _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi)));
           }
           break;
+        case KvStorage::kBf16:
+          for (; c + 2 <= full; c += 2) {  // as f16, widened by a shift
+            const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 8 * c));
+            const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 * c));
+            _mm256_store_ps(dst + c * 64, Bf16ToF32(_mm_unpacklo_epi64(x, y)));
+            _mm256_store_ps(dst + (c + 1) * 64, Bf16ToF32(_mm_unpackhi_epi64(x, y)));
+          }
+          for (; c < full; ++c) {
+            const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + 8 * c));
+            const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c));
+            _mm256_store_ps(dst + c * 64, Bf16ToF32(_mm_unpacklo_epi64(lo, hi)));
+          }
+          break;
         case KvStorage::kInt8:
         case KvStorage::kFp8E4M3:
         case KvStorage::kFp8E5M2: {
@@ -786,6 +1014,7 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
           switch (storage) {
             case KvStorage::kF32: value = reinterpret_cast<const float*>(rows[j])[dim]; break;
             case KvStorage::kF16: value = F16ToF32(reinterpret_cast<const f16_bits*>(rows[j])[dim]); break;
+            case KvStorage::kBf16: value = BF16ToF32(reinterpret_cast<const bf16_bits*>(rows[j])[dim]); break;
             case KvStorage::kInt8:
             case KvStorage::kFp8E4M3:
             case KvStorage::kFp8E5M2:
@@ -985,6 +1214,9 @@ inline __m256 LoadV(const Fp8E4M3Code* row, int c) {
 inline __m256 LoadV(const Fp8E5M2Code* row, int c) {
   return Fp8E5M2ToF32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
 }
+inline __m256 LoadV(const Bf16Value* row, int c) {
+  return Bf16ToF32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+}
 
 // acc[r] = acc[r] * correction[r] + sum_lanes p[r][lane] * v_lane, for kRows rows at once so
 // each V load (and conversion) serves kRows rows. V row t is at v + t * v_stride (elements of
@@ -1031,6 +1263,19 @@ void AccumulateRowsCodes(const uint8_t* p_codes, const float* step, const float*
                          float* acc, int dp);
 inline void UnpermuteVDims(float* row, int dp);
 
+// bf16 dots: only in the avx512 family (bf16 KV takes the f32 path here). Declared for the
+// callers' discarded `if constexpr (kBf16Dots)` branches.
+constexpr bool kBf16Dots = false;
+inline void QueryRowsToBf16(const float* q_rows, int rows, int dp, uint16_t* out);
+inline void PackKBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int head_dim, int dp,
+                      uint16_t* k_packed);
+inline void ScoreRowPairBf16(int n_pair, const uint16_t* q_bf16, int r, int dp, const float* k_block,
+                             const float* lane_k_scale, ScoreVec* scores);
+inline void PackVBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int dp, uint16_t* v_packed);
+inline void AccumulateHeadBf16(const float* p, const float* correction, const uint16_t* v_packed, float* acc, int dp,
+                               int r_begin, int r_end, uint16_t* p_bf16);
+inline void UnpermuteBf16VDims(float* row, int dp);
+
 #else  // portable scalar path with the same structure; K stays in plain rows, lane = token
 
 constexpr int LaneToken(int lane) { return lane; }
@@ -1040,6 +1285,11 @@ inline void LoadRowF32(KvStorage storage, const void* src, float scale, int head
     case KvStorage::kF16: {
       const f16_bits* h = static_cast<const f16_bits*>(src);
       for (int c = 0; c < head_dim; ++c) dst[c] = F16ToF32(h[c]);
+      break;
+    }
+    case KvStorage::kBf16: {
+      const bf16_bits* h = static_cast<const bf16_bits*>(src);
+      for (int c = 0; c < head_dim; ++c) dst[c] = BF16ToF32(h[c]);
       break;
     }
     case KvStorage::kInt8:
@@ -1145,6 +1395,7 @@ inline float LoadV(const Fp8E4M3Code* row, int c) {
 inline float LoadV(const Fp8E5M2Code* row, int c) {
   return CodeToF32(KvStorage::kFp8E5M2, static_cast<uint8_t>(row[c]));
 }
+inline float LoadV(const Bf16Value* row, int c) { return BF16ToF32(static_cast<bf16_bits>(row[c])); }
 
 template <int kRows, typename T>
 inline void AccumulateRows(const float* p, const float* correction, const T* v, size_t v_stride, float* acc, int dp) {
@@ -1158,6 +1409,17 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
   }
 }
 
+// bf16 dots: only in the avx512 family; declared for the discarded `if constexpr` branches.
+constexpr bool kBf16Dots = false;
+inline void QueryRowsToBf16(const float* q_rows, int rows, int dp, uint16_t* out);
+inline void PackKBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int head_dim, int dp,
+                      uint16_t* k_packed);
+inline void ScoreRowPairBf16(int n_pair, const uint16_t* q_bf16, int r, int dp, const float* k_block,
+                             const float* lane_k_scale, ScoreVec* scores);
+inline void PackVBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int dp, uint16_t* v_packed);
+inline void AccumulateHeadBf16(const float* p, const float* correction, const uint16_t* v_packed, float* acc, int dp,
+                               int r_begin, int r_end, uint16_t* p_bf16);
+inline void UnpermuteBf16VDims(float* row, int dp);
 
 // Integer dots, the scalar twins of the AVX-512 family's (same codes, same integer sums, same
 // float operations in the same order): K and V stay plain [kBlock, dp] code rows.

@@ -308,6 +308,8 @@ inline float CodeToF32(KvStorage s, uint8_t code) {
 // One-byte V codes read in place: distinct types, so that LoadV's overload picks the decoder.
 enum class Fp8E4M3Code : uint8_t {};
 enum class Fp8E5M2Code : uint8_t {};
+// bf16 V read in place (f16_bits is the same integer type).
+enum class Bf16Value : uint16_t {};
 
 // Row j of a block is token t (>= the span cursor's first token); advances the cursor.
 inline void FillTokenRow(const TokenSequence& seq, int64_t t, int j, size_t token_bytes, int n_kv_heads,
@@ -396,6 +398,10 @@ constexpr int kQueryGroup = 32;  // q dims sharing one int8 scale (llama.cpp's q
 // Below this a query group or a block's probabilities count as zero in the integer path: their
 // reciprocal steps would overflow f32 (and they cannot move a result by more than ~1e-27).
 constexpr float kNegligible = 1e-30f;
+
+// Storage the avx512 family's bf16 dot products serve (where the CPU has them): bf16, and fp8
+// codes widened to bf16 exactly ("bf16 dots" in attention_kernels-inl.h).
+inline bool Bf16DotsServe(KvStorage storage) { return storage == KvStorage::kBf16 || IsFp8Storage(storage); }
 
 // Whether a family's integer path serves this storage and head size (kInt8, head_dim a multiple
 // of 64: the V packing works in 64-dim chunks). Other shapes take the f32 path.
@@ -534,6 +540,17 @@ inline float QuantizeProbabilityCodes(const float* p, uint8_t* codes) {
 inline void LoadQueryRow(const float* src, int head_dim, int dp, float q_scale, float* dst) {
   for (int c = 0; c < head_dim; ++c) dst[c] = src[c] * q_scale;
   for (int c = head_dim; c < dp; ++c) dst[c] = 0.f;
+}
+
+// The scalar twin of the avx512 family's bf16 dots (ScoreRowsBf16): a pre-scaled query row
+// (LoadQueryRow's) rounded to bf16, dotted with a bf16 K row exactly (products and sum in
+// double). The kernel's f32 sums stay within a few f32 ulps of sum |q k| of it.
+inline double Bf16DotTwin(const float* q_scaled, const bf16_bits* k, int head_dim) {
+  double sum = 0.0;
+  for (int c = 0; c < head_dim; ++c) {
+    sum += static_cast<double>(BF16ToF32(F32ToBF16(q_scaled[c]))) * static_cast<double>(BF16ToF32(k[c]));
+  }
+  return sum;
 }
 
 }  // namespace kvsparse::ops::attn_detail

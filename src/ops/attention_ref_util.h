@@ -67,6 +67,7 @@ struct KvElementReader {
     switch (type) {
       case KvStorage::kF32: return static_cast<const float*>(base)[index];
       case KvStorage::kF16: return F16ToF32(static_cast<const f16_bits*>(base)[index]);
+      case KvStorage::kBf16: return BF16ToF32(static_cast<const bf16_bits*>(base)[index]);
       case KvStorage::kInt8:
       case KvStorage::kInt8Kivi:  // V: per (token, kv head) scale
         return static_cast<double>(scale[head_row]) * static_cast<const int8_t*>(base)[index];

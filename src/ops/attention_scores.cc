@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kvsparse/attention_scores.h"
+#include "kvsparse/isa.h"
 #include "ops/attention_kernels.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -98,6 +99,8 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
   // match its statistics.
   const bool integer = kIntegerDots && shape.integer_dots && IntegerDotsServe(segment.storage, d);
   static thread_local QueryCodes query_codes;
+  const bool bf16_dots = kBf16Dots && shape.integer_dots && Bf16DotsServe(segment.storage) && Bf16DotsEnabled();
+  static thread_local std::vector<uint16_t> q_bf16;  // [rows, dp]
 
   for (int32_t q_begin = 0; q_begin < plan.n_q; q_begin += tile_queries) {
     const int32_t q_end = std::min(plan.n_q, q_begin + tile_queries);
@@ -116,6 +119,12 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
       row_inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
     }
     if (integer) QuantizeQueries(q_rows, rows, dp, &query_codes);
+    if (bf16_dots) {
+      if constexpr (kBf16Dots) {
+        q_bf16.resize(static_cast<size_t>(rows) * dp);
+        QueryRowsToBf16(q_rows, rows, dp, q_bf16.data());
+      }
+    }
     const bool has_last = q_end == plan.n_q;
 
     int32_t block_span = seq.SpanOf(tile_begin);
@@ -134,11 +143,21 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
           k_scale[j] = block.k_scale[j][kv_head];
         }
       }
-      alignas(64) float lane_k_scale[kBlock];  // integer: each lane's token K scale (0 past the block)
+      alignas(64) float lane_k_scale[kBlock];  // integer, fp8 bf16 dots: token K scale per lane (0 past)
       if (integer) {
         if constexpr (kIntegerDots) {
           ScalesInLaneOrder(k_scale, n_block, lane_k_scale);
           PackKCodes(k_head, n_block, dp, reinterpret_cast<uint8_t*>(k_block));
+        }
+      } else if (bf16_dots) {
+        if constexpr (kBf16Dots) {
+          if (int8) {  // fp8: the token K scales apply to the scores
+            for (int lane = 0; lane < kBlock; ++lane) {
+              const int j = LaneToken(lane);
+              lane_k_scale[lane] = j < n_block ? k_scale[j] * CodeScaleFactor(segment.storage) : 0.f;
+            }
+          }
+          PackKBf16(segment.storage, k_head, n_block, d, dp, reinterpret_cast<uint16_t*>(k_block));
         }
       } else if (low_bit) {
         DequantizeLowBitKBlock(KvStorageBits(segment.storage), block, kv_head, n_block, d, dp, &low_bit_scratch,
@@ -166,7 +185,13 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
           continue;
         }
         ScoreVec scores[2];
-        ScoreRowPair(n_pair, integer ? &query_codes : nullptr, q_rows, r, dp, k_block, lane_k_scale, scores);
+        if (bf16_dots) {
+          if constexpr (kBf16Dots) {
+            ScoreRowPairBf16(n_pair, q_bf16.data(), r, dp, k_block, int8 ? lane_k_scale : nullptr, scores);
+          }
+        } else {
+          ScoreRowPair(n_pair, integer ? &query_codes : nullptr, q_rows, r, dp, k_block, lane_k_scale, scores);
+        }
         if (capped) {
           for (int i = 0; i < n_pair; ++i) ApplySoftcap(softcap, &scores[i]);
         }

@@ -142,7 +142,8 @@ std::vector<ScoreCase> AllScoreCases() {
   std::vector<ScoreCase> cases;
   int rotation = 0;
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
-                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi,
+                            KvStorage::kInt2Kivi}) {
     for (int n_q : {1, 4, 19}) {
       for (int group : {1, 2, 8}) {
         const GqaAggregation aggregation = (rotation / 2) % 2 == 0 ? GqaAggregation::kMean : GqaAggregation::kMax;
@@ -305,7 +306,8 @@ TEST_P(AttentionScoresTest, EmptyInputs) {
 TEST_P(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
   std::mt19937 rng(16);
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
-                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi,
+                            KvStorage::kInt2Kivi}) {
     AttentionShape shape{32, 4, 64, 0.125f};
     SpanSet set = MakeSpans(storage, {16, 16, 5, 16, 700, 16, 3, 333, 9}, 4, 64, rng);
     if (IsKiviStorage(storage)) set.MakeResidual(4);
@@ -330,7 +332,8 @@ TEST_P(AttentionScoresTest, RawGatheringMatchesSecondPassOnLongDecode) {
 TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactly) {
   std::mt19937 rng(17);
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
-                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi,
+                            KvStorage::kInt2Kivi}) {
     for (int head_dim : {64, 20, 37}) {
       if (!KvStorageFits(storage, head_dim)) continue;
       AttentionShape shape{8, 2, head_dim, 1.f / std::sqrt(static_cast<float>(head_dim))};
@@ -375,7 +378,8 @@ TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactly) {
 TEST_P(AttentionScoresTest, WindowAndSoftcapMatchReference) {
   int rotation = 0;
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
-                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi,
+                            KvStorage::kInt2Kivi}) {
     for (int32_t window : {1, 3, 17, 40, 1 << 30}) {
       for (float softcap : {0.f, 5.f, 50.f}) {
         constexpr int kQueries[] = {1, 4, 19};
@@ -439,7 +443,8 @@ TEST_P(AttentionScoresTest, WindowLongContextMatchesReference) {
 TEST_P(AttentionScoresTest, RawGatheringEqualsSecondPassExactlyWithWindowAndSoftcap) {
   std::mt19937 rng(19);
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi,
-                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kInt4Kivi, KvStorage::kInt2Kivi}) {
+                            KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16, KvStorage::kInt4Kivi,
+                            KvStorage::kInt2Kivi}) {
     for (int32_t window : {3, 40, 250}) {
       AttentionShape shape{8, 2, 37, 0.3f};
       if (!KvStorageFits(storage, shape.head_dim)) shape.head_dim = 64;

@@ -24,7 +24,7 @@ using testing::SpanSet;
 
 // int8_kivi span sets end with a full-precision residual span (see MakeSpans).
 constexpr KvStorage kAllStorage[] = {KvStorage::kF32,      KvStorage::kF16,     KvStorage::kInt8,
-                                     KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2,
+                                     KvStorage::kInt8Kivi, KvStorage::kFp8E4M3, KvStorage::kFp8E5M2, KvStorage::kBf16,
                                      KvStorage::kInt4Kivi, KvStorage::kInt2Kivi};
 
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {

@@ -118,6 +118,13 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
         kh[i] = F32ToF16(k[i]);
         vh[i] = F32ToF16(v[i]);
       }
+    } else if (storage == KvStorage::kBf16) {  // bf16 bits kept in the f16 vectors
+      kh.resize(elems);
+      vh.resize(elems);
+      for (size_t i = 0; i < elems; ++i) {
+        kh[i] = F32ToBF16(k[i]);
+        vh[i] = F32ToBF16(v[i]);
+      }
     }
     if (storage == KvStorage::kInt8) {
       QuantizeRowsInt8(k, head_dim, &kq, &ks);
@@ -166,6 +173,7 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
         span.v = set.v_f32[s].data();
         break;
       case KvStorage::kF16:
+      case KvStorage::kBf16:
         span.k = set.k_f16[s].data();
         span.v = set.v_f16[s].data();
         break;

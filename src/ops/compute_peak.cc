@@ -1,5 +1,6 @@
 // Measures this machine's peak rate for the dot-product instructions the kernels use (f32 FMA;
-// int8 dot products: VNNI's vpdpbusd on avx512, vpmaddubsw + vpmaddwd on avx2), as membw.cc
+// int8 dot products: VNNI's vpdpbusd on avx512, vpmaddubsw + vpmaddwd on avx2; bf16 dot
+// products where the CPU has AVX512_BF16), as membw.cc
 // measures read bandwidth: the compute half of bench-speed's floor.
 #include <omp.h>
 
@@ -7,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 
+#include "kvsparse/isa.h"
 #include "kvsparse/ops.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -111,6 +113,30 @@ int64_t Int8DotLoopImpl(int64_t iterations, float* sink) {
 #endif
 }
 
+// The same for bf16 pairs multiplied into f32 sums (vdpbf16ps, bf16 KV's attention): avx512 only,
+// and only to be called where the CPU has AVX512_BF16; 0 multiply-adds in the other families.
+#if KVS_ISA_AVX512
+__attribute__((target("avx512bf16"))) int64_t Bf16DotLoopImpl(int64_t iterations, float* sink) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  // 0.5 x 2^-20 per product: the sums stay finite and normal.
+  const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f));
+  const __m512bh y = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0x1p-20f), _mm512_set1_ps(0x1p-20f));
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  *sink = _mm512_reduce_add_ps(sum);
+  return iterations * kChains * 32;
+}
+#else
+int64_t Bf16DotLoopImpl(int64_t /*iterations*/, float* sink) {
+  *sink = 0.f;
+  return 0;
+}
+#endif
+
 }  // namespace kvsparse::ops::HWY_NAMESPACE
 #include "ops/family_end-inl.h"
 
@@ -119,6 +145,7 @@ namespace kvsparse::ops {
 
 HWY_EXPORT(F32FmaLoopImpl);
 HWY_EXPORT(Int8DotLoopImpl);
+HWY_EXPORT(Bf16DotLoopImpl);
 
 namespace {
 
@@ -149,6 +176,9 @@ ComputePeak MeasureComputePeak(int n_threads) {
   ComputePeak peak;
   peak.f32_fma_gflops = 2 * PeakMacsPerSecond(KVS_DISPATCH(F32FmaLoopImpl), n_threads) / 1e9;
   peak.int8_dot_gops = 2 * PeakMacsPerSecond(KVS_DISPATCH(Int8DotLoopImpl), n_threads) / 1e9;
+  if (Bf16DotsEnabled() && ActiveIsa() == Isa::kAvx512) {
+    peak.bf16_dot_gflops = 2 * PeakMacsPerSecond(KVS_DISPATCH(Bf16DotLoopImpl), n_threads) / 1e9;
+  }
   return peak;
 }
 

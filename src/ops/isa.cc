@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,8 @@ int64_t CpuTargets() {
   static const int64_t targets = hwy::SupportedTargets();
   return targets;
 }
+
+std::atomic<bool> g_bf16_dots{false};  // set by Initialize, SetBf16Dots
 
 bool CpuHasVnni() {
 #if HWY_ARCH_X86
@@ -109,6 +112,9 @@ void Initialize() {
     }
   }
   Apply(isa);
+  const char* bf16_env = std::getenv("KVSPARSE_BF16_DOTS");
+  g_bf16_dots.store(CpuHasBf16Dots() && !(bf16_env != nullptr && std::string_view(bf16_env) == "0"),
+                    std::memory_order_relaxed);
   g_initialized.store(true, std::memory_order_release);
 }
 
@@ -169,6 +175,7 @@ std::string CpuFeatureList() {
   add(__builtin_cpu_supports("avx512vl"), "avx512vl");
   add(__builtin_cpu_supports("avx512vnni"), "avx512vnni");
   add(__builtin_cpu_supports("avxvnni"), "avxvnni");
+  add(__builtin_cpu_supports("avx512bf16"), "avx512bf16");
 #endif
   return list.empty() ? "no SIMD extensions used by kvsparse" : list;
 }
@@ -191,6 +198,24 @@ Status SetIsa(Isa isa) {
   std::lock_guard<std::mutex> lock(isa_internal::Mutex());
   isa_internal::Apply(isa);
   return Status::Ok();
+}
+
+bool CpuHasBf16Dots() {
+#if HWY_ARCH_X86
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+bool Bf16DotsEnabled() {
+  isa_internal::EnsureInitialized();
+  return isa_internal::g_bf16_dots.load(std::memory_order_relaxed);
+}
+
+void SetBf16Dots(bool enabled) {
+  isa_internal::EnsureInitialized();
+  isa_internal::g_bf16_dots.store(enabled && CpuHasBf16Dots(), std::memory_order_relaxed);
 }
 
 Status SetIsaFromEnvironment() {

@@ -46,6 +46,14 @@ float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int he
       }
       return static_cast<float>(std::sqrt(sum));
     }
+    case KvStorage::kBf16: {
+      const bf16_bits* k = static_cast<const bf16_bits*>(keys) + element_offset;
+      for (int d = 0; d < head_dim; ++d) {
+        const double v = BF16ToF32(k[d]);
+        sum += v * v;
+      }
+      return static_cast<float>(std::sqrt(sum));
+    }
     case KvStorage::kInt8: {
       const int8_t* k = static_cast<const int8_t*>(keys) + element_offset;
       for (int d = 0; d < head_dim; ++d) sum += static_cast<double>(k[d]) * k[d];

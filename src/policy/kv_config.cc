@@ -21,9 +21,9 @@ constexpr std::string_view kTopLevelKeys[] = {"default",       "layers",        
                                               "kivi_residual", "gqa_aggregation", "prefill_chunk",  "prefill_eviction"};
 // "fp8" names fp8_e4m3, as vLLM's --kv-cache-dtype does.
 constexpr std::string_view kKvTypeNames =
-    "f32, f16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi, int2_kivi";
-const std::vector<std::string_view> kKvTypeList = {"f32",      "f16",      "int8",      "int8_kivi", "fp8",
-                                                   "fp8_e4m3", "fp8_e5m2", "int4_kivi", "int2_kivi"};
+    "f32, f16, bf16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi, int2_kivi";
+const std::vector<std::string_view> kKvTypeList = {"f32", "f16",      "bf16",     "int8",      "int8_kivi",
+                                                   "fp8", "fp8_e4m3", "fp8_e5m2", "int4_kivi", "int2_kivi"};
 
 std::string Join(const std::vector<std::string_view>& items) {
   std::string out;

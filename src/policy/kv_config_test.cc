@@ -175,7 +175,7 @@ TEST(KvConfigErrorTest, UnknownKvType) {
   EXPECT_MENTIONS(m, "layers[0] (layers 0-1)");
   EXPECT_MENTIONS(m, "field 'kv_type'");
   EXPECT_MENTIONS(m, "'fp16'");
-  EXPECT_MENTIONS(m, "f32, f16, int8, int8_kivi");
+  EXPECT_MENTIONS(m, "f32, f16, bf16, int8, int8_kivi");
   EXPECT_MENTIONS(Rejection(R"({"default": {"kv_type": "int8_kivy"}})"), "did you mean 'int8_kivi'");
 }
 

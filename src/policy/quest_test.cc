@@ -155,7 +155,7 @@ TEST(QuestFilterTest, SpansCoverExactlyTheSelectedPagesOnEveryStorage) {
   std::mt19937 rng(7);
   const KvGeometry g{1, 2, 8};
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2}) {
+                           KvStorage::kFp8E5M2, KvStorage::kBf16}) {
     PagedKvCacheOptions options;
     options.page_size = 16;
     options.layer_storage = {storage};
@@ -217,7 +217,7 @@ TEST(QuestIndexTest, IncrementalEqualsFreshOnEveryStorage) {
   std::mt19937 rng(3);
   const KvGeometry g{1, 2, 8};
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2}) {
+                           KvStorage::kFp8E5M2, KvStorage::kBf16}) {
     for (int32_t page_tokens : {16, 6, 32}) {
       PagedKvCacheOptions options;
       options.page_size = 16;
@@ -353,7 +353,7 @@ TEST(QuestQueryHeadTest, SelectionAndAttentionEqualPlainReference) {
   const int n_heads = n_kv * group;
   const int32_t n = 16 * 19 + 5;  // 20 cache pages, the last partly filled
   for (KvStorage storage : {KvStorage::kF32, KvStorage::kF16, KvStorage::kInt8, KvStorage::kInt8Kivi, KvStorage::kFp8E4M3,
-                           KvStorage::kFp8E5M2}) {
+                           KvStorage::kFp8E5M2, KvStorage::kBf16}) {
     for (bool per_head : {false, true}) {
       for (int32_t page_tokens : {16, 8, 32}) {
         for (int32_t budget : {40, 100}) {

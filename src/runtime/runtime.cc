@@ -62,8 +62,8 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
     KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
     KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(ModelKvGeometry(model), resolved, n_seqs, max_tokens, seed));
   } else {
-    if (dense_storage != KvStorage::kF32 && dense_storage != KvStorage::kF16) {
-      return InvalidArgumentError(std::string("runtime: the dense cache stores f32 or f16; ") +
+    if (!DenseCacheHolds(dense_storage)) {
+      return InvalidArgumentError(std::string("runtime: the dense cache stores f32, f16 or bf16; ") +
                                   KvStorageName(dense_storage) + " needs the paged cache (a KV config)");
     }
     r->dense_cache = std::make_unique<ContiguousKvCache>(ModelKvGeometry(model), dense_storage, n_seqs, max_tokens);
