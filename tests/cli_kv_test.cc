@@ -72,8 +72,13 @@ TEST(CliKv, MethodsAndKvTypesOnNewArchitectures) {
         "--kv-method streaming_llm --kv-budget 0.25 --kv-type fp8_e4m3", "--kv-method quest --kv-budget 0.5",
         "--kv-method tova --kv-budget 0.5 --kv-type int4_kivi --page-size 8",
         "--kv-method cumulative --kv-budget 0.5 --kv-type int8_kivi",
-        "--kv-method h2o --kv-budget 0.5 --kv-type int2_kivi --kv-shared-heads"};
+        "--kv-method h2o --kv-budget 0.5 --kv-type int2_kivi --kv-shared-heads",
+        "--kv-method h2o --kv-budget 0.5 --kv-type bf16"};
     const bool qwen3 = shape_and_type.rfind("tiny-qwen3", 0) == 0;
+    if (qwen3) {  // bf16 in the dense cache and in pages: the same attention, the same ids
+      EXPECT_EQ(RunOk(base + " --kv-method full --kv-type bf16 --print-ids").out,
+                RunOk(base + " --kv-type bf16 --print-ids").out);
+    }
     const bool windows = shape_and_type.rfind("tiny-gemma", 0) == 0;
     const std::vector<std::string> few = windows ? std::vector<std::string>{all[0], all[3], all[4], all[6]}
                                                  : std::vector<std::string>(all.begin(), all.begin() + 2);
