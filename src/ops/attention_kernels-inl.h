@@ -946,31 +946,22 @@ inline void PackK(KvStorage storage, const uint8_t* const* rows, const float* sc
           }
           break;
         case KvStorage::kF16:
+        case KvStorage::kBf16: {
+          const bool bf16 = storage == KvStorage::kBf16;  // widened by a shift instead of vcvtph2ps
+          auto widen = [bf16](__m128i h) { return bf16 ? Bf16ToF32(h) : _mm256_cvtph_ps(h); };
           for (; c + 2 <= full; c += 2) {  // 8 dims of each token: chunks c and c + 1
             const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 8 * c));
             const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 * c));
-            _mm256_store_ps(dst + c * 64, _mm256_cvtph_ps(_mm_unpacklo_epi64(x, y)));
-            _mm256_store_ps(dst + (c + 1) * 64, _mm256_cvtph_ps(_mm_unpackhi_epi64(x, y)));
+            _mm256_store_ps(dst + c * 64, widen(_mm_unpacklo_epi64(x, y)));
+            _mm256_store_ps(dst + (c + 1) * 64, widen(_mm_unpackhi_epi64(x, y)));
           }
           for (; c < full; ++c) {
             const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + 8 * c));
             const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c));
-            _mm256_store_ps(dst + c * 64, _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi)));
+            _mm256_store_ps(dst + c * 64, widen(_mm_unpacklo_epi64(lo, hi)));
           }
           break;
-        case KvStorage::kBf16:
-          for (; c + 2 <= full; c += 2) {  // as f16, widened by a shift
-            const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 8 * c));
-            const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 * c));
-            _mm256_store_ps(dst + c * 64, Bf16ToF32(_mm_unpacklo_epi64(x, y)));
-            _mm256_store_ps(dst + (c + 1) * 64, Bf16ToF32(_mm_unpackhi_epi64(x, y)));
-          }
-          for (; c < full; ++c) {
-            const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + 8 * c));
-            const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c));
-            _mm256_store_ps(dst + c * 64, Bf16ToF32(_mm_unpacklo_epi64(lo, hi)));
-          }
-          break;
+        }
         case KvStorage::kInt8:
         case KvStorage::kFp8E4M3:
         case KvStorage::kFp8E5M2: {

@@ -38,18 +38,11 @@ float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int he
       for (int d = 0; d < head_dim; ++d) sum += static_cast<double>(k[d]) * k[d];
       return static_cast<float>(std::sqrt(sum));
     }
-    case KvStorage::kF16: {
-      const f16_bits* k = static_cast<const f16_bits*>(keys) + element_offset;
-      for (int d = 0; d < head_dim; ++d) {
-        const double v = F16ToF32(k[d]);
-        sum += v * v;
-      }
-      return static_cast<float>(std::sqrt(sum));
-    }
+    case KvStorage::kF16:
     case KvStorage::kBf16: {
-      const bf16_bits* k = static_cast<const bf16_bits*>(keys) + element_offset;
+      const uint16_t* k = static_cast<const uint16_t*>(keys) + element_offset;
       for (int d = 0; d < head_dim; ++d) {
-        const double v = BF16ToF32(k[d]);
+        const double v = storage == KvStorage::kF16 ? F16ToF32(k[d]) : BF16ToF32(k[d]);
         sum += v * v;
       }
       return static_cast<float>(std::sqrt(sum));
