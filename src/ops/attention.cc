@@ -280,12 +280,8 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       } else if (bf16_dots) {
         if constexpr (kBf16Dots) {
           if (int8) {  // fp8: the token scales apply to the scores and (below) the probabilities
-            const float factor = CodeScaleFactor(storage);
-            for (int lane = 0; lane < kBlock; ++lane) {
-              const int j = LaneToken(lane);
-              lane_k_scale[lane] = j < n_block ? k_scale[j] * factor : 0.f;
-              lane_v_scale[lane] = j < n_block ? v_scale[j] * factor : 0.f;
-            }
+            ScalesInLaneOrder(k_scale, n_block, lane_k_scale, CodeScaleFactor(storage));
+            ScalesInLaneOrder(v_scale, n_block, lane_v_scale, CodeScaleFactor(storage));
           }
           PackKBf16(storage, k_head, n_block, d, dp, reinterpret_cast<uint16_t*>(k_block));
         }
@@ -343,13 +339,8 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         }
         const int n_pair = std::min(2, r_end - r);
         ScoreVec scores[2];
-        if (bf16_dots) {
-          if constexpr (kBf16Dots) {
-            ScoreRowPairBf16(n_pair, q_bf16.data(), r, dp, k_block, int8 ? lane_k_scale : nullptr, scores);
-          }
-        } else {
-          ScoreRowPair(n_pair, integer ? &query_codes : nullptr, q_rows, r, dp, k_block, lane_k_scale, scores);
-        }
+        ScoreRowPair(n_pair, bf16_dots ? q_bf16.data() : nullptr, integer ? &query_codes : nullptr, q_rows, r, dp,
+                     k_block, int8 ? lane_k_scale : nullptr, scores);
         if (capped) {
           for (int i = 0; i < n_pair; ++i) ApplySoftcap(softcap, &scores[i]);
         }
@@ -424,10 +415,8 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         case KvStorage::kFp8E5M2: {
           // In-place int8 / fp8 V is unscaled: fold each token's V scale into the probabilities
           // (the running sums above already hold the unscaled ones).
-          alignas(64) float lane_scale[kBlock];
-          const float factor = CodeScaleFactor(v_type);
-          for (int lane = 0; lane < kBlock; ++lane) lane_scale[lane] = v_scale[LaneToken(lane)] * factor;
-          ScaleProbabilities(p, lane_scale, r_begin, r_end);
+          ScalesInLaneOrder(v_scale, n_block, lane_v_scale, CodeScaleFactor(v_type));
+          ScaleProbabilities(p, lane_v_scale, r_begin, r_end);
           if (v_type == KvStorage::kFp8E4M3) {
             AccumulateHead(p, correction, static_cast<const Fp8E4M3Code*>(v_rows), v_stride, acc, dp, r_begin, r_end);
           } else if (v_type == KvStorage::kFp8E5M2) {

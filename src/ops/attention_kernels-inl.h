@@ -1562,18 +1562,25 @@ inline void DequantizeLowBitKBlock(int bits, const BlockRows& block, int stored_
   }
 }
 
-// Per-token scales of a block (token j: scale[j], j < n_block) in lane order, 0 on lanes past
-// the block: what the integer kernels multiply scores (K) or probabilities (V) by.
-inline void ScalesInLaneOrder(const float* scale, int n_block, float* lanes) {
-  for (int lane = 0; lane < kBlock; ++lane) lanes[lane] = LaneToken(lane) < n_block ? scale[LaneToken(lane)] : 0.f;
+// Per-token scales of a block (token j: scale[j] * factor, j < n_block) in lane order, 0 on lanes
+// past the block: what scores (K) or probabilities (V) are multiplied by when the codes enter the
+// dots unscaled (the integer path, fp8 codes in place or through bf16; factor: CodeScaleFactor).
+inline void ScalesInLaneOrder(const float* scale, int n_block, float* lanes, float factor = 1.f) {
+  for (int lane = 0; lane < kBlock; ++lane) {
+    lanes[lane] = LaneToken(lane) < n_block ? scale[LaneToken(lane)] * factor : 0.f;
+  }
 }
 
-// Scores of rows r and r + 1 (n_pair of them) against the packed K block: with `codes` (the
-// integer path) from the rows' query codes and k_block's codes times lane_k_scale, else from the
-// pre-scaled f32 rows q_rows [rows, dp] and k_block's floats.
-inline void ScoreRowPair(int n_pair, const QueryCodes* codes, const float* q_rows, int r, int dp, const float* k_block,
-                         const float* lane_k_scale, ScoreVec* scores) {
-  if (codes != nullptr) {
+// Scores of rows r and r + 1 (n_pair of them) against the packed K block: with `q_bf16` (bf16
+// dots) from the rows' bf16 queries and k_block's bf16 pairs, times lane_k_scale unless it is null
+// (fp8 codes; null for bf16); with `codes` (the integer path) from the rows' query codes and
+// k_block's codes times lane_k_scale; else from the pre-scaled f32 rows q_rows [rows, dp] and
+// k_block's floats.
+inline void ScoreRowPair(int n_pair, const uint16_t* q_bf16, const QueryCodes* codes, const float* q_rows, int r,
+                         int dp, const float* k_block, const float* lane_k_scale, ScoreVec* scores) {
+  if (q_bf16 != nullptr) {
+    if constexpr (kBf16Dots) ScoreRowPairBf16(n_pair, q_bf16, r, dp, k_block, lane_k_scale, scores);
+  } else if (codes != nullptr) {
     if constexpr (kIntegerDots) {
       const uint8_t* k_codes = reinterpret_cast<const uint8_t*>(k_block);
       if (n_pair == 2) {

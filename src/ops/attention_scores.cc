@@ -151,12 +151,8 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
         }
       } else if (bf16_dots) {
         if constexpr (kBf16Dots) {
-          if (int8) {  // fp8: the token K scales apply to the scores
-            for (int lane = 0; lane < kBlock; ++lane) {
-              const int j = LaneToken(lane);
-              lane_k_scale[lane] = j < n_block ? k_scale[j] * CodeScaleFactor(segment.storage) : 0.f;
-            }
-          }
+          // fp8: the token K scales apply to the scores
+          if (int8) ScalesInLaneOrder(k_scale, n_block, lane_k_scale, CodeScaleFactor(segment.storage));
           PackKBf16(segment.storage, k_head, n_block, d, dp, reinterpret_cast<uint16_t*>(k_block));
         }
       } else if (low_bit) {
@@ -185,13 +181,8 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
           continue;
         }
         ScoreVec scores[2];
-        if (bf16_dots) {
-          if constexpr (kBf16Dots) {
-            ScoreRowPairBf16(n_pair, q_bf16.data(), r, dp, k_block, int8 ? lane_k_scale : nullptr, scores);
-          }
-        } else {
-          ScoreRowPair(n_pair, integer ? &query_codes : nullptr, q_rows, r, dp, k_block, lane_k_scale, scores);
-        }
+        ScoreRowPair(n_pair, bf16_dots ? q_bf16.data() : nullptr, integer ? &query_codes : nullptr, q_rows, r, dp,
+                     k_block, int8 ? lane_k_scale : nullptr, scores);
         if (capped) {
           for (int i = 0; i < n_pair; ++i) ApplySoftcap(softcap, &scores[i]);
         }
