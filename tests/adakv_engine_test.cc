@@ -1,7 +1,8 @@
 // AdaKV through the engine and the paged cache: per-head H2O and SnapKV layers with
 // "head_budgets": "adaptive" keep H·B tokens per layer after each eviction, split unevenly over
 // the heads, and every head table allocates exactly the pages its tokens fill (the pages freed
-// are the tokens dropped); a floor of 1 is the uniform split. On the multi-head retrieval
+// are the tokens dropped), under AdaKV's own rule and kvpress's; a guaranteed share of 1 (alpha or
+// floor) is the uniform split. On the multi-head retrieval
 // instrument, where the retrieval head needs more than a uniform share, adaptive budgets answer
 // every multi-query sample and the uniform split does not.
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvsparse/bench_tasks.h"
@@ -46,7 +48,9 @@ TEST_F(AdaKvEngineTest, AdaptiveHeadsKeepTheLayerBudgetUnevenlyAndFreeTheirPages
   const int n_layers = model_->config().n_layers, n_heads = model_->config().n_kv_heads;
   const int32_t budget = 48, prompt_tokens = 200, n_decode = 40;
   for (const std::string method : {"h2o", "snapkv"}) {
-    for (const double floor : {0.5, 1.0}) {
+    // (rule, guaranteed share): kvpress's floor or the reference's alpha; 1 is the uniform split.
+    for (const auto& [rule, floor] : {std::pair{AdaptiveRule::kReference, 0.2}, std::pair{AdaptiveRule::kReference, 1.0},
+                                      std::pair{AdaptiveRule::kKvpress, 0.5}, std::pair{AdaptiveRule::kKvpress, 1.0}}) {
       auto config = KvSparsityConfigFromFlags(method, std::to_string(budget), "f16", n_layers);
       ASSERT_TRUE(config.ok()) << config.status().ToString();
       config->evict_interval = 1;
@@ -54,7 +58,8 @@ TEST_F(AdaKvEngineTest, AdaptiveHeadsKeepTheLayerBudgetUnevenlyAndFreeTheirPages
       for (LayerKvConfig& l : config->layers) {
         l.per_head = true;
         l.params.head_budgets = HeadBudgets::kAdaptive;
-        l.params.floor = floor;
+        l.params.adaptive_rule = rule;
+        (rule == AdaptiveRule::kReference ? l.params.alpha : l.params.floor) = floor;
         l.params.decode_evict = true;  // SnapKV: evict while decoding too
       }
       auto kv = CreateSparseKv(KvGeometry{n_layers, n_heads, model_->config().head_dim}, *config, 1, 400);
@@ -75,12 +80,13 @@ TEST_F(AdaKvEngineTest, AdaptiveHeadsKeepTheLayerBudgetUnevenlyAndFreeTheirPages
             total += n;
             pages += static_cast<size_t>((n + kv->cache->page_size() - 1) / kv->cache->page_size());
           }
-          EXPECT_EQ(total, n_heads * budget) << method << " floor " << floor << " layer " << layer << " " << when;
+          EXPECT_EQ(total, n_heads * budget) << method << " " << AdaptiveRuleName(rule) << " " << floor << " layer "
+                                              << layer << " " << when;
           EXPECT_EQ(kv->cache->LayerAllocatedBytes(layer), pages * kv->cache->page_bytes(layer))
               << "pages follow each head's tokens, layer " << layer << " " << when;
           uneven = uneven || per_head.front() != per_head.back();
           if (floor == 1.0) {
-            EXPECT_EQ(per_head.front(), per_head.back()) << "a floor of 1 is the uniform split";
+            EXPECT_EQ(per_head.front(), per_head.back()) << "a guaranteed share of 1 is the uniform split";
           }
         }
       };
@@ -106,12 +112,24 @@ TEST_F(AdaKvEngineTest, ConfigNeedsPerHeadLayers) {
   ASSERT_FALSE(shared.ok());
   EXPECT_NE(shared.status().message().find("per_head"), std::string::npos) << shared.status().ToString();
   EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 64, "floor": 1.5}})", 2).ok());
+  EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 64, "alpha": -0.1}})", 2).ok());
+  EXPECT_FALSE(
+      ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 64, "adaptive_rule": "kv-press"}})", 2).ok());
   auto fine = ParseKvSparsityConfig(
-      R"({"default": {"method": "pyramidkv", "budget": 0.2, "head_budgets": "adaptive", "floor": 0.2}})", 2);
+      R"({"default": {"method": "pyramidkv", "budget": 0.2, "head_budgets": "adaptive", "adaptive_rule": "kvpress",
+                      "floor": 0.2}})",
+      2);
   ASSERT_TRUE(fine.ok()) << fine.status().ToString();
   EXPECT_EQ(fine->layers[1].params.head_budgets, HeadBudgets::kAdaptive);
+  EXPECT_EQ(fine->layers[1].params.adaptive_rule, AdaptiveRule::kKvpress);
   EXPECT_TRUE(fine->layers[1].per_head);
-  EXPECT_NE(KvSparsityConfigSummary(*fine).find("head_budgets=adaptive floor=0.2"), std::string::npos);
+  EXPECT_NE(KvSparsityConfigSummary(*fine).find("head_budgets=adaptive rule=kvpress floor=0.2"), std::string::npos);
+  // The default rule is AdaKV's own, alpha 0.2.
+  auto reference =
+      ParseKvSparsityConfig(R"({"default": {"method": "snapkv", "budget": 0.2, "head_budgets": "adaptive"}})", 2);
+  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+  EXPECT_EQ(reference->layers[1].params.adaptive_rule, AdaptiveRule::kReference);
+  EXPECT_NE(KvSparsityConfigSummary(*reference).find("head_budgets=adaptive alpha=0.2"), std::string::npos);
 }
 
 // niah_multiquery at 512 tokens on the 2-layer multi-head instrument: the question asks 4 needles

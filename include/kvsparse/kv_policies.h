@@ -82,6 +82,10 @@ enum class CumulativeMode { kEvict, kMask };
 // How a per-head layer splits its budget over its KV heads: the same budget each, or AdaKV's
 // adaptive split (adakv.h): one top over every head's scores, each head kept a floor.
 enum class HeadBudgets { kUniform, kAdaptive };
+// AdaKV's split rule: the reference's (AdaKV's snapkv_utils.py: head h keeps round((1 - alpha)
+// c_h + floor(alpha B)) of its scored tokens, c_h its count in the unconstrained top over every
+// head) or kvpress's (each head's best floor·B first, then the best of the rest together).
+enum class AdaptiveRule { kReference, kKvpress };
 // Where a layer's budget comes from: the method's own (its configured budget, or PyramidKV's
 // schedule), or CAKE's allocation (cake.h): the layers' total split by each layer's attention.
 enum class LayerBudgets { kUniform, kCake };
@@ -119,9 +123,13 @@ struct KvMethodParams {
   double spread = 3.0;          // "spread": first layer's retention / last layer's (>= 1)
   double layer_weight = -1.0;   // "layer_weight": the layer's weight in the importance; -1: 1 + depth (1 to 2)
   // AdaKV (adakv.h) for H2O, SnapKV and PyramidKV per-head layers: "head_budgets" "adaptive"
-  // gives the heads budgets that differ and sum to the layer's; each head keeps at least
-  // "floor" (default 0.5) of its uniform share of the scored tokens.
+  // gives the heads budgets that differ and sum to the layer's. "adaptive_rule" "reference"
+  // (default): AdaKV's own, "alpha" (default 0.2, its LongBench scripts') of each head's uniform
+  // share guaranteed; "kvpress": each head keeps at least "floor" (default 0.5) of its uniform
+  // share of the scored tokens (also per-head cumulative's rule).
   HeadBudgets head_budgets = HeadBudgets::kUniform;
+  AdaptiveRule adaptive_rule = AdaptiveRule::kReference;
+  double alpha = 0.2;
   double floor = 0.5;
   // reuse (oracle.cc): the second token-selection layer; -1: 13/32 of the depth (TidalDecode's 13 of 32).
   int32_t reselect_layer = -1;  // "reselect_layer"
@@ -165,6 +173,7 @@ std::string_view VotePoolingName(VotePooling p);
 std::string_view RetentionScheduleName(RetentionSchedule s);
 std::string_view CumulativeModeName(CumulativeMode m);
 std::string_view HeadBudgetsName(HeadBudgets b);
+std::string_view AdaptiveRuleName(AdaptiveRule r);
 std::string_view LayerBudgetsName(LayerBudgets b);
 std::string_view ReuseSelectionName(ReuseSelectionKind s);
 

@@ -656,7 +656,8 @@ Status SparseKvController::EvictHeadsAdaptively(int seq, int layer, EvictionPoin
                   fmt::format("layer {}: method '{}' has no per-token scores for adaptive head budgets", layer,
                               p.name()));
   }
-  policy::AdaptiveHeadKeep(heads, budget, LayerConfig(seq, layer).params.floor, &head_keeps_);
+  const KvMethodParams& params = LayerConfig(seq, layer).params;
+  policy::AdaptiveHeadKeep(heads, budget, {params.adaptive_rule, params.alpha, params.floor}, &head_keeps_);
   const auto t1 = Clock::now();
   for (int head = 0; head < n_heads; ++head) {
     const std::vector<uint8_t>& keep = head_keeps_[head];

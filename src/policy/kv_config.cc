@@ -239,6 +239,11 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
     return ReadEnum<HeadBudgets>(v, where, key, {"uniform", "adaptive"},
                                  {HeadBudgets::kUniform, HeadBudgets::kAdaptive}, &p->head_budgets);
   }
+  if (key == "adaptive_rule") {
+    return ReadEnum<AdaptiveRule>(v, where, key, {"reference", "kvpress"},
+                                  {AdaptiveRule::kReference, AdaptiveRule::kKvpress}, &p->adaptive_rule);
+  }
+  if (key == "alpha") return ReadNumber(v, where, key, &p->alpha);
   if (key == "floor") return ReadNumber(v, where, key, &p->floor);
   if (key == "selection") {
     return ReadEnum<ReuseSelectionKind>(v, where, key, {"exact", "quest"},
@@ -456,8 +461,15 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "layer_weight" && p.layer_weight >= 0) s += fmt::format(" layer_weight={:g}", p.layer_weight);
     if (key == "reselect_layer" && p.reselect_layer >= 0) s += fmt::format(" reselect_layer={}", p.reselect_layer);
     if (key == "selection") s += fmt::format(" selection={}", ReuseSelectionName(p.selection));
-    if (key == "head_budgets" && p.head_budgets == HeadBudgets::kAdaptive)
-      s += fmt::format(" head_budgets=adaptive floor={:g}", p.floor);
+    if (key == "head_budgets" && p.head_budgets == HeadBudgets::kAdaptive) {
+      if (!MethodUses(l.method, "adaptive_rule")) {  // cumulative: its own floor rule
+        s += fmt::format(" head_budgets=adaptive floor={:g}", p.floor);
+      } else if (p.adaptive_rule == AdaptiveRule::kReference) {
+        s += fmt::format(" head_budgets=adaptive alpha={:g}", p.alpha);
+      } else {
+        s += fmt::format(" head_budgets=adaptive rule=kvpress floor={:g}", p.floor);
+      }
+    }
     if (key == "gamma") s += fmt::format(" gamma={:g}", p.gamma);
     if (key == "layer_budgets" && cake_allocation) s += " layer_budgets=cake";
     if (key == "tau1" && cake_allocation) s += fmt::format(" tau1={:g}", p.tau1);

@@ -19,13 +19,15 @@ constexpr std::string_view kStreamingKeys[] = {"n_sink", "cache_positions"};
 // "layer_budgets", "tau1", "tau2": CAKE's allocation of the layers' budgets (cake.h), on any evicting method.
 constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "layer_budgets", "tau1", "tau2"};
 constexpr std::string_view kH2OKeys[] = {"n_sink", "recent",        "recent_ratio", "head_reduce", "head_budgets",
-                                         "floor",  "layer_budgets", "tau1",         "tau2"};
+                                         "adaptive_rule", "alpha", "floor",  "layer_budgets", "tau1", "tau2"};
 constexpr std::string_view kScissorhandsKeys[] = {"n_sink",        "recent", "recent_ratio", "head_reduce", "history_window",
                                                   "layer_budgets", "tau1",   "tau2"};
-constexpr std::string_view kSnapKvKeys[] = {"window",       "kernel",        "pooling", "head_reduce", "decode_evict",
-                                            "head_budgets", "floor",         "layer_budgets", "tau1", "tau2"};
-constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel", "pooling",       "head_reduce", "decode_evict",
-                                               "beta",   "head_budgets", "floor", "layer_budgets", "tau1", "tau2"};
+constexpr std::string_view kSnapKvKeys[] = {"window",        "kernel", "pooling", "head_reduce",   "decode_evict",
+                                            "head_budgets",  "adaptive_rule", "alpha", "floor", "layer_budgets",
+                                            "tau1",          "tau2"};
+constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel",        "pooling", "head_reduce", "decode_evict",
+                                               "beta",   "head_budgets",  "adaptive_rule", "alpha", "floor",
+                                               "layer_budgets", "tau1",   "tau2"};
 constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio", "layer_budgets", "tau1", "tau2"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
@@ -97,6 +99,7 @@ std::string_view RetentionScheduleName(RetentionSchedule s) {
 std::string_view ReuseSelectionName(ReuseSelectionKind s) { return s == ReuseSelectionKind::kExact ? "exact" : "quest"; }
 std::string_view LayerBudgetsName(LayerBudgets b) { return b == LayerBudgets::kUniform ? "uniform" : "cake"; }
 std::string_view HeadBudgetsName(HeadBudgets b) { return b == HeadBudgets::kUniform ? "uniform" : "adaptive"; }
+std::string_view AdaptiveRuleName(AdaptiveRule r) { return r == AdaptiveRule::kReference ? "reference" : "kvpress"; }
 std::string_view CumulativeModeName(CumulativeMode m) { return m == CumulativeMode::kEvict ? "evict" : "mask"; }
 
 KvMethodParams DefaultMethodParams(KvMethod method) {
@@ -212,6 +215,9 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
     return error("spread", fmt::format("must be >= 1 (the first layer's share over the last's); found {:g}", p.spread));
   if (Uses(method, "layer_weight") && !(std::isfinite(p.layer_weight) && (p.layer_weight >= 0.0 || p.layer_weight == -1.0)))
     return error("layer_weight", fmt::format("must be >= 0 (or -1 for 1 + depth); found {:g}", p.layer_weight));
+  if (Uses(method, "alpha") && !(p.alpha >= 0.0 && p.alpha <= 1.0))
+    return error("alpha", fmt::format("must lie in [0, 1] (the share of a head's uniform budget it is guaranteed); "
+                                      "found {:g}", p.alpha));
   if (Uses(method, "floor") && !(p.floor >= 0.0 && p.floor <= 1.0))
     return error("floor", fmt::format("must lie in [0, 1] (the share of a head's uniform budget it keeps); found {:g}",
                                       p.floor));
