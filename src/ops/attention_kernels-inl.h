@@ -1254,19 +1254,6 @@ void AccumulateRowsCodes(const uint8_t* p_codes, const float* step, const float*
                          float* acc, int dp);
 inline void UnpermuteVDims(float* row, int dp);
 
-// bf16 dots: only in the avx512 family (bf16 KV takes the f32 path here). Declared for the
-// callers' discarded `if constexpr (kBf16Dots)` branches.
-constexpr bool kBf16Dots = false;
-inline void QueryRowsToBf16(const float* q_rows, int rows, int dp, uint16_t* out);
-inline void PackKBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int head_dim, int dp,
-                      uint16_t* k_packed);
-inline void ScoreRowPairBf16(int n_pair, const uint16_t* q_bf16, int r, int dp, const float* k_block,
-                             const float* lane_k_scale, ScoreVec* scores);
-inline void PackVBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int dp, uint16_t* v_packed);
-inline void AccumulateHeadBf16(const float* p, const float* correction, const uint16_t* v_packed, float* acc, int dp,
-                               int r_begin, int r_end, uint16_t* p_bf16);
-inline void UnpermuteBf16VDims(float* row, int dp);
-
 #else  // portable scalar path with the same structure; K stays in plain rows, lane = token
 
 constexpr int LaneToken(int lane) { return lane; }
@@ -1400,18 +1387,6 @@ inline void AccumulateRows(const float* p, const float* correction, const T* v, 
   }
 }
 
-// bf16 dots: only in the avx512 family; declared for the discarded `if constexpr` branches.
-constexpr bool kBf16Dots = false;
-inline void QueryRowsToBf16(const float* q_rows, int rows, int dp, uint16_t* out);
-inline void PackKBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int head_dim, int dp,
-                      uint16_t* k_packed);
-inline void ScoreRowPairBf16(int n_pair, const uint16_t* q_bf16, int r, int dp, const float* k_block,
-                             const float* lane_k_scale, ScoreVec* scores);
-inline void PackVBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int dp, uint16_t* v_packed);
-inline void AccumulateHeadBf16(const float* p, const float* correction, const uint16_t* v_packed, float* acc, int dp,
-                               int r_begin, int r_end, uint16_t* p_bf16);
-inline void UnpermuteBf16VDims(float* row, int dp);
-
 // Integer dots, the scalar twins of the AVX-512 family's (same codes, same integer sums, same
 // float operations in the same order): K and V stay plain [kBlock, dp] code rows.
 constexpr bool kIntegerDots = true;
@@ -1490,6 +1465,21 @@ inline void AccumulateRowsCodes(const uint8_t* p_codes, const float* step, const
 
 inline void UnpermuteVDims(float*, int) {}
 
+#endif
+
+#if !KVS_ISA_AVX512
+// bf16 dots: only in the avx512 family (bf16 and fp8 KV take the f32 path in the others).
+// Declared for the callers' discarded `if constexpr (kBf16Dots)` branches.
+constexpr bool kBf16Dots = false;
+inline void QueryRowsToBf16(const float* q_rows, int rows, int dp, uint16_t* out);
+inline void PackKBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int head_dim, int dp,
+                      uint16_t* k_packed);
+inline void ScoreRowPairBf16(int n_pair, const uint16_t* q_bf16, int r, int dp, const float* k_block,
+                             const float* lane_k_scale, ScoreVec* scores);
+inline void PackVBf16(KvStorage storage, const uint8_t* const* rows, int n_rows, int dp, uint16_t* v_packed);
+inline void AccumulateHeadBf16(const float* p, const float* correction, const uint16_t* v_packed, float* acc, int dp,
+                               int r_begin, int r_end, uint16_t* p_bf16);
+inline void UnpermuteBf16VDims(float* row, int dp);
 #endif
 
 #if KVS_ISA_AVX512 || KVS_ISA_AVX2
