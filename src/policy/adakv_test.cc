@@ -88,11 +88,13 @@ TEST(AdaKvTest, SpreadHeadsGetMoreThanConcentratedOnes) {
   heads.Add(concentrated, 0, 1);
   heads.Add(spread, 0, 1);
   std::vector<std::vector<uint8_t>> keeps;
-  AdaptiveHeadKeep(heads.tokens, 10, Kvpress(0.5), &keeps);
-  EXPECT_EQ(Count(keeps[0]) + Count(keeps[1]), 20);
-  EXPECT_LT(Count(keeps[0]), 10);
-  EXPECT_GT(Count(keeps[1]), 10);
-  EXPECT_TRUE(keeps[0][5] && keeps[0][11] && keeps[0][20]);
+  for (const AdaptiveSplit& split : {Kvpress(0.5), Reference(0.2)}) {  // both rules
+    AdaptiveHeadKeep(heads.tokens, 10, split, &keeps);
+    EXPECT_EQ(Count(keeps[0]) + Count(keeps[1]), 20) << AdaptiveRuleName(split.rule);
+    EXPECT_LT(Count(keeps[0]), 10) << AdaptiveRuleName(split.rule);
+    EXPECT_GT(Count(keeps[1]), 10) << AdaptiveRuleName(split.rule);
+    EXPECT_TRUE(keeps[0][5] && keeps[0][11] && keeps[0][20]) << AdaptiveRuleName(split.rule);
+  }
   // A floor of 1 is the uniform split.
   AdaptiveHeadKeep(heads.tokens, 10, Kvpress(1.0), &keeps);
   EXPECT_EQ(Count(keeps[0]), 10);
@@ -182,19 +184,6 @@ TEST(AdaKvTest, ReferenceRuleKeepsEachHeadsBestWithinTheLayersBudget) {
       EXPECT_EQ(total, static_cast<int32_t>(lengths.size()) * budget) << "alpha " << alpha << " budget " << budget;
     }
   }
-}
-
-TEST(AdaKvTest, ReferenceSpreadHeadsGetMoreThanConcentratedOnes) {
-  std::vector<float> concentrated(40, 0.001f), spread(40, 0.025f);
-  concentrated[5] = concentrated[11] = concentrated[20] = 0.33f;
-  Heads heads;
-  heads.Add(concentrated, 0, 1);
-  heads.Add(spread, 0, 1);
-  std::vector<std::vector<uint8_t>> keeps;
-  AdaptiveHeadKeep(heads.tokens, 10, Reference(0.2), &keeps);
-  EXPECT_LT(Count(keeps[0]), 10);
-  EXPECT_GT(Count(keeps[1]), 10);
-  EXPECT_TRUE(keeps[0][5] && keeps[0][11] && keeps[0][20]);
 }
 
 }  // namespace
