@@ -60,6 +60,52 @@ TEST_F(RazorTest, ProbeFindsThePlantedInductionHead) {
   EXPECT_GT((*ranked)[0].score(), 0.9);
 }
 
+// The reference ranks a KV head by the max of its group's query heads (_max_every_group): an
+// induction head whose group's other query head attends uniformly keeps its full score (a group
+// mean would halve it). Every copy after the first is read, so the score sums the attention on
+// each earlier occurrence's successor.
+TEST_F(RazorTest, ProbeTakesTheGroupsMaxOverQueryHeads) {
+  RetrievalModelOptions options;
+  options.shape = RetrievalShape::kMultiHead;
+  options.n_layers = kLayers;
+  options.lone_induction_query_head = true;
+  const std::string path = testing::TempPath("razor_lone_induction.gguf");
+  ASSERT_TRUE(WriteRetrievalModel(options, path).ok());
+  auto lone = Model::Load(path);
+  ASSERT_TRUE(lone.ok()) << lone.status().ToString();
+  ASSERT_EQ((*lone)->config().n_heads, 2 * (*lone)->config().n_kv_heads);
+  auto heads = ProbeRetrievalHeads(**lone, HeadProbeOptions{});
+  ASSERT_TRUE(heads.ok()) << heads.status().ToString();
+  const RetrievalHead induction = RetrievalCircuitHeads(RetrievalShape::kMultiHead, kLayers).back();
+  EXPECT_EQ((*heads)[0].layer, induction.layer);
+  EXPECT_EQ((*heads)[0].kv_head, induction.kv_head);
+  EXPECT_GT((*heads)[0].induction, 0.9) << "the group's max, not its mean (about 0.5)";
+}
+
+// The reference's lists: the best echo_heads (1%) by echo and the best induction_heads (14%) by
+// induction, each ranked on its own score; retrieval_heads set ranks by their sum instead.
+TEST_F(RazorTest, ResolveTakesTheEchoAndInductionListsApart) {
+  const std::string path = testing::TempPath("razor_two_lists.json");
+  // 16 heads: 1% -> round(0.16) = 0, at least 1 echo head; 14% -> round(2.24) = 2 induction heads.
+  WriteFile(path, HeadScoresToJson({{3, 2, 0.9, 0}, {1, 3, 0.5, 0}, {1, 0, 0.0, 0.45}, {0, 0, 0.1, 0.0}}, kLayers, 4));
+  for (const bool two_lists : {true, false}) {
+    auto config = KvSparsityConfigFromFlags("razor", "64", "f16", kLayers);
+    ASSERT_TRUE(config.ok()) << config.status().ToString();
+    std::vector<std::string> params = {"heads=" + path};
+    if (!two_lists) params.push_back("retrieval_heads=2");
+    ASSERT_TRUE(ApplyKvParams(params, &*config).ok());
+    ASSERT_TRUE(ResolveRetrievalHeads(model(), 1, &*config).ok());
+    // Two lists: induction (3, 2), (1, 3) and echo (1, 0); one list of 2: (3, 2), (1, 3).
+    const std::vector<uint64_t> masks =
+        two_lists ? std::vector<uint64_t>{0, (1u << 3) | 1u, 0, 1u << 2} : std::vector<uint64_t>{0, 1u << 3, 0, 1u << 2};
+    for (int l = 0; l < kLayers; ++l) EXPECT_EQ(config->layers[l].params.full_heads, masks[l]) << "layer " << l;
+  }
+  auto summary = ParseKvSparsityConfig(R"({"default": {"method": "razor", "budget": 64}})", kLayers);
+  ASSERT_TRUE(summary.ok());
+  EXPECT_NE(KvSparsityConfigSummary(*summary).find("echo_heads=0.01 induction_heads=0.14"), std::string::npos)
+      << KvSparsityConfigSummary(*summary);
+}
+
 TEST_F(RazorTest, HeadsFileRoundTripsAndBadFilesAreRefused) {
   const std::vector<HeadScore> heads = {{3, 2, 0.75, 0.25}, {0, 1, 0.01, 0.0}, {1, 0, 0.0, 0.0}};
   const std::string path = testing::TempPath("razor_heads.json");

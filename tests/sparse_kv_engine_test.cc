@@ -826,7 +826,8 @@ void SetPrefill(KvSparsityConfig* config, const std::string& spec) {
 }
 
 // A selection of every token reproduces dense prefill bit for bit, on shared and per-head
-// layers: the per-kv-head jobs compute each row exactly as the shared call does.
+// layers, per query head (the default) and per kv head (group_shared): the jobs compute each row
+// exactly as the shared call does.
 TEST_F(SparseKvEngine, SparsePrefillSelectingEveryTokenIsBitIdenticalToDense) {
   LOAD_STORIES_OR_SKIP();
   const std::vector<int32_t> prompt = StoriesPrompt(400);
@@ -835,7 +836,8 @@ TEST_F(SparseKvEngine, SparsePrefillSelectingEveryTokenIsBitIdenticalToDense) {
     for (LayerKvConfig& layer : dense_config.layers) layer.per_head = per_head;
     SparseRun dense = NewSparseRun(*model_, dense_config, 440);
     const RunOutput want = RunEngine(*dense.engine, prompt, 200, 20);
-    for (const std::string spec : {"vertical_slash:vertical=100000:slash=100000", "block_sparse:top_blocks=100000"}) {
+    for (const std::string spec : {"vertical_slash:vertical=100000:slash=100000", "block_sparse:top_blocks=100000",
+                                   "xattention:threshold=1:group_shared=1"}) {
       KvSparsityConfig config = dense_config;
       SetPrefill(&config, spec);
       SparseRun run = NewSparseRun(*model_, config, 440);
@@ -860,7 +862,8 @@ TEST_F(SparseKvEngine, SparsePrefillComposesWithEvictionAndStorage) {
       const std::string what = std::string(kv_type) + (per_head ? " per head" : "");
       KvSparsityConfig config = MakeConfig(*model_, "h2o", "96", kv_type);
       for (LayerKvConfig& layer : config.layers) layer.per_head = per_head;
-      SetPrefill(&config, "xattention:block=32:stride=8:threshold=0.5");
+      SetPrefill(&config, std::string("xattention:block=32:stride=8:threshold=0.5") +
+                              (per_head ? "" : ":group_shared=1"));  // both forms, on alternate layouts
       SparseRun run = NewSparseRun(*model_, config, 420);
       ASSERT_TRUE(run.engine) << what;
       const RunOutput got = RunEngine(*run.engine, prompt, 128, 8);

@@ -2,6 +2,7 @@
 // (layer, KV head), for razor's "heads" (see head_probe.h).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -25,8 +26,9 @@ int Run(const ProbeArgs& a) {
   const ModelConfig& c = (*model)->config();
   auto heads = ProbeRetrievalHeads(**model, a.options);
   if (!heads.ok()) return Fail(heads.status());
-  std::printf("%s: %d layers x %d KV heads; probe: %d random tokens repeated, %d trial(s)\n", path->c_str(), c.n_layers,
-              c.n_kv_heads, std::min(a.options.tokens, c.n_vocab), a.options.trials);
+  std::printf("%s: %d layers x %d KV heads; probe: %d random tokens x %d copies, %d trial(s)\n", path->c_str(),
+              c.n_layers, c.n_kv_heads, std::min({a.options.tokens, c.n_vocab, c.max_context / a.options.repeats}),
+              a.options.repeats, a.options.trials);
   std::printf("%5s %7s %9s %9s %9s\n", "layer", "kv_head", "score", "induction", "echo");
   for (size_t i = 0; i < heads->size() && static_cast<int>(i) < a.show; ++i) {
     const HeadScore& h = (*heads)[i];
@@ -47,13 +49,17 @@ int Run(const ProbeArgs& a) {
 void RegisterProbeHeads(CLI::App& app, int* exit_code) {
   auto a = std::make_shared<ProbeArgs>();
   CLI::App* cmd = app.add_subcommand(
-      "probe-heads", "Score every KV head as a retrieval head (induction + echo attention on a repeated random "
+      "probe-heads", "Score every KV head as a retrieval head (echo and induction attention on a repeated random "
                      "sequence; RazorAttention) and write the heads file razor reads");
   cmd->add_option("-m,--model", a->model, "GGUF or llama2.c model (default: built-in synthetic TinyLlama shape)");
   cmd->add_option("-o,--output", a->out, "heads file (JSON) to write");
-  cmd->add_option("--tokens", a->options.tokens, "length of the random sequence (the prompt is twice that)")
+  cmd->add_option("--tokens", a->options.tokens,
+                  "length of the random sequence (cut to the vocabulary and the context / --repeats)")
       ->capture_default_str()
       ->check(CLI::Range(4, 1 << 20));
+  cmd->add_option("--repeats", a->options.repeats, "copies of the sequence in the probe prompt")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 64));
   cmd->add_option("--trials", a->options.trials, "random sequences averaged")->capture_default_str()->check(CLI::Range(1, 1000));
   cmd->add_option("--seed", a->options.seed, "sequence seed")->capture_default_str();
   cmd->add_option("-t,--threads", a->options.n_threads, "threads")->capture_default_str()->check(CLI::Range(1, 1024));

@@ -89,6 +89,10 @@ enum class AdaptiveRule { kReference, kKvpress };
 // Where a layer's budget comes from: the method's own (its configured budget, or PyramidKV's
 // schedule), or CAKE's allocation (cake.h): the layers' total split by each layer's attention.
 enum class LayerBudgets { kUniform, kCake };
+// Where CAKE's split puts the budget a layer cannot hold (more than the tokens it has seen):
+// equally over the other layers (the reference's adjust_budgets, and its rounding remainder
+// likewise), or by the other layers' preferences, repeated until nothing is capped (kvsparse's).
+enum class CakeExcess { kEqual, kPreference };
 // How reuse's selection layers choose (oracle.cc): the exact top-budget of their own dense
 // attention (TidalDecode), or Quest's page bounds (quest_pages.h), reading only those pages.
 enum class ReuseSelectionKind { kExact, kQuest };
@@ -135,8 +139,11 @@ struct KvMethodParams {
   int32_t reselect_layer = -1;  // "reselect_layer"
   ReuseSelectionKind selection = ReuseSelectionKind::kExact;  // "selection": "exact" | "quest"
   // razor (razor.cc, head_probe.h). "heads": a heads file (`kvsparse probe-heads`' JSON); empty:
-  // the runtime probes the model when it starts. "retrieval_heads": how many of the model's KV
-  // heads keep every token, the best-scoring first: a count (an integer >= 0) or a share (< 1).
+  // the runtime probes the model when it starts. The KV heads that keep every token, ranked over
+  // the whole model: the reference's two lists, the best "echo_heads" (0.01) by echo score and the
+  // best "induction_heads" (0.14) by induction score; or, when "retrieval_heads" is set (>= 0),
+  // the best that many by echo + induction (kvsparse's one list). Each a count (an integer >= 0)
+  // or a share of the KV heads (< 1).
   // "layer_budgets": "cake" gives an evicting method CAKE's layer allocation (the `cake` method
   // always has it): the layers' total budget split by entropy^(1/tau1) x variance^(1/tau2) of
   // each layer's window attention.
@@ -145,8 +152,14 @@ struct KvMethodParams {
   double gamma = 200.0;         // "gamma"
   double tau1 = 1.0;            // "tau1": spatial dispersion (entropy) exponent 1 / tau1
   double tau2 = 1.0;            // "tau2": temporal shift (variance) exponent 1 / tau2
+  CakeExcess excess = CakeExcess::kEqual;  // "excess": "equal" (the reference) | "preference"
+  // "query_head_scores": cake's indicator and preference per query head (the reference), or
+  // (false) from the mean attention of each KV head's group.
+  bool query_head_scores = true;
   std::string heads_file;
-  double retrieval_heads = 0.15;
+  double retrieval_heads = -1;  // -1: unset (the two lists)
+  double echo_heads = 0.01;
+  double induction_heads = 0.14;
   // The KV heads of this layer that keep every token (bit h = KV head h), set by
   // ResolveRetrievalHeads from the scores; razor policies refuse to run before that.
   uint64_t full_heads = 0;
@@ -156,7 +169,7 @@ struct KvMethodParams {
 // The paper defaults of `method` (see the table above).
 KvMethodParams DefaultMethodParams(KvMethod method);
 // The decode eviction cadence of the method's paper, in steps: 1 for methods that evict at every
-// generated token (H2O, TOVA, StreamingLLM, Scissorhands, Random), 0 for methods that never
+// generated token (H2O, TOVA, StreamingLLM, Scissorhands, Random, CAKE), 0 for methods that never
 // evict while decoding by default (Full, SnapKV, PyramidKV, KNorm, Quest, Oracle). `bench` accuracy runs
 // use it unless --evict-interval is given; serving keeps KvSparsityConfig::evict_interval.
 int PaperEvictInterval(KvMethod method);
@@ -175,6 +188,7 @@ std::string_view CumulativeModeName(CumulativeMode m);
 std::string_view HeadBudgetsName(HeadBudgets b);
 std::string_view AdaptiveRuleName(AdaptiveRule r);
 std::string_view LayerBudgetsName(LayerBudgets b);
+std::string_view CakeExcessName(CakeExcess e);  // "equal", "preference"
 std::string_view ReuseSelectionName(ReuseSelectionKind s);
 
 // Everything that configures one layer.
@@ -211,8 +225,14 @@ StatusOr<std::unique_ptr<KvPolicy>> CreatePolicy(const LayerKvConfig& config, in
 void LinkSequencePolicies(std::span<KvPolicy* const> layer_policies, std::span<KvPolicy* const> all_policies = {});
 
 // `cumulative`'s budget for `layer`: the config's budget is the mean over the model's layers;
-// the schedule spreads it from spread:1 (first layer : last), clamped to the whole context.
+// the schedule spreads it from spread:1 (first layer : last) with CumulativeSpread's spread.
 KvBudget CumulativeLayerBudget(const KvBudget& mean_budget, const KvMethodParams& params, int layer, int n_layers);
+// The spread the schedule uses: params.spread, lowered for a fraction budget m above 1/2 to
+// 1 / (2m - 1), the most that keeps the first layer's share 2 s m / (1 + s) within the whole
+// context, so the layers still average m (a larger spread would cap the first layer and give a
+// lower mean). DescribeLayer reports a lowered spread. Token budgets are not lowered: they
+// resolve against the tokens seen, as every method's do.
+double CumulativeSpread(const KvBudget& mean_budget, const KvMethodParams& params);
 
 // PyramidKV (Cai et al., 2024): per-layer budgets (window included) that decrease
 // linearly with depth and sum to n_layers * average_budget. Of the share above the window,

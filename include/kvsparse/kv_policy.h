@@ -37,14 +37,23 @@ enum ObservationField : uint32_t {
   kObserveSumWindow = 1u << 1,
   kObserveLast = 1u << 2,
   kObserveWindowRows = 1u << 3,
+  // Not a field: the fields asked for hold one row per query head instead of each KV head's fold
+  // (CAKE scores per query head, as its reference does after repeat_kv).
+  kObserveQueryHeads = 1u << 4,
 };
 
 // Attention probabilities gathered by the attention kernel for one call on one layer,
-// already aggregated over the query heads of each KV head. Rows are live-token indices.
+// aggregated over the query heads of each KV head (unless the policy asks kObserveQueryHeads).
+// Rows are live-token indices; the `n_kv_heads` of the shapes below is `n_heads` with
+// kObserveQueryHeads.
 struct AttentionObservation {
   int32_t n_queries = 0;               // queries in this call (1 in decode)
   int32_t n_tokens = 0;                // live tokens the queries could see (= live count)
   int n_kv_heads = 0;
+  // Heads of the arrays: n_kv_heads (0 says the same), or with kObserveQueryHeads the query
+  // heads, n_kv_heads x group (KV head h's at h·group .. h·group + group - 1).
+  int n_heads = 0;
+  int heads() const { return n_heads > 0 ? n_heads : n_kv_heads; }
   const int32_t* query_positions = nullptr;  // [n_queries]
   const float* sum_all = nullptr;      // [n_kv_heads, n_tokens] Σ over all queries of p(query, token)
   // [n_kv_heads, n_tokens] Σ over the last min(ObservationWindow(), n_queries) queries of

@@ -15,7 +15,8 @@ namespace kvsparse {
 //   per (token, kv head) like kInt8; the tokens of a (seq, layer)'s last, not yet full page stay
 //   in full precision (kKiviResidualStorage) and are quantized when their page fills.
 // kFp8E4M3, kFp8E5M2: one fp8 code per value and one scale per (token, kv head), value = scale *
-//   fp8(code), as serving engines store fp8 KV; the layout is int8's (ops/kv_quant.h has the codes).
+//   fp8(code); the layout is int8's (ops/kv_quant.h has the codes). The dynamic per-(token, head)
+//   scale is our choice: vLLM's default fp8 cache has one per-tensor scale of 1.0.
 // kInt4Kivi, kInt2Kivi (KIVI's own setting): asymmetric 4- or 2-bit codes with a zero point, value =
 //   min + scale * code, code in [0, 2^bits - 1], packed several to a byte; K per (page, kv head,
 //   channel), V per (token, kv head), the residual page in full precision as kInt8Kivi.

@@ -58,6 +58,10 @@ struct RetrievalModelOptions {
   int n_layers = 4;
   // Weight matrices: f32 or f16 (both score 100% on the tests); norms are always f32.
   DType weight_type = DType::kF32;
+  // kMultiHead: the induction head's second query head attends uniformly instead (its output is
+  // unused either way, so the model answers alike): a probe's group mean of the induction score
+  // halves, its group max does not.
+  bool lone_induction_query_head = false;
 };
 
 // Writes the model (GGUF v3, general.architecture "llama", context_length 32768, no tokenizer:

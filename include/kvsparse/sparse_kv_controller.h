@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "kvsparse/attention.h"
+#include "kvsparse/attention_scores.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/kv_policy.h"
 #include "kvsparse/paged_kv_cache.h"
@@ -99,8 +100,13 @@ class SparseKvController {
   // observation), kv_head -1 for a layer whose heads share one policy (the observation then
   // covers every head). For analysis tools (probe-heads); the heads of a per-head layer may call
   // it from several threads at once. Only layers whose policies observe attention call it.
+  // query_heads: the tap sees the observation's fields per query head (kObserveQueryHeads),
+  // gathered for it when the policy's own are folded.
   using ObservationTap = std::function<void(int seq, int layer, int kv_head, const AttentionObservation&)>;
-  void SetObservationTap(ObservationTap tap) { tap_ = std::move(tap); }
+  void SetObservationTap(ObservationTap tap, bool query_heads = false) {
+    tap_ = std::move(tap);
+    tap_query_heads_ = query_heads;
+  }
   PagedKvCache* cache() const { return cache_; }
   // Tokens per forward chunk for prompts (the config's prefill_chunk).
   int32_t prefill_chunk() const { return config_.prefill_chunk; }
@@ -261,16 +267,24 @@ class SparseKvController {
                                 std::unique_ptr<KvPolicy>* own) const;
   // Reused gathering outputs of one Observe (no allocation in steady-state decode).
   struct ObserveScratch {
-    std::vector<float> sum_all, sum_window, last;  // each [n_kv_heads, n_tokens]
-    std::vector<float> window_rows;                // [n_window, n_kv_heads, n_tokens]
+    std::vector<float> sum_all, sum_window, last;  // each [heads, n_tokens]
+    std::vector<float> window_rows;                // [n_window, heads, n_tokens]
+    std::vector<float> q_slice, row_max_sum_slice, slice;  // per-query-head gathering's one head of each group
+    std::vector<float> tap_sum_all, tap_sum_window, tap_last, tap_window_rows;  // a query-head tap's own
   };
   // The gathering pass and Observe for one policy, into `scratch`; touches nothing else of
   // the controller, so policies of different heads may observe concurrently.
-  // `tap`, when set, sees the observation first (with seq, layer, kv_head).
+  // `tap`, when set, sees the observation first (with seq, layer, kv_head), per query head when
+  // tap_query_heads.
+  // The gathering pass's outputs asked in `outputs`: each KV head's fold, or per query head.
+  static void GatherScores(const AttentionShape& shape, KvStorage storage, const ScoreGathering& gathering,
+                           const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
+                           int64_t n_tokens, const float* row_max_sum, const float* raw_scores, bool query_heads,
+                           const ScoreOutputs& outputs, int n_threads, ObserveScratch* scratch);
   static void Observe(KvPolicy& p, KvStorage storage, GqaAggregation aggregation, const AttentionShape& shape,
                       const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
                       const float* row_max_sum, int n_threads, const float* raw_scores, ObserveScratch* scratch,
-                      const std::function<void(const AttentionObservation&)>& tap);
+                      const std::function<void(const AttentionObservation&)>& tap, bool tap_query_heads);
   // RenumberPositions of the layer's table(s) (kv_head < 0: all) with rotate_.
   Status RenumberPositions(int seq, int layer, int kv_head);
   // Eviction of a layer: its table, each head's, or AdaKV's joint eviction of its heads.
@@ -306,6 +320,7 @@ class SparseKvController {
   std::vector<std::unique_ptr<KvPolicy>> layer_templates_;
   std::vector<SparseKvLayerStats> stats_;             // [n_layers], all sequences together
   ObservationTap tap_;
+  bool tap_query_heads_ = false;
   LayerKeyRotateFn rotate_;                              // RoPE by a position delta (cache-position layers)
 
   // Reused buffers (no allocation in steady-state decode).

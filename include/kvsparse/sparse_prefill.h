@@ -6,25 +6,28 @@
 // Methods (per layer, LayerKvConfig::prefill; JSON "prefill": {"method": ..., params}):
 // - vertical_slash: MInference (Jiang et al., NeurIPS 2024), its "vertical and slash" pattern.
 //   The last `last_q` (64) queries of the chunk attend to every key; their softmax
-//   probabilities, averaged over the kv head's query heads, are summed per key column
-//   (vertical) and per diagonal (slash: the distance from a query's newest key). The first
-//   `sink_columns` (30) columns and the `local_diagonals` (100) nearest diagonals are always
-//   kept, and the top `vertical` (1000) and top `slash` (6096) others. Each query
+//   probabilities are summed per key column
+//   (vertical) and per diagonal (slash: the distance from a query's newest key). The top
+//   `vertical` (1000, at least 30) columns and the top `slash` (6096, at least 50) diagonals are
+//   kept, the first `sink_columns` (30) columns and the `local_diagonals` (100) nearest diagonals
+//   first among them (scored +inf, inside the counts, as in the reference). Each query
 //   block attends to its columns one by one and to each diagonal as a `block`-wide (64) band
 //   that follows the diagonal through the block, as MInference's kernel does.
 // - block_sparse: MInference's block-sparse pattern. Queries and keys are mean-pooled over
-//   blocks of `block` (64); the pooled products (no scaling, no softmax), averaged over the
-//   query heads, rank the causal key blocks of each query block; the top `top_blocks` (100)
+//   blocks of `block` (64); the pooled products (no scaling, no softmax) rank the causal key
+//   blocks of each query block; the top `top_blocks` (100)
 //   are kept, and, unlike MInference, so are the blocks holding the query block's own tokens
 //   (so no query is left with nothing to attend to).
 // - xattention: XAttention (Xu et al., ICML 2025). Strided antidiagonal scores: with stride S
 //   (`stride`, 8), query tile a and key tile b score sum_t q[aS+S-1-t] . k[bS+t], scaled by
-//   1/(sqrt(head_dim) S); a softmax over each query tile's visible key tiles, averaged over the
-//   query heads, summed into `block` x `block` (128) blocks; per query block the sink block and
+//   1/(sqrt(head_dim) S); a softmax over each query tile's visible key tiles, summed into `block` x `block` (128) blocks; per query block the sink block and
 //   the blocks of its own tokens are kept, then the others by descending score while the kept
 //   share is below `threshold` (0.9) of the row (the block that crosses it is kept).
-// Estimates are made per kv head (GQA: a group's query heads share one selection, from the
-// mean of their scores) on f32 copies of the keys. `estimate_bits` (8 or 32) sets the precision
+// Each query head gets its own selection, as the references choose after repeat_kv (MInference's
+// minference_forward.py, XAttention's load_llama.py): a GQA group's heads attend to different
+// tokens, each reading its own. `group_shared` 1 makes one selection per kv head from the mean of
+// its query heads' scores instead (kvsparse's cheaper form: the group reads each selected K/V row
+// once). The score products are the same either way; estimates run on f32 copies of the keys. `estimate_bits` (8 or 32) sets the precision
 // of the estimating products: 8 (the default of vertical_slash and xattention, whose products
 // cost as much as the sparse attention they steer) rounds queries and keys to int8 per row and
 // key (ops::ScoreMatrixInt8: exact integer dots, VNNI; each score within its stated bound) on
@@ -70,7 +73,12 @@ struct PrefillSparsity {
   // every method: the estimating products' precision, 8 (int8, where the family has integer dots)
   // or 32 (f32)
   int estimate_bits = 8;
+  // every method: 0 (default) one selection per query head, 1 one per kv head (the group's mean)
+  int group_shared = 0;
 };
+
+// Selections an estimate makes for one kv head of `group` query heads: group, or 1 when shared.
+inline int PrefillSelectionsPerKvHead(const PrefillSparsity& p, int group) { return p.group_shared ? 1 : group; }
 
 // A method's paper defaults (block 128 for xattention, 64 otherwise; estimate_bits 32 for
 // block_sparse, 8 otherwise).
@@ -112,7 +120,9 @@ class PrefillSelector {
  public:
   // One kv head: q [n_q, group, head_dim] its query heads' rows (rotated), visible [n_q] the
   // tokens each query sees, keys [n_tokens rounded up to config.stride (xattention), head_dim]
-  // f32 (rows past n_tokens zero). head_shape: {group, 1, head_dim, scale}.
+  // f32 (rows past n_tokens zero). head_shape: {group, 1, head_dim, scale}. out:
+  // [PrefillSelectionsPerKvHead(config, group)], query head g's selection at out[g] (or the
+  // group's at out[0]).
   void Select(const PrefillSparsity& config, const AttentionShape& head_shape, const float* q, const int64_t* visible,
               int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
 
@@ -123,8 +133,10 @@ class PrefillSelector {
                    int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
   void XAttention(const PrefillSparsity& c, const AttentionShape& s, const float* q, const int64_t* visible,
                   int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
+  void AssemblePattern(const PrefillSparsity& c, const int64_t* visible, int32_t n_q, int64_t horizon,
+                       float* vertical_sums, float* slash_sums, PrefillSelection* out);
   std::vector<float> a_, b_, c_, d_, e_;  // scratch
-  std::vector<int64_t> index_;
+  std::vector<int64_t> index_, columns_;
   ops::Int8Keys int8_keys_;  // estimate_bits 8: the keys packed once per estimate
 };
 

@@ -359,7 +359,7 @@ void SparseKvController::ObserveAttention(int seq, int layer, const AttentionSha
   std::function<void(const AttentionObservation&)> tap;
   if (tap_) tap = [&](const AttentionObservation& obs) { tap_(seq, layer, -1, obs); };
   Observe(policy(seq, layer), cache_->sequence_storage(seq, layer), config_.agg, shape, q, q_pos, n_q, spans, n_spans,
-          row_max_sum, n_threads, raw_scores, &observe_scratch_[0], tap);
+          row_max_sum, n_threads, raw_scores, &observe_scratch_[0], tap, tap_query_heads_);
   SparseKvLayerStats& st = stats_[layer];
   ++st.observations;
   st.score_s += Seconds(t0, Clock::now());
@@ -384,7 +384,7 @@ void SparseKvController::ObserveHeadsAttention(int seq, int layer, const Attenti
     std::function<void(const AttentionObservation&)> tap;
     if (tap_) tap = [&](const AttentionObservation& obs) { tap_(seq, layer, h, obs); };
     Observe(policy(seq, layer, h), storage, config_.agg, head_shape, job.q, q_pos, n_q, job.spans, job.n_spans,
-            job.row_max_sum, threads, job.raw_scores, &observe_scratch_[h], tap);
+            job.row_max_sum, threads, job.raw_scores, &observe_scratch_[h], tap, tap_query_heads_);
   };
   if (all_raw) {
     // Decode: each head's gathering is small ([group, n_tokens]), so the heads share one
@@ -400,59 +400,143 @@ void SparseKvController::ObserveHeadsAttention(int seq, int layer, const Attenti
   st.score_s += Seconds(t0, Clock::now());
 }
 
+// The asked outputs of one layer call: each KV head's fold, or with query_heads one row per query
+// head. Per query head a decode step's raw scores are gathered as if each query head had its own
+// KV head (their rows do not depend on the K mapping); a prompt chunk's pass runs once per head
+// index g of the groups, every KV head's g-th query head at a time (the kernel then reads K once
+// per g), and its rows are scattered into place.
+void SparseKvController::GatherScores(const AttentionShape& shape, KvStorage storage, const ScoreGathering& gathering,
+                                      const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans,
+                                      int32_t n_spans, int64_t n_tokens, const float* row_max_sum,
+                                      const float* raw_scores, bool query_heads, const ScoreOutputs& outputs,
+                                      int n_threads, ObserveScratch* scratch) {
+  const int n_kv = shape.n_kv_heads, group = shape.n_heads / shape.n_kv_heads;
+  if (!query_heads || group == 1) {
+    if (raw_scores != nullptr) {
+      ops::GatherScoresFromRaw(shape, q_pos, n_q, n_tokens, raw_scores, row_max_sum, gathering, outputs, n_threads);
+    } else {
+      ops::AttentionScores(shape, storage, q, q_pos, n_q, spans, n_spans, row_max_sum, gathering, outputs, n_threads);
+    }
+    return;
+  }
+  AttentionShape each = shape;
+  if (raw_scores != nullptr) {
+    each.n_kv_heads = shape.n_heads;
+    ops::GatherScoresFromRaw(each, q_pos, n_q, n_tokens, raw_scores, row_max_sum, gathering, outputs, n_threads);
+    return;
+  }
+  each.n_heads = n_kv;
+  int32_t n_window = 0;  // the window's queries: the call's last ones (positions ascend)
+  while (n_window < n_q && q_pos[n_q - 1 - n_window] >= gathering.window_start) ++n_window;
+  const size_t d = static_cast<size_t>(shape.head_dim), plane = static_cast<size_t>(n_kv) * n_tokens;
+  scratch->q_slice.resize(static_cast<size_t>(n_q) * n_kv * d);             // [n_q, n_kv, head_dim]
+  scratch->row_max_sum_slice.resize(static_cast<size_t>(n_q) * n_kv * 2);  // [n_q, n_kv, 2]
+  scratch->slice.resize((3 + static_cast<size_t>(n_window)) * plane);       // the fields' [.., n_kv, n_tokens]
+  ScoreOutputs slice;
+  if (outputs.sum_all != nullptr) slice.sum_all = scratch->slice.data();
+  if (outputs.sum_window != nullptr) slice.sum_window = scratch->slice.data() + plane;
+  if (outputs.last != nullptr) slice.last = scratch->slice.data() + 2 * plane;
+  if (outputs.window_rows != nullptr) slice.window_rows = scratch->slice.data() + 3 * plane;
+  for (int g = 0; g < group; ++g) {
+    for (int32_t i = 0; i < n_q; ++i) {
+      for (int h = 0; h < n_kv; ++h) {
+        const size_t from = static_cast<size_t>(i) * shape.n_heads + static_cast<size_t>(h) * group + g;
+        const size_t to = static_cast<size_t>(i) * n_kv + h;
+        std::copy_n(q + from * d, d, scratch->q_slice.data() + to * d);
+        std::copy_n(row_max_sum + 2 * from, 2, scratch->row_max_sum_slice.data() + 2 * to);
+      }
+    }
+    ops::AttentionScores(each, storage, scratch->q_slice.data(), q_pos, n_q, spans, n_spans,
+                         scratch->row_max_sum_slice.data(), gathering, slice, n_threads);
+    // Row h of a slice plane is query head h·group + g of the output's.
+    auto scatter = [&](const float* from, float* to, int32_t planes) {
+      for (int32_t w = 0; w < planes; ++w) {
+        for (int h = 0; h < n_kv; ++h) {
+          std::copy_n(from + (static_cast<size_t>(w) * n_kv + h) * n_tokens, n_tokens,
+                      to + (static_cast<size_t>(w) * shape.n_heads + static_cast<size_t>(h) * group + g) * n_tokens);
+        }
+      }
+    };
+    if (outputs.sum_all != nullptr) scatter(slice.sum_all, outputs.sum_all, 1);
+    if (outputs.sum_window != nullptr) scatter(slice.sum_window, outputs.sum_window, 1);
+    if (outputs.last != nullptr) scatter(slice.last, outputs.last, 1);
+    if (outputs.window_rows != nullptr) scatter(slice.window_rows, outputs.window_rows, n_window);
+  }
+}
+
 void SparseKvController::Observe(KvPolicy& p, KvStorage storage, GqaAggregation aggregation,
                                  const AttentionShape& shape, const float* q, const int32_t* q_pos, int32_t n_q,
                                  const KvSpan* spans, int32_t n_spans, const float* row_max_sum, int n_threads,
                                  const float* raw_scores, ObserveScratch* scratch,
-                                 const std::function<void(const AttentionObservation&)>& tap) {
+                                 const std::function<void(const AttentionObservation&)>& tap, bool tap_query_heads) {
   int64_t n_tokens = 0;
   for (int32_t s = 0; s < n_spans; ++s) n_tokens += spans[s].n;
-  const size_t n_out = static_cast<size_t>(shape.n_kv_heads) * n_tokens;
   const uint32_t needed = p.NeededObservations();
+  const bool query_heads = (needed & kObserveQueryHeads) != 0;
+  const int heads = query_heads ? shape.n_heads : shape.n_kv_heads;  // rows of each output
+  const size_t n_out = static_cast<size_t>(heads) * n_tokens;
   const int32_t window = std::min(p.ObservationWindow(), n_q);
-  ScoreOutputs outputs;
-  if (needed & kObserveSumAll) {
-    scratch->sum_all.resize(n_out);
-    outputs.sum_all = scratch->sum_all.data();
-  }
-  if ((needed & kObserveSumWindow) && window > 0) {
-    scratch->sum_window.resize(n_out);
-    outputs.sum_window = scratch->sum_window.data();
-  }
   // A single query's window row is its `last` row (decode steps gather no rows of their own).
   const bool rows_from_last = (needed & kObserveWindowRows) && window > 0 && n_q == 1;
-  if ((needed & kObserveLast) || rows_from_last) {
-    scratch->last.resize(n_out);
-    outputs.last = scratch->last.data();
-  }
-  if ((needed & kObserveWindowRows) && window > 0 && !rows_from_last) {
-    scratch->window_rows.resize(static_cast<size_t>(window) * n_out);
-    outputs.window_rows = scratch->window_rows.data();
-  }
+  // The fields asked, into the four buffers given ([rows, n_tokens], window rows [window, rows, n_tokens]).
+  auto outputs_into = [&](size_t rows_out, std::vector<float>* sum_all, std::vector<float>* sum_window,
+                          std::vector<float>* last, std::vector<float>* window_rows) {
+    ScoreOutputs outputs;
+    if (needed & kObserveSumAll) {
+      sum_all->resize(rows_out);
+      outputs.sum_all = sum_all->data();
+    }
+    if ((needed & kObserveSumWindow) && window > 0) {
+      sum_window->resize(rows_out);
+      outputs.sum_window = sum_window->data();
+    }
+    if ((needed & kObserveLast) || rows_from_last) {
+      last->resize(rows_out);
+      outputs.last = last->data();
+    }
+    if ((needed & kObserveWindowRows) && window > 0 && !rows_from_last) {
+      window_rows->resize(static_cast<size_t>(window) * rows_out);
+      outputs.window_rows = window_rows->data();
+    }
+    return outputs;
+  };
+  const ScoreOutputs outputs = outputs_into(n_out, &scratch->sum_all, &scratch->sum_window, &scratch->last,
+                                            &scratch->window_rows);
   ScoreGathering gathering;
   gathering.aggregation = aggregation;
   // The window is the call's last `window` queries; positions ascend within a call.
   gathering.window_start = window > 0 ? q_pos[n_q - window] : INT32_MAX;
-  if (raw_scores != nullptr) {
-    // Decode steps: the attention call kept its scores, so K is not read a second time.
-    ops::GatherScoresFromRaw(shape, q_pos, n_q, n_tokens, raw_scores, row_max_sum, gathering, outputs, n_threads);
-  } else {
-    ops::AttentionScores(shape, storage, q, q_pos, n_q, spans, n_spans, row_max_sum, gathering,
-                         outputs, n_threads);
+  // Decode steps: the attention call kept its scores, so K is not read a second time.
+  GatherScores(shape, storage, gathering, q, q_pos, n_q, spans, n_spans, n_tokens, row_max_sum, raw_scores,
+               query_heads, outputs, n_threads, scratch);
+  auto observation = [&](const ScoreOutputs& o, int rows) {
+    AttentionObservation obs;
+    obs.n_queries = n_q;
+    obs.n_tokens = static_cast<int32_t>(n_tokens);
+    obs.n_kv_heads = shape.n_kv_heads;
+    obs.n_heads = rows;
+    obs.query_positions = q_pos;
+    obs.sum_all = o.sum_all;
+    obs.sum_window = o.sum_window;
+    obs.last = o.last;
+    if (needed & kObserveWindowRows) {
+      obs.n_window = window;
+      obs.window_rows = rows_from_last ? o.last : o.window_rows;
+    }
+    return obs;
+  };
+  const AttentionObservation obs = observation(outputs, heads);
+  if (tap) {
+    if (tap_query_heads && !query_heads && shape.n_heads != shape.n_kv_heads) {
+      const ScoreOutputs own = outputs_into(static_cast<size_t>(shape.n_heads) * n_tokens, &scratch->tap_sum_all,
+                                            &scratch->tap_sum_window, &scratch->tap_last, &scratch->tap_window_rows);
+      GatherScores(shape, storage, gathering, q, q_pos, n_q, spans, n_spans, n_tokens, row_max_sum, raw_scores,
+                   /*query_heads=*/true, own, n_threads, scratch);
+      tap(observation(own, shape.n_heads));
+    } else {
+      tap(obs);
+    }
   }
-  AttentionObservation obs;
-  obs.n_queries = n_q;
-  obs.n_tokens = static_cast<int32_t>(n_tokens);
-  obs.n_kv_heads = shape.n_kv_heads;
-  obs.query_positions = q_pos;
-  obs.sum_all = outputs.sum_all;
-  obs.sum_window = outputs.sum_window;
-  obs.last = outputs.last;
-  if (needed & kObserveWindowRows) {
-    obs.n_window = window;
-    obs.window_rows = rows_from_last ? outputs.last : outputs.window_rows;
-  }
-  if (tap) tap(obs);
   p.Observe(obs);
 }
 

@@ -283,7 +283,9 @@ Status WriteRetrievalModel(const RetrievalModelOptions& options, const std::stri
       const HeadRole role = RoleOf(options.shape, l, n_layers, h, &writes);
       // Every query head of the group attends alike; only the first one's output is used.
       for (int g = 0; g < group; ++g) {
-        SetHead(role, writes && g == 0, l, norms, dim, inv_freq, static_cast<int64_t>(h * group + g) * kHeadDim,
+        const HeadRole query_role =
+            options.lone_induction_query_head && g > 0 && role == HeadRole::kInduction ? HeadRole::kUniform : role;
+        SetHead(query_role, writes && g == 0, l, norms, dim, inv_freq, static_cast<int64_t>(h * group + g) * kHeadDim,
                 static_cast<int64_t>(h) * kHeadDim, &wq, &wk, &wv, &wo);
       }
     }

@@ -16,14 +16,24 @@
 // (KvPolicy::CascadesBudget), so memory never holds more than the total.
 // Inside a layer a token's score is mean + gamma * variance of the attention the window's queries
 // gave it (the eviction indicator; variance marks tokens whose importance shifts), smoothed by
-// average pooling (kernel 5) and ranked per KV head; the window is kept. Prompt only, like the
-// reference's default (generated tokens are all kept).
+// average pooling (kernel 5) and ranked per KV head; the window is kept. While decoding, the
+// reference (cake_cache.py, CakeDecodingKVCache_LayerWise) evicts at every step back to the
+// layer's budget (its share plus the window), scored by the step's query alone: so does
+// `cake` ("decode_evict" true; `bench` evicts every step, a server every evict_interval steps;
+// "decode_evict": false keeps every generated token instead). The reference evicts before the
+// step's attention, kvsparse after it (the step reads one token more).
+// Budget a layer cannot hold (a share above the tokens seen) goes equally to the others, as in
+// the reference's adjust_budgets ("excess": "equal"); "preference" splits it by preference.
 // Defaults (the reference's): window 32, gamma 200, tau1 = tau2 = 1 (its per-model tuned values
-// are in model2tau.json), kernel 5 average pooling, per KV head.
-// Differences: attention is the group's average over its query heads (GQA aggregation, as every
-// method here), so the entropy is that of the averaged distribution; layers that have not yet
-// been measured on the current prompt call are left out of the split (the reference's cascade
-// runs once, over one prompt).
+// are in model2tau.json), kernel 5 average pooling, per KV head, decode eviction.
+// GQA: as the reference (after repeat_kv), the indicator is computed per query head, pooled per
+// query head and averaged over each KV head's group, and the preference sums the entropy and
+// variance of every query head ("query_head_scores" true; the policy then keeps group x window
+// floats per token and KV head). "query_head_scores": false scores the group's mean attention
+// instead (kvsparse's cheaper form, 1/group of the state). Under "layer_budgets": "cake" the
+// wrapped method's observations are its own (folded per KV head), and so is the preference.
+// Differences: layers that have not yet been measured on the current prompt call are left out of
+// the split (the reference's cascade runs once, over one prompt).
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -35,8 +45,47 @@
 
 namespace kvsparse {
 
+namespace {
+
+// The reference's adjust_budgets on the shares above the windows: shares[k] truncated, each
+// layer's room room[k]; `total` the tokens to split. Returns the final shares.
+std::vector<int64_t> EqualExcessShares(std::span<const double> prefs, std::span<const int64_t> room, int64_t total) {
+  const size_t n = prefs.size();
+  double weight = 0;
+  for (double p : prefs) weight += std::max(p, 0.0);
+  const bool proportional = weight > 0 && std::isfinite(weight);
+  std::vector<int64_t> share(n);
+  for (size_t k = 0; k < n; ++k) {
+    const double w = proportional ? std::max(prefs[k], 0.0) / weight : 1.0 / static_cast<double>(n);
+    share[k] = static_cast<int64_t>(w * static_cast<double>(total));  // numpy's int(): truncation
+  }
+  // Hands `amount` out one equal part per selected layer, the remainder to the first of them.
+  auto spread = [&](int64_t amount, int sign, auto&& selected) {
+    std::vector<size_t> picked;
+    for (size_t k = 0; k < n; ++k)
+      if (selected(k)) picked.push_back(k);
+    if (picked.empty() || amount <= 0) return;
+    const int64_t each = amount / static_cast<int64_t>(picked.size());
+    const int64_t remainder = amount % static_cast<int64_t>(picked.size());
+    for (size_t i = 0; i < picked.size(); ++i) share[picked[i]] += sign * (each + (static_cast<int64_t>(i) < remainder));
+  };
+  int64_t excess = 0;
+  for (size_t k = 0; k < n; ++k) {
+    excess += std::max<int64_t>(share[k] - room[k], 0);
+    share[k] = std::min(share[k], room[k]);
+  }
+  spread(excess, +1, [&](size_t k) { return share[k] < room[k]; });
+  const int64_t diff = total - std::accumulate(share.begin(), share.end(), int64_t{0});
+  if (diff > 0) spread(diff, +1, [&](size_t k) { return share[k] < room[k]; });
+  if (diff < 0) spread(-diff, -1, [&](size_t k) { return share[k] > 1; });
+  for (size_t k = 0; k < n; ++k) share[k] = std::clamp<int64_t>(share[k], 0, room[k]);
+  return share;
+}
+
+}  // namespace
+
 std::vector<int64_t> CakeLayerBudgets(std::span<const double> prefs, std::span<const int32_t> windows, int64_t room,
-                                      int64_t total) {
+                                      int64_t total, CakeExcess excess) {
   const size_t n = prefs.size();
   KVS_CHECK(windows.size() == n && room >= 0 && total >= 0);
   std::vector<int64_t> budgets(n, 0);
@@ -46,6 +95,13 @@ std::vector<int64_t> CakeLayerBudgets(std::span<const double> prefs, std::span<c
   for (size_t k = 0; k < n; ++k) {
     budgets[k] = std::min<int64_t>({windows[k], room, left / static_cast<int64_t>(n - k)});
     left -= budgets[k];
+  }
+  if (excess == CakeExcess::kEqual) {
+    std::vector<int64_t> share_room(n);
+    for (size_t k = 0; k < n; ++k) share_room[k] = room - budgets[k];
+    const std::vector<int64_t> shares = EqualExcessShares(prefs, share_room, left);
+    for (size_t k = 0; k < n; ++k) budgets[k] += shares[k];
+    return budgets;
   }
   // Water-filling: layers at the room drop out and their excess goes to the rest.
   std::vector<uint8_t> open(n, 1);
@@ -133,9 +189,16 @@ class CakeScoringPolicy final : public SnapKvPolicy {
   using SnapKvPolicy::SnapKvPolicy;
   std::string_view name() const override { return "cake"; }
   std::unique_ptr<KvPolicy> Clone() const override { return std::make_unique<CakeScoringPolicy>(*this); }
+  // The indicator per query head, pooled per query head, then the heads' mean (SnapKV's fold).
+  uint32_t NeededObservations() const override {
+    return SnapKvPolicy::NeededObservations() | (params_.query_head_scores ? kObserveQueryHeads : 0u);
+  }
 
  protected:
-  float WindowVote(const float* ring, int32_t window, int32_t observed) const override {
+  float WindowVote(const float* ring, int32_t window, int32_t observed, bool in_prefill) const override {
+    // A decode step's eviction scores by that step's query alone (cake_cache.py's decoding
+    // cache: its attention, pooled, no variance).
+    if (!in_prefill) return ring[0];
     // mean + gamma * variance over the queries of the window that exist (the reference's window
     // is always full: it compresses prompts longer than the window).
     const auto [mean, var] = MeanVariance(ring, std::max<int32_t>(1, std::min(window, observed)), 1);
@@ -177,9 +240,10 @@ void CakeAllocatedPolicy::Observe(const AttentionObservation& obs) {
   // the attention the call's last queries gave the keys before them, summed over heads and keys.
   if (obs.n_queries <= 1 || obs.n_tokens == 0 || obs.window_rows == nullptr || obs.n_window < 1) return;
   const int32_t window = obs.n_window, before = obs.n_tokens - window;  // keys before the window: [0, before)
-  const size_t plane = static_cast<size_t>(obs.n_kv_heads) * obs.n_tokens;  // one query's rows
+  // Over query heads when the observation has them (the reference's sums), else over KV heads' folds.
+  const size_t plane = static_cast<size_t>(obs.heads()) * obs.n_tokens;  // one query's rows
   double entropy = 0, variance = 0;
-  for (int h = 0; h < obs.n_kv_heads; ++h) {
+  for (int h = 0; h < obs.heads(); ++h) {
     for (int32_t t = 0; t < before; ++t) {
       const float* column = obs.window_rows + static_cast<size_t>(h) * obs.n_tokens + t;  // stride: plane
       for (int32_t w = 0; w < window; ++w) {
@@ -232,7 +296,7 @@ int32_t CakeAllocatedPolicy::BudgetTokens(int32_t n_seen) const {
       g.windows.push_back(heads.front()->window_);
       g.measured.push_back(l);
     }
-    const std::vector<int64_t> budgets = CakeLayerBudgets(g.prefs, g.windows, n_seen, total);
+    const std::vector<int64_t> budgets = CakeLayerBudgets(g.prefs, g.windows, n_seen, total, params_.excess);
     g.split.assign(g.layers.size(), 0);
     for (size_t k = 0; k < budgets.size(); ++k) g.split[g.measured[k]] = budgets[k];
     g.split_n_seen = n_seen;

@@ -6,17 +6,24 @@
 #include <span>
 #include <vector>
 
+#include "kvsparse/kv_policies.h"
 #include "policy/snapkv.h"
 
 namespace kvsparse {
 
 // CAKE's split of `total` tokens over the layers observed so far: each gets its window (capped by
 // the room and by an equal share of `total`), then the rest in proportion to its preference (an
-// equal split when every preference is 0); no layer gets more than `room` (the tokens seen),
-// its excess going to the others. The budgets sum to min(total, layers x room).
+// equal split when every preference is 0); no layer gets more than `room` (the tokens seen).
+// What a layer cannot hold goes to the others:
+// - kEqual (the reference's adjust_budgets): the shares are truncated to integers; the excess
+//   over the room is split equally over the layers below it (the remainder one token each to the
+//   first of them), then the shortfall of the truncation likewise; a share still above the room
+//   is cut to it (the reference's eviction does), so the sum may fall short of the total.
+// - kPreference: the excess goes to the others by preference, repeated until none is capped,
+//   and the truncation's remainder by largest fraction: the budgets sum to min(total, layers x room).
 // prefs, windows: [n observed layers].
 std::vector<int64_t> CakeLayerBudgets(std::span<const double> prefs, std::span<const int32_t> windows, int64_t room,
-                                      int64_t total);
+                                      int64_t total, CakeExcess excess = CakeExcess::kEqual);
 
 namespace policy {
 

@@ -27,13 +27,33 @@ TEST(CakeLayerBudgetsTest, ProportionalAboveTheWindows) {
 
 TEST(CakeLayerBudgetsTest, RoomCapsAndTheExcessMovesOn) {
   // The preferred layer cannot hold more than the 100 tokens seen; the rest goes to the others.
-  const auto b = CakeLayerBudgets(std::vector<double>{1, 100, 1}, std::vector<int32_t>{4, 4, 4}, 100, 240);
+  // The reference's adjust_budgets: 228 tokens above the windows, truncated shares 2, 223, 2;
+  // layer 1 is cut to its room of 96 and its 127 go equally to the other two (64 and 63, the
+  // remainder to the first), then the truncation's 1 token to the first below its room.
+  EXPECT_EQ(CakeLayerBudgets(std::vector<double>{1, 100, 1}, std::vector<int32_t>{4, 4, 4}, 100, 240),
+            (std::vector<int64_t>{4 + 67, 100, 4 + 65}));
+  const auto b = CakeLayerBudgets(std::vector<double>{1, 100, 1}, std::vector<int32_t>{4, 4, 4}, 100, 240,
+                                  CakeExcess::kPreference);
   EXPECT_EQ(b[1], 100);
   EXPECT_EQ(b[0] + b[2], 140);
   EXPECT_EQ(b[0], b[2]);
   // More than every layer can hold: all at the room.
-  EXPECT_EQ(CakeLayerBudgets(std::vector<double>{1, 2}, std::vector<int32_t>{4, 4}, 50, 1000),
-            (std::vector<int64_t>{50, 50}));
+  for (CakeExcess excess : {CakeExcess::kEqual, CakeExcess::kPreference}) {
+    EXPECT_EQ(CakeLayerBudgets(std::vector<double>{1, 2}, std::vector<int32_t>{4, 4}, 50, 1000, excess),
+              (std::vector<int64_t>{50, 50}));
+  }
+}
+
+// The equal split differs from the preference split when a capped layer's excess moves: the
+// reference hands it out equally, whatever the others' preferences.
+TEST(CakeLayerBudgetsTest, EqualExcessIgnoresTheOthersPreferences) {
+  // Shares above windows of 0: 9/10 of 100 = 90 -> capped at 40, its 50 split 25 + 25 although
+  // layer 2 is preferred 0.09 to 0.01 over layer 0 (shares 1 and 9 before).
+  EXPECT_EQ(CakeLayerBudgets(std::vector<double>{0.01, 0.9, 0.09}, std::vector<int32_t>{0, 0, 0}, 40, 100),
+            (std::vector<int64_t>{26, 40, 34}));
+  const auto by_preference = CakeLayerBudgets(std::vector<double>{0.01, 0.9, 0.09}, std::vector<int32_t>{0, 0, 0}, 40,
+                                              100, CakeExcess::kPreference);
+  EXPECT_EQ(by_preference, (std::vector<int64_t>{20, 40, 40}));
 }
 
 TEST(CakeLayerBudgetsTest, ZeroPreferencesSplitEquallyAndTinyTotalsSplitTheWindows) {
@@ -44,7 +64,7 @@ TEST(CakeLayerBudgetsTest, ZeroPreferencesSplitEquallyAndTinyTotalsSplitTheWindo
   EXPECT_TRUE(CakeLayerBudgets({}, {}, 10, 10).empty());
 }
 
-TEST(CakeLayerBudgetsTest, RandomSplitsSumToTheTotalWithinTheRoom) {
+TEST(CakeLayerBudgetsTest, RandomSplitsSumToTheTotalWithinTheRoom) {  // the preference rule
   std::mt19937 rng(5);
   for (int trial = 0; trial < 500; ++trial) {
     const int n = std::uniform_int_distribution<int>(1, 12)(rng);
@@ -56,7 +76,10 @@ TEST(CakeLayerBudgetsTest, RandomSplitsSumToTheTotalWithinTheRoom) {
     }
     const int64_t room = std::uniform_int_distribution<int64_t>(1, 500)(rng);
     const int64_t total = std::uniform_int_distribution<int64_t>(0, 3000)(rng);
-    const auto b = CakeLayerBudgets(prefs, windows, room, total);
+    const auto equal = CakeLayerBudgets(prefs, windows, room, total);
+    EXPECT_LE(Sum(equal), std::min<int64_t>(total, room * n)) << "trial " << trial;
+    for (int k = 0; k < n; ++k) EXPECT_TRUE(equal[k] >= 0 && equal[k] <= room) << "trial " << trial;
+    const auto b = CakeLayerBudgets(prefs, windows, room, total, CakeExcess::kPreference);
     ASSERT_EQ(Sum(b), std::min<int64_t>(total, room * n)) << "trial " << trial;
     for (int k = 0; k < n; ++k) {
       EXPECT_GE(b[k], 0);
@@ -117,6 +140,81 @@ TEST(CakePolicyTest, IndicatorIsMeanPlusGammaVarianceOfTheWindow) {
   std::vector<uint8_t> keep;
   policy->SelectKeep(ctx, &keep);
   EXPECT_EQ(keep, (std::vector<uint8_t>{0, 0, 1, 0, 1, 1, 1, 1}));
+  // A decode step's eviction scores by its query alone (the reference's decoding cache): that
+  // query gives token 1 the most, so token 1 is kept although token 2's indicator is higher.
+  policy->OnAppend(1);
+  std::vector<float> decode_row(static_cast<size_t>(n) + 1, 0.01f);
+  decode_row[1] = 0.5f;
+  std::vector<int32_t> decode_pos = {n};
+  AttentionObservation step;
+  step.n_queries = 1;
+  step.n_tokens = n + 1;
+  step.n_kv_heads = 1;
+  step.query_positions = decode_pos.data();
+  step.n_window = 1;
+  step.window_rows = decode_row.data();
+  policy->Observe(step);
+  positions.push_back(n);
+  ctx.n_live = n + 1;
+  ctx.current_position = n;
+  ctx.in_prefill = false;
+  policy->SelectKeep(ctx, &keep);
+  EXPECT_EQ(keep, (std::vector<uint8_t>{0, 1, 0, 0, 0, 1, 1, 1, 1}));
+}
+
+// The reference scores per query head (after repeat_kv): mean + gamma * variance of each head's
+// window attention, then the group's mean. With 4 query heads, token 1 draws 0.4 from one head's
+// first window query and nothing else; token 2 draws 0.104 from every head's first query. The
+// group's mean attention gives both the same series shape, token 2 slightly more (it wins the
+// group-mean indicator); per query head, token 1's variance in its one head outweighs it.
+TEST(CakePolicyTest, IndicatorIsPerQueryHeadThenTheGroupsMean) {
+  constexpr int32_t n = 8, q = 4;
+  constexpr int kHeads = 4;
+  std::vector<float> heads_rows(static_cast<size_t>(q) * kHeads * n, 0.f);  // [q, heads, n]
+  std::vector<float> mean_rows(static_cast<size_t>(q) * n, 0.f);            // [q, 1, n] the group's mean
+  auto at = [&](int w, int h, int t) -> float& { return heads_rows[(static_cast<size_t>(w) * kHeads + h) * n + t]; };
+  at(0, 0, 1) = 0.4f;
+  for (int h = 0; h < kHeads; ++h) at(0, h, 2) = 0.104f;
+  for (int w = 0; w < q; ++w) {
+    for (int t = 0; t < n; ++t) {
+      for (int h = 0; h < kHeads; ++h) mean_rows[static_cast<size_t>(w) * n + t] += at(w, h, t) / kHeads;
+    }
+  }
+  std::vector<int32_t> qpos = {4, 5, 6, 7}, positions(n);
+  std::iota(positions.begin(), positions.end(), 0);
+  for (const bool query_heads : {true, false}) {
+    LayerKvConfig config;
+    config.method = KvMethod::kCake;
+    config.params = DefaultMethodParams(KvMethod::kCake);
+    config.params.obs_window = q;
+    config.params.kernel = 1;
+    config.params.gamma = 10;
+    config.params.query_head_scores = query_heads;
+    config.budget = KvBudget::Tokens(5);
+    auto policy = std::move(CreatePolicy(config, 0, 1, 1)).value();
+    EXPECT_EQ((policy->NeededObservations() & kObserveQueryHeads) != 0, query_heads);
+    policy->OnAppend(n);
+    AttentionObservation obs;
+    obs.n_queries = q;
+    obs.n_tokens = n;
+    obs.n_kv_heads = 1;
+    obs.n_heads = query_heads ? kHeads : 1;
+    obs.query_positions = qpos.data();
+    obs.n_window = q;
+    obs.window_rows = query_heads ? heads_rows.data() : mean_rows.data();
+    policy->Observe(obs);
+    SelectionContext ctx;
+    ctx.n_live = n;
+    ctx.target = 5;  // the 4-token window + one earlier token
+    ctx.positions = positions.data();
+    ctx.current_position = n - 1;
+    ctx.in_prefill = true;
+    std::vector<uint8_t> keep;
+    policy->SelectKeep(ctx, &keep);
+    const int kept = query_heads ? 1 : 2;
+    EXPECT_EQ(keep[kept], 1) << (query_heads ? "per query head" : "group mean");
+    EXPECT_EQ(keep[3 - kept], 0) << (query_heads ? "per query head" : "group mean");
+  }
 }
 
 }  // namespace

@@ -12,11 +12,14 @@
 //   sum, not each query's row): within a chunk, early and late queries weigh the same.
 // - Layer l keeps its share r_l of the tokens seen: the config's budget is the mean share, and
 //   "schedule" spreads it over depth, "linear" (default) or "cosine", from spread:1 (default 3)
-//   at the first layer down to the last; "none" takes each layer's budget as given. The sets are
-//   nested: a token a deep layer keeps is kept by every shallower one.
-// - Incremental at every step: new tokens enter, each layer drops its lowest-ranked tokens that
-//   no deeper layer holds, O(log n) each; every "rerank_period" appended tokens (default 16) a
-//   global re-rank refreshes the order from the current importance.
+//   at the first layer down to the last; "none" takes each layer's budget as given. A fraction
+//   budget above (1 + spread) / (2 spread) (2/3 at spread 3) would need a first layer above 100%:
+//   the spread is lowered to fit (CumulativeSpread) and the layer summary says so. The sets are nested: a token a deep
+//   layer keeps is kept by every shallower one.
+// - Incremental at every step: new tokens enter, and each layer drops its lowest-ranked tokens,
+//   O(log n) each; a token a layer drops is dropped by every deeper layer too (nesting), which
+//   frees it at its own next eviction. Every "rerank_period" appended tokens (default 16) a global
+//   re-rank refreshes the order from the current importance.
 // - "mode": "evict" (default) frees the tokens a layer drops, like every evicting method here;
 //   "mask" keeps them in memory and only skips reading them at decode steps (prompt chunks stay
 //   dense), so a re-rank can bring a token back: read sparsity, like Quest.
@@ -250,13 +253,19 @@ std::unique_ptr<KvPolicy> MakeCumulativePolicy(const KvBudget& mean_budget, cons
 
 }  // namespace policy
 
+double CumulativeSpread(const KvBudget& mean_budget, const KvMethodParams& params) {
+  if (params.schedule == RetentionSchedule::kNone || !mean_budget.is_fraction() || mean_budget.fraction <= 0.5)
+    return params.spread;
+  return std::min(params.spread, 1.0 / (2.0 * std::min(1.0, mean_budget.fraction) - 1.0));
+}
+
 KvBudget CumulativeLayerBudget(const KvBudget& mean_budget, const KvMethodParams& params, int layer, int n_layers) {
   if (params.schedule == RetentionSchedule::kNone) return mean_budget;
   const double x = n_layers > 1 ? static_cast<double>(layer) / (n_layers - 1) : 0.5;
   // shape 1 at the first layer, 0 at the last; both shapes average 1/2 over evenly spaced layers,
   // so first = 2 s m / (1 + s) and last = 2 m / (1 + s) average to the mean m.
   const double shape = params.schedule == RetentionSchedule::kLinear ? 1.0 - x : 0.5 * (1.0 + std::cos(std::numbers::pi * x));
-  const double s = params.spread;
+  const double s = CumulativeSpread(mean_budget, params);
   const double factor = (2.0 / (1.0 + s)) * (1.0 + (s - 1.0) * shape);  // share / mean share
   if (mean_budget.is_fraction()) return KvBudget::Fraction(std::min(1.0, mean_budget.fraction * factor));
   return KvBudget::Tokens(std::max<int32_t>(1, static_cast<int32_t>(std::lround(mean_budget.tokens * factor))));

@@ -164,7 +164,22 @@ TEST(CumulativeScheduleTest, SharesAverageToTheBudgetAndDecreaseWithDepth) {
   EXPECT_EQ(CumulativeLayerBudget(KvBudget::Tokens(100), none, 3, 8).tokens, 100);
   KvMethodParams linear = DefaultMethodParams(KvMethod::kCumulative);
   EXPECT_EQ(CumulativeLayerBudget(KvBudget::Tokens(100), linear, 0, 3).tokens, 150);
-  EXPECT_EQ(CumulativeLayerBudget(KvBudget::Fraction(0.8), linear, 0, 3).fraction, 1.0);  // clamped
+  // A mean of 0.8 at spread 3 would give the first layer 1.2: the spread drops to 1 / (2 0.8 - 1)
+  // = 5/3, the first layer keeps everything and the layers still average 0.8.
+  EXPECT_NEAR(CumulativeSpread(KvBudget::Fraction(0.8), linear), 5.0 / 3.0, 1e-12);
+  EXPECT_EQ(CumulativeSpread(KvBudget::Fraction(0.6), linear), 3.0);
+  EXPECT_EQ(CumulativeSpread(KvBudget::Tokens(100), linear), 3.0);
+  for (double mean : {0.7, 0.8, 0.95, 1.0}) {
+    const int n_layers = 22;
+    double sum = 0;
+    for (int l = 0; l < n_layers; ++l) {
+      const double share = CumulativeLayerBudget(KvBudget::Fraction(mean), linear, l, n_layers).fraction;
+      EXPECT_LE(share, 1.0 + 1e-12);
+      sum += share;
+    }
+    EXPECT_NEAR(sum / n_layers, mean, 1e-9) << mean;
+    EXPECT_NEAR(CumulativeLayerBudget(KvBudget::Fraction(mean), linear, 0, n_layers).fraction, 1.0, 1e-9);
+  }
 }
 
 // The layers' policies of one sequence, linked, each over a stand-in cache of live ids.

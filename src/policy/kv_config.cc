@@ -217,6 +217,7 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
     return ReadEnum<VotePooling>(v, where, key, {"max", "avg"}, {VotePooling::kMax, VotePooling::kAvg}, &p->pooling);
   }
   if (key == "decode_evict") return ReadBool(v, where, key, &p->decode_evict);
+  if (key == "query_head_scores") return ReadBool(v, where, key, &p->query_head_scores);
   if (key == "beta") return ReadNumber(v, where, key, &p->beta);
   if (key == "page_tokens") return ReadInt(v, where, key, &p->page_tokens);
   if (key == "dense_layers") return ReadInt(v, where, key, &p->dense_layers);
@@ -255,6 +256,10 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   }
   if (key == "gamma") return ReadNumber(v, where, key, &p->gamma);
   if (key == "tau1") return ReadNumber(v, where, key, &p->tau1);
+  if (key == "excess") {
+    return ReadEnum<CakeExcess>(v, where, key, {"equal", "preference"}, {CakeExcess::kEqual, CakeExcess::kPreference},
+                                &p->excess);
+  }
   if (key == "tau2") return ReadNumber(v, where, key, &p->tau2);
   if (key == "heads") {
     if (!v.is_string() || v.get<std::string>().empty())
@@ -263,9 +268,12 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
     p->full_heads_resolved = false;
     return Status::Ok();
   }
-  if (key == "retrieval_heads") {
+  if (key == "retrieval_heads" || key == "echo_heads" || key == "induction_heads") {
     p->full_heads_resolved = false;
-    return ReadNumber(v, where, key, &p->retrieval_heads);
+    return ReadNumber(v, where, key,
+                      key == "retrieval_heads" ? &p->retrieval_heads
+                      : key == "echo_heads"    ? &p->echo_heads
+                                               : &p->induction_heads);
   }
   return where.Error(key, "internal: parameter without a reader");
 }
@@ -457,7 +465,11 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "rerank_period") s += fmt::format(" rerank_period={}", p.rerank_period);
     if (key == "mode") s += fmt::format(" mode={}", CumulativeModeName(p.mode));
     if (key == "schedule") s += fmt::format(" schedule={}", RetentionScheduleName(p.schedule));
-    if (key == "spread") s += fmt::format(" spread={:g}", p.spread);
+    if (key == "spread") {
+      s += fmt::format(" spread={:g}", p.spread);
+      const double used = CumulativeSpread(l.budget, p);
+      if (used < p.spread) s += fmt::format(" (lowered to {:.3g}: the first layer keeps 100%)", used);
+    }
     if (key == "layer_weight" && p.layer_weight >= 0) s += fmt::format(" layer_weight={:g}", p.layer_weight);
     if (key == "reselect_layer" && p.reselect_layer >= 0) s += fmt::format(" reselect_layer={}", p.reselect_layer);
     if (key == "selection") s += fmt::format(" selection={}", ReuseSelectionName(p.selection));
@@ -474,8 +486,12 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "layer_budgets" && cake_allocation) s += " layer_budgets=cake";
     if (key == "tau1" && cake_allocation) s += fmt::format(" tau1={:g}", p.tau1);
     if (key == "tau2" && cake_allocation) s += fmt::format(" tau2={:g}", p.tau2);
+    if (key == "excess" && cake_allocation) s += fmt::format(" excess={}", CakeExcessName(p.excess));
+    if (key == "query_head_scores" && !p.query_head_scores) s += " query_head_scores=false";
     if (key == "heads") s += " heads=" + (p.heads_file.empty() ? std::string("probed") : p.heads_file);
-    if (key == "retrieval_heads") s += fmt::format(" retrieval_heads={:g}", p.retrieval_heads);
+    if (key == "retrieval_heads" && p.retrieval_heads >= 0) s += fmt::format(" retrieval_heads={:g}", p.retrieval_heads);
+    if (key == "echo_heads" && p.retrieval_heads < 0) s += fmt::format(" echo_heads={:g}", p.echo_heads);
+    if (key == "induction_heads" && p.retrieval_heads < 0) s += fmt::format(" induction_heads={:g}", p.induction_heads);
   }
   return s;
 }

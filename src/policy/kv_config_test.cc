@@ -443,5 +443,16 @@ TEST(KvConfigTest, KiviResidualIsWholePages) {
   EXPECT_MENTIONS(m, "field 'kivi_residual'");
 }
 
+// A cumulative mean budget the default spread cannot meet (0.8 > 2/3 at spread 3) is met with a
+// lower spread, and the summary says so rather than silently keeping less.
+TEST(KvConfigTest, CumulativeSummaryReportsALoweredSpread) {
+  auto high = ParseKvSparsityConfig(R"({"default": {"method": "cumulative", "budget": 0.8}})", kLayers);
+  ASSERT_TRUE(high.ok()) << high.status().ToString();
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*high), "spread=3 (lowered to 1.67: the first layer keeps 100%)");
+  auto low = ParseKvSparsityConfig(R"({"default": {"method": "cumulative", "budget": 0.5}})", kLayers);
+  ASSERT_TRUE(low.ok()) << low.status().ToString();
+  EXPECT_EQ(KvSparsityConfigSummary(*low).find("lowered"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvsparse

@@ -16,29 +16,29 @@ struct MethodInfo {
 };
 
 constexpr std::string_view kStreamingKeys[] = {"n_sink", "cache_positions"};
-// "layer_budgets", "tau1", "tau2": CAKE's allocation of the layers' budgets (cake.h), on any evicting method.
-constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "layer_budgets", "tau1", "tau2"};
+// "layer_budgets", "tau1", "tau2", "excess": CAKE's allocation of the layers' budgets (cake.h), on any evicting method.
+constexpr std::string_view kWindowedKeys[] = {"n_sink", "recent", "recent_ratio", "head_reduce", "layer_budgets", "tau1", "tau2", "excess"};
 constexpr std::string_view kH2OKeys[] = {"n_sink", "recent",        "recent_ratio", "head_reduce", "head_budgets",
-                                         "adaptive_rule", "alpha", "floor",  "layer_budgets", "tau1", "tau2"};
+                                         "adaptive_rule", "alpha", "floor",  "layer_budgets", "tau1", "tau2", "excess"};
 constexpr std::string_view kScissorhandsKeys[] = {"n_sink",        "recent", "recent_ratio", "head_reduce", "history_window",
-                                                  "layer_budgets", "tau1",   "tau2"};
+                                                  "layer_budgets", "tau1",   "tau2", "excess"};
 constexpr std::string_view kSnapKvKeys[] = {"window",        "kernel", "pooling", "head_reduce",   "decode_evict",
                                             "head_budgets",  "adaptive_rule", "alpha", "floor", "layer_budgets",
-                                            "tau1",          "tau2"};
+                                            "tau1",          "tau2", "excess"};
 constexpr std::string_view kPyramidKvKeys[] = {"window", "kernel",        "pooling", "head_reduce", "decode_evict",
                                                "beta",   "head_budgets",  "adaptive_rule", "alpha", "floor",
-                                               "layer_budgets", "tau1",   "tau2"};
-constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio", "layer_budgets", "tau1", "tau2"};
+                                               "layer_budgets", "tau1",   "tau2", "excess"};
+constexpr std::string_view kRandomKeys[] = {"n_sink", "recent", "recent_ratio", "layer_budgets", "tau1", "tau2", "excess"};
 constexpr std::string_view kQuestKeys[] = {"page_tokens", "head_reduce", "dense_layers"};
 constexpr std::string_view kOracleKeys[] = {"head_reduce"};
 constexpr std::string_view kReuseKeys[] = {"dense_layers", "reselect_layer", "selection", "page_tokens", "head_reduce"};
 constexpr std::string_view kCumulativeKeys[] = {"decay",        "rerank_period", "mode", "schedule", "spread",
                                                 "layer_weight", "head_budgets",  "floor"};
 constexpr std::string_view kCakeKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict",
-                                          "gamma",  "tau1",   "tau2"};
-constexpr std::string_view kRazorKeys[] = {"n_sink", "heads", "retrieval_heads"};
+                                          "gamma",  "tau1",   "tau2", "excess", "query_head_scores"};
+constexpr std::string_view kRazorKeys[] = {"n_sink", "heads", "retrieval_heads", "echo_heads", "induction_heads"};
 constexpr std::string_view kKNormKeys[] = {"n_sink",       "recent",        "recent_ratio", "head_reduce", "decode_evict",
-                                           "dense_layers", "layer_budgets", "tau1",         "tau2"};
+                                           "dense_layers", "layer_budgets", "tau1",         "tau2", "excess"};
 
 constexpr std::array<MethodInfo, 15> kMethods = {{
     {KvMethod::kFull, "full", {}},
@@ -98,6 +98,7 @@ std::string_view RetentionScheduleName(RetentionSchedule s) {
 }
 std::string_view ReuseSelectionName(ReuseSelectionKind s) { return s == ReuseSelectionKind::kExact ? "exact" : "quest"; }
 std::string_view LayerBudgetsName(LayerBudgets b) { return b == LayerBudgets::kUniform ? "uniform" : "cake"; }
+std::string_view CakeExcessName(CakeExcess e) { return e == CakeExcess::kEqual ? "equal" : "preference"; }
 std::string_view HeadBudgetsName(HeadBudgets b) { return b == HeadBudgets::kUniform ? "uniform" : "adaptive"; }
 std::string_view AdaptiveRuleName(AdaptiveRule r) { return r == AdaptiveRule::kReference ? "reference" : "kvpress"; }
 std::string_view CumulativeModeName(CumulativeMode m) { return m == CumulativeMode::kEvict ? "evict" : "mask"; }
@@ -107,9 +108,10 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
   switch (method) {
     case KvMethod::kStreamingLlm: p.n_sink = 4; break;           // Xiao et al.: 4 sink tokens
     case KvMethod::kRazor: p.n_sink = 4; break;                  // Tang et al.: sinks + a recent buffer
-    case KvMethod::kCake:  // Qin et al.'s reference: average pooling of kernel 5 (window 32, gamma 200, tau 1)
-      p.kernel = 5;
+    case KvMethod::kCake:  // Qin et al.'s reference: average pooling of kernel 5 (window 32, gamma 200, tau 1),
+      p.kernel = 5;        // and eviction at every decode step (cake_cache.py's decoding cache)
       p.pooling = VotePooling::kAvg;
+      p.decode_evict = true;
       break;
     case KvMethod::kH2O: p.recent_ratio = 0.5; break;             // Zhang et al.: half heavy, half recent
     case KvMethod::kScissorhands: p.recent_ratio = 0.1; break;    // ours (paper leaves it open)
@@ -119,7 +121,10 @@ KvMethodParams DefaultMethodParams(KvMethod method) {
       p.dense_layers = 2;
       break;
     case KvMethod::kKNorm: p.dense_layers = 2; break;  // Devoto et al.: the first two layers kept whole
-    case KvMethod::kReuse: p.dense_layers = 2; break;  // TidalDecode: sparse attention from layer 2
+    case KvMethod::kReuse:  // TidalDecode: sparse attention from layer 2, top-k per query head
+      p.dense_layers = 2;
+      p.head_reduce = HeadReduce::kNone;
+      break;
     case KvMethod::kPyramidKv: p.obs_window = 8; break;  // KVCache-Factory's runs: window 8
     case KvMethod::kFull:
     case KvMethod::kTova:
@@ -159,11 +164,11 @@ int PaperEvictInterval(KvMethod method) {
     case KvMethod::kScissorhands:
     case KvMethod::kRandom:
     case KvMethod::kRazor:
+    case KvMethod::kCake:
     case KvMethod::kCumulative: return 1;
     case KvMethod::kFull:
     case KvMethod::kSnapKv:
     case KvMethod::kPyramidKv:
-    case KvMethod::kCake:
     case KvMethod::kKNorm:
     case KvMethod::kQuest:
     case KvMethod::kOracle:
@@ -203,8 +208,9 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
   if (Uses(method, "page_tokens") && p.page_tokens < 0)
     return error("page_tokens", fmt::format("must be >= 1 token (or 0 for the cache's page size); found {}",
                                             p.page_tokens));
-  if (p.head_reduce == HeadReduce::kNone && method != KvMethod::kQuest)
-    return error("head_reduce", "\"none\" (per query head) is Quest's page selection; use mean or max");
+  if (p.head_reduce == HeadReduce::kNone && method != KvMethod::kQuest && method != KvMethod::kReuse &&
+      method != KvMethod::kOracle)
+    return error("head_reduce", "\"none\" (a choice per query head) is for quest, reuse and oracle; use mean or max");
   if (Uses(method, "dense_layers") && p.dense_layers < 0)
     return error("dense_layers", fmt::format("must be >= 0 layers; found {}", p.dense_layers));
   if (Uses(method, "decay") && !(p.decay > 0.0 && p.decay <= 1.0))
@@ -230,12 +236,16 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
     if (Uses(method, key) && !(tau > 0.0 && std::isfinite(tau)))
       return error(key, fmt::format("must be a finite number > 0 (the preference uses its inverse as exponent); found {:g}", tau));
   }
-  if (Uses(method, "retrieval_heads") &&
-      !(p.retrieval_heads >= 0.0 && std::isfinite(p.retrieval_heads) &&
-        (p.retrieval_heads < 1.0 || p.retrieval_heads == std::floor(p.retrieval_heads))))
-    return error("retrieval_heads", fmt::format("must be a head count (an integer >= 0) or a share of the KV heads in "
-                                                "[0, 1); found {:g}",
-                                                p.retrieval_heads));
+  for (const auto& [key, heads] : {std::pair<const char*, double>{"retrieval_heads", p.retrieval_heads},
+                                    {"echo_heads", p.echo_heads},
+                                    {"induction_heads", p.induction_heads}}) {
+    const bool unset = std::string_view(key) == "retrieval_heads" && heads == -1;
+    if (Uses(method, key) && !unset &&
+        !(heads >= 0.0 && std::isfinite(heads) && (heads < 1.0 || heads == std::floor(heads))))
+      return error(key, fmt::format("must be a head count (an integer >= 0) or a share of the KV heads in [0, 1); "
+                                    "found {:g}",
+                                    heads));
+  }
   if (method == KvMethod::kRazor && !config.per_head)
     return error("per_head", "razor keeps every token in some KV heads and a window in the others: it needs one table "
                              "per KV head (per_head true)");

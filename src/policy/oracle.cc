@@ -20,16 +20,20 @@
 // al., ICLR 2025; OmniKV, Hao et al., ICLR 2025, reuses selections across layers the same way).
 // The first `dense_layers` (2) layers attend densely; a token-selection layer (the first layer
 // after them, and the re-selection layer, "reselect_layer", default 13/32 of the depth: layer 13
-// of Llama's 32, as the reference) attends densely too and takes, per KV head, the top-budget
-// tokens of that attention (the probabilities the decode step's kernel already computed, folded
-// over the group by the config's gqa_aggregation, mean by default; the newest token always among
-// them); every later layer reads the same tokens per KV head, without scoring, until the next
-// selection layer. Nothing is evicted; decode steps save the reads of the reusing layers.
+// of Llama's 32, as the reference) attends densely too and takes, per query head as the reference
+// does (modify_llama.py's top-k after repeat_kv; "head_reduce": "none", the default), the
+// top-budget tokens of that attention (the probabilities the decode step's kernel already
+// computed; the newest token always among them); every later layer's query head reads the same
+// tokens, without scoring, until the next selection layer. "head_reduce" "mean" or "max" chooses
+// per KV head instead (kvsparse's cheaper form: the group reads each chosen K/V row once), from
+// the group's probabilities folded by the config's gqa_aggregation. Nothing is evicted; decode
+// steps save the reads of the reusing layers.
 // "selection": "quest" makes the selection layers choose by Quest's page bounds instead (OmniKV and
-// TidalDecode name both kinds of selection): per KV head, the pages whose key min/max bounds fold
-// highest over the group (head_reduce, mean by default; QuestPagesRead(budget) pages of
-// page_tokens, the cache's page by default, the current page among them); the selection layer
-// then reads only those pages itself, and the later layers read the same tokens.
+// TidalDecode name both kinds of selection): per query head (or per KV head, the bounds folded over
+// the group by head_reduce), the QuestPagesRead(budget) pages of page_tokens (the cache's page by
+// default) with the highest bounds, the current page among them; the selection layer then reads
+// only those pages itself, and the later layers read the same tokens.
+// The oracle chooses per KV head ("head_reduce" mean, default, or max) or per query head ("none").
 // LinkSequencePolicies gives a sequence's reuse layers one ReuseSelection and their roles.
 #include <algorithm>
 #include <cmath>
@@ -43,11 +47,12 @@
 
 namespace kvsparse::policy {
 
-// The tokens the last selection layer of the current decode step chose, per KV head.
+// The tokens the last selection layer of the current decode step chose, per query head (or per
+// KV head).
 struct ReuseSelection {
   int32_t n_live = -1;  // live tokens then (the reusing layers of the same step hold as many)
   bool whole = false;   // the budget covered every token: read everything
-  std::vector<std::vector<int32_t>> heads;  // [n_kv_heads] live indices, ascending
+  std::vector<std::vector<int32_t>> heads;  // [n_q_heads or n_kv_heads] live indices, ascending
 };
 
 namespace {
@@ -79,11 +84,12 @@ class OraclePolicy final : public ReadSparsePolicy {
   }
   const KvMethodParams& params() const { return params_; }
   bool SelectsPerQueryHead() const override { return true; }
-  bool SelectsPerKvHead() const override { return true; }
+  bool SelectsPerKvHead() const override { return !per_query_head(); }
   // A reuse selection layer reads the decode step's attention (dense) and chooses from it, unless
-  // it chooses by Quest's page bounds.
+  // it chooses by Quest's page bounds; per query head it asks for the unfolded rows.
   uint32_t NeededObservations() const override {
-    return role_ == TopKRole::kSelect && !by_pages() ? static_cast<uint32_t>(kObserveLast) : 0u;
+    if (role_ != TopKRole::kSelect || by_pages()) return 0u;
+    return kObserveLast | (per_query_head() ? kObserveQueryHeads : 0u);
   }
   bool ObservesPrompt() const override { return false; }
   void Observe(const AttentionObservation& obs) override {
@@ -93,9 +99,9 @@ class OraclePolicy final : public ReadSparsePolicy {
     const int32_t n_read = std::max(ResolveBudget(budget_, n_live_), 1);
     shared_->n_live = n_live_;
     shared_->whole = n_read >= n_live_;
-    shared_->heads.resize(static_cast<size_t>(obs.n_kv_heads));
+    shared_->heads.resize(static_cast<size_t>(obs.heads()));  // query heads, or KV heads
     if (shared_->whole) return;
-    for (int h = 0; h < obs.n_kv_heads; ++h) {
+    for (int h = 0; h < obs.heads(); ++h) {
       TopTokens(obs.last + static_cast<size_t>(h) * n_live_, n_read);
       shared_->heads[static_cast<size_t>(h)] = chosen_;
     }
@@ -114,12 +120,12 @@ class OraclePolicy final : public ReadSparsePolicy {
     return MetadataBytes() + published;
   }
 
-  // One list for every head: the union of the KV heads' tokens.
+  // One list for every head: the union of the heads' tokens.
   void SelectSpans(const SpanSelectionContext& ctx, std::vector<KvSpan>* spans) override {
     const int32_t n_read = Begin(ctx, *spans);
     if (n_read == 0) return;
     in_union_.assign(static_cast<size_t>(n_live_), 0);
-    for (int h = 0; h < ctx.n_kv_heads; ++h) {
+    for (int h = 0; h < Choosers(ctx); ++h) {
       ChooseHead(h, n_read);
       for (int32_t t : chosen_) in_union_[t] = 1;
     }
@@ -135,14 +141,19 @@ class OraclePolicy final : public ReadSparsePolicy {
     const int32_t n_read = Begin(ctx, spans);
     if (n_read == 0) return false;
     const int group = ctx.n_q_heads / ctx.n_kv_heads;
-    for (int h = 0; h < ctx.n_kv_heads; ++h) {
+    for (int h = 0; h < Choosers(ctx); ++h) {
       ChooseHead(h, n_read);
-      Runs(ctx, spans, &head_spans[h * group]);  // the group's first list (SelectsPerKvHead)
+      // Per KV head: the group's first list (SelectsPerKvHead).
+      Runs(ctx, spans, &head_spans[per_query_head() ? h : h * group]);
     }
     return true;
   }
 
  private:
+  // "head_reduce": "none": a choice per query head (the reference's for reuse); else per KV head.
+  bool per_query_head() const { return params_.head_reduce == HeadReduce::kNone; }
+  int Choosers(const SpanSelectionContext& ctx) const { return per_query_head() ? ctx.n_q_heads : ctx.n_kv_heads; }
+
   // Tokens each KV head reads (0: the whole table). The oracle scores (Prepare); a reuse
   // selection layer reads everything (it chooses from the attention it then observes); a reusing
   // layer takes the choice of this step's selection layer.
@@ -171,7 +182,7 @@ class OraclePolicy final : public ReadSparsePolicy {
     const int32_t n_read = QuestPagesRead(budget, page);
     shared_->n_live = n_live_;
     shared_->whole = budget >= n_live_ || n_read >= (n_live_ + page - 1) / page;
-    shared_->heads.resize(static_cast<size_t>(ctx.n_kv_heads));
+    shared_->heads.resize(static_cast<size_t>(Choosers(ctx)));
     if (shared_->whole) return 0;
     if (!pages_index_) pages_index_.emplace(page, ctx.n_kv_heads, ctx.head_dim);
     KVS_CHECK_MSG(pages_index_->page_tokens() == page && pages_index_->n_kv_heads() == ctx.n_kv_heads &&
@@ -184,15 +195,20 @@ class OraclePolicy final : public ReadSparsePolicy {
     QuestQueryHeadScores(*pages_index_, ctx.q, ctx.n_q_heads, scores_.data());
     std::vector<float>& folded = logits_;  // [n_pages] one KV head's bounds, folded over its group
     std::vector<int32_t> pages;
-    for (int h = 0; h < ctx.n_kv_heads; ++h) {
-      folded.assign(static_cast<size_t>(n_pages), params_.head_reduce == HeadReduce::kMax ? -INFINITY : 0.f);
-      for (int g = 0; g < group; ++g) {
-        const float* row = scores_.data() + static_cast<size_t>(h * group + g) * n_pages;
-        for (int32_t p = 0; p < n_pages; ++p) {
-          folded[p] = params_.head_reduce == HeadReduce::kMax ? std::max(folded[p], row[p]) : folded[p] + row[p] / group;
+    for (int h = 0; h < Choosers(ctx); ++h) {
+      const float* bounds = scores_.data() + static_cast<size_t>(h) * n_pages;  // per query head: its own
+      if (!per_query_head()) {
+        folded.assign(static_cast<size_t>(n_pages), params_.head_reduce == HeadReduce::kMax ? -INFINITY : 0.f);
+        for (int g = 0; g < group; ++g) {
+          const float* row = scores_.data() + static_cast<size_t>(h * group + g) * n_pages;
+          for (int32_t p = 0; p < n_pages; ++p) {
+            folded[p] =
+                params_.head_reduce == HeadReduce::kMax ? std::max(folded[p], row[p]) : folded[p] + row[p] / group;
+          }
         }
+        bounds = folded.data();
       }
-      QuestSelectPages(folded.data(), n_pages, n_read, &order_, &pages);
+      QuestSelectPages(bounds, n_pages, n_read, &order_, &pages);
       std::vector<int32_t>& tokens = shared_->heads[static_cast<size_t>(h)];
       tokens.clear();
       for (int32_t p : pages) {
@@ -211,7 +227,7 @@ class OraclePolicy final : public ReadSparsePolicy {
     }
   }
 
-  // Tokens each KV head reads (0: the whole table), with scores_ [n_kv_heads, n_live] filled.
+  // Tokens each head reads (0: the whole table), with scores_ filled.
   int32_t Prepare(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
     const int32_t n_live = CheckedLiveTokens(spans);
     KVS_CHECK_MSG(ctx.n_kv_heads >= 1 && ctx.n_q_heads % ctx.n_kv_heads == 0, "oracle: bad head counts");
@@ -221,7 +237,8 @@ class OraclePolicy final : public ReadSparsePolicy {
     return std::max(budget, 1);
   }
 
-  // scores_[h, t]: the folded softmax probability of token t for KV head h.
+  // scores_[h, t]: the folded softmax probability of token t for KV head h (per query head: query
+  // head h's own).
   void Score(const SpanSelectionContext& ctx, const std::vector<KvSpan>& spans) {
     const int d = ctx.head_dim, n_q = ctx.n_q_heads, n_kv = ctx.n_kv_heads, group = n_q / n_kv;
     const float scale = ctx.scale > 0.f ? ctx.scale : 1.f / std::sqrt(static_cast<float>(d));
@@ -241,8 +258,9 @@ class OraclePolicy final : public ReadSparsePolicy {
         }
       }
     }
-    scores_.assign(static_cast<size_t>(n_kv) * n_live_, 0.f);
+    scores_.assign(static_cast<size_t>(per_query_head() ? n_q : n_kv) * n_live_, 0.f);
     const bool max_fold = params_.head_reduce == HeadReduce::kMax;
+    const int fold = per_query_head() ? 1 : group;  // query heads per scores_ row
     for (int i = 0; i < n_q; ++i) {
       float* row = logits_.data() + static_cast<size_t>(i) * n_live_;
       const float m = *std::max_element(row, row + n_live_);
@@ -251,10 +269,10 @@ class OraclePolicy final : public ReadSparsePolicy {
         row[u] = std::exp(row[u] - m);  // the logit row becomes unnormalized probabilities
         sum += row[u];
       }
-      float* out = scores_.data() + static_cast<size_t>(i / group) * n_live_;
+      float* out = scores_.data() + static_cast<size_t>(i / fold) * n_live_;
       for (int32_t u = 0; u < n_live_; ++u) {
         const float p = static_cast<float>(row[u] / sum);
-        out[u] = max_fold ? std::max(out[u], p) : out[u] + p / static_cast<float>(group);
+        out[u] = max_fold ? std::max(out[u], p) : out[u] + p / static_cast<float>(fold);
       }
     }
   }
@@ -293,7 +311,7 @@ class OraclePolicy final : public ReadSparsePolicy {
   }
 
   std::vector<float> logits_;    // [n_q_heads, n_live] scaled q·k
-  std::vector<float> scores_;    // [n_kv_heads, n_live] folded probabilities
+  std::vector<float> scores_;    // [n_kv_heads (or n_q_heads), n_live] folded probabilities
   std::vector<float> key_row_;   // [n_kv_heads, head_dim]
   std::vector<int32_t> order_;   // [n_live - 1] candidates
   std::vector<int32_t> chosen_;  // tokens read, ascending

@@ -69,14 +69,15 @@ std::vector<int32_t> PlainTopK(const std::vector<Score>& score, const RaggedSpan
 
 // The reference: per KV head, softmax(q·k * scale) per query head, averaged (or maxed) over the
 // group; the newest token plus the best (budget - 1) of the others, ties to the earlier token.
+// only_g >= 0: query head kv_head * group + only_g alone (a choice per query head).
 std::vector<int32_t> ReferenceTopK(const RaggedSpans& data, const std::vector<float>& q, int n_q, int n_kv, int d,
-                                   int kv_head, int32_t budget, bool max_fold) {
+                                   int kv_head, int32_t budget, bool max_fold, int only_g = -1) {
   const int32_t n = static_cast<int32_t>(data.positions.size());
-  const int group = n_q / n_kv;
+  const int group = only_g >= 0 ? 1 : n_q / n_kv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<double> score(n, 0.0);
   for (int g = 0; g < group; ++g) {
-    const int i = kv_head * group + g;
+    const int i = only_g >= 0 ? kv_head * (n_q / n_kv) + only_g : kv_head * group + g;
     std::vector<double> logit(n);
     for (int32_t t = 0; t < n; ++t) {
       double dot = 0;
@@ -165,10 +166,37 @@ TEST(OraclePolicyTest, CoveringBudgetReadsEverythingAndNothingIsEvicted) {
   }
 }
 
-TEST(OraclePolicyTest, ConfigRejectsPerQueryHeadReduce) {
+// "head_reduce": "none": every query head reads its own exact top-k.
+TEST(OraclePolicyTest, EachQueryHeadReadsItsExactTopKWithoutAFold) {
+  const int n_kv = 2, group = 3, n_q = n_kv * group, d = 8;
+  std::mt19937 rng(9);
+  for (const int32_t n : {37, 100}) {
+    const int32_t budget = 9;
+    RaggedSpans data(n, n_kv, d, {7, 1, 16, 3}, rng);
+    const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
+    auto policy = MakeOracle(KvBudget::Tokens(budget), HeadReduce::kNone);
+    EXPECT_FALSE(policy->SelectsPerKvHead());
+    policy->OnAppend(n);
+    SpanSelectionContext ctx;
+    ctx.q = q.data();
+    ctx.n_q_heads = n_q;
+    ctx.n_kv_heads = n_kv;
+    ctx.head_dim = d;
+    std::vector<std::vector<KvSpan>> per_query(n_q);
+    ASSERT_TRUE(policy->SelectQueryHeadSpans(ctx, data.spans, per_query.data()));
+    for (int i = 0; i < n_q; ++i) {
+      EXPECT_EQ(Positions(per_query[i]), ReferenceTopK(data, q, n_q, n_kv, d, i / group, budget, false, i % group))
+          << "n " << n << " query head " << i;
+    }
+  }
+}
+
+TEST(OraclePolicyTest, ConfigChecksTheHeadReduce) {
   auto config = ParseKvSparsityConfig(R"({"default": {"method": "oracle", "budget": 64, "head_reduce": "none"}})", 1);
-  ASSERT_FALSE(config.ok());
-  EXPECT_NE(config.status().message().find("head_reduce"), std::string::npos) << config.status().ToString();
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  auto h2o = ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 64, "head_reduce": "none"}})", 1);
+  ASSERT_FALSE(h2o.ok());
+  EXPECT_NE(h2o.status().message().find("head_reduce"), std::string::npos) << h2o.status().ToString();
   auto fine = ParseKvSparsityConfig(R"({"default": {"method": "oracle", "budget": 0.1, "head_reduce": "max"}})", 1);
   ASSERT_TRUE(fine.ok()) << fine.status().ToString();
   EXPECT_EQ(fine->layers[0].method, KvMethod::kOracle);
@@ -178,7 +206,10 @@ TEST(OraclePolicyTest, ConfigRejectsPerQueryHeadReduce) {
 // A sequence's reuse layers, linked: layers 0-1 dense (Full), 2 selects, then reuse up to the
 // re-selection layer, which selects again for the layers after it. A selection layer reads
 // everything and chooses from the attention it observes; the others read its choice.
-TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
+// Per query head (the default, TidalDecode's top-k after repeat_kv) and per KV head (head_reduce mean).
+class ReusePolicyTest : public ::testing::TestWithParam<HeadReduce> {};
+
+TEST_P(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
   const int n_layers = 8, n_kv = 2, group = 2, n_q = n_kv * group, d = 8;
   const int32_t budget = 9;
   LayerKvConfig config;
@@ -186,6 +217,9 @@ TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
   config.budget = KvBudget::Tokens(budget);
   config.params = DefaultMethodParams(KvMethod::kReuse);
   config.params.reselect_layer = 5;
+  config.params.head_reduce = GetParam();
+  const bool per_query_head = GetParam() == HeadReduce::kNone;
+  const int choosers = per_query_head ? n_q : n_kv;  // rows of the observation, lists of the choice
   std::vector<std::unique_ptr<KvPolicy>> layers;
   std::vector<KvPolicy*> links;
   for (int l = 0; l < n_layers; ++l) {
@@ -207,7 +241,7 @@ TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
   ctx.head_dim = d;
   const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
   ctx.q = q.data();
-  std::vector<std::vector<int32_t>> selected(n_kv);
+  std::vector<std::vector<int32_t>> selected(choosers);
   for (int l = 2; l < n_layers; ++l) {
     ctx.layer = l;
     const bool selects = l == 2 || l == 5;
@@ -216,24 +250,29 @@ TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
     const bool narrowed = layers[l]->SelectQueryHeadSpans(ctx, data.spans, per_query.data());
     EXPECT_EQ(narrowed, !selects) << "layer " << l << ": selection layers read everything";
     if (selects) {
-      // The decode step's attention, per KV head: random probabilities.
-      std::vector<float> last = RandomNonZeroFloats(static_cast<size_t>(n_kv) * n, rng, 1.f);
+      // The decode step's attention, per query head (or KV head): random probabilities.
+      EXPECT_EQ((layers[l]->NeededObservations() & kObserveQueryHeads) != 0, per_query_head);
+      std::vector<float> last = RandomNonZeroFloats(static_cast<size_t>(choosers) * n, rng, 1.f);
       for (float& x : last) x = std::abs(x);
       const int32_t query_position = 2 * n;
       AttentionObservation obs;
       obs.n_queries = 1;
       obs.n_tokens = n;
       obs.n_kv_heads = n_kv;
+      obs.n_heads = choosers;
       obs.query_positions = &query_position;
       obs.last = last.data();
       obs.sum_all = last.data();
       layers[l]->Observe(obs);
-      for (int h = 0; h < n_kv; ++h)
+      for (int h = 0; h < choosers; ++h)
         selected[h] = PlainTopK(std::vector<float>(last.begin() + h * n, last.begin() + (h + 1) * n), data, budget);
       continue;
     }
-    for (int h = 0; h < n_kv; ++h)
-      EXPECT_EQ(Positions(per_query[h * group]), selected[h]) << "layer " << l << " head " << h;
+    for (int i = 0; i < n_q; ++i) {
+      // Per query head each reads its own list; per KV head the group's first list speaks for it.
+      if (!per_query_head && i % group != 0) continue;
+      EXPECT_EQ(Positions(per_query[i]), selected[per_query_head ? i : i / group]) << "layer " << l << " head " << i;
+    }
   }
   // A fork's layers (clones, linked again) share their own selection.
   std::vector<std::unique_ptr<KvPolicy>> clones;
@@ -244,12 +283,13 @@ TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
   }
   LinkSequencePolicies(clone_links);
   for (auto& p : clones) p->OnAppend(1);
-  std::vector<float> last = RandomNonZeroFloats(static_cast<size_t>(n_kv) * (n + 1), rng, 1.f);
+  std::vector<float> last = RandomNonZeroFloats(static_cast<size_t>(choosers) * (n + 1), rng, 1.f);
   for (float& x : last) x = std::abs(x);
   AttentionObservation obs;
   obs.n_queries = 1;
   obs.n_tokens = n + 1;
   obs.n_kv_heads = n_kv;
+  obs.n_heads = choosers;
   obs.last = last.data();
   obs.sum_all = last.data();
   clones[2]->Observe(obs);
@@ -259,8 +299,12 @@ TEST(ReusePolicyTest, LaterLayersReadTheSelectionLayersTokens) {
   EXPECT_EQ(Positions(per_query[0]).size(), static_cast<size_t>(budget));
 }
 
-TEST(ReusePolicyTest, ConfigDefaultsAndChecks) {
+INSTANTIATE_TEST_SUITE_P(HeadReduce, ReusePolicyTest, ::testing::Values(HeadReduce::kNone, HeadReduce::kMean),
+                         [](const auto& info) { return info.param == HeadReduce::kNone ? "per_query_head" : "per_kv_head"; });
+
+TEST(ReuseConfigTest, ConfigDefaultsAndChecks) {
   EXPECT_EQ(DefaultMethodParams(KvMethod::kReuse).dense_layers, 2);
+  EXPECT_EQ(DefaultMethodParams(KvMethod::kReuse).head_reduce, HeadReduce::kNone);
   EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "reuse", "budget": 64, "per_head": true}})", 4).ok());
   EXPECT_FALSE(ParseKvSparsityConfig(R"({"default": {"method": "reuse", "budget": 64, "reselect_layer": -2}})", 4).ok());
   auto fine = ParseKvSparsityConfig(R"({"default": {"method": "reuse", "budget": 0.1, "reselect_layer": 3}})", 4);

@@ -3,7 +3,8 @@
 // engine runs it (one kv head per thread). Compare with
 // attention_bench's BM_SparsePrefillChunk (all 4 kv heads: divide its time by 4).
 // Args: method (1 vertical_slash, 2 block_sparse, 3 xattention), depth, bits (the estimate's
-// products: 8 int8 where the family has integer dots, 32 f32).
+// products: 8 int8 where the family has integer dots, 32 f32), group_shared (0: a selection per
+// query head, the default; 1: one per kv head).
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -31,18 +32,20 @@ void BM_PrefillEstimate(benchmark::State& state) {
   for (int32_t i = 0; i < kChunk; ++i) visible[i] = depth - kChunk + i + 1;
   PrefillSparsity config = DefaultPrefillSparsity(method);
   config.estimate_bits = bits;
+  config.group_shared = static_cast<int>(state.range(3));
   const AttentionShape shape{kGroup, 1, kHeadDim, 0.125f};
   PrefillSelector selector;
-  PrefillSelection selection;
+  std::vector<PrefillSelection> selections(kGroup);
   for (auto _ : state) {
-    selector.Select(config, shape, q.data(), visible.data(), kChunk, keys.data(), depth, /*n_threads=*/1, &selection);
-    benchmark::DoNotOptimize(selection.ranges.data());
+    selector.Select(config, shape, q.data(), visible.data(), kChunk, keys.data(), depth, /*n_threads=*/1,
+                    selections.data());
+    benchmark::DoNotOptimize(selections[0].ranges.data());
   }
 }
 
 BENCHMARK(BM_PrefillEstimate)
-    ->ArgNames({"method", "depth", "bits"})
-    ->ArgsProduct({{1, 2, 3}, {8192}, {8, 32}})
+    ->ArgNames({"method", "depth", "bits", "group_shared"})
+    ->ArgsProduct({{1, 2, 3}, {8192}, {8, 32}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -46,28 +46,32 @@ void PrefillSelector::BlockSparse(const PrefillSparsity& c, const AttentionShape
   ScoreProducts(pooled_q.data(), static_cast<int64_t>(n_qb) * group, pooled_k.data(), n_kb, d, n_threads, &a_,
                 PrepareEstimateKeys(c, pooled_k.data(), n_kb, d, n_threads, &int8_keys_));
 
-  RangeAssembler ranges(B, out);
+  const int n_out = PrefillSelectionsPerKvHead(c, group);  // 1: the group's sum; group: each head its own
   std::vector<float> score(static_cast<size_t>(n_kb));
-  for (int32_t qb = 0; qb < n_qb; ++qb) {
-    const int32_t b0 = qb * B, b1 = std::min(n_q, b0 + B) - 1;
-    const int64_t limit = visible[b1];
-    const int64_t causal_blocks = (limit + B - 1) / B;  // key blocks the block's last query reaches
-    std::fill(score.begin(), score.begin() + causal_blocks, 0.f);
-    for (int g = 0; g < group; ++g) {
-      const float* row = a_.data() + (static_cast<size_t>(qb) * group + g) * n_kb;
-      for (int64_t kb = 0; kb < causal_blocks; ++kb) score[kb] += row[kb];
+  for (int o = 0; o < n_out; ++o) {
+    RangeAssembler ranges(B, &out[o]);
+    const int g_begin = n_out == 1 ? 0 : o, g_end = n_out == 1 ? group : o + 1;
+    for (int32_t qb = 0; qb < n_qb; ++qb) {
+      const int32_t b0 = qb * B, b1 = std::min(n_q, b0 + B) - 1;
+      const int64_t limit = visible[b1];
+      const int64_t causal_blocks = (limit + B - 1) / B;  // key blocks the block's last query reaches
+      std::fill(score.begin(), score.begin() + causal_blocks, 0.f);
+      for (int g = g_begin; g < g_end; ++g) {
+        const float* row = a_.data() + (static_cast<size_t>(qb) * group + g) * n_kb;
+        for (int64_t kb = 0; kb < causal_blocks; ++kb) score[kb] += row[kb];
+      }
+      // The blocks of the query block's own tokens first, then the best others.
+      const auto [own_begin, own_end] = OwnTokens(visible, b0, b1);
+      for (int64_t kb = own_begin / B; kb * B < own_end; ++kb) score[kb] = std::numeric_limits<float>::infinity();
+      index_.resize(static_cast<size_t>(causal_blocks));
+      std::iota(index_.begin(), index_.end(), int64_t{0});
+      const int64_t keep = std::min<int64_t>(causal_blocks, c.top_blocks);
+      std::nth_element(index_.begin(), index_.begin() + keep, index_.end(),
+                       [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+      for (int64_t j = 0; j < keep; ++j) ranges.Add(index_[j] * B, (index_[j] + 1) * B);
+      ranges.Add(own_begin, own_end);  // (when own blocks outnumber top_blocks)
+      ranges.EndBlock(limit);
     }
-    // The blocks of the query block's own tokens first, then the best others.
-    const auto [own_begin, own_end] = OwnTokens(visible, b0, b1);
-    for (int64_t kb = own_begin / B; kb * B < own_end; ++kb) score[kb] = std::numeric_limits<float>::infinity();
-    index_.resize(static_cast<size_t>(causal_blocks));
-    std::iota(index_.begin(), index_.end(), int64_t{0});
-    const int64_t keep = std::min<int64_t>(causal_blocks, c.top_blocks);
-    std::nth_element(index_.begin(), index_.begin() + keep, index_.end(),
-                     [&](int64_t a, int64_t b) { return score[a] > score[b]; });
-    for (int64_t j = 0; j < keep; ++j) ranges.Add(index_[j] * B, (index_[j] + 1) * B);
-    ranges.Add(own_begin, own_end);  // (when own blocks outnumber top_blocks)
-    ranges.EndBlock(limit);
   }
 }
 

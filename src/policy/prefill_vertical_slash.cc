@@ -1,6 +1,8 @@
 // Vertical-Slash sparse prefill (MInference, Jiang et al., NeurIPS 2024; see sparse_prefill.h).
-// Defaults: last_q 64, vertical 1000, slash 6096, the first 30 columns and 100 nearest
-// diagonals always kept, 64-query blocks.
+// Defaults: last_q 64, vertical 1000, slash 6096, 64-query blocks. The first 30 columns and the
+// 100 nearest diagonals score +inf, so they are kept *within* those counts, and the counts are at
+// least 30 and 50 (minference_forward.py's vertical_and_slash_kernel: `max(vertical_size, 30)`,
+// `max(slash_size, 50)`): slash=32 keeps the 50 nearest diagonals, as the reference does.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -14,13 +16,18 @@ namespace kvsparse {
 
 namespace {
 
-// Indices of the `count` largest scores (all of them when there are fewer), ascending.
-void TopIndices(const std::vector<float>& score, int64_t n, int64_t count, std::vector<int64_t>* index) {
+// MInference's least counts of columns and diagonals, whatever the configured ones.
+constexpr int64_t kLeastVertical = 30, kLeastSlash = 50;
+
+// Indices of the `count` largest scores (all of them when there are fewer), ascending; of equal
+// scores the lower index first (the earlier column, the nearer diagonal: among the forced ones,
+// scored +inf, when the count is smaller than they are).
+void TopIndices(const float* score, int64_t n, int64_t count, std::vector<int64_t>* index) {
   index->resize(static_cast<size_t>(n));
   std::iota(index->begin(), index->end(), int64_t{0});
   if (count < n) {
     std::nth_element(index->begin(), index->begin() + count, index->end(),
-                     [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+                     [&](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); });
     index->resize(static_cast<size_t>(count));
   }
   std::sort(index->begin(), index->end());
@@ -33,13 +40,14 @@ void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionSha
                                     int n_threads, PrefillSelection* out) {
   using namespace prefill_detail;  // NOLINT
   const int group = s.n_heads, d = s.head_dim;
+  const int n_out = PrefillSelectionsPerKvHead(c, group);  // 1: the group's mean; group: each head its own
   const int32_t last_q = std::min<int32_t>(c.last_q, n_q);
   const int32_t first = n_q - last_q;        // the estimating queries: first .. n_q - 1
   const int64_t horizon = visible[n_q - 1];  // the last query sees the most
-  std::vector<float>& vertical = b_;         // [horizon] column sums
-  std::vector<float>& slash = c_;            // [horizon] diagonal sums: offset o = newest seen - key
-  vertical.assign(static_cast<size_t>(horizon), 0.f);
-  slash.assign(static_cast<size_t>(horizon), 0.f);
+  std::vector<float>& vertical = b_;         // [n_out, horizon] column sums
+  std::vector<float>& slash = c_;            // [n_out, horizon] diagonal sums: offset o = newest seen - key
+  vertical.assign(static_cast<size_t>(n_out) * horizon, 0.f);
+  slash.assign(static_cast<size_t>(n_out) * horizon, 0.f);
   std::vector<float>& mean = d_;  // [n_tokens] one query's probabilities, mean over its group
   const float inv_group = 1.f / static_cast<float>(group);
   // The estimating queries' scores against every key, kSlab queries at a time (a_: [kSlab * group,
@@ -59,25 +67,46 @@ void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionSha
     }
     const int64_t seen = visible[first + i];
     if (seen == 0) continue;
-    mean.assign(static_cast<size_t>(seen), 0.f);
+    if (n_out == 1) mean.assign(static_cast<size_t>(seen), 0.f);
     for (int g = 0; g < group; ++g) {
       float* row = a_.data() + (static_cast<size_t>(slab_row) * group + g) * n_tokens;  // causal: its first `seen` keys
       ops::Softmax(row, seen);
-      ops::Add(mean.data(), row, seen);
+      if (n_out == 1) {
+        ops::Add(mean.data(), row, seen);
+        continue;
+      }
+      float* head_vertical = vertical.data() + static_cast<size_t>(g) * horizon;
+      float* head_slash = slash.data() + static_cast<size_t>(g) * horizon;
+      for (int64_t t = 0; t < seen; ++t) {
+        head_vertical[t] += row[t];
+        head_slash[seen - 1 - t] += row[t];
+      }
     }
+    if (n_out > 1) continue;
     for (int64_t t = 0; t < seen; ++t) {
       const float p = mean[t] * inv_group;
       vertical[t] += p;
       slash[seen - 1 - t] += p;
     }
   }
+  for (int o = 0; o < n_out; ++o) {
+    AssemblePattern(c, visible, n_q, horizon, vertical.data() + static_cast<size_t>(o) * horizon,
+                    slash.data() + static_cast<size_t>(o) * horizon, &out[o]);
+  }
+}
+
+// One selection from its column and diagonal sums (vertical, slash: [horizon], overwritten).
+void PrefillSelector::AssemblePattern(const PrefillSparsity& c, const int64_t* visible, int32_t n_q, int64_t horizon,
+                                      float* vertical_sums, float* slash_sums, PrefillSelection* out) {
+  using namespace prefill_detail;  // NOLINT
   const float kKeep = std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < std::min<int64_t>(c.sink_columns, horizon); ++t) vertical[t] = kKeep;
-  for (int64_t o = 0; o < std::min<int64_t>(c.local_diagonals, horizon); ++o) slash[o] = kKeep;
-  std::vector<int64_t> columns, diagonals;
-  // The forced ones (scored +inf) come on top of the counts.
-  TopIndices(vertical, horizon, static_cast<int64_t>(c.vertical) + c.sink_columns, &columns);
-  TopIndices(slash, horizon, static_cast<int64_t>(c.slash) + c.local_diagonals, &diagonals);
+  for (int64_t t = 0; t < std::min<int64_t>(c.sink_columns, horizon); ++t) vertical_sums[t] = kKeep;
+  for (int64_t o = 0; o < std::min<int64_t>(c.local_diagonals, horizon); ++o) slash_sums[o] = kKeep;
+  std::vector<int64_t>& columns = columns_;
+  std::vector<int64_t>& diagonals = index_;
+  // The forced ones (scored +inf) count within the counts, as in the reference.
+  TopIndices(vertical_sums, horizon, std::max<int64_t>(c.vertical, kLeastVertical), &columns);
+  TopIndices(slash_sums, horizon, std::max<int64_t>(c.slash, kLeastSlash), &diagonals);
 
   RangeAssembler ranges(c.block, out);
   for (int32_t b0 = 0; b0 < n_q; b0 += c.block) {

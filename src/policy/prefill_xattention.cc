@@ -44,54 +44,58 @@ void PrefillSelector::XAttention(const PrefillSparsity& c, const AttentionShape&
   const int tiles_per_block = B / S;
   const int32_t n_qb = (n_q + B - 1) / B;
   const int64_t n_kb = (n_tokens + B - 1) / B;
-  std::vector<float>& block_score = c_;
-  block_score.assign(static_cast<size_t>(n_qb) * n_kb, 0.f);
+  const int n_out = PrefillSelectionsPerKvHead(c, group);  // 1: the group's mean; group: each head its own
+  std::vector<float>& block_score = c_;  // [n_out, n_qb, n_kb]
+  block_score.assign(static_cast<size_t>(n_out) * n_qb * n_kb, 0.f);
   const float scale = s.scale / static_cast<float>(S);
-  const float inv_group = 1.f / static_cast<float>(group);
+  const float fold = n_out == 1 ? 1.f / static_cast<float>(group) : 1.f;
   for (int32_t a = 0; a < n_qt; ++a) {
     const int64_t seen = visible[std::min(n_q - 1, a * S + S - 1)];
     const int64_t tiles = (seen + S - 1) / S;
     if (tiles == 0) continue;
-    float* grid_row = block_score.data() + static_cast<size_t>(a / tiles_per_block) * n_kb;
     for (int g = 0; g < group; ++g) {
+      const size_t grid = n_out == 1 ? 0 : static_cast<size_t>(g);
+      float* grid_row = block_score.data() + (grid * n_qb + static_cast<size_t>(a / tiles_per_block)) * n_kb;
       float* row = a_.data() + (static_cast<size_t>(a) * group + g) * n_kt;
       for (int64_t b = 0; b < tiles; ++b) row[b] *= scale;
       ops::Softmax(row, tiles);
-      for (int64_t b = 0; b < tiles; ++b) grid_row[b / tiles_per_block] += row[b] * inv_group;
+      for (int64_t b = 0; b < tiles; ++b) grid_row[b / tiles_per_block] += row[b] * fold;
     }
   }
 
-  RangeAssembler ranges(B, out);
   std::vector<char> keep(static_cast<size_t>(n_kb));
-  for (int32_t qb = 0; qb < n_qb; ++qb) {
-    const int32_t b0 = qb * B, b1 = std::min(n_q, b0 + B) - 1;
-    const int64_t limit = visible[b1];
-    const int64_t causal_blocks = (limit + B - 1) / B;
-    const float* score = block_score.data() + static_cast<size_t>(qb) * n_kb;
-    double total = 0;
-    for (int64_t kb = 0; kb < causal_blocks; ++kb) total += score[kb];
-    // Forced: the sink block and the blocks of the query block's own tokens.
-    std::fill(keep.begin(), keep.begin() + causal_blocks, 0);
-    const auto [own_begin, own_end] = OwnTokens(visible, b0, b1);
-    keep[0] = 1;
-    for (int64_t kb = own_begin / B; kb * B < own_end; ++kb) keep[kb] = 1;
-    double kept = 0;
-    for (int64_t kb = 0; kb < causal_blocks; ++kb) kept += keep[kb] ? score[kb] : 0.0;
-    // Then by descending score while the kept share is below the threshold.
-    index_.clear();
-    for (int64_t kb = 0; kb < causal_blocks; ++kb) {
-      if (!keep[kb]) index_.push_back(kb);
+  for (int o = 0; o < n_out; ++o) {
+    RangeAssembler ranges(B, &out[o]);
+    for (int32_t qb = 0; qb < n_qb; ++qb) {
+      const int32_t b0 = qb * B, b1 = std::min(n_q, b0 + B) - 1;
+      const int64_t limit = visible[b1];
+      const int64_t causal_blocks = (limit + B - 1) / B;
+      const float* score = block_score.data() + (static_cast<size_t>(o) * n_qb + qb) * n_kb;
+      double total = 0;
+      for (int64_t kb = 0; kb < causal_blocks; ++kb) total += score[kb];
+      // Forced: the sink block and the blocks of the query block's own tokens.
+      std::fill(keep.begin(), keep.begin() + causal_blocks, 0);
+      const auto [own_begin, own_end] = OwnTokens(visible, b0, b1);
+      keep[0] = 1;
+      for (int64_t kb = own_begin / B; kb * B < own_end; ++kb) keep[kb] = 1;
+      double kept = 0;
+      for (int64_t kb = 0; kb < causal_blocks; ++kb) kept += keep[kb] ? score[kb] : 0.0;
+      // Then by descending score while the kept share is below the threshold.
+      index_.clear();
+      for (int64_t kb = 0; kb < causal_blocks; ++kb) {
+        if (!keep[kb]) index_.push_back(kb);
+      }
+      std::sort(index_.begin(), index_.end(), [&](int64_t x, int64_t y) { return score[x] > score[y]; });
+      for (int64_t kb : index_) {
+        if (kept >= c.threshold * total) break;
+        keep[kb] = 1;
+        kept += score[kb];
+      }
+      for (int64_t kb = 0; kb < causal_blocks; ++kb) {
+        if (keep[kb]) ranges.Add(kb * B, (kb + 1) * B);
+      }
+      ranges.EndBlock(limit);
     }
-    std::sort(index_.begin(), index_.end(), [&](int64_t x, int64_t y) { return score[x] > score[y]; });
-    for (int64_t kb : index_) {
-      if (kept >= c.threshold * total) break;
-      keep[kb] = 1;
-      kept += score[kb];
-    }
-    for (int64_t kb = 0; kb < causal_blocks; ++kb) {
-      if (keep[kb]) ranges.Add(kb * B, (kb + 1) * B);
-    }
-    ranges.EndBlock(limit);
   }
 }
 

@@ -51,7 +51,7 @@ int32_t SnapKvPolicy::EffectiveWindow(int32_t obs_window, int32_t target) {
   return target > obs_window ? obs_window : std::max<int32_t>(1, target / 2);
 }
 
-float SnapKvPolicy::WindowVote(const float* ring, int32_t window, int32_t) const {
+float SnapKvPolicy::WindowVote(const float* ring, int32_t window, int32_t, bool) const {
   float votes = 0.f;
   for (int32_t age = 0; age < window; ++age) votes += ring[age];
   return votes;
@@ -62,8 +62,8 @@ void SnapKvPolicy::Observe(const AttentionObservation& obs) {
   if (obs.n_tokens == 0 || obs.n_window == 0) return;
   const int32_t depth = params_.obs_window;
   KVS_CHECK_MSG(obs.n_window <= depth, "snapkv: more window rows than the observation window");
-  if (heads_ == 0) heads_ = obs.n_kv_heads;
-  KVS_CHECK_MSG(heads_ == obs.n_kv_heads, "snapkv: observation changed the number of KV heads");
+  if (heads_ == 0) heads_ = obs.heads();  // KV heads, or query heads (CAKE's per-query-head scores)
+  KVS_CHECK_MSG(heads_ == obs.heads(), "snapkv: observation changed the number of heads");
   rows_.SetHeads(heads_ * depth);
   const int32_t fresh = obs.n_window;  // queries this call adds to the window
   queries_seen_ = std::min(depth, queries_seen_ + fresh);
@@ -99,7 +99,8 @@ bool SnapKvPolicy::ScoreForSelection(const SelectionContext& ctx, SelectionScori
     // Votes of the latest `window` queries; pool each head on its own (as the paper), then fold the heads.
     for (int h = 0; h < heads_; ++h) {
       for (int32_t t = 0; t < n_candidates; ++t) {
-        column_[t] = WindowVote(rows_.row(t) + static_cast<size_t>(h) * depth, window, std::min(window, queries_seen_));
+        column_[t] = WindowVote(rows_.row(t) + static_cast<size_t>(h) * depth, window, std::min(window, queries_seen_),
+                                ctx.in_prefill);
       }
       PoolVotes(column_.data(), n_candidates, params_.kernel, params_.pooling, pooled_.data());
       for (int32_t t = 0; t < n_candidates; ++t)

@@ -41,13 +41,14 @@ class SnapKvPolicy : public BudgetedPolicy {
 
  protected:
   // One head's score of a token from its ring (newest first) over the `window` latest queries,
-  // of which `observed` (<= window) exist: SnapKV sums the votes; CAKE overrides it.
-  virtual float WindowVote(const float* ring, int32_t window, int32_t observed) const;
+  // of which `observed` (<= window) exist, for a selection after a prompt chunk (in_prefill) or
+  // a decode step: SnapKV sums the votes either way; CAKE overrides it.
+  virtual float WindowVote(const float* ring, int32_t window, int32_t observed, bool in_prefill) const;
 
   // [n_live, n_kv_heads, obs_window] attention each token received from the latest obs_window
   // queries, newest first (age 0 = the latest query; 0 for a query that did not see the token).
   PerTokenHeads<float> rows_{0.f};
-  int heads_ = 0;                    // n_kv_heads of the observations
+  int heads_ = 0;                    // heads of the observations (KV heads, or query heads)
   int32_t queries_seen_ = 0;         // queries observed so far, capped at obs_window
 
  private:

@@ -46,7 +46,7 @@ PrefillSparsity DefaultPrefillSparsity(PrefillMethod method) {
 }
 
 std::vector<std::string_view> PrefillParamKeys(PrefillMethod method) {
-  std::vector<std::string_view> keys = {"block", "min_queries", "min_context", "estimate_bits"};
+  std::vector<std::string_view> keys = {"block", "min_queries", "min_context", "estimate_bits", "group_shared"};
   switch (method) {
     case PrefillMethod::kDense:
       return {};
@@ -98,6 +98,7 @@ Status SetPrefillParam(std::string_view key, double value, PrefillSparsity* p) {
   if (key == "top_blocks") p->top_blocks = v;
   if (key == "stride") p->stride = v;
   if (key == "estimate_bits") p->estimate_bits = v;
+  if (key == "group_shared") p->group_shared = v;
   return Status::Ok();
 }
 
@@ -121,6 +122,10 @@ Status ValidatePrefillSparsity(const PrefillSparsity& p) {
   }
   if (p.estimate_bits != 8 && p.estimate_bits != 32) {
     return bad("estimate_bits", fmt::format("must be 8 or 32; found {}", p.estimate_bits));
+  }
+  if (p.group_shared != 0 && p.group_shared != 1) {
+    return bad("group_shared", fmt::format("must be 0 (a selection per query head) or 1 (per kv head); found {}",
+                                           p.group_shared));
   }
   if (!(p.threshold > 0 && p.threshold <= 1))
     return bad("threshold", fmt::format("must be in (0, 1]; found {}", p.threshold));
@@ -179,6 +184,7 @@ std::string PrefillSparsitySummary(const PrefillSparsity& p) {
       break;
   }
   if (p.method != PrefillMethod::kDense) s += fmt::format(" estimate_bits={}", p.estimate_bits);
+  if (p.method != PrefillMethod::kDense && p.group_shared) s += " group_shared";
   return s;
 }
 
@@ -245,10 +251,12 @@ void PrefillSelector::Select(const PrefillSparsity& config, const AttentionShape
   KVS_CHECK(head_shape.n_kv_heads == 1 && n_q > 0 && config.block > 0);
   switch (config.method) {
     case PrefillMethod::kDense: {  // every token: what dense attention computes
-      prefill_detail::RangeAssembler ranges(config.block, out);
-      for (int32_t first = 0; first < n_q; first += config.block) {
-        ranges.Add(0, n_tokens);
-        ranges.EndBlock(visible[std::min(n_q, first + config.block) - 1]);
+      for (int o = 0; o < PrefillSelectionsPerKvHead(config, head_shape.n_heads); ++o) {
+        prefill_detail::RangeAssembler ranges(config.block, &out[o]);
+        for (int32_t first = 0; first < n_q; first += config.block) {
+          ranges.Add(0, n_tokens);
+          ranges.EndBlock(visible[std::min(n_q, first + config.block) - 1]);
+        }
       }
       return;
     }

@@ -95,6 +95,7 @@ struct Engine::Scratch {
   // Query-aware layers selecting per query head (Quest): the runs each query head reads. [n_heads]
   std::vector<std::vector<KvSpan>> query_spans;
   std::vector<AttentionJob> jobs;  // one ops::AttentionBatch call's jobs
+  std::vector<AttentionJob> observe_jobs;  // sparse prefill, per-head layers: each kv head's observation
   // The step's batched decode attention (Engine::AttendDecodeBatch): the joining entries, each
   // one's live spans, and the call's jobs. [joining entries]
   std::vector<const Entry*> decode_batch;
@@ -106,6 +107,7 @@ struct Engine::Scratch {
   // Per-head layers, prompt chunks only (a decode step's group rows are contiguous in q / att):
   std::vector<float> q_head;       // [n_kv_heads, rows, group, head_dim] the query rows by kv head
   std::vector<float> att_head;     // [n_kv_heads, rows, group, head_dim] their attention output
+  std::vector<float> q_job;        // sparse prefill per query head: [n_heads, rows, head_dim]
   // Logits of several sequences: the wanted rows' normed states and their logits.
   std::vector<float> logit_in;     // [wanted rows, dim]
   std::vector<float> logit_out;    // [wanted rows, n_vocab]
@@ -115,13 +117,14 @@ struct Engine::Scratch {
   std::vector<Entry> entries;      // [batch] the step's sequences and their first rows
   // Sparse prefill: the keys as f32 (a shared layer: one [n_kv_heads, rows, head_dim] matrix in
   // [0]; a per-head layer: each head's [rows, head_dim]), each query's visible token count
-  // ([n_q], per head likewise), and per kv head its selector and selection.
+  // ([n_q], per head likewise), per kv head its selector, and the selections (per query head, or
+  // per kv head with group_shared).
   std::vector<std::vector<float>> prefill_keys;
   std::vector<int64_t> prefill_key_rows;  // rows of each prefill_keys matrix (n_tokens rounded up)
   std::vector<std::vector<int64_t>> visible;
   std::vector<PrefillSelector> selectors;
   std::vector<PrefillSelection> selections;
-  std::vector<float> head_row_max_sum;  // [n_kv_heads, rows, group, 2] (observing policies)
+  std::vector<float> head_row_max_sum;  // [jobs, rows, query heads per job, 2] (observing policies)
   std::vector<KeySelection> selection_views;
 
   void Reserve(const ModelConfig& c, int32_t n) {
@@ -504,10 +507,11 @@ Status Engine::AttendDecodeBatch(int layer, const AttentionShape& shape) {
 }
 
 // A prompt chunk's attention over the tokens its estimator selects (sparse_prefill.h), for a
-// shared or a per-head layer: each kv head's query heads are one job with that head's
-// selection. The policies see the chunk as on the dense path: OnAppend before, the gathering
-// pass (over every live token, with the sparse attention's softmax statistics: the selected
-// tokens' probabilities as attended, the others' relative to the same sum) and the eviction after.
+// shared or a per-head layer: each query head is one job with its own selection (or, with
+// group_shared, each kv head's query heads one job with the group's). The policies see the chunk
+// as on the dense path: OnAppend before, the gathering pass (over every live token, with the
+// sparse attention's softmax statistics: the selected tokens' probabilities as attended, the
+// others' relative to the same sum) and the eviction after.
 Status Engine::SparsePrefillAttention(const Entry& e, int layer, const AttentionShape& shape,
                                       const PrefillSparsity& prefill) {
   Scratch& s = *scratch_;
@@ -516,9 +520,15 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
   const int n_kv = shape.n_kv_heads;
   const int group = shape.n_heads / n_kv;
   const int d = shape.head_dim;
-  const AttentionShape head_shape = WithHeads(shape, group, 1);
+  const int per_kv = PrefillSelectionsPerKvHead(prefill, group);  // selections (and jobs) per kv head
+  const int n_jobs = n_kv * per_kv;
+  const int job_heads = group / per_kv;                           // query heads a job serves
+  const AttentionShape head_shape = WithHeads(shape, group, 1);   // a kv head's estimate and observation
+  const AttentionShape job_shape = WithHeads(shape, job_heads, 1);
   const size_t group_values = static_cast<size_t>(group) * d;
-  const size_t head_stride = static_cast<size_t>(n) * group_values;  // one kv head's rows in q_head / att_head
+  const size_t head_stride = static_cast<size_t>(n) * group_values;  // one kv head's rows in q_head
+  const size_t job_values = static_cast<size_t>(job_heads) * d;
+  const size_t job_stride = static_cast<size_t>(n) * job_values;  // one job's rows in its q and att_head
   const float* q_rows = s.q.data() + static_cast<size_t>(e.row0) * shape.n_heads * d;  // [n, n_heads, head_dim]
   float* att_rows = s.att.data() + static_cast<size_t>(e.row0) * shape.n_heads * d;
   const int32_t* q_pos = s.positions.data() + e.row0;
@@ -529,12 +539,18 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
 
   const Clock::time_point estimate_start = Clock::now();
   GroupRowsByKvHead(q_rows, n, n_kv, group_values, &s.q_head);  // [n_kv, n, group, head_dim]
-  s.att_head.resize(s.q_head.size());
-  s.selections.resize(static_cast<size_t>(n_kv));
+  // The jobs' query rows [n_jobs, n, job_heads, head_dim]: q_head itself when a group shares one.
+  const float* q_jobs = s.q_head.data();
+  if (per_kv > 1) {
+    GroupRowsByKvHead(q_rows, n, n_jobs, job_values, &s.q_job);
+    q_jobs = s.q_job.data();
+  }
+  s.att_head.resize(static_cast<size_t>(n_jobs) * job_stride);
+  s.selections.resize(static_cast<size_t>(n_jobs));
   s.selectors.resize(static_cast<size_t>(n_kv));
-  s.selection_views.resize(static_cast<size_t>(n_kv));
-  s.jobs.resize(static_cast<size_t>(n_kv));
-  if (scores) s.head_row_max_sum.resize(static_cast<size_t>(n_kv) * n * group * 2);  // [n_kv, n, group, 2]
+  s.selection_views.resize(static_cast<size_t>(n_jobs));
+  s.jobs.resize(static_cast<size_t>(n_jobs));
+  if (scores) s.head_row_max_sum.resize(static_cast<size_t>(n) * shape.n_heads * 2);  // [n_jobs, n, job_heads, 2]
   // A shared layer's keys are loaded once for all heads; a per-head layer's heads keep their own tokens.
   const int n_tables = per_head ? n_kv : 1;
   s.prefill_keys.resize(static_cast<size_t>(n_tables));
@@ -549,47 +565,62 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
                     n_threads_, &s.prefill_keys[table], &s.prefill_key_rows[table]);
     VisibleCounts(spans.data(), static_cast<int32_t>(spans.size()), q_pos, n, &s.visible[table]);
   }
-  // The heads' estimates in parallel, one selector (and one thread) each: their serial parts
-  // (softmaxes, sums, top-k) would otherwise leave the other threads idle.
+  auto head_spans_of = [&](int h) -> const std::vector<KvSpan>& {
+    return per_head ? s.head_spans[static_cast<size_t>(h)] : s.spans;
+  };
+  // The kv heads' estimates in parallel, one selector (and one thread) each: their serial parts
+  // (softmaxes, sums, top-k) would otherwise leave the other threads idle. A kv head's query
+  // heads share its score products and get their selections from one call.
   const int estimate_threads = std::min(n_threads_, n_kv);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(estimate_threads) if (estimate_threads > 1)
   for (int h = 0; h < n_kv; ++h) {
     const int table = per_head ? h : 0;
-    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(h)] : s.spans;
     int64_t n_tokens = 0;
-    for (const KvSpan& span : spans) n_tokens += span.n;
+    for (const KvSpan& span : head_spans_of(h)) n_tokens += span.n;
     const float* keys =
         s.prefill_keys[table].data() + (per_head ? 0 : static_cast<size_t>(h) * s.prefill_key_rows[0] * d);
     s.selectors[h].Select(prefill, head_shape, s.q_head.data() + h * head_stride, s.visible[table].data(), n, keys,
-                          n_tokens, /*n_threads=*/1, &s.selections[h]);
+                          n_tokens, /*n_threads=*/1, &s.selections[static_cast<size_t>(h) * per_kv]);
   }
   PrefillWork work;
-  for (int h = 0; h < n_kv; ++h) {
-    const int table = per_head ? h : 0;
-    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(h)] : s.spans;
-    const PrefillWork head_work = CountPrefillWork(s.selections[h], s.visible[table].data(), n);
-    work.selected_pairs += head_work.selected_pairs;
-    work.causal_pairs += head_work.causal_pairs;
-    s.selection_views[h] = s.selections[h].view();
-    AttentionJob& job = s.jobs[h];
-    job = AttentionJob{spans.data(), static_cast<int32_t>(spans.size()), per_head ? 0 : h,
-                       s.q_head.data() + h * head_stride, s.att_head.data() + h * head_stride};
-    if (scores) job.row_max_sum = s.head_row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
-    job.selection = &s.selection_views[h];
+  for (int j = 0; j < n_jobs; ++j) {
+    const int h = j / per_kv;
+    const std::vector<KvSpan>& spans = head_spans_of(h);
+    const PrefillWork job_work = CountPrefillWork(s.selections[j], s.visible[per_head ? h : 0].data(), n);
+    work.selected_pairs += job_work.selected_pairs;
+    work.causal_pairs += job_work.causal_pairs;
+    s.selection_views[j] = s.selections[j].view();
+    AttentionJob& job = s.jobs[j];
+    job = AttentionJob{spans.data(), static_cast<int32_t>(spans.size()), per_head ? 0 : h, q_jobs + j * job_stride,
+                       s.att_head.data() + j * job_stride};
+    if (scores) job.row_max_sum = s.head_row_max_sum.data() + static_cast<size_t>(j) * n * job_heads * 2;
+    job.selection = &s.selection_views[j];
   }
   const Clock::time_point attention_start = Clock::now();
-  ops::AttentionBatch(head_shape, per_head ? 1 : n_kv, storage, q_pos, n, s.jobs.data(), n_kv, n_threads_);
+  ops::AttentionBatch(job_shape, per_head ? 1 : n_kv, storage, q_pos, n, s.jobs.data(), n_jobs, n_threads_);
   const Clock::time_point attention_end = Clock::now();
-  UngroupRows(s.att_head.data(), n, n_kv, group_values, att_rows);
+  UngroupRows(s.att_head.data(), n, n_jobs, job_values, att_rows);
   controller_->RecordSparsePrefill(layer, Seconds(estimate_start, attention_start),
                                    Seconds(attention_start, attention_end), work);
   if (scores) {
+    // The statistics in the layer's order [n, n_heads, 2], as ObserveAttention reads them.
+    s.row_max_sum.resize(s.head_row_max_sum.size());
+    UngroupRows(s.head_row_max_sum.data(), n, n_jobs, static_cast<size_t>(job_heads) * 2, s.row_max_sum.data());
     if (per_head) {
-      controller_->ObserveHeadsAttention(e.seq, layer, head_shape, s.jobs.data(), n_kv, q_pos, n, n_threads_);
+      // A kv head's observation: its query rows [n, group, head_dim] and statistics [n, group, 2].
+      if (per_kv > 1) {
+        GroupRowsByKvHead(s.row_max_sum.data(), n, n_kv, static_cast<size_t>(group) * 2, &s.head_row_max_sum);
+      }
+      s.observe_jobs.resize(static_cast<size_t>(n_kv));
+      for (int h = 0; h < n_kv; ++h) {
+        const std::vector<KvSpan>& spans = head_spans_of(h);
+        AttentionJob& job = s.observe_jobs[h];
+        job = AttentionJob{spans.data(), static_cast<int32_t>(spans.size()), 0, s.q_head.data() + h * head_stride,
+                           nullptr};
+        job.row_max_sum = s.head_row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
+      }
+      controller_->ObserveHeadsAttention(e.seq, layer, head_shape, s.observe_jobs.data(), n_kv, q_pos, n, n_threads_);
     } else {
-      // The statistics in the layer's order [n, n_heads, 2], as ObserveAttention reads them.
-      s.row_max_sum.resize(s.head_row_max_sum.size());
-      UngroupRows(s.head_row_max_sum.data(), n, n_kv, static_cast<size_t>(group) * 2, s.row_max_sum.data());
       controller_->ObserveAttention(e.seq, layer, shape, q_rows, q_pos, n, s.spans.data(),
                                     static_cast<int32_t>(s.spans.size()), s.row_max_sum.data(), n_threads_);
     }

@@ -19,23 +19,25 @@ namespace kvsparse {
 
 StatusOr<std::vector<HeadScore>> ProbeRetrievalHeads(const Model& model, const HeadProbeOptions& options) {
   const ModelConfig& c = model.config();
-  const int n = std::min(options.tokens, c.n_vocab);
+  if (options.repeats < 2) {
+    return InvalidArgumentError(fmt::format("probe-heads: --repeats must be >= 2 (a copy to read after the first); "
+                                            "found {}",
+                                            options.repeats));
+  }
+  const int n = std::min({options.tokens, c.n_vocab, c.max_context / options.repeats});
   if (n < 4) {
     return InvalidArgumentError(fmt::format("probe-heads: the probe sequence needs at least 4 distinct tokens; "
-                                            "--tokens {} with a vocabulary of {}",
-                                            options.tokens, c.n_vocab));
+                                            "--tokens {} with a vocabulary of {} and a context of {} for {} copies",
+                                            options.tokens, c.n_vocab, c.max_context, options.repeats));
   }
   if (options.trials < 1) return InvalidArgumentError(fmt::format("probe-heads: --trials must be >= 1, found {}", options.trials));
-  if (2 * n > c.max_context) {
-    return InvalidArgumentError(fmt::format("probe-heads: the probe prompt (2 x {} tokens) exceeds the model's context "
-                                            "of {}; lower --tokens",
-                                            n, c.max_context));
-  }
-  const int n_layers = c.n_layers, n_kv_heads = c.n_kv_heads;
+  const int n_layers = c.n_layers, n_kv_heads = c.n_kv_heads, n_heads = c.n_heads;
+  const int group = n_heads / n_kv_heads;
+  const int32_t total = options.repeats * n;
   // TOVA with a budget of the whole context: it never evicts, and it asks the attention kernel
-  // for the last query's probabilities per KV head, which the tap reads.
+  // for the last query's probabilities, which the tap reads per query head.
   KVS_ASSIGN_OR_RETURN(KvSparsityConfig config, KvSparsityConfigFromFlags("tova", "1.0", "f32", n_layers));
-  std::vector<double> induction(static_cast<size_t>(n_layers) * n_kv_heads, 0.0);  // [n_layers, n_kv_heads]
+  std::vector<double> induction(static_cast<size_t>(n_layers) * n_heads, 0.0);  // [n_layers, n_heads]
   std::vector<double> echo(induction.size(), 0.0);
   std::vector<float> logits(static_cast<size_t>(c.n_vocab));
   std::mt19937_64 rng(options.seed);
@@ -48,33 +50,48 @@ StatusOr<std::vector<HeadScore>> ProbeRetrievalHeads(const Model& model, const H
       std::uniform_int_distribution<int> pick(i, c.n_vocab - 1);
       std::swap(ids[static_cast<size_t>(i)], ids[static_cast<size_t>(pick(rng))]);
     }
-    const std::vector<int32_t> seq(ids.begin(), ids.begin() + n);  // R
-    KVS_ASSIGN_OR_RETURN(auto runtime, CreateRuntime(model, &config, KvStorage::kF32, 1, 2 * n, options.n_threads));
-    int j = -1;  // the second copy's token now being read (R[j] at position n + j); -1: the prompt
-    runtime->controller()->SetObservationTap([&](int, int layer, int, const AttentionObservation& obs) {
-      if (j < 1 || obs.n_queries != 1 || obs.last == nullptr) return;
-      KVS_CHECK(obs.n_tokens == n + j + 1 && obs.n_kv_heads == n_kv_heads);  // nothing is evicted
-      for (int h = 0; h < n_kv_heads; ++h) {
-        const float* p = obs.last + static_cast<size_t>(h) * obs.n_tokens;  // [n_tokens]
-        const size_t at = static_cast<size_t>(layer) * n_kv_heads + h;
-        induction[at] += p[j + 1];
-        echo[at] += p[j];
-      }
-    });
-    // Prompt: R and the second copy's first token; then the rest one token per step.
-    std::vector<int32_t> prompt = seq;
-    prompt.push_back(seq[0]);
-    KVS_RETURN_IF_ERROR(runtime->engine->Forward(0, prompt.data(), n + 1, 0, logits.data()));
-    for (j = 1; j < n; ++j) {
-      KVS_RETURN_IF_ERROR(runtime->engine->Forward(0, &seq[static_cast<size_t>(j)], 1, n + j, logits.data()));
+    std::vector<int32_t> seq;  // R repeated
+    for (int copy = 0; copy < options.repeats; ++copy) seq.insert(seq.end(), ids.begin(), ids.begin() + n);
+    KVS_ASSIGN_OR_RETURN(auto runtime, CreateRuntime(model, &config, KvStorage::kF32, 1, total, options.n_threads));
+    // Every call's last query (a prompt chunk's, or a decode step's) past the first copy.
+    runtime->controller()->SetObservationTap(
+        [&](int, int layer, int kv_head, const AttentionObservation& obs) {
+          if (obs.n_queries < 1 || obs.last == nullptr) return;
+          const int32_t p = obs.query_positions[obs.n_queries - 1];
+          if (p < n) return;
+          KVS_CHECK(obs.n_tokens == p + 1);  // nothing is evicted
+          const int first_head = kv_head < 0 ? 0 : kv_head * group;  // a per-head table's rows: its group
+          const int32_t copy = p / n, j = p % n;
+          for (int r = 0; r < obs.heads(); ++r) {
+            const float* prob = obs.last + static_cast<size_t>(r) * obs.n_tokens;  // [n_tokens]
+            double e = 0, i = 0;
+            for (int32_t earlier = 0; earlier < copy; ++earlier) {
+              e += prob[earlier * n + j];
+              i += prob[earlier * n + j + 1];
+            }
+            const size_t at = static_cast<size_t>(layer) * n_heads + first_head + r;
+            echo[at] += e;
+            induction[at] += i;
+          }
+        },
+        /*query_heads=*/true);
+    // Prompt: the first copy and the second copy's first token; then the rest one token per step.
+    KVS_RETURN_IF_ERROR(runtime->engine->Forward(0, seq.data(), n + 1, 0, logits.data()));
+    for (int32_t p = n + 1; p < total; ++p) {
+      KVS_RETURN_IF_ERROR(runtime->engine->Forward(0, &seq[static_cast<size_t>(p)], 1, p, logits.data()));
     }
-    queries += n - 1;
+    queries += total - n;
   }
   std::vector<HeadScore> heads;
   for (int l = 0; l < n_layers; ++l) {
     for (int h = 0; h < n_kv_heads; ++h) {
-      const size_t at = static_cast<size_t>(l) * n_kv_heads + h;
-      heads.push_back(HeadScore{l, h, induction[at] / queries, echo[at] / queries});
+      HeadScore score{l, h, 0, 0};
+      for (int g = 0; g < group; ++g) {  // the group's max of each score
+        const size_t at = static_cast<size_t>(l) * n_heads + static_cast<size_t>(h) * group + g;
+        score.induction = std::max(score.induction, induction[at] / queries);
+        score.echo = std::max(score.echo, echo[at] / queries);
+      }
+      heads.push_back(score);
     }
   }
   std::stable_sort(heads.begin(), heads.end(), [](const HeadScore& a, const HeadScore& b) { return a.score() > b.score(); });
@@ -175,15 +192,34 @@ Status ResolveRetrievalHeads(const Model& model, int n_threads, KvSparsityConfig
       }
       it = rankings.emplace(p.heads_file, std::move(*ranking)).first;
     }
+    const std::vector<HeadScore>& ranked = it->second;  // best echo + induction first
     const double total = static_cast<double>(n_layers) * n_kv_heads;
-    int64_t keep = p.retrieval_heads >= 1.0 ? static_cast<int64_t>(p.retrieval_heads)
-                                            : static_cast<int64_t>(std::llround(p.retrieval_heads * total));
-    if (p.retrieval_heads > 0.0 && keep == 0) keep = 1;
-    keep = std::min<int64_t>(keep, static_cast<int64_t>(it->second.size()));
+    // A count, or a share of every KV head of the model (at least 1 when > 0).
+    auto count = [&](double heads, bool half_even) {
+      int64_t keep = heads >= 1.0 ? static_cast<int64_t>(heads)
+                     : half_even  ? static_cast<int64_t>(std::nearbyint(heads * total))  // Python's round()
+                                  : static_cast<int64_t>(std::llround(heads * total));
+      if (heads > 0.0 && keep == 0) keep = 1;
+      return std::min<int64_t>(keep, static_cast<int64_t>(ranked.size()));
+    };
     p.full_heads = 0;
-    for (int64_t r = 0; r < keep; ++r) {
-      const HeadScore& h = it->second[static_cast<size_t>(r)];
-      if (h.layer == static_cast<int>(l)) p.full_heads |= uint64_t{1} << h.kv_head;
+    auto mark = [&](const std::vector<HeadScore>& list, int64_t keep) {
+      for (int64_t r = 0; r < keep; ++r) {
+        const HeadScore& h = list[static_cast<size_t>(r)];
+        if (h.layer == static_cast<int>(l)) p.full_heads |= uint64_t{1} << h.kv_head;
+      }
+    };
+    if (p.retrieval_heads >= 0) {
+      mark(ranked, count(p.retrieval_heads, /*half_even=*/false));
+    } else {
+      // The reference's two lists, each ranked on its own score (ties: the combined order).
+      for (const bool by_echo : {true, false}) {
+        std::vector<HeadScore> list = ranked;
+        std::stable_sort(list.begin(), list.end(), [&](const HeadScore& a, const HeadScore& b) {
+          return by_echo ? a.echo > b.echo : a.induction > b.induction;
+        });
+        mark(list, count(by_echo ? p.echo_heads : p.induction_heads, /*half_even=*/true));
+      }
     }
     p.full_heads_resolved = true;
   }
