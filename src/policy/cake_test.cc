@@ -100,6 +100,32 @@ TEST(CakeLayerBudgetsTest, RandomSplitsSumToTheTotalWithinTheRoom) {  // the pre
   }
 }
 
+// One prompt call's observation: `q` window queries over n tokens, rows [q, heads, n].
+AttentionObservation WindowObservation(int32_t n, int32_t q, int heads, const float* rows, const int32_t* positions) {
+  AttentionObservation obs;
+  obs.n_queries = q;
+  obs.n_tokens = n;
+  obs.n_kv_heads = 1;
+  obs.n_heads = heads;
+  obs.query_positions = positions;
+  obs.n_window = q;
+  obs.window_rows = rows;
+  return obs;
+}
+
+// The keep mask of a selection right after a prompt: n live tokens at positions 0.., `target` kept.
+std::vector<uint8_t> PromptKeep(KvPolicy& policy, const std::vector<int32_t>& positions, int32_t target) {
+  SelectionContext ctx;
+  ctx.n_live = static_cast<int32_t>(positions.size());
+  ctx.target = target;
+  ctx.positions = positions.data();
+  ctx.current_position = ctx.n_live - 1;
+  ctx.in_prefill = true;
+  std::vector<uint8_t> keep;
+  policy.SelectKeep(ctx, &keep);
+  return keep;
+}
+
 TEST(CakePolicyTest, IndicatorIsMeanPlusGammaVarianceOfTheWindow) {
   LayerKvConfig config;
   config.method = KvMethod::kCake;
@@ -121,25 +147,11 @@ TEST(CakePolicyTest, IndicatorIsMeanPlusGammaVarianceOfTheWindow) {
     rows[static_cast<size_t>(w) * n + 0] = 0.02f;
   }
   std::vector<int32_t> qpos = {4, 5, 6, 7};
-  AttentionObservation obs;
-  obs.n_queries = q;
-  obs.n_tokens = n;
-  obs.n_kv_heads = 1;
-  obs.query_positions = qpos.data();
-  obs.n_window = q;
-  obs.window_rows = rows.data();
-  policy->Observe(obs);
+  policy->Observe(WindowObservation(n, q, 1, rows.data(), qpos.data()));
   std::vector<int32_t> positions(n);
   std::iota(positions.begin(), positions.end(), 0);
-  SelectionContext ctx;
-  ctx.n_live = n;
-  ctx.target = 5;  // the 4-token window + one earlier token
-  ctx.positions = positions.data();
-  ctx.current_position = n - 1;
-  ctx.in_prefill = true;
-  std::vector<uint8_t> keep;
-  policy->SelectKeep(ctx, &keep);
-  EXPECT_EQ(keep, (std::vector<uint8_t>{0, 0, 1, 0, 1, 1, 1, 1}));
+  // Kept: the 4-token window + one earlier token.
+  EXPECT_EQ(PromptKeep(*policy, positions, 5), (std::vector<uint8_t>{0, 0, 1, 0, 1, 1, 1, 1}));
   // A decode step's eviction scores by its query alone (the reference's decoding cache): that
   // query gives token 1 the most, so token 1 is kept although token 2's indicator is higher.
   policy->OnAppend(1);
@@ -155,9 +167,13 @@ TEST(CakePolicyTest, IndicatorIsMeanPlusGammaVarianceOfTheWindow) {
   step.window_rows = decode_row.data();
   policy->Observe(step);
   positions.push_back(n);
+  SelectionContext ctx;
   ctx.n_live = n + 1;
+  ctx.target = 5;
+  ctx.positions = positions.data();
   ctx.current_position = n;
   ctx.in_prefill = false;
+  std::vector<uint8_t> keep;
   policy->SelectKeep(ctx, &keep);
   EXPECT_EQ(keep, (std::vector<uint8_t>{0, 1, 0, 0, 0, 1, 1, 1, 1}));
 }
@@ -194,23 +210,9 @@ TEST(CakePolicyTest, IndicatorIsPerQueryHeadThenTheGroupsMean) {
     auto policy = std::move(CreatePolicy(config, 0, 1, 1)).value();
     EXPECT_EQ((policy->NeededObservations() & kObserveQueryHeads) != 0, query_heads);
     policy->OnAppend(n);
-    AttentionObservation obs;
-    obs.n_queries = q;
-    obs.n_tokens = n;
-    obs.n_kv_heads = 1;
-    obs.n_heads = query_heads ? kHeads : 1;
-    obs.query_positions = qpos.data();
-    obs.n_window = q;
-    obs.window_rows = query_heads ? heads_rows.data() : mean_rows.data();
-    policy->Observe(obs);
-    SelectionContext ctx;
-    ctx.n_live = n;
-    ctx.target = 5;  // the 4-token window + one earlier token
-    ctx.positions = positions.data();
-    ctx.current_position = n - 1;
-    ctx.in_prefill = true;
-    std::vector<uint8_t> keep;
-    policy->SelectKeep(ctx, &keep);
+    policy->Observe(WindowObservation(n, q, query_heads ? kHeads : 1,
+                                      query_heads ? heads_rows.data() : mean_rows.data(), qpos.data()));
+    const std::vector<uint8_t> keep = PromptKeep(*policy, positions, 5);  // the window + one earlier token
     const int kept = query_heads ? 1 : 2;
     EXPECT_EQ(keep[kept], 1) << (query_heads ? "per query head" : "group mean");
     EXPECT_EQ(keep[3 - kept], 0) << (query_heads ? "per query head" : "group mean");

@@ -95,6 +95,17 @@ std::vector<int32_t> ReferenceTopK(const RaggedSpans& data, const std::vector<fl
   return PlainTopK(score, data, budget);
 }
 
+// A decode query's context: q [n_q, d] over n_kv KV heads, pages of 16.
+SpanSelectionContext QueryContext(const std::vector<float>& q, int n_q, int n_kv, int d) {
+  SpanSelectionContext ctx;
+  ctx.q = q.data();
+  ctx.n_q_heads = n_q;
+  ctx.n_kv_heads = n_kv;
+  ctx.head_dim = d;
+  ctx.cache_page_size = 16;
+  return ctx;
+}
+
 std::unique_ptr<KvPolicy> MakeOracle(KvBudget budget, HeadReduce reduce = HeadReduce::kMean) {
   LayerKvConfig config;
   config.method = KvMethod::kOracle;
@@ -117,12 +128,7 @@ TEST(OraclePolicyTest, EachKvHeadReadsItsExactTopK) {
         const std::vector<float> q = RandomNonZeroFloats(static_cast<size_t>(n_q) * d, rng, 2.f);
         auto policy = MakeOracle(KvBudget::Tokens(budget), reduce);
         policy->OnAppend(n);
-        SpanSelectionContext ctx;
-        ctx.q = q.data();
-        ctx.n_q_heads = n_q;
-        ctx.n_kv_heads = n_kv;
-        ctx.head_dim = d;
-        ctx.cache_page_size = 16;
+        const SpanSelectionContext ctx = QueryContext(q, n_q, n_kv, d);
         std::vector<std::vector<KvSpan>> per_query(n_q);
         ASSERT_TRUE(policy->SelectQueryHeadSpans(ctx, data.spans, per_query.data())) << n << " " << budget;
         std::set<int32_t> all;
@@ -177,11 +183,7 @@ TEST(OraclePolicyTest, EachQueryHeadReadsItsExactTopKWithoutAFold) {
     auto policy = MakeOracle(KvBudget::Tokens(budget), HeadReduce::kNone);
     EXPECT_FALSE(policy->SelectsPerKvHead());
     policy->OnAppend(n);
-    SpanSelectionContext ctx;
-    ctx.q = q.data();
-    ctx.n_q_heads = n_q;
-    ctx.n_kv_heads = n_kv;
-    ctx.head_dim = d;
+    const SpanSelectionContext ctx = QueryContext(q, n_q, n_kv, d);
     std::vector<std::vector<KvSpan>> per_query(n_q);
     ASSERT_TRUE(policy->SelectQueryHeadSpans(ctx, data.spans, per_query.data()));
     for (int i = 0; i < n_q; ++i) {

@@ -97,6 +97,17 @@ void ExpectWellFormed(const PrefillSelection& s, const Chunk& chunk) {
   }
 }
 
+// A method's defaults with small budgets: `vertical` columns and `slash` diagonals
+// (vertical_slash), `top_blocks` key blocks (block_sparse), `threshold` (xattention).
+PrefillSparsity SmallBudgets(PrefillMethod method, int vertical, int slash, int top_blocks, double threshold) {
+  PrefillSparsity config = DefaultPrefillSparsity(method);
+  config.vertical = vertical;
+  config.slash = slash;
+  config.top_blocks = top_blocks;
+  config.threshold = threshold;
+  return config;
+}
+
 double ComputedShare(const PrefillSelection& s, const Chunk& chunk) {
   const PrefillWork work = CountPrefillWork(s, chunk.visible.data(), chunk.n_q);
   return static_cast<double>(work.selected_pairs) / work.causal_pairs;
@@ -241,11 +252,7 @@ TEST(SparsePrefill, Int8EstimatesKeepTheMassOfF32Estimates) {
   for (size_t r = 0; r < chunk.q.size() / kHeadDim; ++r) chunk.q[r * kHeadDim] += 1.f;
   for (PrefillMethod method :
        {PrefillMethod::kVerticalSlash, PrefillMethod::kXAttention, PrefillMethod::kBlockSparse}) {
-    PrefillSparsity config = DefaultPrefillSparsity(method);
-    config.vertical = 100;
-    config.slash = 200;
-    config.top_blocks = 8;
-    config.threshold = 0.5;
+    PrefillSparsity config = SmallBudgets(method, 100, 200, 8, 0.5);
     config.estimate_bits = 32;
     const PrefillSelection f32 = chunk.Select(config);
     config.estimate_bits = 8;
@@ -318,11 +325,7 @@ TEST(SparsePrefill, PerQueryHeadSelectionIsEachHeadsOwnEstimate) {
     for (int g = 0; g < 4; ++g) chunk.q[(static_cast<size_t>(i) * 4 + g) * kHeadDim + g] += 2.f;
   for (PrefillMethod method :
        {PrefillMethod::kVerticalSlash, PrefillMethod::kBlockSparse, PrefillMethod::kXAttention}) {
-    PrefillSparsity config = DefaultPrefillSparsity(method);
-    config.vertical = 60;
-    config.slash = 60;
-    config.top_blocks = 6;
-    config.threshold = 0.6;
+    const PrefillSparsity config = SmallBudgets(method, 60, 60, 6, 0.6);
     const std::vector<PrefillSelection> per_head = chunk.SelectAll(config);
     for (int g = 0; g < 4; ++g) {
       const Chunk alone = chunk.Head(g);
