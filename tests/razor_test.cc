@@ -86,12 +86,12 @@ TEST_F(RazorTest, ProbeTakesTheGroupsMaxOverQueryHeads) {
 // induction, each ranked on its own score; retrieval_heads set ranks by their sum instead.
 TEST_F(RazorTest, ResolveTakesTheEchoAndInductionListsApart) {
   const std::string path = testing::TempPath("razor_two_lists.json");
-  // 16 heads: 1% -> round(0.16) = 0, at least 1 echo head; 14% -> round(2.24) = 2 induction heads.
+  // 16 heads: 14% -> round(2.24) = 2 induction heads; echo 1% -> round(0.16) = 0, 7% -> round(1.12) = 1.
   WriteFile(path, HeadScoresToJson({{3, 2, 0.9, 0}, {1, 3, 0.5, 0}, {1, 0, 0.0, 0.45}, {0, 0, 0.1, 0.0}}, kLayers, 4));
   for (const bool two_lists : {true, false}) {
     auto config = KvSparsityConfigFromFlags("razor", "64", "f16", kLayers);
     ASSERT_TRUE(config.ok()) << config.status().ToString();
-    std::vector<std::string> params = {"heads=" + path};
+    std::vector<std::string> params = {"heads=" + path, "echo_heads=0.07"};
     if (!two_lists) params.push_back("retrieval_heads=2");
     ASSERT_TRUE(ApplyKvParams(params, &*config).ok());
     ASSERT_TRUE(ResolveRetrievalHeads(model(), 1, &*config).ok());
@@ -100,6 +100,13 @@ TEST_F(RazorTest, ResolveTakesTheEchoAndInductionListsApart) {
         two_lists ? std::vector<uint64_t>{0, (1u << 3) | 1u, 0, 1u << 2} : std::vector<uint64_t>{0, 1u << 3, 0, 1u << 2};
     for (int l = 0; l < kLayers; ++l) EXPECT_EQ(config->layers[l].params.full_heads, masks[l]) << "layer " << l;
   }
+  // The reference's 1% of 16 heads rounds to no echo head.
+  auto config = KvSparsityConfigFromFlags("razor", "64", "f16", kLayers);
+  ASSERT_TRUE(config.ok());
+  const std::vector<std::string> params = {"heads=" + path};
+  ASSERT_TRUE(ApplyKvParams(params, &*config).ok());
+  ASSERT_TRUE(ResolveRetrievalHeads(model(), 1, &*config).ok());
+  EXPECT_EQ(config->layers[1].params.full_heads, 1u << 3) << "induction (1, 3) only";
   auto summary = ParseKvSparsityConfig(R"({"default": {"method": "razor", "budget": 64}})", kLayers);
   ASSERT_TRUE(summary.ok());
   EXPECT_NE(KvSparsityConfigSummary(*summary).find("echo_heads=0.01 induction_heads=0.14"), std::string::npos)

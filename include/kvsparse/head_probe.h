@@ -54,9 +54,10 @@ StatusOr<std::vector<HeadScore>> LoadHeadScores(const std::string& path, int n_l
 // none, probes `model` once with default options) and marks as full the best `echo_heads` heads
 // of the whole model by echo score together with the best `induction_heads` by induction score
 // (the reference's lists), or with `retrieval_heads` set the best that many by echo + induction.
-// Counts: an integer, or a share of n_layers x n_kv_heads rounded to nearest (half to even, as
-// Python's round), at least 1 when the share is > 0. Heads are ranked over every layer, so a
-// layer may get none. A heads file without the echo / induction split ranks by its score.
+// Counts: an integer, or a share of n_layers x n_kv_heads rounded half to even as the reference
+// (Python's round(): a model of fewer than 50 KV heads gets no echo head at 1%), retrieval_heads'
+// to nearest and at least 1 when > 0. Heads are ranked over every layer, so a layer may get none.
+// A heads file without the echo / induction split ranks by its score.
 // No-op when the config has no razor layer.
 Status ResolveRetrievalHeads(const Model& model, int n_threads, KvSparsityConfig* config);
 

@@ -194,12 +194,13 @@ Status ResolveRetrievalHeads(const Model& model, int n_threads, KvSparsityConfig
     }
     const std::vector<HeadScore>& ranked = it->second;  // best echo + induction first
     const double total = static_cast<double>(n_layers) * n_kv_heads;
-    // A count, or a share of every KV head of the model (at least 1 when > 0).
-    auto count = [&](double heads, bool half_even) {
-      int64_t keep = heads >= 1.0 ? static_cast<int64_t>(heads)
-                     : half_even  ? static_cast<int64_t>(std::nearbyint(heads * total))  // Python's round()
-                                  : static_cast<int64_t>(std::llround(heads * total));
-      if (heads > 0.0 && keep == 0) keep = 1;
+    // A count, or a share of every KV head of the model: the reference's lists round it half to
+    // even (Python's round(), so a small model may get none); retrieval_heads to nearest, at
+    // least 1 when > 0.
+    auto count = [&](double heads, bool reference) {
+      int64_t keep = heads >= 1.0  ? static_cast<int64_t>(heads)
+                     : reference   ? static_cast<int64_t>(std::nearbyint(heads * total))
+                                   : std::max<int64_t>(heads > 0.0, std::llround(heads * total));
       return std::min<int64_t>(keep, static_cast<int64_t>(ranked.size()));
     };
     p.full_heads = 0;
@@ -210,7 +211,7 @@ Status ResolveRetrievalHeads(const Model& model, int n_threads, KvSparsityConfig
       }
     };
     if (p.retrieval_heads >= 0) {
-      mark(ranked, count(p.retrieval_heads, /*half_even=*/false));
+      mark(ranked, count(p.retrieval_heads, /*reference=*/false));
     } else {
       // The reference's two lists, each ranked on its own score (ties: the combined order).
       for (const bool by_echo : {true, false}) {
@@ -218,7 +219,7 @@ Status ResolveRetrievalHeads(const Model& model, int n_threads, KvSparsityConfig
         std::stable_sort(list.begin(), list.end(), [&](const HeadScore& a, const HeadScore& b) {
           return by_echo ? a.echo > b.echo : a.induction > b.induction;
         });
-        mark(list, count(by_echo ? p.echo_heads : p.induction_heads, /*half_even=*/true));
+        mark(list, count(by_echo ? p.echo_heads : p.induction_heads, /*reference=*/true));
       }
     }
     p.full_heads_resolved = true;
