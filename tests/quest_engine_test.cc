@@ -210,7 +210,7 @@ TEST_F(QuestSynthTest, SmallBudgetReadsAtMostBudgetPlusOnePageAndKeepsEverything
         l.params.page_tokens = page_tokens;
         l.params.dense_layers = 0;  // every layer selects
       }
-      const int32_t page = page_tokens > 0 ? page_tokens : config.page_size;
+      const int32_t page = page_tokens > 0 ? page_tokens : EffectivePageSize(config);
       auto kv = CreateSparseKv(Geometry(*model_), config, 1, context);
       ASSERT_TRUE(kv.ok()) << kv.status().ToString();
       SparseKvController& controller = *kv->controller;

@@ -46,6 +46,11 @@ Runtime MakeRuntime(const std::string& path, const std::string& method, const st
   if (per_head >= 0) {
     for (LayerKvConfig& layer : config->layers) layer.per_head = per_head != 0;
   }
+  // One page layout for every runtime, so a request alone (int8_kivi: 32-token pages and a
+  // 128-token residual by default) matches one on a server started with f16 layers, whose
+  // cache a per-request KIVI type shares.
+  config->page_size = kDefaultPageSize;
+  config->kivi_residual = 0;
   const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
   if (budget_bytes == 0) {
     auto probe = CreateServingKv(geometry, *config, size_t{1} << 30);

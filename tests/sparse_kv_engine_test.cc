@@ -430,7 +430,7 @@ TEST_F(SparseKvEngine, RejectsMismatchedConfig) {
   ASSERT_FALSE(setup.ok());
   EXPECT_NE(setup.status().message().find("layers"), std::string::npos) << setup.status().ToString();
   KvSparsityConfig bad_page = MakeConfig(*model_, "h2o", "0.5", "f16");
-  bad_page.page_size = 0;
+  bad_page.page_size = -1;
   EXPECT_FALSE(CreateSparseKv(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, bad_page, 1, 100).ok());
 }
 
@@ -722,7 +722,12 @@ TEST_F(SparseKvEngine, Int8KiviFullBudgetStaysCloseToF32) {
   const int n_decode = static_cast<int>(tail.size());
   const int vocab = model_->config().n_vocab;
   const RunOutput want = RunDense(*model_, KvStorage::kF32, prompt, 21, n_decode, &tail);
-  SparseRun run = NewSparseRun(*model_, MakeConfig(*model_, "full", "", "int8_kivi"), 48 + n_decode);
+  // 16-token pages and a 32-token window, so that most of the 150 tokens are quantized (KIVI's
+  // defaults, 32-token pages behind a 128-token window, would quantize one page).
+  KvSparsityConfig config = MakeConfig(*model_, "full", "", "int8_kivi");
+  config.page_size = 16;
+  config.kivi_residual = 32;
+  SparseRun run = NewSparseRun(*model_, config, 48 + n_decode);
   ASSERT_TRUE(run.engine);
   EXPECT_EQ(run.kv.cache->layer_storage(0), KvStorage::kInt8Kivi);
   const RunOutput got = RunEngine(*run.engine, prompt, 21, n_decode, &tail);
@@ -738,7 +743,8 @@ TEST_F(SparseKvEngine, Int8KiviFullBudgetStaysCloseToF32) {
   const PagedKvLayerStats ls = run.kv.cache->Stats().layers[0];  // a copy: Stats() returns by value
   const int32_t n = static_cast<int32_t>(prompt.size()) + n_decode;
   EXPECT_EQ(ls.live_tokens, n);
-  EXPECT_EQ(ls.residual_tokens, n % run.kv.cache->page_size());
+  // A page is quantized once 32 newer tokens follow it.
+  EXPECT_EQ(ls.residual_tokens, n - (n / 16 - 2) * 16);
 }
 
 // Quantize-then-sparsify: every method runs on int8_kivi pages (prefill chunks, decode
@@ -796,6 +802,8 @@ TEST(SparseKvEnginePerHead, Int8KiviH2OPerHead) {
   const ModelConfig& c = model->config();
   const std::vector<int32_t> prompt = SynthPrompt(70, c.n_vocab);
   KvSparsityConfig config = PerHead(MakeConfig(*model, "h2o", "24", "int8_kivi"));
+  config.page_size = 16;  // 24 tokens fill a quantized page only with small pages and no residual window
+  config.kivi_residual = 0;
   config.prefill_chunk = 32;
   config.evict_interval = 4;
   SparseRun run = NewSparseRun(*model, config, 130);

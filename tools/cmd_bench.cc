@@ -26,7 +26,7 @@ struct BenchArgs {
   std::vector<std::string> methods, budgets, lengths, kv_types, tasks, protocols;
   std::vector<double> depths;
   // evict_interval 0: each method's paper cadence (BenchSpec::evict_interval).
-  int samples = 0, threads = 0, evict_interval = 0, page_size = 16, value_tokens = 0;
+  int samples = 0, threads = 0, evict_interval = 0, page_size = 0, value_tokens = 0;
   uint64_t seed = 1;
   bool no_plots = false;
 };
@@ -303,7 +303,8 @@ void RegisterBench(CLI::App& app, int* exit_code) {
   cmd->add_option("--fidelity-tokens", a->fidelity_tokens,
                   "fidelity task: teacher-force the first --lengths token ids of this file (whitespace-separated; # "
                   "starts a comment) instead of a stream sampled from the model");
-  cmd->add_option("--page-size", a->page_size, "tokens per KV page")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--page-size", a->page_size, "tokens per KV page (default 16; 32 for the KIVI types)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("-t,--threads", a->threads, "threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "task seed")->capture_default_str();
   cmd->add_option("-o,--out-dir", a->out_dir, "results.jsonl, report.md and plots go here")->capture_default_str();

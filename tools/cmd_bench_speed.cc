@@ -60,6 +60,7 @@ int Run(BenchArgs& a) {
       other->evict_interval = main.evict_interval;
       other->page_size = main.page_size;
       other->kivi_residual = main.kivi_residual;
+      other->kivi_v_group = main.kivi_v_group;
       other->prefill_chunk = main.prefill_chunk;
       other->prefill_eviction = main.prefill_eviction;
       other->agg = main.agg;

@@ -20,10 +20,17 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
                   "a method parameter as KEY=VALUE, repeatable (the config file's keys, e.g. head_budgets=adaptive, "
                   "mode=mask, rerank_period=8, reselect_layer=9)")
       ->allow_extra_args(false);
-  cmd->add_option("--page-size", f->page_size, "tokens per KV page (default 16)")->check(CLI::PositiveNumber);
+  cmd->add_option("--page-size", f->page_size,
+                  "tokens per KV page (default 16; 32, KIVI's K group, when a layer stores a KIVI type)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--kivi-residual", f->kivi_residual,
                   "KIVI types: the newest N tokens stay in f16 besides the partly filled page, KIVI's residual "
-                  "length (a multiple of --page-size; default 0; JSON: \"kivi_residual\")")
+                  "length (a multiple of --page-size; default 128, rounded up to whole pages; 0: only the partly "
+                  "filled page; JSON: \"kivi_residual\")")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--kivi-v-group", f->kivi_v_group,
+                  "int4_kivi / int2_kivi: V channels per scale and zero point (default 32, KIVI's group, where it "
+                  "divides head_dim; 0: the whole head row, fewer bytes; JSON: \"kivi_v_group\")")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--evict-interval", f->evict_interval,
                   "decode steps a layer may grow past its budget before evicting (default 16)")
@@ -45,9 +52,11 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
                                                          int n_layers, KvStorage* dense_storage) {
   const std::string kv_type = f.kv_type.empty() ? default_kv_type : f.kv_type;
   // A window on a cache that quantizes nothing would do nothing: refused rather than ignored.
-  auto residual_without_kivi = [](const std::string& found) {
+  const char* kivi_flag = f.kivi_residual > 0 ? "--kivi-residual" : "--kivi-v-group";
+  const bool kivi_flags = f.kivi_residual > 0 || f.kivi_v_group > 0;
+  auto residual_without_kivi = [kivi_flag](const std::string& found) {
     return InvalidArgumentError(
-        fmt::format("--kivi-residual applies to the KIVI kv types (int8_kivi, int4_kivi, int2_kivi); {}", found));
+        fmt::format("{} applies to the KIVI kv types (int8_kivi, int4_kivi, int2_kivi); {}", kivi_flag, found));
   };
   const std::optional<KvStorage> storage = KvStorageFromName(kv_type);
   if (!storage) {
@@ -90,7 +99,7 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
              !f.sparse_prefill.empty()) {  // int8, fp8 and KIVI need the paged cache
     KVS_ASSIGN_OR_RETURN(config, KvSparsityConfigFromFlags("full", "", kv_type, n_layers));
   } else {
-    if (f.kivi_residual > 0) return residual_without_kivi("--kv-type is " + kv_type);  // the dense cache
+    if (kivi_flags) return residual_without_kivi("--kv-type is " + kv_type);  // the dense cache
     return std::optional<KvSparsityConfig>();  // dense
   }
   if (f.per_head || f.shared_heads) {
@@ -103,8 +112,9 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
   }
   if (f.page_size > 0) config.page_size = f.page_size;
   if (f.kivi_residual >= 0) config.kivi_residual = f.kivi_residual;
+  if (f.kivi_v_group >= 0) config.kivi_v_group = f.kivi_v_group;
   if (f.evict_interval > 0) config.evict_interval = f.evict_interval;
-  if (f.kivi_residual > 0 && std::none_of(config.layers.begin(), config.layers.end(),
+  if (kivi_flags && std::none_of(config.layers.begin(), config.layers.end(),
                                           [](const LayerKvConfig& layer) { return IsKiviStorage(layer.kv_type); })) {
     return residual_without_kivi(f.config_file.empty() ? "--kv-type is " + kv_type
                                                        : "no layer of " + f.config_file + " stores one");

@@ -18,8 +18,9 @@ struct KvFlags {
   std::string kv_type;      // --kv-type; empty: the command's default
   std::string config_file;  // --kv-config FILE.json
   std::vector<std::string> params;  // --kv-param KEY=VALUE (repeatable): method parameters
-  int page_size = 0;        // --page-size; 0: the config's (16)
-  int kivi_residual = -1;   // --kivi-residual; -1: the config's (0)
+  int page_size = 0;        // --page-size; 0: the config's (16; 32 with a KIVI type)
+  int kivi_residual = -1;   // --kivi-residual; -1: the config's (128 with a KIVI type)
+  int kivi_v_group = -1;    // --kivi-v-group; -1: the config's (32 where it divides head_dim)
   int evict_interval = 0;   // --evict-interval; 0: the config's (16)
   bool stats = false;       // --kv-stats
   bool per_head = false;    // --kv-per-head: every layer keeps its tokens per KV head

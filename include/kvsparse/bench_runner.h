@@ -47,7 +47,7 @@ struct BenchSpec {
   // methods that do not evict while decoding keep KvSparsityConfig's default) and
   // KvSparsityConfig's default, the serving setting, in latency runs. See BenchEvictInterval.
   int evict_interval = 0;
-  int page_size = 16;
+  int page_size = 0;  // 0: the config's default (16; 32 for the KIVI types)
   int prefill_chunk = 512;
   // "prompt_end": compress once after the whole prompt (SnapKV / kvpress protocol: a question at
   // the end of the prompt can steer selection; the protocols then differ). "chunk": after every

@@ -8,7 +8,7 @@
 //     "layers": [{"layers": "0-1", "method": "full", "kv_type": "f16"},
 //                {"layers": 7, "budget": 64}],
 //     "evict_interval": 16, "page_size": 16, "gqa_aggregation": "mean", "prefill_chunk": 512,
-//     "kivi_residual": 0
+//     "kivi_residual": 128, "kivi_v_group": 32
 //   }
 // - "budget": an integer is a token count (>= 1); a non-integer number is a fraction in
 //   (0, 1] of the tokens seen so far (see kv_budget.h).
@@ -22,9 +22,14 @@
 //   parameters when it keeps the default's method; naming another method starts from
 //   that method's paper defaults.
 // - Without "default", uncovered layers are "full".
-// - kivi_residual R: KIVI layers (int8_kivi, int4_kivi, int2_kivi) keep their newest R tokens
-//   in f16 besides the partly filled page, KIVI's residual length (a multiple of page_size;
-//   default 0: only the partly filled page). The group is the page.
+// - KIVI layers (int8_kivi, int4_kivi, int2_kivi; Liu et al. 2024) default to the reference's
+//   settings (its models/llama_kivi.py and quant/new_pack.py): K is quantized per channel over a
+//   page, and page_size defaults to 32 (KIVI's group) when any layer stores a KIVI type (16
+//   otherwise); kivi_residual R keeps the newest R tokens in f16 besides the partly filled page,
+//   KIVI's residual length (a multiple of page_size; default 128, rounded up to whole pages; 0:
+//   only the partly filled page); kivi_v_group G quantizes int4 / int2 V per G channels of a
+//   (token, kv head) row (default 32 where it divides head_dim, else the whole row; 0: the
+//   whole row, kvsparse's widest group, fewer bytes).
 // - evict_interval N: a decoding layer grows to budget + N tokens, then N are evicted at
 //   once (1 = every step). Prompt chunks are trimmed to the budget after each chunk.
 // Mistakes (unknown keys or values, wrong types, bad ranges, overlaps, windows that do
@@ -54,12 +59,23 @@ enum class PrefillEviction { kEveryChunk, kPromptEnd };
 struct KvSparsityConfig {
   std::vector<LayerKvConfig> layers;  // [n_layers]
   int evict_interval = 16;
-  int page_size = 16;
-  int kivi_residual = 0;  // tokens; a multiple of page_size
+  int page_size = 0;       // 0: EffectivePageSize's default
+  int kivi_residual = -1;  // tokens, a multiple of the page size; -1: EffectiveKiviResidual's default
+  int kivi_v_group = -1;   // channels; -1: EffectiveKiviVGroup's default; 0: the whole row
   GqaAggregation agg = GqaAggregation::kMean;
   int prefill_chunk = 512;
   PrefillEviction prefill_eviction = PrefillEviction::kEveryChunk;  // JSON "prefill_eviction": "chunk" | "prompt_end"
 };
+
+inline constexpr int kDefaultPageSize = 16;
+inline constexpr int kKiviPageSize = 32;       // KIVI's K group (tokens)
+inline constexpr int kKiviResidualTokens = 128;  // KIVI's residual length R
+inline constexpr int kKiviVGroup = 32;         // KIVI's V group (channels)
+// The settings the cache gets: the config's own, or the defaults above (KIVI's where a layer
+// stores a KIVI type).
+int EffectivePageSize(const KvSparsityConfig& config);
+int EffectiveKiviResidual(const KvSparsityConfig& config);  // 0 when no layer stores a KIVI type
+int EffectiveKiviVGroup(const KvSparsityConfig& config, int head_dim);  // 0: the whole row
 
 // `source` names the text in messages (a file path, or "kv config").
 StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int n_layers,

@@ -19,7 +19,8 @@ namespace kvsparse {
 //   scale is our choice: vLLM's default fp8 cache has one per-tensor scale of 1.0.
 // kInt4Kivi, kInt2Kivi (KIVI's own setting): asymmetric 4- or 2-bit codes with a zero point, value =
 //   min + scale * code, code in [0, 2^bits - 1], packed several to a byte; K per (page, kv head,
-//   channel), V per (token, kv head), the residual page in full precision as kInt8Kivi.
+//   channel), V per (token, kv head, group of v_group channels: 32 in KIVI's code), scales and
+//   mins in f16; the newest tokens in full precision as kInt8Kivi.
 // kBf16: bfloat16 (f32's exponent, 8 significant bits), no scales. Where the CPU has AVX512_BF16
 //   the avx512 family computes q.K with bf16 dot products (vdpbf16ps, twice f32's rate; the
 //   query is rounded to bf16 too); elsewhere it is widened to f32 like f16.
@@ -57,21 +58,28 @@ struct KvSpan {
   const void* v = nullptr;             // [n, n_kv_heads, head_dim]
   const int32_t* positions = nullptr;  // [n] absolute positions, ascending across spans
   const float* k_scale = nullptr;      // [n, n_kv_heads] (HasTokenScales storage only)
-  const float* v_scale = nullptr;      // [n, n_kv_heads] (HasTokenScales storage and KIVI pages)
-  // KIVI quantized pages: K's per-channel scales, shared by the span's n tokens (value =
-  // k_channel_scale[h, c] * q, plus k_channel_min[h, c] for 4 and 2 bits); v_scale as kInt8
-  // (plus v_min for 4 and 2 bits). Null on a KIVI layer's residual span, whose K/V are
+  const float* v_scale = nullptr;      // [n, n_kv_heads] (HasTokenScales storage and int8_kivi pages)
+  // int8_kivi quantized pages: K's per-channel scales, shared by the span's n tokens (value =
+  // k_channel_scale[h, c] * q); V as kInt8. Null on a KIVI layer's residual span, whose K/V are
   // kKiviResidualStorage (see SpanStorage).
   const float* k_channel_scale = nullptr;  // [n_kv_heads, head_dim] ([1, head_dim] in HeadSpans)
-  const float* k_channel_min = nullptr;    // [n_kv_heads, head_dim] (kInt4Kivi, kInt2Kivi)
-  const float* v_min = nullptr;            // [n, n_kv_heads] (kInt4Kivi, kInt2Kivi)
+  // int4 / int2 KIVI quantized pages, f16 bits: K value = k_group_min[h, c] + k_group_scale[h, c]
+  // * code (shared by the span's tokens); V value = v_group_min[t, h, c / v_group] +
+  // v_group_scale[t, h, c / v_group] * code. Null on the residual span.
+  const uint16_t* k_group_scale = nullptr;  // [n_kv_heads, head_dim]
+  const uint16_t* k_group_min = nullptr;    // [n_kv_heads, head_dim]
+  const uint16_t* v_group_scale = nullptr;  // [n, n_kv_heads, head_dim / v_group]
+  const uint16_t* v_group_min = nullptr;    // [n, n_kv_heads, head_dim / v_group]
+  int32_t v_group = 0;                      // channels per V scale (divides head_dim)
+  int32_t v_groups = 0;                     // V scales per (token, kv head): head_dim / v_group
   int32_t n = 0;
 };
 
 // The storage type of one span of a layer stored as `layer`: a KIVI layer's residual span (no
 // channel scales) is full precision; every other span has the layer's type.
 inline KvStorage SpanStorage(KvStorage layer, const KvSpan& span) {
-  return IsKiviStorage(layer) && span.k_channel_scale == nullptr ? kKiviResidualStorage : layer;
+  const bool quantized = span.k_channel_scale != nullptr || span.k_group_scale != nullptr;
+  return IsKiviStorage(layer) && !quantized ? kKiviResidualStorage : layer;
 }
 
 // Token t of `span`'s K, dequantized to f32: out [n_kv_heads, head_dim] (n_kv_heads: heads per

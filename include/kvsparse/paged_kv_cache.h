@@ -19,9 +19,12 @@
 // KIVI layers (int8_kivi, int4_kivi, int2_kivi; Liu et al. 2024) store full pages quantized and
 // the last, partly filled page in full precision, with the whole pages of the newest
 // kivi_residual tokens (the residual window):
-//   full page:     K int8 [P, H, D], V int8 [P, H, D], positions [P], v_scale [P, H] f32,
-//                  k_channel_scale [H, D] f32 (K value = k_channel_scale[h, d] * q: one scale
-//                  per (page, kv head, channel)); V is per (token, kv head) as int8.
+//   int8_kivi page: K int8 [P, H, D], V int8 [P, H, D], positions [P], v_scale [P, H] f32,
+//                   k_channel_scale [H, D] f32 (K value = k_channel_scale[h, d] * q: one scale
+//                   per (page, kv head, channel)); V is per (token, kv head) as int8.
+//   int4 / int2 page: K, V codes [P, H, D * bits / 8] packed, positions [P], v_scale and v_min
+//                   [P, H, D / G] f16, k_scale and k_min [H, D] f16 (G = kivi_v_group channels
+//                   per V group; K is per (page, kv head, channel), its group the page's P tokens).
 //   residual page: the f16 layout above (kKiviResidualStorage), from the f16 pool.
 // A residual page is quantized, as one group, once kivi_residual newer tokens follow it (with
 // kivi_residual 0: when it fills); every key is quantized once with the scales of its whole
@@ -76,6 +79,9 @@ struct PagedKvCacheOptions {
   // the partly filled one (a multiple of page_size; 0: only the partly filled page). KIVI's
   // residual length R: a page is quantized once R newer tokens follow it.
   int32_t kivi_residual = 0;
+  // int4 / int2 KIVI: channels of a (token, kv head) V row sharing one scale and min (KIVI's
+  // group size, 32 in its code); it must divide head_dim and be a multiple of 4. 0: the whole row.
+  int32_t kivi_v_group = 0;
 };
 
 // In a per-head layer a slot is one (token, kv head): token_bytes, live_tokens and the
@@ -237,9 +243,9 @@ class PagedKvCache final : public KvCache {
  private:
   struct PageLayout {
     size_t k_offset = 0, v_offset = 0, positions_offset = 0, k_scale_offset = 0, v_scale_offset = 0;
-    size_t k_channel_scale_offset = 0;  // KIVI: [row_heads, head_dim] f32
-    size_t k_channel_min_offset = 0;    // int4 / int2 KIVI: [row_heads, head_dim] f32
-    size_t v_min_offset = 0;            // int4 / int2 KIVI: [page_size, row_heads] f32
+    size_t k_channel_scale_offset = 0;  // KIVI: [row_heads, head_dim] f32 (int4 / int2: f16)
+    size_t k_channel_min_offset = 0;    // int4 / int2 KIVI: [row_heads, head_dim] f16
+    size_t v_min_offset = 0;            // int4 / int2 KIVI: [page_size, row_heads, head_dim / G] f16
     size_t page_scale_bytes = 0;        // KIVI: bytes per quantized page for K's channel scales (and mins)
     size_t page_bytes = 0;
     int row_heads = 0;       // heads in one stored row: n_kv_heads, or 1 in a per-head layer
@@ -357,6 +363,10 @@ class PagedKvCache final : public KvCache {
   }
   // The pages of an n-token KIVI table that must be quantized: those kivi_residual tokens behind the last.
   int32_t QuantizedPagesFor(int32_t n) const { return std::max(0, n / page_size_ - kivi_residual_pages_); }
+  // V scales (and mins) per staged token of a KIVI layer: one per head (int8_kivi) or per group.
+  int VScalesPerRow(const Layer& L) const {
+    return L.layout.row_heads * (IsLowBitKivi(L.storage) ? geometry_.head_dim / kivi_v_group_ : 1);
+  }
   // Quantizes residual page t.quantized_pages (whole) into a fresh page and frees the f16 one.
   void QuantizeOldestResidualPage(Layer& L, Table& t);
   // A KIVI table's quantized pages after an eviction: the pages before the first rewritten one
@@ -382,11 +392,12 @@ class PagedKvCache final : public KvCache {
   struct KiviStaging {
     std::vector<float> k, v;         // [tokens, row_heads, head_dim] f32
     std::vector<uint8_t> v_codes;    // [tokens, V row bytes] codes as stored (where v_coded)
-    std::vector<float> v_scale;      // [tokens, row_heads] (where v_coded)
-    std::vector<float> v_min;        // [tokens, row_heads] (where v_coded; int4 / int2 KIVI)
+    std::vector<float> v_scale;      // [tokens, row_heads] (where v_coded; int8_kivi)
+    // [tokens, row_heads, head_dim / v_group] f16 (where v_coded; int4 / int2 KIVI)
+    std::vector<uint16_t> v_group_scale, v_group_min;  // f16 bits
     std::vector<uint8_t> v_coded;    // [tokens] 1: V read from a quantized page
     std::vector<int32_t> positions;  // [tokens]
-    void Resize(int32_t tokens, int row_heads, int head_dim, size_t v_row_bytes);
+    void Resize(int32_t tokens, int row_heads, int head_dim, size_t v_row_bytes, int v_scales_per_row);
   };
   // Writes staged tokens [at, at + count) as one full quantized page (slot 0, count ==
   // page_size) or into slots [slot, slot + count) of a residual page.
@@ -400,6 +411,7 @@ class PagedKvCache final : public KvCache {
   int n_seqs_;
   int32_t page_size_;
   int32_t kivi_residual_pages_ = 0;               // options.kivi_residual / page_size
+  int32_t kivi_v_group_ = 0;                      // int4 / int2 KIVI V group (channels), resolved
   PageBudget budget_;                             // declared before pools_: they refund into it
   // One pool per distinct page layout in use: (storage type, per-head or not).
   std::vector<std::unique_ptr<PagePool>> pools_;

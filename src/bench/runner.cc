@@ -289,7 +289,11 @@ std::string BenchConfig::Key(const BenchSpec& spec) const {
   std::string schedule = method == "config"
                              ? fmt::format("file={:016x}", HashString(spec.kv_config_file))
                              : fmt::format("{}/i{}/p{}/c{}", spec.prefill_eviction, BenchEvictInterval(spec, *this),
-                                           spec.page_size, spec.prefill_chunk);
+                                           spec.page_size > 0 ? spec.page_size
+                                           : IsKiviStorage(KvStorageFromName(kv_type).value_or(KvStorage::kF16))
+                                               ? kKiviPageSize
+                                               : kDefaultPageSize,
+                                           spec.prefill_chunk);
   std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|n{}|s{}|{}|v{}|d{}|g{}", spec.model_name, task,
                                 IsQuestionTask(task) ? BenchProtocolName(protocol) : "-", method,
                                 budget.empty() ? "-" : budget, kv_type.empty() ? "-" : kv_type, length, spec.samples,

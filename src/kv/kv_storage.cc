@@ -86,7 +86,7 @@ void LoadSpanKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_head
     case KvStorage::kInt4Kivi:
     case KvStorage::kInt2Kivi:  // min + scale * code, per (page, kv head, channel)
       ops::DequantizeKvColumnsAsym(KvStorageBits(type), static_cast<const uint8_t*>(span.k) + KvRowBytes(type, at),
-                                   span.k_channel_scale, span.k_channel_min, 1, static_cast<int>(row), out);
+                                   span.k_group_scale, span.k_group_min, 1, static_cast<int>(row), out);
       return;
   }
 }
@@ -102,8 +102,12 @@ KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int3
   out.positions = span.positions + offset;
   if (span.k_scale != nullptr) out.k_scale = span.k_scale + skip_rows;
   if (span.v_scale != nullptr) out.v_scale = span.v_scale + skip_rows;
-  if (span.v_min != nullptr) out.v_min = span.v_min + skip_rows;
-  // k_channel_scale and k_channel_min belong to the whole page: unchanged.
+  if (span.v_group_scale != nullptr) {  // [n, n_kv_heads, head_dim / v_group]
+    const size_t skip_groups = skip_rows * static_cast<size_t>(span.v_groups);
+    out.v_group_scale = span.v_group_scale + skip_groups;
+    out.v_group_min = span.v_group_min + skip_groups;
+  }
+  // k_channel_scale, k_group_scale and k_group_min belong to the whole page: unchanged.
   out.n = count;
   return out;
 }

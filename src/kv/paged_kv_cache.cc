@@ -60,6 +60,12 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
                                 std::to_string(options.page_size) + " tokens) and >= 0 (got " +
                                 std::to_string(options.kivi_residual) + ")");
   }
+  if (options.kivi_v_group < 0 ||
+      (options.kivi_v_group > 0 && (geometry.head_dim % options.kivi_v_group != 0 || options.kivi_v_group % 4 != 0))) {
+    return InvalidArgumentError("paged KV cache: the KIVI V group must divide head_dim (" +
+                                std::to_string(geometry.head_dim) + ") and be a multiple of 4 channels, or 0 for "
+                                "the whole row (got " + std::to_string(options.kivi_v_group) + ")");
+  }
   const size_t n_storage = options.layer_storage.size();
   if (n_storage != 1 && n_storage != static_cast<size_t>(geometry.n_layers)) {
     return InvalidArgumentError("paged KV cache: layer_storage lists " + std::to_string(n_storage) +
@@ -88,6 +94,7 @@ PagedKvCache::PagedKvCache(const KvGeometry& geometry, const PagedKvCacheOptions
       n_seqs_(options.n_seqs),
       page_size_(options.page_size),
       kivi_residual_pages_(options.kivi_residual / options.page_size),
+      kivi_v_group_(options.kivi_v_group > 0 ? options.kivi_v_group : geometry.head_dim),
       budget_(budget_bytes) {
   layers_.reserve(geometry.n_layers);
   for (int l = 0; l < geometry.n_layers; ++l) {
@@ -544,11 +551,16 @@ void PagedKvCache::FillSpans(const Layer& L, const Table& t, std::vector<KvSpan>
     s.v = page + p.v_offset;
     s.positions = reinterpret_cast<const int32_t*>(page + p.positions_offset);
     s.k_scale = int8 ? reinterpret_cast<const float*>(page + p.k_scale_offset) : nullptr;
-    s.v_scale = int8 || kivi_page ? reinterpret_cast<const float*>(page + p.v_scale_offset) : nullptr;
-    s.k_channel_scale = kivi_page ? reinterpret_cast<const float*>(page + p.k_channel_scale_offset) : nullptr;
-    if (kivi_page && IsLowBitKivi(L.storage)) {
-      s.k_channel_min = reinterpret_cast<const float*>(page + p.k_channel_min_offset);
-      s.v_min = reinterpret_cast<const float*>(page + p.v_min_offset);
+    if (kivi_page && IsLowBitKivi(L.storage)) {  // f16 scales and mins
+      s.k_group_scale = reinterpret_cast<const f16_bits*>(page + p.k_channel_scale_offset);
+      s.k_group_min = reinterpret_cast<const f16_bits*>(page + p.k_channel_min_offset);
+      s.v_group_scale = reinterpret_cast<const f16_bits*>(page + p.v_scale_offset);
+      s.v_group_min = reinterpret_cast<const f16_bits*>(page + p.v_min_offset);
+      s.v_group = kivi_v_group_;
+      s.v_groups = geometry_.head_dim / kivi_v_group_;
+    } else {
+      s.v_scale = int8 || kivi_page ? reinterpret_cast<const float*>(page + p.v_scale_offset) : nullptr;
+      s.k_channel_scale = kivi_page ? reinterpret_cast<const float*>(page + p.k_channel_scale_offset) : nullptr;
     }
     s.n = PageFill(t, i);
     out->push_back(s);

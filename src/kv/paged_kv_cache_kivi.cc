@@ -30,7 +30,6 @@ void PagedKvCache::SetKiviLayout(Layer* layer) const {
   const size_t P = static_cast<size_t>(page_size_);
   const size_t H = static_cast<size_t>(layer->layout.row_heads);
   const size_t D = static_cast<size_t>(geometry_.head_dim);
-  const bool low_bit = IsLowBitKivi(layer->storage);  // zero points: K per channel, V per token
   layer->kivi = true;
   PageLayout& p = layer->layout;  // quantized page
   p.row_bytes = KvRowBytes(layer->storage, H * D);  // codes, packed below 8 bits
@@ -38,15 +37,26 @@ void PagedKvCache::SetKiviLayout(Layer* layer) const {
   p.v_offset = AlignTo64(P * p.row_bytes);
   p.positions_offset = p.v_offset + AlignTo64(P * p.row_bytes);
   p.v_scale_offset = p.positions_offset + AlignTo64(P * sizeof(int32_t));
-  p.v_min_offset = low_bit ? p.v_scale_offset + AlignTo64(P * H * sizeof(float)) : 0;
-  p.k_channel_scale_offset = (low_bit ? p.v_min_offset : p.v_scale_offset) + AlignTo64(P * H * sizeof(float));
-  p.k_channel_min_offset = low_bit ? p.k_channel_scale_offset + AlignTo64(H * D * sizeof(float)) : 0;
   p.k_scale_offset = 0;  // no per-token K scales
-  p.page_bytes = (low_bit ? p.k_channel_min_offset : p.k_channel_scale_offset) + AlignTo64(H * D * sizeof(float));
-  // The K channel scales (and mins) belong to the page, not to a token: live bytes add them per page.
-  const size_t per_row_floats = low_bit ? 2 : 1;  // V's scale (and min) per (token, head)
-  p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + per_row_floats * H * sizeof(float);
-  p.page_scale_bytes = per_row_floats * H * D * sizeof(float);
+  if (IsLowBitKivi(layer->storage)) {
+    // f16 scales and zero points: V per (token, head, group of kivi_v_group_ channels), K per
+    // (head, channel) for the page.
+    const size_t v_groups = H * (D / static_cast<size_t>(kivi_v_group_));  // per token
+    p.v_min_offset = p.v_scale_offset + AlignTo64(P * v_groups * sizeof(f16_bits));
+    p.k_channel_scale_offset = p.v_min_offset + AlignTo64(P * v_groups * sizeof(f16_bits));
+    p.k_channel_min_offset = p.k_channel_scale_offset + AlignTo64(H * D * sizeof(f16_bits));
+    p.page_bytes = p.k_channel_min_offset + AlignTo64(H * D * sizeof(f16_bits));
+    // The K scales and mins belong to the page, not to a token: live bytes add them per page.
+    p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + 2 * v_groups * sizeof(f16_bits);
+    p.page_scale_bytes = 2 * H * D * sizeof(f16_bits);
+  } else {  // int8_kivi: f32 scales, V per (token, head)
+    p.v_min_offset = 0;
+    p.k_channel_scale_offset = p.v_scale_offset + AlignTo64(P * H * sizeof(float));
+    p.k_channel_min_offset = 0;
+    p.page_bytes = p.k_channel_scale_offset + AlignTo64(H * D * sizeof(float));
+    p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + H * sizeof(float);
+    p.page_scale_bytes = H * D * sizeof(float);
+  }
 
   PageLayout& r = layer->residual_layout;  // the f16 layout, so the f16 pool can serve it
   r.row_heads = p.row_heads;
@@ -82,14 +92,16 @@ size_t PagedKvCache::TableReserveBytes(int layer, int32_t max_tokens, KvStorage 
   return full_pages * L.layout.page_bytes + residual_pages * L.residual_layout.page_bytes;
 }
 
-void PagedKvCache::KiviStaging::Resize(int32_t tokens, int row_heads, int head_dim, size_t v_row_bytes) {
+void PagedKvCache::KiviStaging::Resize(int32_t tokens, int row_heads, int head_dim, size_t v_row_bytes,
+                                       int v_scales_per_row) {
   const size_t n = static_cast<size_t>(tokens);
   const size_t values = n * static_cast<size_t>(row_heads) * head_dim;
   k.resize(values);
   v.resize(values);
   v_codes.resize(n * v_row_bytes);
   v_scale.resize(n * static_cast<size_t>(row_heads));
-  v_min.resize(n * static_cast<size_t>(row_heads));
+  v_group_scale.resize(n * static_cast<size_t>(v_scales_per_row));
+  v_group_min.resize(n * static_cast<size_t>(v_scales_per_row));
   v_coded.resize(n);
   positions.resize(n);
 }
@@ -115,24 +127,30 @@ void PagedKvCache::ReadKiviSlots(const Layer& L, const Table& t, size_t page_ind
   }
   const uint8_t* k_codes = page + p.k_offset + slot * p.row_bytes;
   const uint8_t* v_codes = page + p.v_offset + slot * p.row_bytes;
-  const float* channel_scale = reinterpret_cast<const float*>(page + p.k_channel_scale_offset);  // [rh, D]
-  const float* v_scale = reinterpret_cast<const float*>(page + p.v_scale_offset) + static_cast<size_t>(slot) * rh;
   const int64_t v_rows = static_cast<int64_t>(count) * rh;
   if (IsLowBitKivi(L.storage)) {
     const int bits = KvStorageBits(L.storage);
-    const float* channel_min = reinterpret_cast<const float*>(page + p.k_channel_min_offset);  // [rh, D]
-    const float* v_min = reinterpret_cast<const float*>(page + p.v_min_offset) + static_cast<size_t>(slot) * rh;
+    const int groups = D / kivi_v_group_;  // per (token, head)
+    const f16_bits* channel_scale = reinterpret_cast<const f16_bits*>(page + p.k_channel_scale_offset);  // [rh, D]
+    const f16_bits* channel_min = reinterpret_cast<const f16_bits*>(page + p.k_channel_min_offset);      // [rh, D]
+    const size_t scales_from = static_cast<size_t>(slot) * rh * groups;
+    const f16_bits* v_scale = reinterpret_cast<const f16_bits*>(page + p.v_scale_offset) + scales_from;
+    const f16_bits* v_min = reinterpret_cast<const f16_bits*>(page + p.v_min_offset) + scales_from;
     ops::DequantizeKvColumnsAsym(bits, k_codes, channel_scale, channel_min, count, static_cast<int>(row_values),
                                  st->k.data() + first);
-    ops::DequantizeKvRowsAsym(bits, v_codes, v_scale, v_min, v_rows, D, st->v.data() + first);
-    std::memcpy(st->v_min.data() + static_cast<size_t>(at) * rh, v_min, v_rows * sizeof(float));
+    ops::DequantizeKvRowsAsym(bits, v_codes, v_scale, v_min, v_rows, D, kivi_v_group_, st->v.data() + first);
+    const size_t scales = static_cast<size_t>(v_rows) * groups, staged_at = static_cast<size_t>(at) * rh * groups;
+    std::memcpy(st->v_group_scale.data() + staged_at, v_scale, scales * sizeof(f16_bits));
+    std::memcpy(st->v_group_min.data() + staged_at, v_min, scales * sizeof(f16_bits));
   } else {
+    const float* channel_scale = reinterpret_cast<const float*>(page + p.k_channel_scale_offset);  // [rh, D]
+    const float* v_scale = reinterpret_cast<const float*>(page + p.v_scale_offset) + static_cast<size_t>(slot) * rh;
     ops::DequantizeKvColumnsInt8(reinterpret_cast<const int8_t*>(k_codes), channel_scale, count,
                                  static_cast<int>(row_values), st->k.data() + first);
     ops::DequantizeKvRowsInt8(reinterpret_cast<const int8_t*>(v_codes), v_scale, v_rows, D, st->v.data() + first);
+    std::memcpy(st->v_scale.data() + static_cast<size_t>(at) * rh, v_scale, v_rows * sizeof(float));
   }
   std::memcpy(st->v_codes.data() + static_cast<size_t>(at) * p.row_bytes, v_codes, count * p.row_bytes);
-  std::memcpy(st->v_scale.data() + static_cast<size_t>(at) * rh, v_scale, v_rows * sizeof(float));
   std::fill(st->v_coded.begin() + at, st->v_coded.begin() + at + count, 1);
 }
 
@@ -152,21 +170,37 @@ void PagedKvCache::WriteKiviPage(const Layer& L, uint8_t* page, bool residual, i
     return;
   }
   KVS_CHECK_MSG(slot == 0 && count == page_size_, "a KIVI page is quantized whole");
-  const bool low_bit = IsLowBitKivi(L.storage);
-  const int bits = KvStorageBits(L.storage);
   uint8_t* k_codes = page + p.k_offset;
   uint8_t* v_codes = page + p.v_offset;
-  float* channel_scale = reinterpret_cast<float*>(page + p.k_channel_scale_offset);  // [rh, D]
-  float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset);                 // [P, rh]
-  float* channel_min = low_bit ? reinterpret_cast<float*>(page + p.k_channel_min_offset) : nullptr;
-  float* v_min = low_bit ? reinterpret_cast<float*>(page + p.v_min_offset) : nullptr;
-  if (low_bit) {
+  if (IsLowBitKivi(L.storage)) {
+    const int bits = KvStorageBits(L.storage);
+    const int groups = D / kivi_v_group_;  // V scales per (token, head)
+    f16_bits* channel_scale = reinterpret_cast<f16_bits*>(page + p.k_channel_scale_offset);  // [rh, D]
+    f16_bits* channel_min = reinterpret_cast<f16_bits*>(page + p.k_channel_min_offset);      // [rh, D]
+    f16_bits* v_scale = reinterpret_cast<f16_bits*>(page + p.v_scale_offset);                // [P, rh, groups]
+    f16_bits* v_min = reinterpret_cast<f16_bits*>(page + p.v_min_offset);                    // [P, rh, groups]
     ops::QuantizeKvColumnsAsym(bits, st.k.data() + first, count, static_cast<int>(row_values), k_codes, channel_scale,
                                channel_min);
-  } else {
-    ops::QuantizeKvColumnsInt8(st.k.data() + first, count, static_cast<int>(row_values),
-                               reinterpret_cast<int8_t*>(k_codes), channel_scale);
+    const size_t row_scales = static_cast<size_t>(rh) * groups;
+    for (int32_t j = 0; j < count; ++j) {
+      const size_t scales_at = static_cast<size_t>(j) * row_scales;
+      const size_t staged_at = static_cast<size_t>(at + j) * row_scales;
+      if (st.v_coded[at + j]) {  // moved from a quantized page: keep its codes bit for bit
+        std::memcpy(v_codes + j * p.row_bytes, st.v_codes.data() + static_cast<size_t>(at + j) * p.row_bytes,
+                    p.row_bytes);
+        std::memcpy(v_scale + scales_at, st.v_group_scale.data() + staged_at, row_scales * sizeof(f16_bits));
+        std::memcpy(v_min + scales_at, st.v_group_min.data() + staged_at, row_scales * sizeof(f16_bits));
+      } else {
+        ops::QuantizeKvRowsAsym(bits, st.v.data() + first + static_cast<size_t>(j) * row_values, rh, D, kivi_v_group_,
+                                v_codes + j * p.row_bytes, v_scale + scales_at, v_min + scales_at);
+      }
+    }
+    return;
   }
+  float* channel_scale = reinterpret_cast<float*>(page + p.k_channel_scale_offset);  // [rh, D]
+  float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset);                 // [P, rh]
+  ops::QuantizeKvColumnsInt8(st.k.data() + first, count, static_cast<int>(row_values),
+                             reinterpret_cast<int8_t*>(k_codes), channel_scale);
   for (int32_t j = 0; j < count; ++j) {
     const size_t src = first + static_cast<size_t>(j) * row_values;
     const size_t scales_at = static_cast<size_t>(j) * rh, staged_scales_at = static_cast<size_t>(at + j) * rh;
@@ -174,10 +208,6 @@ void PagedKvCache::WriteKiviPage(const Layer& L, uint8_t* page, bool residual, i
       std::memcpy(v_codes + j * p.row_bytes, st.v_codes.data() + static_cast<size_t>(at + j) * p.row_bytes,
                   p.row_bytes);
       std::memcpy(v_scale + scales_at, st.v_scale.data() + staged_scales_at, rh * sizeof(float));
-      if (low_bit) std::memcpy(v_min + scales_at, st.v_min.data() + staged_scales_at, rh * sizeof(float));
-    } else if (low_bit) {
-      ops::QuantizeKvRowsAsym(bits, st.v.data() + src, rh, D, v_codes + j * p.row_bytes, v_scale + scales_at,
-                              v_min + scales_at);
     } else {
       ops::QuantizeKvRowsInt8(st.v.data() + src, rh, D, reinterpret_cast<int8_t*>(v_codes + j * p.row_bytes),
                               v_scale + scales_at);
@@ -194,7 +224,7 @@ Status PagedKvCache::AppendKivi(int seq, int layer, int32_t n, const float* k, c
   const size_t row_values = static_cast<size_t>(rh) * D;
   const size_t in_stride = static_cast<size_t>(geometry_.n_kv_heads) * D;  // floats between input tokens
   KiviStaging& st = kivi_stage_;
-  st.Resize(P, rh, D, L.layout.row_bytes);
+  st.Resize(P, rh, D, L.layout.row_bytes, VScalesPerRow(L));
   for (int h = 0; h < L.n_tables; ++h) {
     Table& t = table(seq, layer, h);
     const size_t head_offset = L.per_head ? static_cast<size_t>(h) * D : 0;
@@ -294,7 +324,8 @@ void PagedKvCache::ApplyEvictKivi(Table& t, Layer& L, const uint8_t* keep, const
 
   // Stage the survivors of the rewritten pages, run by run within each page.
   KiviStaging& st = kivi_stage_;
-  st.Resize(plan.n_keep - first_page * P, L.layout.row_heads, geometry_.head_dim, L.layout.row_bytes);
+  st.Resize(plan.n_keep - first_page * P, L.layout.row_heads, geometry_.head_dim, L.layout.row_bytes,
+            VScalesPerRow(L));
   int32_t at = 0;
   for (int32_t i = first_page * P; i < n_old;) {
     if (!keep[i]) {

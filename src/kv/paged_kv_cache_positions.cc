@@ -87,10 +87,11 @@ int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const Key
     const bool whole_page = IsKiviStorage(storage);
     const bool low_bit = IsLowBitKivi(storage);
     uint8_t* codes = page + p.k_offset;
-    float* channel_scale = reinterpret_cast<float*>(page + p.k_channel_scale_offset);
-    float* channel_min = low_bit ? reinterpret_cast<float*>(page + p.k_channel_min_offset) : nullptr;
+    float* channel_scale = reinterpret_cast<float*>(page + p.k_channel_scale_offset);  // int8_kivi [rh, D]
+    f16_bits* group_scale = reinterpret_cast<f16_bits*>(page + p.k_channel_scale_offset);  // int4 / int2 [rh, D]
+    f16_bits* group_min = reinterpret_cast<f16_bits*>(page + p.k_channel_min_offset);
     if (low_bit) {
-      ops::DequantizeKvColumnsAsym(KvStorageBits(storage), codes, channel_scale, channel_min, fill,
+      ops::DequantizeKvColumnsAsym(KvStorageBits(storage), codes, group_scale, group_min, fill,
                                    static_cast<int>(row_values), k32);
     } else if (whole_page) {
       ops::DequantizeKvColumnsInt8(reinterpret_cast<const int8_t*>(codes), channel_scale, fill,
@@ -146,8 +147,8 @@ int64_t PagedKvCache::RenumberTable(Table& t, Layer& L, int32_t first, const Key
       s = end;
     }
     if (low_bit) {
-      ops::QuantizeKvColumnsAsym(KvStorageBits(storage), k32, fill, static_cast<int>(row_values), codes, channel_scale,
-                                 channel_min);
+      ops::QuantizeKvColumnsAsym(KvStorageBits(storage), k32, fill, static_cast<int>(row_values), codes, group_scale,
+                                 group_min);
     } else if (whole_page) {
       ops::QuantizeKvColumnsInt8(k32, fill, static_cast<int>(row_values), reinterpret_cast<int8_t*>(codes),
                                  channel_scale);

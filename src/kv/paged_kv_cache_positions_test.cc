@@ -95,8 +95,8 @@ TableView Read(const PagedKvCache& cache, int seq, int head) {
         break;
       case KvStorage::kInt4Kivi:
       case KvStorage::kInt2Kivi:
-        ops::DequantizeKvColumnsAsym(KvStorageBits(storage), static_cast<const uint8_t*>(s.k), s.k_channel_scale,
-                                     s.k_channel_min, s.n, rows * kHeadDim, k.data());
+        ops::DequantizeKvColumnsAsym(KvStorageBits(storage), static_cast<const uint8_t*>(s.k), s.k_group_scale,
+                                     s.k_group_min, s.n, rows * kHeadDim, k.data());
         break;
     }
     view.k.insert(view.k.end(), k.begin(), k.end());
@@ -107,6 +107,13 @@ TableView Read(const PagedKvCache& cache, int seq, int head) {
     if (s.v_scale != nullptr) {
       const auto* vs = reinterpret_cast<const uint8_t*>(s.v_scale);
       view.v_bytes.insert(view.v_bytes.end(), vs, vs + static_cast<size_t>(s.n) * rows * sizeof(float));
+    }
+    if (s.v_group_scale != nullptr) {  // int4 / int2 KIVI: V's f16 group scales and mins
+      const size_t bytes = static_cast<size_t>(s.n) * rows * s.v_groups * sizeof(f16_bits);
+      const auto* vs = reinterpret_cast<const uint8_t*>(s.v_group_scale);
+      const auto* vm = reinterpret_cast<const uint8_t*>(s.v_group_min);
+      view.v_bytes.insert(view.v_bytes.end(), vs, vs + bytes);
+      view.v_bytes.insert(view.v_bytes.end(), vm, vm + bytes);
     }
     const auto* kb = static_cast<const uint8_t*>(s.k);
     view.k_page_bytes.emplace_back(kb, kb + value_bytes);

@@ -10,7 +10,8 @@ namespace kvsparse::testing {
 
 inline std::unique_ptr<PagedKvCache> MakePagedCache(const KvGeometry& geo, std::vector<KvStorage> storage, int n_seqs,
                                                     int32_t page_size, size_t budget,
-                                                    std::vector<uint8_t> per_head = {}, int32_t kivi_residual = 0) {
+                                                    std::vector<uint8_t> per_head = {}, int32_t kivi_residual = 0,
+                                                    int32_t kivi_v_group = 0) {
   PagedKvCacheOptions options;
   options.n_seqs = n_seqs;
   options.page_size = page_size;
@@ -18,6 +19,7 @@ inline std::unique_ptr<PagedKvCache> MakePagedCache(const KvGeometry& geo, std::
   options.layer_storage = std::move(storage);
   options.layer_per_head = std::move(per_head);
   options.kivi_residual = kivi_residual;
+  options.kivi_v_group = kivi_v_group;
   auto cache = PagedKvCache::Create(geo, options);
   KVS_CHECK_MSG(cache.ok(), cache.status().ToString());
   return std::move(cache).value();

@@ -978,11 +978,12 @@ std::string SparseKvController::FormatStats() const {
 
 namespace {
 
-PagedKvCacheOptions CacheOptionsFor(const KvSparsityConfig& config, int n_seqs) {
+PagedKvCacheOptions CacheOptionsFor(const KvSparsityConfig& config, int n_seqs, int head_dim) {
   PagedKvCacheOptions options;
   options.n_seqs = n_seqs;
-  options.page_size = config.page_size;
-  options.kivi_residual = config.kivi_residual;
+  options.page_size = EffectivePageSize(config);
+  options.kivi_residual = EffectiveKiviResidual(config);
+  options.kivi_v_group = EffectiveKiviVGroup(config, head_dim);
   options.layer_storage.clear();
   options.layer_per_head.clear();
   for (const LayerKvConfig& l : config.layers) {
@@ -1005,7 +1006,7 @@ Status CheckLayerCount(const KvGeometry& geometry, const KvSparsityConfig& confi
 StatusOr<SparseKvSetup> CreateServingKv(const KvGeometry& geometry, const KvSparsityConfig& config,
                                         size_t budget_bytes, uint64_t seed) {
   KVS_RETURN_IF_ERROR(CheckLayerCount(geometry, config));
-  PagedKvCacheOptions options = CacheOptionsFor(config, 0);
+  PagedKvCacheOptions options = CacheOptionsFor(config, 0, geometry.head_dim);
   options.budget_bytes = budget_bytes;
   SparseKvSetup setup;
   KVS_ASSIGN_OR_RETURN(setup.cache, PagedKvCache::Create(geometry, options));
@@ -1017,11 +1018,11 @@ StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSpars
                                        int32_t max_tokens, uint64_t seed) {
   KVS_RETURN_IF_ERROR(CheckLayerCount(geometry, config));
   if (max_tokens <= 0) return InvalidArgumentError(fmt::format("sparse KV: max_tokens must be positive, got {}", max_tokens));
-  PagedKvCacheOptions options = CacheOptionsFor(config, n_seqs);
+  PagedKvCacheOptions options = CacheOptionsFor(config, n_seqs, geometry.head_dim);
   // Page sizes come from the cache's own layout: ask a probe cache, then reserve room for
   // max_tokens (+ one partly filled page) per (sequence, layer). The reservation is address
   // space only; memory is used as pages fill.
-  const size_t page_tokens = static_cast<size_t>(config.page_size);
+  const size_t page_tokens = static_cast<size_t>(options.page_size);
   const size_t heads = static_cast<size_t>(geometry.n_kv_heads);
   options.budget_bytes = page_tokens * (2 * heads * geometry.head_dim * sizeof(float) + sizeof(int32_t) +
                                         2 * heads * sizeof(float)) +

@@ -254,7 +254,7 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       for (int j = 0; j < n_block; ++j) k_head[j] = block.k[j] + head_offset;
       // The integer path's whole blocks in one span read their scales straight into lane order.
       const bool lane_scales_direct = integer && block.one_span;
-      if (int8 && !lane_scales_direct) {
+      if (int8 && !low_bit && !lane_scales_direct) {  // (low-bit KIVI reads its f16 scales below)
         for (int j = 0; j < n_block; ++j) {
           if (kivi) {
             k_chan[j] = block.k_chan[j] + static_cast<size_t>(stored_head) * d;
@@ -316,8 +316,9 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
         for (int j = 0; j < n_block; ++j) {
           float* row = v_block + static_cast<size_t>(j) * dp;
           if (low_bit) {
-            LowBitRowToF32(bits, block.v[j] + head_offset, &v_scale[j], block.v_min[j] + stored_head,
-                           /*channel_wise=*/false, d, dp, low_bit_scratch.codes.data(), row);
+            const size_t groups_at = static_cast<size_t>(stored_head) * (d / block.v_group);  // head's V groups
+            LowBitRowToF32(bits, block.v[j] + head_offset, block.v_group_scale[j] + groups_at,
+                           block.v_group_min[j] + groups_at, block.v_group, d, dp, low_bit_scratch.codes.data(), row);
           } else {
             LoadRowF32(storage, block.v[j] + head_offset, int8 ? v_scale[j] : 1.f, d, row);
           }

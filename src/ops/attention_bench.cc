@@ -26,6 +26,7 @@ namespace {
 constexpr int kHeads = 32;
 constexpr int kKvHeads = 4;
 constexpr int kHeadDim = 64;
+constexpr int kVGroups = 2;  // low-bit KIVI V scales per (token, head): KIVI's groups of 32 channels
 
 // K/V for `depth` tokens of `heads` kv heads split into spans of `span_tokens` (one span =
 // contiguous cache; heads 1 = one head table of a per-head layer).
@@ -33,9 +34,10 @@ struct BenchCache {
   KvStorage storage;
   std::vector<uint8_t> k, v;         // [depth, heads, kHeadDim] in storage type
   std::vector<float> k_scale, v_scale;  // [depth, heads] (int8, fp8; v_scale also int8_kivi)
-  std::vector<float> k_channel_scale;   // [spans, heads, kHeadDim] (KIVI: one page per span)
-  std::vector<float> k_channel_min;     // [spans, heads, kHeadDim] (int4 / int2 KIVI)
-  std::vector<float> v_min;             // [depth, heads] (int4 / int2 KIVI)
+  std::vector<float> k_channel_scale;   // [spans, heads, kHeadDim] (int8_kivi: one page per span)
+  // int4 / int2 KIVI, f16: K per (span, head, channel), V per (token, head, group of 32 channels).
+  std::vector<f16_bits> k_group_scale, k_group_min;  // [spans, heads, kHeadDim]
+  std::vector<f16_bits> v_group_scale, v_group_min;  // [depth, heads, kVGroups]
   std::vector<int32_t> positions;    // [depth]
   std::vector<KvSpan> spans;
 
@@ -81,12 +83,15 @@ struct BenchCache {
       }
     }
     if (HasTokenScales(st)) k_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
-    if (IsScaledCodeStorage(st)) v_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
+    const bool low_bit = IsLowBitKivi(st);
+    if (IsScaledCodeStorage(st) && !low_bit) v_scale.assign(static_cast<size_t>(depth) * heads, 1.f / 127);
     const int64_t n_spans = (depth + span_tokens - 1) / span_tokens;
-    if (IsKiviStorage(st)) k_channel_scale.assign(static_cast<size_t>(n_spans) * heads * kHeadDim, 1.f / 127);
-    if (IsLowBitKivi(st)) {
-      k_channel_min.assign(k_channel_scale.size(), -0.5f);
-      v_min.assign(v_scale.size(), -0.5f);
+    if (st == KvStorage::kInt8Kivi) k_channel_scale.assign(static_cast<size_t>(n_spans) * heads * kHeadDim, 1.f / 127);
+    if (low_bit) {
+      k_group_scale.assign(static_cast<size_t>(n_spans) * heads * kHeadDim, F32ToF16(1.f / 127));
+      k_group_min.assign(k_group_scale.size(), F32ToF16(-0.5f));
+      v_group_scale.assign(static_cast<size_t>(depth) * heads * kVGroups, F32ToF16(1.f / 127));
+      v_group_min.assign(v_group_scale.size(), F32ToF16(-0.5f));
     }
     positions.resize(depth);
     for (int64_t t = 0; t < depth; ++t) positions[t] = static_cast<int32_t>(t);
@@ -98,19 +103,23 @@ struct BenchCache {
       span.positions = positions.data() + t0;
       if (HasTokenScales(st)) span.k_scale = k_scale.data() + t0 * heads;
       if (!v_scale.empty()) span.v_scale = v_scale.data() + t0 * heads;
-      if (IsKiviStorage(st)) span.k_channel_scale = k_channel_scale.data() + (t0 / span_tokens) * heads * kHeadDim;
-      if (IsLowBitKivi(st)) {
-        span.k_channel_min = k_channel_min.data() + (t0 / span_tokens) * heads * kHeadDim;
-        span.v_min = v_min.data() + t0 * heads;
+      const size_t page_channels = static_cast<size_t>(t0 / span_tokens) * heads * kHeadDim;  // this span's
+      if (!k_channel_scale.empty()) span.k_channel_scale = k_channel_scale.data() + page_channels;
+      if (low_bit) {
+        span.k_group_scale = k_group_scale.data() + page_channels;
+        span.k_group_min = k_group_min.data() + page_channels;
+        span.v_group_scale = v_group_scale.data() + t0 * heads * kVGroups;
+        span.v_group_min = v_group_min.data() + t0 * heads * kVGroups;
+        span.v_group = kHeadDim / kVGroups;
+        span.v_groups = kVGroups;
       }
       span.n = static_cast<int32_t>(std::min(span_tokens, depth - t0));
       spans.push_back(span);
     }
   }
   size_t Bytes() const {
-    return k.size() + v.size() +
-           (k_scale.size() + v_scale.size() + k_channel_scale.size() + k_channel_min.size() + v_min.size()) *
-               sizeof(float);
+    return k.size() + v.size() + (k_scale.size() + v_scale.size() + k_channel_scale.size()) * sizeof(float) +
+           (k_group_scale.size() + k_group_min.size() + v_group_scale.size() + v_group_min.size()) * sizeof(f16_bits);
   }
 };
 

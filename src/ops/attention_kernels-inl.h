@@ -1502,27 +1502,39 @@ inline __m128i UnpackSixteenCodes(int bits, const uint8_t* packed) {
 #endif
 
 // One kv head's low-bit KIVI row as f32, zero-padded to dp: DequantizeLowBitRow (its scalar
-// twin, which the scalar family runs) 16 codes at a time. Both fuse the multiply-add, so the
-// rows are bit-identical.
-inline void LowBitRowToF32(int bits, const uint8_t* packed, const float* scale, const float* min, bool channel_wise,
+// twin, which the scalar family runs) 16 codes at a time. Both fuse the multiply-add and widen
+// the f16 scales exactly, so the rows are bit-identical. group: 1 (K, a scale per channel) or V's
+// channels per scale.
+inline void LowBitRowToF32(int bits, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int group,
                            int head_dim, int dp, uint8_t* codes, float* dst) {
 #if KVS_ISA_SCALAR
-  DequantizeLowBitRow(bits, packed, scale, min, channel_wise, head_dim, dp, codes, dst);
+  DequantizeLowBitRow(bits, packed, scale, min, group, head_dim, dp, codes, dst);
 #else
+  // 16 consecutive channels share one scale (group a multiple of 16) or have one each (group 1);
+  // other groups take the twin. F16C widens the f16 scales in registers (_cvtsh_ss: exact, as
+  // F16ToF32), not through a call per value.
+  if (group != 1 && group % 16 != 0) {
+    DequantizeLowBitRow(bits, packed, scale, min, group, head_dim, dp, codes, dst);
+    return;
+  }
   int c = 0;
   for (; c + 16 <= head_dim; c += 16) {
     const __m128i codes16 = UnpackSixteenCodes(bits, packed + c * bits / 8);
 #if KVS_ISA_AVX512
     const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes16));
-    const __m512 s = channel_wise ? _mm512_loadu_ps(scale + c) : _mm512_set1_ps(scale[0]);
-    const __m512 m = channel_wise ? _mm512_loadu_ps(min + c) : _mm512_set1_ps(min[0]);
+    const __m512 s = group == 1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + c)))
+                                : _mm512_set1_ps(_cvtsh_ss(scale[c / group]));
+    const __m512 m = group == 1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min + c)))
+                                : _mm512_set1_ps(_cvtsh_ss(min[c / group]));
     _mm512_storeu_ps(dst + c, _mm512_fmadd_ps(x, s, m));
 #else
     for (int half = 0; half < 2; ++half) {
       const int ch = c + 8 * half;
       const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(codes16, 8) : codes16));
-      const __m256 s = channel_wise ? _mm256_loadu_ps(scale + ch) : _mm256_set1_ps(scale[0]);
-      const __m256 m = channel_wise ? _mm256_loadu_ps(min + ch) : _mm256_set1_ps(min[0]);
+      const __m256 s = group == 1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + ch)))
+                                  : _mm256_set1_ps(_cvtsh_ss(scale[ch / group]));
+      const __m256 m = group == 1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(min + ch)))
+                                  : _mm256_set1_ps(_cvtsh_ss(min[ch / group]));
       _mm256_storeu_ps(dst + ch, _mm256_fmadd_ps(x, s, m));
     }
 #endif
@@ -1530,8 +1542,7 @@ inline void LowBitRowToF32(int bits, const uint8_t* packed, const float* scale, 
   const int mask = (1 << bits) - 1;
   for (; c < head_dim; ++c) {  // the last head_dim % 16 values, as the twin computes them
     const int code = (packed[c * bits / 8] >> (c * bits % 8)) & mask;
-    const int i = channel_wise ? c : 0;
-    dst[c] = std::fma(static_cast<float>(code), scale[i], min[i]);
+    dst[c] = std::fma(static_cast<float>(code), _cvtsh_ss(scale[c / group]), _cvtsh_ss(min[c / group]));
   }
   std::fill(dst + head_dim, dst + dp, 0.f);
 #endif
@@ -1546,8 +1557,8 @@ inline void DequantizeLowBitKBlock(int bits, const BlockRows& block, int stored_
   const size_t channel = static_cast<size_t>(stored_head) * head_dim;
   for (int j = 0; j < n_block; ++j) {
     float* row = k_rows + static_cast<size_t>(j) * dp;
-    LowBitRowToF32(bits, k_head[j], block.k_chan[j] + channel, block.k_chan_min[j] + channel,
-                   /*channel_wise=*/true, head_dim, dp, scratch->codes.data(), row);
+    LowBitRowToF32(bits, k_head[j], block.k_group_scale[j] + channel, block.k_group_min[j] + channel, /*group=*/1,
+                   head_dim, dp, scratch->codes.data(), row);
     k_head[j] = reinterpret_cast<const uint8_t*>(row);
   }
 }

@@ -153,9 +153,12 @@ inline std::vector<KvSegment> KvSegments(KvStorage storage, const KvSpan* spans,
     const KvStorage type = SpanStorage(storage, span);
     KVS_CHECK_MSG(!HasTokenScales(type) || (span.k_scale != nullptr && span.v_scale != nullptr),
                   "int8 and fp8 KV spans need k_scale and v_scale");
-    KVS_CHECK_MSG(!IsKiviStorage(type) || span.v_scale != nullptr, "KIVI KV spans need v_scale");
-    KVS_CHECK_MSG(!IsLowBitKivi(type) || (span.v_min != nullptr && span.k_channel_min != nullptr),
-                  "int4 / int2 KIVI KV spans need v_min and k_channel_min");
+    KVS_CHECK_MSG(type != KvStorage::kInt8Kivi || (span.v_scale != nullptr && span.k_channel_scale != nullptr),
+                  "int8_kivi KV spans need v_scale and k_channel_scale");
+    KVS_CHECK_MSG(!IsLowBitKivi(type) || (span.v_group_scale != nullptr && span.v_group_min != nullptr &&
+                                          span.k_group_scale != nullptr && span.k_group_min != nullptr &&
+                                          span.v_group > 0),
+                  "int4 / int2 KIVI KV spans need their K and V group scales and mins and v_group");
     if (segments.empty() || segments.back().storage != type) {
       if (!segments.empty()) segments.back().n_spans = i - segments.back().first_span;
       segments.push_back({segments.empty() ? 0 : i, 0, type, tokens});
@@ -288,9 +291,14 @@ struct BlockRows {
   const uint8_t* v[kBlock];
   const float* k_scale[kBlock];  // [n_kv_heads] token j's scales (filled only with_scales)
   const float* v_scale[kBlock];
-  const float* k_chan[kBlock];      // [n_kv_heads, head_dim] token j's span's K channel scales (KIVI)
-  const float* k_chan_min[kBlock];  // [n_kv_heads, head_dim] its K channel mins (int4 / int2 KIVI)
-  const float* v_min[kBlock];       // [n_kv_heads] token j's V mins (int4 / int2 KIVI)
+  const float* k_chan[kBlock];      // [n_kv_heads, head_dim] token j's span's K channel scales (int8_kivi)
+  // int4 / int2 KIVI, f16 bits: token j's span's K scales and mins [n_kv_heads, head_dim], and
+  // token j's V scales and mins [n_kv_heads, head_dim / v_group].
+  const uint16_t* k_group_scale[kBlock];
+  const uint16_t* k_group_min[kBlock];
+  const uint16_t* v_group_scale[kBlock];
+  const uint16_t* v_group_min[kBlock];
+  int v_group = 0;
   bool one_span = false;       // all kBlock tokens lie in one span (V may be read in place)
 };
 
@@ -311,6 +319,22 @@ enum class Fp8E5M2Code : uint8_t {};
 // bf16 V read in place (f16_bits is the same integer type).
 enum class Bf16Value : uint16_t {};
 
+// Row j's scales: token `local` of span s (an IsScaledCodeStorage span). Null pointers stay
+// null (no arithmetic on them): int8_kivi has no per-token K scales, low-bit KIVI only f16 ones.
+inline void FillRowScales(const KvSpan& s, int64_t local, int j, int n_kv_heads, BlockRows* rows) {
+  rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + local * n_kv_heads : nullptr;
+  rows->v_scale[j] = s.v_scale != nullptr ? s.v_scale + local * n_kv_heads : nullptr;
+  rows->k_chan[j] = s.k_channel_scale;
+  if (s.k_group_scale != nullptr) {
+    const int64_t groups = static_cast<int64_t>(n_kv_heads) * s.v_groups;  // V scales per token
+    rows->v_group = s.v_group;
+    rows->k_group_scale[j] = s.k_group_scale;
+    rows->k_group_min[j] = s.k_group_min;
+    rows->v_group_scale[j] = s.v_group_scale + local * groups;
+    rows->v_group_min[j] = s.v_group_min + local * groups;
+  }
+}
+
 // Row j of a block is token t (>= the span cursor's first token); advances the cursor.
 inline void FillTokenRow(const TokenSequence& seq, int64_t t, int j, size_t token_bytes, int n_kv_heads,
                          bool with_scales, int32_t* span, BlockRows* rows) {
@@ -320,13 +344,7 @@ inline void FillTokenRow(const TokenSequence& seq, int64_t t, int j, size_t toke
   const size_t offset = static_cast<size_t>(local) * token_bytes;
   rows->k[j] = static_cast<const uint8_t*>(s.k) + offset;
   rows->v[j] = static_cast<const uint8_t*>(s.v) + offset;
-  if (with_scales) {
-    rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + local * n_kv_heads : nullptr;
-    rows->v_scale[j] = s.v_scale + local * n_kv_heads;
-    rows->k_chan[j] = s.k_channel_scale;
-    rows->k_chan_min[j] = s.k_channel_min;
-    rows->v_min[j] = s.v_min != nullptr ? s.v_min + local * n_kv_heads : nullptr;
-  }
+  if (with_scales) FillRowScales(s, local, j, n_kv_heads, rows);
 }
 
 // with_scales: also fill k_scale / v_scale / k_chan (IsScaledCodeStorage spans); skipped
@@ -346,14 +364,7 @@ inline void GatherBlockRows(const TokenSequence& seq, int64_t t0, int n_block, s
       rows->v[j] = v + static_cast<size_t>(j) * token_bytes;
     }
     if (with_scales) {
-      // int8_kivi spans have no per-token K scales (and no arithmetic on a null pointer).
-      for (int j = 0; j < n_block; ++j) {
-        rows->k_scale[j] = s.k_scale != nullptr ? s.k_scale + (local + j) * n_kv_heads : nullptr;
-        rows->v_scale[j] = s.v_scale + (local + j) * n_kv_heads;
-        rows->k_chan[j] = s.k_channel_scale;
-        rows->k_chan_min[j] = s.k_channel_min;
-        rows->v_min[j] = s.v_min != nullptr ? s.v_min + (local + j) * n_kv_heads : nullptr;
-      }
+      for (int j = 0; j < n_block; ++j) FillRowScales(s, local + j, j, n_kv_heads, rows);
     }
     rows->one_span = n_block == kBlock;
     return;
@@ -372,16 +383,16 @@ inline void GatherTokenRows(const TokenSequence& seq, const int64_t* tokens, int
 }
 
 // One kv head's row of a low-bit KIVI token (head_dim packed codes) as f32, zero-padded to dp:
-// min + scale * code with K's per-channel (scale[c], min[c]) or V's per-token (scale[0], min[0])
-// (channel_wise). codes: head_dim bytes of scratch. The kernels pack these rows as f32 ones.
+// value c = min[c / group] + scale[c / group] * code, scale and min f16 bits: K per channel
+// (group 1) or V per group of channels (group = v_group). codes: head_dim bytes of scratch. The
+// kernels pack these rows as f32 ones.
 // The scalar twin of each family's LowBitRowToF32 (attention_kernels-inl.h), and the scalar family's.
-inline void DequantizeLowBitRow(int bits, const uint8_t* packed, const float* scale, const float* min,
-                                bool channel_wise, int head_dim, int dp, uint8_t* codes, float* dst) {
+inline void DequantizeLowBitRow(int bits, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int group,
+                                int head_dim, int dp, uint8_t* codes, float* dst) {
   ops::UnpackCodes(bits, packed, head_dim, codes);
-  if (channel_wise) {
-    for (int c = 0; c < head_dim; ++c) dst[c] = std::fma(static_cast<float>(codes[c]), scale[c], min[c]);
-  } else {
-    for (int c = 0; c < head_dim; ++c) dst[c] = std::fma(static_cast<float>(codes[c]), scale[0], min[0]);
+  for (int g = 0; g < head_dim / group; ++g) {  // each group's pair widened once
+    const float s = F16ToF32(scale[g]), m = F16ToF32(min[g]);
+    for (int c = g * group; c < (g + 1) * group; ++c) dst[c] = std::fma(static_cast<float>(codes[c]), s, m);
   }
   std::fill(dst + head_dim, dst + dp, 0.f);
 }

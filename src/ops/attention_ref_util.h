@@ -38,18 +38,19 @@ struct KvElementReader {
     if (type == KvStorage::kInt8Kivi) {  // one scale per (page, kv head, channel)
       return static_cast<double>(span.k_channel_scale[channel]) * static_cast<const int8_t*>(span.k)[index];
     }
-    if (IsLowBitKivi(type)) {  // min + scale * code per (page, kv head, channel)
-      return span.k_channel_min[channel] +
-             static_cast<double>(span.k_channel_scale[channel]) * Code(type, span.k, index);
+    if (IsLowBitKivi(type)) {  // min + scale * code per (page, kv head, channel), f16
+      return F16ToF32(span.k_group_min[channel]) +
+             static_cast<double>(F16ToF32(span.k_group_scale[channel])) * Code(type, span.k, index);
     }
     return Load(type, span.k, span.k_scale, t, kv_head, c);
   }
   double V(const KvSpan& span, int32_t t, int kv_head, int c) const {
     const KvStorage type = SpanStorage(storage, span);
-    if (IsLowBitKivi(type)) {  // min + scale * code per (token, kv head)
+    if (IsLowBitKivi(type)) {  // min + scale * code per (token, kv head, group of v_group channels), f16
       const size_t head_row = static_cast<size_t>(t) * n_kv_heads + kv_head;
-      return span.v_min[head_row] +
-             static_cast<double>(span.v_scale[head_row]) * Code(type, span.v, head_row * head_dim + c);
+      const size_t group = head_row * span.v_groups + c / span.v_group;
+      return F16ToF32(span.v_group_min[group]) +
+             static_cast<double>(F16ToF32(span.v_group_scale[group])) * Code(type, span.v, head_row * head_dim + c);
     }
     return Load(type, span.v, span.v_scale, t, kv_head, c);
   }

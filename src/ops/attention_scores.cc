@@ -138,7 +138,8 @@ void RunScoreUnit(const ScorePlan& plan, const SegmentPlan& segment, int kv_head
       for (int j = 0; j < n_block; ++j) {
         k_head[j] = block.k[j] + head_offset;
         if (kivi) {
-          k_chan[j] = block.k_chan[j] + static_cast<size_t>(kv_head) * d;
+          // int8_kivi's channel scales (low-bit KIVI reads its own in DequantizeLowBitKBlock)
+          if (!low_bit) k_chan[j] = block.k_chan[j] + static_cast<size_t>(kv_head) * d;
         } else if (int8) {
           k_scale[j] = block.k_scale[j][kv_head];
         }

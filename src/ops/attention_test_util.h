@@ -62,9 +62,10 @@ struct SpanSet {
   std::vector<std::vector<f16_bits>> k_f16, v_f16;
   std::vector<std::vector<int8_t>> k_i8, v_i8;       // int8 codes, or fp8 codes' bytes
   std::vector<std::vector<float>> k_scale, v_scale;  // each [n, n_kv_heads] (int8, fp8; v_scale also int8_kivi)
-  std::vector<std::vector<float>> k_channel_scale;   // each [n_kv_heads, head_dim] (KIVI)
-  std::vector<std::vector<float>> k_channel_min,
-      v_min;  // each [n_kv_heads, head_dim], [n, n_kv_heads] (int4 / int2 KIVI)
+  std::vector<std::vector<float>> k_channel_scale;   // each [n_kv_heads, head_dim] (int8_kivi)
+  // int4 / int2 KIVI, f16: each [n_kv_heads, head_dim] (K) and [n, n_kv_heads, head_dim / v_group] (V).
+  std::vector<std::vector<f16_bits>> k_group_scale, k_group_min, v_group_scale, v_group_min;
+  int v_group = 0;  // int4 / int2 KIVI: the widest of 32, 16, 8 dividing head_dim (else head_dim)
   std::vector<std::vector<int32_t>> positions;
   std::vector<KvSpan> spans;
 
@@ -74,7 +75,7 @@ struct SpanSet {
     for (size_t s = 0; s < out.size(); ++s) {
       out[s].k = k_f32[s].data();
       out[s].v = v_f32[s].data();
-      out[s].k_scale = out[s].v_scale = out[s].k_channel_scale = out[s].k_channel_min = out[s].v_min = nullptr;
+      ClearScales(&out[s]);
     }
     return out;
   }
@@ -83,7 +84,13 @@ struct SpanSet {
   void MakeResidual(size_t s) {
     spans[s].k = k_f16[s].data();
     spans[s].v = v_f16[s].data();
-    spans[s].k_scale = spans[s].v_scale = spans[s].k_channel_scale = spans[s].k_channel_min = spans[s].v_min = nullptr;
+    ClearScales(&spans[s]);
+  }
+
+  static void ClearScales(KvSpan* span) {
+    span->k_scale = span->v_scale = span->k_channel_scale = nullptr;
+    span->k_group_scale = span->k_group_min = span->v_group_scale = span->v_group_min = nullptr;
+    span->v_group = span->v_groups = 0;
   }
 };
 
@@ -96,6 +103,7 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
   set.storage = storage;
   set.n_kv_heads = n_kv_heads;
   set.head_dim = head_dim;
+  set.v_group = head_dim % 32 == 0 ? 32 : head_dim % 16 == 0 ? 16 : head_dim % 8 == 0 ? 8 : head_dim;
   int32_t pos = first_position;
   for (int n : lengths) {
     const size_t elems = static_cast<size_t>(n) * n_kv_heads * head_dim;
@@ -110,7 +118,8 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     set.positions.push_back(std::move(p));
     std::vector<f16_bits> kh, vh;
     std::vector<int8_t> kq, vq;
-    std::vector<float> ks, vs, kc, kmin, vmin;
+    std::vector<float> ks, vs, kc;
+    std::vector<f16_bits> kgs, kgm, vgs, vgm;
     if (storage == KvStorage::kF16 || IsKiviStorage(storage)) {
       kh.resize(elems);
       vh.resize(elems);
@@ -145,13 +154,13 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
       const int64_t rows = static_cast<int64_t>(n) * n_kv_heads;
       kq.resize(KvRowBytes(storage, elems));
       vq.resize(KvRowBytes(storage, elems));
-      kc.resize(row);
-      kmin.resize(row);
-      vs.resize(rows);
-      vmin.resize(rows);
-      ops::QuantizeKvColumnsAsym(bits, k.data(), n, row, reinterpret_cast<uint8_t*>(kq.data()), kc.data(), kmin.data());
-      ops::QuantizeKvRowsAsym(bits, v.data(), rows, head_dim, reinterpret_cast<uint8_t*>(vq.data()), vs.data(),
-                              vmin.data());
+      kgs.resize(row);
+      kgm.resize(row);
+      vgs.resize(rows * (head_dim / set.v_group));
+      vgm.resize(vgs.size());
+      ops::QuantizeKvColumnsAsym(bits, k.data(), n, row, reinterpret_cast<uint8_t*>(kq.data()), kgs.data(), kgm.data());
+      ops::QuantizeKvRowsAsym(bits, v.data(), rows, head_dim, set.v_group, reinterpret_cast<uint8_t*>(vq.data()),
+                              vgs.data(), vgm.data());
     }
     set.k_f32.push_back(std::move(k));
     set.v_f32.push_back(std::move(v));
@@ -162,8 +171,10 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
     set.k_scale.push_back(std::move(ks));
     set.v_scale.push_back(std::move(vs));
     set.k_channel_scale.push_back(std::move(kc));
-    set.k_channel_min.push_back(std::move(kmin));
-    set.v_min.push_back(std::move(vmin));
+    set.k_group_scale.push_back(std::move(kgs));
+    set.k_group_min.push_back(std::move(kgm));
+    set.v_group_scale.push_back(std::move(vgs));
+    set.v_group_min.push_back(std::move(vgm));
   }
   for (size_t s = 0; s < lengths.size(); ++s) {
     KvSpan span;
@@ -195,10 +206,12 @@ inline SpanSet MakeSpans(KvStorage storage, const std::vector<int>& lengths, int
       case KvStorage::kInt2Kivi:
         span.k = set.k_i8[s].data();
         span.v = set.v_i8[s].data();
-        span.v_scale = set.v_scale[s].data();
-        span.v_min = set.v_min[s].data();
-        span.k_channel_scale = set.k_channel_scale[s].data();
-        span.k_channel_min = set.k_channel_min[s].data();
+        span.k_group_scale = set.k_group_scale[s].data();
+        span.k_group_min = set.k_group_min[s].data();
+        span.v_group_scale = set.v_group_scale[s].data();
+        span.v_group_min = set.v_group_min[s].data();
+        span.v_group = set.v_group;
+        span.v_groups = head_dim / set.v_group;
         break;
     }
     span.positions = set.positions[s].data();

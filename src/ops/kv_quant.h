@@ -61,24 +61,28 @@ void DequantizeKvRowsFp8(KvStorage format, const uint8_t* codes, const float* sc
 
 // Low-bit KIVI codes (KvStorage::kInt4Kivi, kInt2Kivi): asymmetric with a zero point, as KIVI
 // (Liu et al., ICML 2024) quantizes. Over a group (K: one channel's values over a page's tokens;
-// V: one (token, kv head) row) its min and max give
-//   scale = (max - min) / (2^bits - 1),  code = round((x - min) / scale) in [0, 2^bits - 1],
-//   x ~ min + scale * code,  |x - (min + scale * code)| <= scale / 2 (plus f32 rounding);
-// a constant group has scale 0 and codes 0 (exact). Codes are packed low bits first: value i of a
-// row is in byte i * bits / 8 at bit (i * bits) % 8, so a row of n values (n a multiple of
-// 8 / bits) takes n * bits / 8 bytes and every (token, kv head) row starts on a byte.
+// V: `group` consecutive channels of one (token, kv head) row, 32 in KIVI's code) its min and max give
+//   min16 = f16(min), scale16 = f16((max - min16) / (2^bits - 1)),
+//   code = round((x - min16) / scale16) clamped to [0, 2^bits - 1],  x ~ min16 + scale16 * code;
+// scale and min are stored in f16 (half the metadata bytes; KIVI keeps them in the model's f16)
+// and the codes are computed from the rounded pair, so the error stays within about scale / 2
+// (a max that f16 rounding pushes past the last code adds at most max_code * 2^-11 * scale).
+// A constant group has scale 0 and codes 0 (exact up to min's f16 rounding). Codes are packed low
+// bits first: value i of a row is in byte i * bits / 8 at bit (i * bits) % 8, so a row of n values
+// (n a multiple of 8 / bits) takes n * bits / 8 bytes and every (token, kv head) row starts on a byte.
 // Scalar: quantization runs once per page (K) or token (V); kernels unpack codes (UnpackCodes)
 // and apply scale and min while packing.
-// x: [n_rows, row_len] -> packed: [n_rows, row_len * bits / 8], scales / mins: [n_rows].
-void QuantizeKvRowsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, float* scales,
-                        float* mins);
-void DequantizeKvRowsAsym(int bits, const uint8_t* packed, const float* scales, const float* mins, int64_t n_rows,
-                          int row_len, float* x);
+// x: [n_rows, row_len] -> packed: [n_rows, row_len * bits / 8], scales / mins: [n_rows, row_len / group]
+// (group divides row_len and fills whole bytes).
+void QuantizeKvRowsAsym(int bits, const float* x, int64_t n_rows, int row_len, int group, uint8_t* packed,
+                        f16_bits* scales, f16_bits* mins);
+void DequantizeKvRowsAsym(int bits, const uint8_t* packed, const f16_bits* scales, const f16_bits* mins,
+                          int64_t n_rows, int row_len, int group, float* x);
 // x: [n_rows, row_len] -> packed: [n_rows, row_len * bits / 8], scales / mins: [row_len] (one per column).
-void QuantizeKvColumnsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, float* scales,
-                           float* mins);
-void DequantizeKvColumnsAsym(int bits, const uint8_t* packed, const float* scales, const float* mins, int64_t n_rows,
-                             int row_len, float* x);
+void QuantizeKvColumnsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, f16_bits* scales,
+                           f16_bits* mins);
+void DequantizeKvColumnsAsym(int bits, const uint8_t* packed, const f16_bits* scales, const f16_bits* mins,
+                             int64_t n_rows, int row_len, float* x);
 // n codes of a packed row -> codes[n], one byte each.
 void UnpackCodes(int bits, const uint8_t* packed, int n, uint8_t* codes);
 }  // namespace ops

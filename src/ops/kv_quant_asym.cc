@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kvsparse/status.h"
 #include "ops/kv_quant.h"
@@ -15,11 +16,34 @@ void CheckBits(int bits, int row_len) {
   KVS_CHECK_MSG(row_len * bits % 8 == 0, "a packed KV row must fill whole bytes");
 }
 
+void CheckGroup(int bits, int row_len, int group) {
+  KVS_CHECK_MSG(group > 0 && row_len % group == 0 && group * bits % 8 == 0,
+                "a KIVI V group must divide the row and fill whole bytes");
+}
+
 uint8_t Code(float x, float min, float scale, int max_code) {
   if (scale == 0.f) return 0;
-  // Division, as the int8 quantizers: the group's min and max code exactly 0 and max_code.
+  // Division, as the int8 quantizers: the group's min and max code 0 and max_code (up to the
+  // f16 rounding of scale and min).
   const float q = std::nearbyint((x - min) / scale);
   return static_cast<uint8_t>(std::clamp(q, 0.f, static_cast<float>(max_code)));
+}
+
+constexpr float kMaxF16 = 65504.f;
+
+// A group's [lo, hi] as the f16 (scale, min) pair it is stored with, and their f32 values.
+struct GroupScale {
+  f16_bits scale16, min16;
+  float scale, min;
+};
+GroupScale MakeGroupScale(float lo, float hi, int max_code) {
+  GroupScale g;
+  g.min16 = F32ToF16(lo);
+  g.min = F16ToF32(g.min16);
+  // Finite even when the range passes f16's (the codes then clamp at the ends).
+  g.scale16 = F32ToF16(std::min((hi - g.min) / static_cast<float>(max_code), kMaxF16));
+  g.scale = F16ToF32(g.scale16);
+  return g;
 }
 
 void Put(int bits, uint8_t* packed, int64_t i, uint8_t code) {
@@ -34,63 +58,78 @@ uint8_t Get(int bits, const uint8_t* packed, int64_t i) {
 
 }  // namespace
 
-void QuantizeKvRowsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, float* scales,
-                        float* mins) {
+void QuantizeKvRowsAsym(int bits, const float* x, int64_t n_rows, int row_len, int group, uint8_t* packed,
+                        f16_bits* scales, f16_bits* mins) {
   CheckBits(bits, row_len);
+  CheckGroup(bits, row_len, group);
   const int max_code = (1 << bits) - 1;
+  const int groups = row_len / group;
   const size_t row_bytes = static_cast<size_t>(row_len) * bits / 8;
   for (int64_t r = 0; r < n_rows; ++r, x += row_len, packed += row_bytes) {
-    const auto [lo, hi] = std::minmax_element(x, x + row_len);
-    const float min = *lo, scale = (*hi - *lo) / static_cast<float>(max_code);
-    scales[r] = scale;
-    mins[r] = min;
     std::memset(packed, 0, row_bytes);
-    for (int i = 0; i < row_len; ++i) Put(bits, packed, i, Code(x[i], min, scale, max_code));
+    for (int g = 0; g < groups; ++g) {
+      const float* xg = x + g * group;
+      const auto [lo, hi] = std::minmax_element(xg, xg + group);
+      const GroupScale s = MakeGroupScale(*lo, *hi, max_code);
+      scales[r * groups + g] = s.scale16;
+      mins[r * groups + g] = s.min16;
+      for (int i = g * group; i < (g + 1) * group; ++i) Put(bits, packed, i, Code(x[i], s.min, s.scale, max_code));
+    }
   }
 }
 
-void DequantizeKvRowsAsym(int bits, const uint8_t* packed, const float* scales, const float* mins, int64_t n_rows,
-                          int row_len, float* x) {
+void DequantizeKvRowsAsym(int bits, const uint8_t* packed, const f16_bits* scales, const f16_bits* mins,
+                          int64_t n_rows, int row_len, int group, float* x) {
   CheckBits(bits, row_len);
+  CheckGroup(bits, row_len, group);
+  const int groups = row_len / group;
   const size_t row_bytes = static_cast<size_t>(row_len) * bits / 8;
   for (int64_t r = 0; r < n_rows; ++r, x += row_len, packed += row_bytes) {
-    for (int i = 0; i < row_len; ++i) x[i] = std::fma(static_cast<float>(Get(bits, packed, i)), scales[r], mins[r]);
+    for (int i = 0; i < row_len; ++i) {
+      const size_t g = static_cast<size_t>(r) * groups + i / group;
+      x[i] = std::fma(static_cast<float>(Get(bits, packed, i)), F16ToF32(scales[g]), F16ToF32(mins[g]));
+    }
   }
 }
 
-void QuantizeKvColumnsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, float* scales,
-                           float* mins) {
+void QuantizeKvColumnsAsym(int bits, const float* x, int64_t n_rows, int row_len, uint8_t* packed, f16_bits* scales,
+                           f16_bits* mins) {
   CheckBits(bits, row_len);
   const int max_code = (1 << bits) - 1;
   const size_t row_bytes = static_cast<size_t>(row_len) * bits / 8;
+  std::vector<float> scale(row_len), min(row_len);  // the f16 pair as f32, per column
   for (int c = 0; c < row_len; ++c) {
-    if (n_rows == 0) {
-      mins[c] = scales[c] = 0.f;
-      continue;
+    float lo = 0.f, hi = 0.f;
+    if (n_rows > 0) {
+      lo = hi = x[c];
+      for (int64_t r = 1; r < n_rows; ++r) {
+        lo = std::min(lo, x[r * row_len + c]);
+        hi = std::max(hi, x[r * row_len + c]);
+      }
     }
-    float lo = x[c], hi = x[c];
-    for (int64_t r = 1; r < n_rows; ++r) {
-      lo = std::min(lo, x[r * row_len + c]);
-      hi = std::max(hi, x[r * row_len + c]);
-    }
-    mins[c] = lo;
-    scales[c] = (hi - lo) / static_cast<float>(max_code);
+    const GroupScale s = MakeGroupScale(lo, hi, max_code);
+    scales[c] = s.scale16;
+    mins[c] = s.min16;
+    scale[c] = s.scale;
+    min[c] = s.min;
   }
   if (n_rows == 0) return;  // (packed may be null: no memset on it)
   std::memset(packed, 0, static_cast<size_t>(n_rows) * row_bytes);
   for (int64_t r = 0; r < n_rows; ++r) {
     for (int c = 0; c < row_len; ++c) {
-      Put(bits, packed + r * row_bytes, c, Code(x[r * row_len + c], mins[c], scales[c], max_code));
+      Put(bits, packed + r * row_bytes, c, Code(x[r * row_len + c], min[c], scale[c], max_code));
     }
   }
 }
 
-void DequantizeKvColumnsAsym(int bits, const uint8_t* packed, const float* scales, const float* mins,
+void DequantizeKvColumnsAsym(int bits, const uint8_t* packed, const f16_bits* scales, const f16_bits* mins,
                              int64_t n_rows, int row_len, float* x) {
   CheckBits(bits, row_len);
   const size_t row_bytes = static_cast<size_t>(row_len) * bits / 8;
   for (int64_t r = 0; r < n_rows; ++r, x += row_len, packed += row_bytes) {
-    for (int c = 0; c < row_len; ++c) x[c] = std::fma(static_cast<float>(Get(bits, packed, c)), scales[c], mins[c]);
+    for (int c = 0; c < row_len; ++c) {
+      x[c] = std::fma(static_cast<float>(Get(bits, packed, c)), F16ToF32(scales[c]), F16ToF32(mins[c]));
+    }
   }
 }
 

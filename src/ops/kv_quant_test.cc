@@ -338,64 +338,103 @@ TEST(Fp8Codec, RowQuantizationStaysWithinTheStatedBound) {
   }
 }
 
-// Low-bit KIVI codes (scalar on every family): |x - (min + scale * code)| <= scale / 2 per group,
-// the group's min and max coded exactly, a constant group exact, packing and unpacking agree.
+// Low-bit KIVI codes (scalar on every family): |x - (min + scale * code)| <= scale / 2 per group
+// plus the f16 rounding of scale and min, the group's min and max coded at the ends, a constant
+// group exact up to min's f16 rounding, packing and unpacking agree.
+float AsymBound(float scale, int max_code, float lo, float x) {
+  return scale / 2 + (max_code * scale + std::fabs(lo) + std::fabs(x)) * 1e-3f;  // f16 rounding: 2^-11
+}
+
 TEST(KiviLowBitCodec, RowsAndColumnsStayWithinHalfAStep) {
   std::mt19937 rng(21);
   for (int bits : {4, 2}) {
     const int max_code = (1 << bits) - 1;
     for (int row_len : {4, 8, 12, 16, 20, 64, 128}) {
-      for (int64_t n_rows : {1, 2, 5, 16}) {
-        const std::vector<float> x = RandomRows(n_rows, row_len, rng);
-        const size_t row_bytes = static_cast<size_t>(row_len) * bits / 8;
-        std::vector<uint8_t> packed(n_rows * row_bytes);
-        std::vector<float> back(x.size());
-        // Rows: one scale and min per row.
-        std::vector<float> scales(n_rows), mins(n_rows);
-        ops::QuantizeKvRowsAsym(bits, x.data(), n_rows, row_len, packed.data(), scales.data(), mins.data());
-        ops::DequantizeKvRowsAsym(bits, packed.data(), scales.data(), mins.data(), n_rows, row_len, back.data());
-        std::vector<uint8_t> codes(row_len);
-        for (int64_t r = 0; r < n_rows; ++r) {
-          const float* xr = x.data() + r * row_len;
-          const auto [lo, hi] = std::minmax_element(xr, xr + row_len);
-          ASSERT_EQ(mins[r], *lo);
-          ASSERT_EQ(scales[r], (*hi - *lo) / max_code);
-          ops::UnpackCodes(bits, packed.data() + r * row_bytes, row_len, codes.data());
-          for (int i = 0; i < row_len; ++i) {
-            ASSERT_LE(codes[i], max_code);
-            if (xr[i] == *lo) {
-              ASSERT_EQ(codes[i], 0);
+      for (int group : {4, 8, 16, 32, row_len}) {
+        if (row_len % group != 0) continue;
+        const int groups = row_len / group;
+        for (int64_t n_rows : {1, 2, 5, 16}) {
+          const std::vector<float> x = RandomRows(n_rows, row_len, rng);
+          const size_t row_bytes = static_cast<size_t>(row_len) * bits / 8;
+          std::vector<uint8_t> packed(n_rows * row_bytes);
+          std::vector<float> back(x.size());
+          // Rows: one f16 scale and min per group of channels.
+          std::vector<f16_bits> scales(n_rows * groups), mins(n_rows * groups);
+          ops::QuantizeKvRowsAsym(bits, x.data(), n_rows, row_len, group, packed.data(), scales.data(), mins.data());
+          ops::DequantizeKvRowsAsym(bits, packed.data(), scales.data(), mins.data(), n_rows, row_len, group,
+                                    back.data());
+          std::vector<uint8_t> codes(row_len);
+          for (int64_t r = 0; r < n_rows; ++r) {
+            ops::UnpackCodes(bits, packed.data() + r * row_bytes, row_len, codes.data());
+            for (int g = 0; g < groups; ++g) {
+              const float* xg = x.data() + r * row_len + g * group;
+              const auto [lo, hi] = std::minmax_element(xg, xg + group);
+              const float min = F16ToF32(mins[r * groups + g]), scale = F16ToF32(scales[r * groups + g]);
+              ASSERT_EQ(mins[r * groups + g], F32ToF16(*lo));
+              ASSERT_NEAR(scale, (*hi - min) / max_code, (*hi - min) / max_code * 1e-3f);
+              for (int i = 0; i < group; ++i) {
+                const int c = g * group + i;
+                ASSERT_LE(codes[c], max_code);
+                if (xg[i] == *hi) ASSERT_GE(codes[c], max_code - 1);
+                const float err = std::fabs(back[r * row_len + c] - xg[i]);
+                ASSERT_LE(err, AsymBound(scale, max_code, *lo, xg[i])) << bits << " bits, row " << r << ", group " << g;
+              }
             }
-            if (xr[i] == *hi) {
-              ASSERT_EQ(codes[i], max_code);
-            }
-            const float err = std::fabs(back[r * row_len + i] - xr[i]);
-            ASSERT_LE(err, scales[r] / 2 * (1 + 1e-5f) + 1e-6f * std::fabs(xr[i])) << bits << " bits, row " << r;
           }
         }
-        // Columns: one scale and min per column over the rows (KIVI's keys over a page).
-        std::vector<float> col_scales(row_len), col_mins(row_len);
+      }
+      // Columns: one scale and min per column over the rows (KIVI's keys over a page).
+      for (int64_t n_rows : {1, 2, 5, 16, 32}) {
+        const std::vector<float> x = RandomRows(n_rows, row_len, rng);
+        std::vector<uint8_t> packed(n_rows * static_cast<size_t>(row_len) * bits / 8);
+        std::vector<float> back(x.size());
+        std::vector<f16_bits> col_scales(row_len), col_mins(row_len);
         ops::QuantizeKvColumnsAsym(bits, x.data(), n_rows, row_len, packed.data(), col_scales.data(), col_mins.data());
         ops::DequantizeKvColumnsAsym(bits, packed.data(), col_scales.data(), col_mins.data(), n_rows, row_len,
                                      back.data());
         for (int64_t r = 0; r < n_rows; ++r) {
           for (int c = 0; c < row_len; ++c) {
             const size_t e = static_cast<size_t>(r) * row_len + c;
-            ASSERT_LE(std::fabs(back[e] - x[e]), col_scales[c] / 2 * (1 + 1e-5f) + 1e-6f * std::fabs(x[e]))
+            ASSERT_LE(std::fabs(back[e] - x[e]), AsymBound(F16ToF32(col_scales[c]), max_code,
+                                                           F16ToF32(col_mins[c]), x[e]))
                 << bits << " bits, column " << c;
           }
         }
       }
     }
-    // A constant row is exact (scale 0, codes 0).
+    // A constant row is exact up to min's f16 rounding (scale 0, codes 0).
     const std::vector<float> constant(8, -1.25f);
     std::vector<uint8_t> packed(8 * bits / 8, 0xFF);
-    float scale = -1.f, min = 0.f;
+    f16_bits scale = 0x7C00, min = 0;
     std::vector<float> back(8);
-    ops::QuantizeKvRowsAsym(bits, constant.data(), 1, 8, packed.data(), &scale, &min);
-    ops::DequantizeKvRowsAsym(bits, packed.data(), &scale, &min, 1, 8, back.data());
-    EXPECT_EQ(scale, 0.f);
-    EXPECT_EQ(back, constant);
+    ops::QuantizeKvRowsAsym(bits, constant.data(), 1, 8, 8, packed.data(), &scale, &min);
+    ops::DequantizeKvRowsAsym(bits, packed.data(), &scale, &min, 1, 8, 8, back.data());
+    EXPECT_EQ(F16ToF32(scale), 0.f);
+    EXPECT_EQ(back, constant);  // -1.25 is exact in f16
+  }
+}
+
+// KIVI's V groups (issue 28): a row with 32 large and 96 small channels. Per-32 groups give the
+// small channels their own scale and reconstruct them; one group per row spends every code on
+// the large range and loses them.
+TEST(KiviLowBitCodec, VGroupsOf32ReconstructSmallChannels) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> large(-100.f, 100.f), small(-0.01f, 0.01f);
+  std::vector<float> row(128);
+  for (int c = 0; c < 128; ++c) row[c] = c < 32 ? large(rng) : small(rng);
+  for (int bits : {4, 2}) {
+    std::vector<uint8_t> packed(128 * bits / 8);
+    std::vector<float> back(128);
+    double grouped_err = 0, whole_err = 0;  // worst error over the 96 small channels
+    std::vector<f16_bits> scales(4), mins(4);
+    ops::QuantizeKvRowsAsym(bits, row.data(), 1, 128, 32, packed.data(), scales.data(), mins.data());
+    ops::DequantizeKvRowsAsym(bits, packed.data(), scales.data(), mins.data(), 1, 128, 32, back.data());
+    for (int c = 32; c < 128; ++c) grouped_err = std::max(grouped_err, std::fabs(double{back[c]} - row[c]));
+    ops::QuantizeKvRowsAsym(bits, row.data(), 1, 128, 128, packed.data(), scales.data(), mins.data());
+    ops::DequantizeKvRowsAsym(bits, packed.data(), scales.data(), mins.data(), 1, 128, 128, back.data());
+    for (int c = 32; c < 128; ++c) whole_err = std::max(whole_err, std::fabs(double{back[c]} - row[c]));
+    EXPECT_LT(grouped_err, 0.02 / ((1 << bits) - 1)) << bits << " bits";  // half a step of a 0.02 range, and f16
+    EXPECT_GT(whole_err, 1.0) << bits << " bits";  // the small channels round to a step of ~200 / max_code
   }
 }
 
@@ -403,16 +442,16 @@ TEST(KiviLowBitCodec, RowsAndColumnsStayWithinHalfAStep) {
 TEST(KiviLowBitCodec, PackingIsLowBitsFirst) {
   const std::vector<float> x = {0.f, 1.f, 2.f, 3.f, 3.f, 2.f, 1.f, 0.f};  // codes = values with 2 bits
   std::vector<uint8_t> packed(2);
-  float scale, min;
-  ops::QuantizeKvRowsAsym(2, x.data(), 1, 8, packed.data(), &scale, &min);
-  ASSERT_EQ(scale, 1.f);
+  f16_bits scale, min;
+  ops::QuantizeKvRowsAsym(2, x.data(), 1, 8, 8, packed.data(), &scale, &min);
+  ASSERT_EQ(F16ToF32(scale), 1.f);
   EXPECT_EQ(packed[0], 0b11100100);
   EXPECT_EQ(packed[1], 0b00011011);
   std::vector<uint8_t> codes(8);
   ops::UnpackCodes(2, packed.data(), 8, codes.data());
   EXPECT_EQ(codes, (std::vector<uint8_t>{0, 1, 2, 3, 3, 2, 1, 0}));
   const std::vector<float> y = {0.f, 15.f, 7.f, 8.f};
-  ops::QuantizeKvRowsAsym(4, y.data(), 1, 4, packed.data(), &scale, &min);
+  ops::QuantizeKvRowsAsym(4, y.data(), 1, 4, 4, packed.data(), &scale, &min);
   EXPECT_EQ(packed[0], 0xF0);
   EXPECT_EQ(packed[1], 0x87);
 }

@@ -27,10 +27,10 @@ namespace {
 constexpr int kMaxKnormHeadDim = 1024;
 
 // L2 norm of one key head vector of `head_dim` values stored as `storage` (int8, fp8: times
-// `scale`; KIVI: times channel_scale[d], the head's [head_dim] channel scales, plus channel_min[d]
-// for 4 and 2 bits). element_offset counts values.
+// `scale`; int8_kivi: times channel_scale[d], the head's [head_dim] channel scales; int4 / int2
+// KIVI: group_min[d] + group_scale[d] * code, f16). element_offset counts values.
 float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int head_dim, float scale,
-              const float* channel_scale, const float* channel_min) {
+              const float* channel_scale, const f16_bits* group_scale, const f16_bits* group_min) {
   double sum = 0.0;
   switch (storage) {
     case KvStorage::kF32: {
@@ -67,7 +67,7 @@ float KeyNorm(KvStorage storage, const void* keys, size_t element_offset, int he
       KVS_CHECK_MSG(head_dim <= kMaxKnormHeadDim, "knorm: head_dim above 1024");
       ops::DequantizeKvColumnsAsym(KvStorageBits(storage),
                                    static_cast<const uint8_t*>(keys) + KvRowBytes(storage, element_offset),
-                                   channel_scale, channel_min, 1, head_dim, row);
+                                   group_scale, group_min, 1, head_dim, row);
       for (int d = 0; d < head_dim; ++d) sum += static_cast<double>(row[d]) * row[d];
       return static_cast<float>(std::sqrt(sum));
     }
@@ -130,9 +130,11 @@ class KNormPolicy final : public BudgetedPolicy {
           const size_t offset = (static_cast<size_t>(i) * heads + h) * head_dim;  // k: [n, heads, head_dim]
           const float scale = HasTokenScales(type) ? span.k_scale[static_cast<size_t>(i) * heads + h] : 1.f;
           const size_t channel = static_cast<size_t>(h) * head_dim;
-          const float* channel_scale = IsKiviStorage(type) ? span.k_channel_scale + channel : nullptr;
-          const float* channel_min = IsLowBitKivi(type) ? span.k_channel_min + channel : nullptr;
-          row[h] = -KeyNorm(type, span.k, offset, head_dim, scale, channel_scale, channel_min);
+          const bool low_bit = IsLowBitKivi(type);
+          const float* channel_scale = type == KvStorage::kInt8Kivi ? span.k_channel_scale + channel : nullptr;
+          const f16_bits* group_scale = low_bit ? span.k_group_scale + channel : nullptr;
+          const f16_bits* group_min = low_bit ? span.k_group_min + channel : nullptr;
+          row[h] = -KeyNorm(type, span.k, offset, head_dim, scale, channel_scale, group_scale, group_min);
         }
       }
       index += span.n;

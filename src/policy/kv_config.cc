@@ -18,7 +18,8 @@ namespace {
 using nlohmann::json;
 
 constexpr std::string_view kTopLevelKeys[] = {"default",       "layers",          "evict_interval", "page_size",
-                                              "kivi_residual", "gqa_aggregation", "prefill_chunk",  "prefill_eviction"};
+                                              "kivi_residual", "kivi_v_group",    "gqa_aggregation", "prefill_chunk",
+                                              "prefill_eviction"};
 // "fp8" names fp8_e4m3, as vLLM's --kv-cache-dtype does.
 constexpr std::string_view kKvTypeNames =
     "f32, f16, bf16, int8, int8_kivi, fp8_e4m3 (or fp8), fp8_e5m2, int4_kivi, int2_kivi";
@@ -93,9 +94,23 @@ Status ReadInt(const json& v, const Where& where, std::string_view field, int32_
 
 // Empty when kivi_residual is whole pages, else what is wrong with it.
 std::string KiviResidualProblem(const KvSparsityConfig& config) {
-  if (config.kivi_residual >= 0 && config.kivi_residual % config.page_size == 0) return {};
-  return fmt::format("kivi_residual must be a multiple of page_size ({}) and >= 0; found {}", config.page_size,
+  const int page = EffectivePageSize(config);
+  if (config.kivi_residual == -1 || (config.kivi_residual >= 0 && config.kivi_residual % page == 0)) return {};
+  return fmt::format("kivi_residual must be a multiple of page_size ({}) and >= 0; found {}", page,
                      config.kivi_residual);
+}
+
+// Empty when kivi_v_group can be a V group, else what is wrong with it.
+std::string KiviVGroupProblem(const KvSparsityConfig& config) {
+  if (config.kivi_v_group == -1 || (config.kivi_v_group >= 0 && config.kivi_v_group % 4 == 0)) return {};
+  return fmt::format("kivi_v_group must be a multiple of 4 channels dividing head_dim, or 0 for the whole row; "
+                     "found {}",
+                     config.kivi_v_group);
+}
+
+bool StoresKivi(const KvSparsityConfig& config) {
+  return std::any_of(config.layers.begin(), config.layers.end(),
+                     [](const LayerKvConfig& layer) { return IsKiviStorage(layer.kv_type); });
 }
 
 Status ReadPositiveInt(const json& v, const Where& where, std::string_view field, int* out) {
@@ -587,8 +602,14 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
     KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "page_size", &config.page_size));
   if (auto it = root.find("kivi_residual"); it != root.end()) {
     KVS_RETURN_IF_ERROR(ReadInt(*it, top, "kivi_residual", &config.kivi_residual));
-    if (const std::string problem = KiviResidualProblem(config); !problem.empty())
-      return top.Error("kivi_residual", problem);
+    if (config.kivi_residual < 0)
+      return top.Error("kivi_residual", fmt::format("must be >= 0 tokens; found {}", config.kivi_residual));
+  }
+  if (auto it = root.find("kivi_v_group"); it != root.end()) {
+    KVS_RETURN_IF_ERROR(ReadInt(*it, top, "kivi_v_group", &config.kivi_v_group));
+    if (const std::string problem = KiviVGroupProblem(config); !problem.empty() || config.kivi_v_group < 0)
+      return top.Error("kivi_v_group", problem.empty() ? fmt::format("must be >= 0; found {}", config.kivi_v_group)
+                                                       : problem);
   }
   if (auto it = root.find("prefill_chunk"); it != root.end())
     KVS_RETURN_IF_ERROR(ReadPositiveInt(*it, top, "prefill_chunk", &config.prefill_chunk));
@@ -659,6 +680,9 @@ StatusOr<KvSparsityConfig> ParseKvSparsityConfig(std::string_view json_text, int
   }
   if (const Status status = CheckSharedRankingParams(config.layers); !status.ok())
     return InvalidArgumentError(fmt::format("{}: {}", source, status.message()));
+  // The default page size depends on the layers' types, so whole pages are checked last.
+  if (const std::string problem = KiviResidualProblem(config); !problem.empty())
+    return top.Error("kivi_residual", problem);
   return config;
 }
 
@@ -793,9 +817,11 @@ Status ValidateKvSparsityConfig(const KvSparsityConfig& config) {
   if (config.layers.empty()) return InvalidArgumentError("kv config: no layers");
   if (config.evict_interval < 1)
     return InvalidArgumentError(fmt::format("kv config: evict_interval must be >= 1; found {}", config.evict_interval));
-  if (config.page_size < 1)
+  if (config.page_size < 0)
     return InvalidArgumentError(fmt::format("kv config: page_size must be >= 1; found {}", config.page_size));
   if (const std::string problem = KiviResidualProblem(config); !problem.empty())
+    return InvalidArgumentError("kv config: " + problem);
+  if (const std::string problem = KiviVGroupProblem(config); !problem.empty())
     return InvalidArgumentError("kv config: " + problem);
   if (config.prefill_chunk < 1)
     return InvalidArgumentError(fmt::format("kv config: prefill_chunk must be >= 1; found {}", config.prefill_chunk));
@@ -819,9 +845,33 @@ std::string KvSparsityConfigSummary(const KvSparsityConfig& config) {
   }
   if (config.prefill_eviction == PrefillEviction::kPromptEnd) out += "; prefill_eviction=prompt_end";
   out += fmt::format("; evict_interval={} page_size={} gqa_aggregation={} prefill_chunk={}", config.evict_interval,
-                     config.page_size, config.agg == GqaAggregation::kMean ? "mean" : "max", config.prefill_chunk);
-  if (config.kivi_residual > 0) out += fmt::format(" kivi_residual={}", config.kivi_residual);
+                     EffectivePageSize(config), config.agg == GqaAggregation::kMean ? "mean" : "max",
+                     config.prefill_chunk);
+  if (StoresKivi(config)) {
+    out += fmt::format(" kivi_residual={} kivi_v_group={}", EffectiveKiviResidual(config),
+                       config.kivi_v_group == -1 ? fmt::format("{} (or the row where it does not divide head_dim)",
+                                                               kKiviVGroup)
+                       : config.kivi_v_group == 0 ? std::string("row")
+                                                  : std::to_string(config.kivi_v_group));
+  }
   return out;
+}
+
+int EffectivePageSize(const KvSparsityConfig& config) {
+  if (config.page_size > 0) return config.page_size;
+  return StoresKivi(config) ? kKiviPageSize : kDefaultPageSize;
+}
+
+int EffectiveKiviResidual(const KvSparsityConfig& config) {
+  if (config.kivi_residual >= 0) return config.kivi_residual;
+  if (!StoresKivi(config)) return 0;
+  const int page = EffectivePageSize(config);
+  return (kKiviResidualTokens + page - 1) / page * page;
+}
+
+int EffectiveKiviVGroup(const KvSparsityConfig& config, int head_dim) {
+  if (config.kivi_v_group >= 0) return config.kivi_v_group;
+  return head_dim % kKiviVGroup == 0 ? kKiviVGroup : 0;
 }
 
 }  // namespace kvsparse

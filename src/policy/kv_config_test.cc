@@ -229,7 +229,8 @@ TEST(KvConfigErrorTest, UnknownTopLevelKey) {
   EXPECT_MENTIONS(m, "top level");
   EXPECT_MENTIONS(m, "field 'evict_intervall'");
   EXPECT_MENTIONS(m, "did you mean 'evict_interval'");
-  EXPECT_MENTIONS(m, "default, layers, evict_interval, page_size, kivi_residual, gqa_aggregation, prefill_chunk");
+  EXPECT_MENTIONS(m, "default, layers, evict_interval, page_size, kivi_residual, kivi_v_group, gqa_aggregation, "
+                     "prefill_chunk");
 }
 
 TEST(KvConfigErrorTest, WrongJsonTypes) {
@@ -437,6 +438,29 @@ TEST(KvConfigTest, KiviResidualIsWholePages) {
   std::string m = Rejection(R"({"page_size": 32, "kivi_residual": 48})");
   EXPECT_MENTIONS(m, "kivi_residual must be a multiple of page_size (32)");
   EXPECT_MENTIONS(m, "found 48");
+  // KIVI's defaults: 32-token pages and a 128-token residual where a layer stores a KIVI type;
+  // 16-token pages and no residual otherwise; a residual rounded up to whole pages.
+  config = ParseKvSparsityConfig(R"({"default": {"kv_type": "int4_kivi"}})", kLayers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(EffectivePageSize(*config), 32);
+  EXPECT_EQ(EffectiveKiviResidual(*config), 128);
+  EXPECT_EQ(EffectiveKiviVGroup(*config, 64), 32);
+  EXPECT_EQ(EffectiveKiviVGroup(*config, 8), 0);  // 32 does not divide head_dim 8: the whole row
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "page_size=32");
+  EXPECT_MENTIONS(KvSparsityConfigSummary(*config), "kivi_residual=128");
+  config = ParseKvSparsityConfig(R"({"default": {"kv_type": "int2_kivi"}, "page_size": 96, "kivi_v_group": 0})",
+                                 kLayers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(EffectiveKiviResidual(*config), 192);
+  EXPECT_EQ(EffectiveKiviVGroup(*config, 64), 0);
+  config = ParseKvSparsityConfig(R"({"default": {"kv_type": "f16"}})", kLayers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(EffectivePageSize(*config), 16);
+  EXPECT_EQ(EffectiveKiviResidual(*config), 0);
+  m = Rejection(R"({"default": {"kv_type": "int2_kivi"}, "kivi_residual": 16})");  // default pages of 32
+  EXPECT_MENTIONS(m, "kivi_residual must be a multiple of page_size (32)");
+  m = Rejection(R"({"kivi_v_group": 6})");
+  EXPECT_MENTIONS(m, "kivi_v_group must be a multiple of 4");
   m = Rejection(R"({"kivi_residual": -16})");
   EXPECT_MENTIONS(m, "found -16");
   m = Rejection(R"({"kivi_residual": "128"})");
