@@ -1,8 +1,8 @@
 // The retrieval-head probe and razor (RazorAttention) on the multi-head retrieval instrument:
 // the probe finds the planted induction head; heads files round-trip and bad ones are refused;
 // ResolveRetrievalHeads marks the best heads of the whole model; a razor cache keeps every token
-// in the retrieval heads only (pages follow) and answers a deep needle that StreamingLLM at the
-// same window loses.
+// in the retrieval heads only (pages follow), folds what the other heads drop into their
+// compensation tokens, and answers a deep needle that StreamingLLM at the same window loses.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -259,6 +259,8 @@ TEST_F(RazorTest, RetrievalHeadKeepsEveryTokenAndAnswersADeepNeedle) {
           const int32_t n = cache.NumHeadTokens(0, l, h);
           const bool full = l == induction.layer && h == induction.kv_head;
           EXPECT_EQ(n, full ? length : budget) << "layer " << l << " head " << h;
+          // A local head's compensation token stands for every token it dropped.
+          EXPECT_EQ((*runtime)->controller()->Compensation(0, l, h).count, full ? 0 : length - budget);
           layer_pages += static_cast<size_t>((n + cache.page_size() - 1) / cache.page_size());
         }
         EXPECT_EQ(cache.LayerAllocatedBytes(l), layer_pages * cache.page_bytes(l)) << "pages follow, layer " << l;

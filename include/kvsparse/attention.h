@@ -103,6 +103,16 @@ namespace ops {
 // storage and n_q, and q_pos unless a job brings its own (AttentionJob::q_pos).
 void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
                     const AttentionJob* jobs, int32_t n_jobs, int n_threads);
+
+// Adds one token that counts `weight` times (a compensation token standing for `weight`
+// dropped tokens, RazorAttention Eq. 5) to rows already attended, as if the attention had also
+// run over `weight` copies of (k, v): with the row's statistics (m, l) from Attention's
+// row_max_sum and s = the token's score (scale and softcap as shape),
+//   out = (l e^(m - M) out + weight e^(s - M) v) / (l e^(m - M) + weight e^(s - M)),  M = max(m, s).
+// A row that attended to nothing (l = 0) becomes v. q, out: [n_rows, head_dim]; row_max_sum:
+// [n_rows, 2]; k, v: [head_dim]. Scalar, O(n_rows x head_dim): one token per row.
+void MergeWeightedToken(const AttentionShape& shape, const float* q, int32_t n_rows, const float* row_max_sum,
+                        const float* k, const float* v, double weight, float* out);
 }  // namespace ops
 
 namespace ref {

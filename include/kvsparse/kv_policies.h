@@ -23,7 +23,8 @@
 //   cake           SnapKV-like windowed scores (mean + gamma var), layer   (window 32, gamma 200, tau 1/1,
 //                  budgets split by attention entropy x variance          avg pool 5, per KV head, cascading)
 //   razor          retrieval heads (probe-heads' top scores) keep every   (15% of KV heads, 4 sinks,
-//                  token, the other heads sinks + a recent window          per KV head; RazorAttention)
+//                  token, the other heads sinks + a recent window +       per KV head; RazorAttention)
+//                  a compensation token (mean of the dropped K/V)
 // Every selection keeps the token just appended (see selection.h).
 #pragma once
 
@@ -157,6 +158,10 @@ struct KvMethodParams {
   // (false) from the mean attention of each KV head's group.
   bool query_head_scores = true;
   std::string heads_file;
+  // "compensation": razor's local heads summarize what they drop in one token, the mean of the
+  // dropped keys and values, attended with the weight of the tokens it stands for (the paper's
+  // Eq. 4-5); false drops them outright.
+  bool compensation = true;
   double retrieval_heads = -1;  // -1: unset (the two lists)
   double echo_heads = 0.01;
   double induction_heads = 0.14;

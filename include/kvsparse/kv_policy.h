@@ -82,6 +82,15 @@ struct SelectionContext {
   int head_dim = 0;
 };
 
+// A token that stands for `count` dropped ones (RazorAttention's compensation token, Eq. 4):
+// the mean of their keys and values. Attention adds it with weight `count`, as if each dropped
+// token had that key and value (Eq. 5; ops::MergeWeightedToken). count 0: none.
+struct KvCompensation {
+  const float* k = nullptr;  // [head_dim] the dropped keys' mean (as cached: after RoPE)
+  const float* v = nullptr;  // [head_dim] the dropped values' mean
+  int64_t count = 0;
+};
+
 // What a policy that selects spans per decode query (Quest) may look at.
 struct SpanSelectionContext {
   int layer = 0;
@@ -184,6 +193,9 @@ class KvPolicy {
   // the controller reports apart from the incremental work (cumulative's run in OnAppend);
   // resets them.
   virtual std::pair<int64_t, double> TakeRerankWork() { return {0, 0.0}; }
+  // The token that summarizes what this policy's evictions dropped (razor's local heads); none
+  // by default. Valid until the policy's next call.
+  virtual KvCompensation Compensation() const { return {}; }
 
   virtual void OnAppend(int32_t n_new) = 0;
   virtual void Observe(const AttentionObservation& obs) {}

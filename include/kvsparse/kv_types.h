@@ -86,6 +86,8 @@ inline KvStorage SpanStorage(KvStorage layer, const KvSpan& span) {
 // span row). `type` is the span's own storage (SpanStorage); scales apply per element, as in
 // attention. A plain scalar reader for policies that score keys (Quest's bounds, the oracle).
 void LoadSpanKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_heads, int head_dim, float* out);
+// The same for token t's V (razor's compensation token averages dropped values).
+void LoadSpanValueRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_heads, int head_dim, float* out);
 // `count` tokens of `span` from token `offset`, as a span of their own (same pages, shifted
 // pointers; a kInt8Kivi page's channel scales stay shared).
 KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int32_t count, int n_kv_heads,

@@ -188,6 +188,11 @@ class SparseKvController {
   // selection per call and, per query head, the mean of the tokens they read.
   bool SelectSpans(int seq, int layer, int kv_head, const AttentionShape& shape, const float* q,
                    std::vector<KvSpan>* spans, std::vector<KvSpan>* query_head_spans = nullptr);
+  // The compensation token of a per-head layer's kv head (razor's local heads; count 0: none),
+  // which the engine adds to that head's attention (ops::MergeWeightedToken).
+  KvCompensation Compensation(int seq, int layer, int kv_head) const {
+    return policies_[Index(seq, layer, kv_head)]->Compensation();
+  }
   // Whether the layer's per-query-head selection is one per KV head (KvPolicy::SelectsPerKvHead).
   bool SelectsPerKvHead(int seq, int layer) const { return policies_[Index(seq, layer)]->SelectsPerKvHead(); }
   // Whether the (seq, layer) policy narrows decode steps' spans (SelectSpans may pick pages).

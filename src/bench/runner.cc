@@ -294,6 +294,9 @@ std::string BenchConfig::Key(const BenchSpec& spec) const {
                                                ? kKiviPageSize
                                                : kDefaultPageSize,
                                            spec.prefill_chunk);
+  // KIVI rows since issue 28 (f16 scales, V groups of 32, a 128-token window) differ from
+  // earlier ones at the same page size: a new key, so a resumed run does not reuse old rows.
+  if (IsKiviStorage(KvStorageFromName(kv_type).value_or(KvStorage::kF16))) schedule += "/kivi-r128-g32-f16";
   std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|n{}|s{}|{}|v{}|d{}|g{}", spec.model_name, task,
                                 IsQuestionTask(task) ? BenchProtocolName(protocol) : "-", method,
                                 budget.empty() ? "-" : budget, kv_type.empty() ? "-" : kv_type, length, spec.samples,

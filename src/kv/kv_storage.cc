@@ -91,6 +91,40 @@ void LoadSpanKeyRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_head
   }
 }
 
+// Token t of `span`'s V as stored, dequantized to f32: out [n_kv_heads, head_dim].
+void LoadSpanValueRow(KvStorage type, const KvSpan& span, int32_t t, int n_kv_heads, int head_dim, float* out) {
+  const size_t row = static_cast<size_t>(n_kv_heads) * head_dim;
+  const size_t at = static_cast<size_t>(t) * row;  // v: [n, n_kv_heads, head_dim]
+  const int64_t head_rows = static_cast<int64_t>(t) * n_kv_heads;  // first (token, head) row of token t
+  switch (type) {
+    case KvStorage::kF32: std::memcpy(out, static_cast<const float*>(span.v) + at, row * sizeof(float)); return;
+    case KvStorage::kF16:
+      for (size_t i = 0; i < row; ++i) out[i] = F16ToF32(static_cast<const f16_bits*>(span.v)[at + i]);
+      return;
+    case KvStorage::kBf16:
+      for (size_t i = 0; i < row; ++i) out[i] = BF16ToF32(static_cast<const bf16_bits*>(span.v)[at + i]);
+      return;
+    case KvStorage::kInt8:
+    case KvStorage::kInt8Kivi:  // one scale per (token, kv head)
+      ops::DequantizeKvRowsInt8(static_cast<const int8_t*>(span.v) + at, span.v_scale + head_rows, n_kv_heads,
+                                head_dim, out);
+      return;
+    case KvStorage::kFp8E4M3:
+    case KvStorage::kFp8E5M2:
+      ops::DequantizeKvRowsFp8(type, static_cast<const uint8_t*>(span.v) + at, span.v_scale + head_rows, n_kv_heads,
+                               head_dim, out);
+      return;
+    case KvStorage::kInt4Kivi:
+    case KvStorage::kInt2Kivi: {  // min + scale * code per (token, kv head, group)
+      const size_t groups = static_cast<size_t>(head_rows) * span.v_groups;
+      ops::DequantizeKvRowsAsym(KvStorageBits(type), static_cast<const uint8_t*>(span.v) + KvRowBytes(type, at),
+                                span.v_group_scale + groups, span.v_group_min + groups, n_kv_heads, head_dim,
+                                span.v_group, out);
+      return;
+    }
+  }
+}
+
 // `count` tokens of `span` from token `offset`, as a span of their own.
 KvSpan SubSpan(KvStorage layer_storage, const KvSpan& span, int32_t offset, int32_t count, int n_kv_heads,
                int head_dim) {

@@ -26,7 +26,8 @@ uint8_t Code(float x, float min, float scale, int max_code) {
   // Division, as the int8 quantizers: the group's min and max code 0 and max_code (up to the
   // f16 rounding of scale and min).
   const float q = std::nearbyint((x - min) / scale);
-  return static_cast<uint8_t>(std::clamp(q, 0.f, static_cast<float>(max_code)));
+  if (!(q > 0.f)) return 0;  // (NaN too: a non-finite input never reaches the integer cast)
+  return static_cast<uint8_t>(std::min(q, static_cast<float>(max_code)));
 }
 
 constexpr float kMaxF16 = 65504.f;
@@ -37,10 +38,12 @@ struct GroupScale {
   float scale, min;
 };
 GroupScale MakeGroupScale(float lo, float hi, int max_code) {
+  // Values past f16's range are stored at its ends, so min and scale stay finite.
+  lo = std::clamp(lo, -kMaxF16, kMaxF16);
+  hi = std::clamp(hi, -kMaxF16, kMaxF16);
   GroupScale g;
   g.min16 = F32ToF16(lo);
   g.min = F16ToF32(g.min16);
-  // Finite even when the range passes f16's (the codes then clamp at the ends).
   g.scale16 = F32ToF16(std::min((hi - g.min) / static_cast<float>(max_code), kMaxF16));
   g.scale = F16ToF32(g.scale16);
   return g;

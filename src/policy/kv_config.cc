@@ -3,6 +3,7 @@
 #include "kvsparse/kv_config.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -233,6 +234,7 @@ Status ReadParam(const json& v, const Where& where, std::string_view key, KvMeth
   }
   if (key == "decode_evict") return ReadBool(v, where, key, &p->decode_evict);
   if (key == "query_head_scores") return ReadBool(v, where, key, &p->query_head_scores);
+  if (key == "compensation") return ReadBool(v, where, key, &p->compensation);
   if (key == "beta") return ReadNumber(v, where, key, &p->beta);
   if (key == "page_tokens") return ReadInt(v, where, key, &p->page_tokens);
   if (key == "dense_layers") return ReadInt(v, where, key, &p->dense_layers);
@@ -503,6 +505,7 @@ std::string DescribeLayer(const LayerKvConfig& l) {
     if (key == "tau2" && cake_allocation) s += fmt::format(" tau2={:g}", p.tau2);
     if (key == "excess" && cake_allocation) s += fmt::format(" excess={}", CakeExcessName(p.excess));
     if (key == "query_head_scores" && !p.query_head_scores) s += " query_head_scores=false";
+    if (key == "compensation" && !p.compensation) s += " compensation=false";
     if (key == "heads") s += " heads=" + (p.heads_file.empty() ? std::string("probed") : p.heads_file);
     if (key == "retrieval_heads" && p.retrieval_heads >= 0) s += fmt::format(" retrieval_heads={:g}", p.retrieval_heads);
     if (key == "echo_heads" && p.retrieval_heads < 0) s += fmt::format(" echo_heads={:g}", p.echo_heads);
@@ -818,7 +821,8 @@ Status ValidateKvSparsityConfig(const KvSparsityConfig& config) {
   if (config.evict_interval < 1)
     return InvalidArgumentError(fmt::format("kv config: evict_interval must be >= 1; found {}", config.evict_interval));
   if (config.page_size < 0)
-    return InvalidArgumentError(fmt::format("kv config: page_size must be >= 1; found {}", config.page_size));
+    return InvalidArgumentError(
+        fmt::format("kv config: page_size must be >= 1 (or 0: the default); found {}", config.page_size));
   if (const std::string problem = KiviResidualProblem(config); !problem.empty())
     return InvalidArgumentError("kv config: " + problem);
   if (const std::string problem = KiviVGroupProblem(config); !problem.empty())
@@ -865,8 +869,8 @@ int EffectivePageSize(const KvSparsityConfig& config) {
 int EffectiveKiviResidual(const KvSparsityConfig& config) {
   if (config.kivi_residual >= 0) return config.kivi_residual;
   if (!StoresKivi(config)) return 0;
-  const int page = EffectivePageSize(config);
-  return (kKiviResidualTokens + page - 1) / page * page;
+  const int64_t page = EffectivePageSize(config);  // (64-bit: a page near INT32_MAX must not overflow)
+  return static_cast<int>(std::min<int64_t>((kKiviResidualTokens + page - 1) / page * page, INT32_MAX));
 }
 
 int EffectiveKiviVGroup(const KvSparsityConfig& config, int head_dim) {

@@ -36,7 +36,8 @@ constexpr std::string_view kCumulativeKeys[] = {"decay",        "rerank_period",
                                                 "layer_weight", "head_budgets",  "floor"};
 constexpr std::string_view kCakeKeys[] = {"window", "kernel", "pooling", "head_reduce", "decode_evict",
                                           "gamma",  "tau1",   "tau2", "excess", "query_head_scores"};
-constexpr std::string_view kRazorKeys[] = {"n_sink", "heads", "retrieval_heads", "echo_heads", "induction_heads"};
+constexpr std::string_view kRazorKeys[] = {"n_sink",          "heads",           "retrieval_heads",
+                                           "echo_heads",      "induction_heads", "compensation"};
 constexpr std::string_view kKNormKeys[] = {"n_sink",       "recent",        "recent_ratio", "head_reduce", "decode_evict",
                                            "dense_layers", "layer_budgets", "tau1",         "tau2", "excess"};
 

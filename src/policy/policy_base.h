@@ -54,8 +54,13 @@ void LinkCumulativeLayers(std::span<KvPolicy* const> all_policies);
 void LinkReuseLayers(std::span<KvPolicy* const> layer_policies);
 void LinkCakeLayers(std::span<KvPolicy* const> all_policies);  // every policy of the sequence
 
+// StreamingLLM's selection: the first n_sink tokens and the newest ctx.target - n_sink.
+void KeepSinksAndRecent(const SelectionContext& ctx, int32_t n_sink, std::vector<uint8_t>* keep);
+
 std::unique_ptr<KvPolicy> MakeFullPolicy();
 std::unique_ptr<KvPolicy> MakeStreamingLlmPolicy(const KvBudget& budget, const KvMethodParams& params);
+// razor's local (non-retrieval) heads: StreamingLLM's selection plus the compensation token.
+std::unique_ptr<KvPolicy> MakeRazorLocalPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeH2OPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeTovaPolicy(const KvBudget& budget, const KvMethodParams& params);
 std::unique_ptr<KvPolicy> MakeScissorhandsPolicy(const KvBudget& budget, const KvMethodParams& params);

@@ -38,7 +38,8 @@ StatusOr<std::unique_ptr<KvPolicy>> MakeMethodPolicy(const LayerKvConfig& config
       }
       if (kv_head < 0 || kv_head >= 64) return InvalidArgumentError(fmt::format("layer {} (razor): KV head {} outside [0, 64)", layer, kv_head));
       const bool retrieval = ((p.full_heads >> kv_head) & 1u) != 0;
-      return retrieval ? policy::MakeFullPolicy() : policy::MakeStreamingLlmPolicy(b, p);
+      if (retrieval) return policy::MakeFullPolicy();
+      return p.compensation ? policy::MakeRazorLocalPolicy(b, p) : policy::MakeStreamingLlmPolicy(b, p);
     }
   }
   return InternalError(fmt::format("layer {}: unhandled method", layer));

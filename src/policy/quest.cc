@@ -7,7 +7,8 @@
 // minimum and maximum of the page (quest_pages.h), and attention reads only the best pages.
 // Prompt processing stays dense, as in the paper.
 // Defaults (the reference's):
-// - pages of 16 tokens: "page_tokens" 0 = the cache's page size, 16 by default;
+// - pages of 16 tokens: "page_tokens" 0 = the cache's page size, 16 by default (32 when a layer
+//   stores a KIVI type: set "page_tokens" 16 there for the paper's pages);
 // - selection per query head ("head_reduce" "none"): each query head bounds the pages of its
 //   kv head with its own query and attends only the pages it picked (the reference repeats the
 //   kv heads over the query heads and takes a top-k per query head). "max" / "mean" fold the

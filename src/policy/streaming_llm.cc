@@ -25,12 +25,7 @@ class StreamingLlmPolicy final : public BudgetedPolicy {
 
   void SelectKeep(const SelectionContext& ctx, std::vector<uint8_t>* keep) override {
     CheckSelection(ctx, n_live_);
-    // The newest token always stays (the next step attends to it); a target below n_sink + 1
-    // keeps fewer sinks, never later tokens in their place.
-    const int32_t sinks = std::clamp(params_.n_sink, 0, std::max(ctx.target - 1, 0));
-    keep->assign(ctx.n_live, 0);
-    for (int32_t t = 0; t < sinks; ++t) (*keep)[t] = 1;
-    for (int32_t t = ctx.n_live - (ctx.target - sinks); t < ctx.n_live; ++t) (*keep)[t] = 1;
+    KeepSinksAndRecent(ctx, params_.n_sink, keep);
   }
 
   void OnEvict(const std::vector<uint8_t>& keep) override {
@@ -45,6 +40,15 @@ class StreamingLlmPolicy final : public BudgetedPolicy {
 };
 
 }  // namespace
+
+void KeepSinksAndRecent(const SelectionContext& ctx, int32_t n_sink, std::vector<uint8_t>* keep) {
+  // The newest token always stays (the next step attends to it); a target below n_sink + 1
+  // keeps fewer sinks, never later tokens in their place.
+  const int32_t sinks = std::clamp(n_sink, 0, std::max(ctx.target - 1, 0));
+  keep->assign(ctx.n_live, 0);
+  for (int32_t t = 0; t < sinks; ++t) (*keep)[t] = 1;
+  for (int32_t t = ctx.n_live - (ctx.target - sinks); t < ctx.n_live; ++t) (*keep)[t] = 1;
+}
 
 std::unique_ptr<KvPolicy> MakeStreamingLlmPolicy(const KvBudget& budget, const KvMethodParams& params) {
   return std::make_unique<StreamingLlmPolicy>(budget, params);

@@ -84,7 +84,8 @@ struct Engine::Scratch {
   std::vector<float> gate;         // [rows, hidden]
   std::vector<float> up;           // [rows, hidden]
   std::vector<int32_t> positions;  // [rows]
-  std::vector<float> row_max_sum;  // [rows, n_heads, 2] softmax statistics (only for observing policies)
+  std::vector<float> row_max_sum;  // [rows, n_heads, 2] softmax statistics (observing policies, compensation)
+  std::vector<KvCompensation> compensations;  // [n_kv_heads] a per-head layer's compensation tokens
   // Decode steps with an observing policy: the attention call's raw scores, which the policy's
   // scores are gathered from instead of a second pass over K. [n_heads, n_live] (per-head
   // layers: each kv head's [group, n_live of that head], one after another).
@@ -764,7 +765,18 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
     }
     // Decode: kv head h's rows are at h * group_values of the one token's row; a chunk's at h * n * group_values.
     const size_t head_stride = static_cast<size_t>(n) * group_values;
-    if (scores) s.row_max_sum.resize(static_cast<size_t>(n_kv) * n * group * 2);  // [n_kv, n, group, 2]
+    // razor's local heads add their compensation token to the attention (ops::MergeWeightedToken),
+    // which needs the rows' softmax statistics. A windowed layer has none (its trim is not compensated).
+    bool compensate = false;
+    if (controller_ != nullptr && shape.window == 0) {
+      s.compensations.resize(static_cast<size_t>(n_kv));
+      for (int h = 0; h < n_kv; ++h) {
+        s.compensations[h] = controller_->Compensation(e.seq, layer, h);
+        compensate |= s.compensations[h].count > 0;
+      }
+    }
+    const bool with_stats = scores || compensate;
+    if (with_stats) s.row_max_sum.resize(static_cast<size_t>(n_kv) * n * group * 2);  // [n_kv, n, group, 2]
     if (scores && decode) {
       // Raw scores [group, n_live of head h] for each head, one after another.
       s.raw_offset.resize(static_cast<size_t>(n_kv) + 1);
@@ -782,7 +794,7 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
       AttentionJob& job = s.jobs[h];
       job = AttentionJob{spans.data(), static_cast<int32_t>(spans.size()), 0, q_all + h * head_stride,
                          att_all + h * head_stride};
-      if (scores) job.row_max_sum = s.row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
+      if (with_stats) job.row_max_sum = s.row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
       if (scores && decode) job.raw_scores = s.raw_scores.data() + s.raw_offset[h];
     }
     const Clock::time_point start = Clock::now();
@@ -794,6 +806,15 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
       // Decode: the heads' raw scores are gathered in one parallel region; chunks take the
       // parallel QK pass head after head.
       controller_->ObserveHeadsAttention(e.seq, layer, head_shape, s.jobs.data(), n_kv, q_pos, n, n_threads_);
+    }
+    // After the observation: the policies score the cached tokens only. The dropped tokens all
+    // precede this call's queries, so every row sees the compensation token.
+    for (int h = 0; compensate && h < n_kv; ++h) {
+      const KvCompensation& c = s.compensations[h];
+      if (c.count == 0) continue;
+      ops::MergeWeightedToken(head_shape, q_all + h * head_stride, n * group,
+                              s.row_max_sum.data() + static_cast<size_t>(h) * n * group * 2, c.k, c.v,
+                              static_cast<double>(c.count), att_all + h * head_stride);
     }
     if (!decode) UngroupRows(s.att_head.data(), n, n_kv, group_values, att_rows);
   }
