@@ -438,6 +438,26 @@ TEST(KiviLowBitCodec, VGroupsOf32ReconstructSmallChannels) {
   }
 }
 
+// Values beyond f16's range (a hostile or broken model) are stored at its ends: the scales,
+// mins and decoded values stay finite, never inf or NaN.
+TEST(KiviLowBitCodec, ValuesPastF16RangeStayFinite) {
+  const std::vector<float> x = {-1e5f, 3.f, 7e4f, 1e5f, -2.f, 0.f, 1.f, 2e9f,
+                                -3e38f, 0.5f, 65504.f, -65504.f, 9.f, -9.f, 1e6f, 4.f};  // 2 rows of 8
+  for (int bits : {4, 2}) {
+    std::vector<uint8_t> packed(16 * bits / 8);
+    std::vector<float> back(16);
+    std::vector<f16_bits> scales(2), mins(2);
+    ops::QuantizeKvRowsAsym(bits, x.data(), 2, 8, 8, packed.data(), scales.data(), mins.data());
+    ops::DequantizeKvRowsAsym(bits, packed.data(), scales.data(), mins.data(), 2, 8, 8, back.data());
+    for (float b : back) EXPECT_TRUE(std::isfinite(b)) << bits << " bits, rows";
+    std::vector<f16_bits> col_scales(8), col_mins(8);
+    ops::QuantizeKvColumnsAsym(bits, x.data(), 2, 8, packed.data(), col_scales.data(), col_mins.data());
+    ops::DequantizeKvColumnsAsym(bits, packed.data(), col_scales.data(), col_mins.data(), 2, 8, back.data());
+    for (float b : back) EXPECT_TRUE(std::isfinite(b)) << bits << " bits, columns";
+    EXPECT_NEAR(back[1], 3.f, 1e-3f);  // column 1 holds 3 and 0.5: its own small range
+  }
+}
+
 // Packing puts value i at bit (i * bits) % 8 of byte i * bits / 8 (low bits first).
 TEST(KiviLowBitCodec, PackingIsLowBitsFirst) {
   const std::vector<float> x = {0.f, 1.f, 2.f, 3.f, 3.f, 2.f, 1.f, 0.f};  // codes = values with 2 bits
