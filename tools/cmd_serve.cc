@@ -165,6 +165,13 @@ int Run(const ServeArgs& a) {
     scheduler.Stop();
     return Fail(started);
   }
+  for (const LayerKvConfig& layer : config.layers) {
+    if (!layer.prefill.two_pass) continue;
+    // The scheduler's steps mix sequences chunk by chunk: there is no whole prompt to run twice.
+    std::fprintf(stderr, "kvsparse serve: note: two-pass Vertical-Slash (two_pass=1) applies to generate and bench; "
+                         "the server estimates each prompt chunk on its own (two_pass=0)\n");
+    break;
+  }
   std::fprintf(stderr, "kvsparse serve: context %d tokens per request, chat template %s%s%s\n", n_ctx,
                std::string(server::ChatTemplateName(chat_template)).c_str(), template_note.c_str(),
                a.api_key.empty() ? "" : ", API key required");

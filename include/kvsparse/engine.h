@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "kvsparse/kv_cache.h"
 #include "kvsparse/kv_policy.h"
@@ -18,6 +19,8 @@ namespace kvsparse {
 class SparseKvController;
 struct AttentionShape;
 struct PrefillSparsity;
+struct PrefillSelection;
+struct VerticalSlashPattern;
 
 // One sequence's rows in a batch. The phase says what the sparsity policies may do after it
 // (kv_policy.h): kPrefillChunk, a prompt chunk more chunks follow (trim to budget unless the
@@ -62,10 +65,18 @@ class Engine {
   Status ForwardBatch(std::span<const BatchSequence> batch);
 
   // One sequence: n tokens at positions pos0 .. pos0+n-1. n > 1 is a prompt, run in chunks of
-  // the controller's prefill_chunk (at most 512); n == 1 is a decode step.
+  // the controller's prefill_chunk (at most 512); n == 1 is a decode step. A prompt of more than
+  // one chunk on a layer with two-pass Vertical-Slash (sparse_prefill.h, `two_pass`) runs twice:
+  // first on a fork of seq (released after it) to estimate each such layer's pattern from the
+  // prompt's tail, then on seq with that pattern.
   // logits: [n, n_vocab] when all_logits, else [n_vocab] for the last token.
   // Positions past the training context are allowed: the caller bounds the context.
   Status Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, float* logits, bool all_logits = false);
+
+  // The Vertical-Slash patterns the last two-pass prompt's second pass used for a layer
+  // ([n_kv_heads * selections per kv head]; columns as token positions, diagonals as offsets),
+  // empty when it had none. For analysis and tests.
+  const std::vector<VerticalSlashPattern>& PromptPatterns(int layer) const;
 
   const Model& model() const { return model_; }
   KvCache* cache() const { return cache_; }
@@ -75,7 +86,29 @@ class Engine {
  private:
   struct Scratch;
   struct Entry;  // a validated BatchSequence and where its rows sit in the scratch
+  struct PromptEstimate;  // two-pass Vertical-Slash: pass 1's tail queries, pass 2's patterns
   Status Validate(std::span<const BatchSequence> batch);
+  // Forward's chunk loop (logits null: none wanted).
+  Status ForwardChunks(int seq, const int32_t* tokens, int32_t n, int32_t pos0, int32_t max_chunk, float* logits,
+                       bool all_logits);
+  // ---- two-pass Vertical-Slash (engine_prompt_estimate.cc) ----
+  // Whether a prompt of n tokens on seq runs in two passes (more than one chunk, and a layer
+  // with two_pass whose chunks reach its min_context).
+  bool WantsPromptEstimate(int seq, int32_t n, int32_t max_chunk) const;
+  // Pass 1: the prompt on a fork of seq, which leaves each two-pass layer's pattern for seq.
+  Status EstimatePrompt(int seq, const int32_t* tokens, int32_t n, int32_t pos0, int32_t max_chunk);
+  // Pass 1, in Attend: keeps the tail's query rows and, at the layer's last chunk, estimates.
+  void CapturePromptTail(const Entry& e, int layer, const AttentionShape& shape, const PrefillSparsity& prefill);
+  // Pass 2, in SparsePrefillAttention: whether (seq, layer) has a pattern from pass 1.
+  bool HasPromptPattern(int seq, int layer) const;
+  // Pass 2: selection `selection` of kv head h (table `table`) from its pattern, the columns
+  // mapped to the chunk's keys. visible: [n_q].
+  void AssembleFromPromptPattern(int layer, const PrefillSparsity& prefill, int table, int selection,
+                                 const int64_t* visible, int32_t n_q, PrefillSelection* out);
+  // The f32 keys of seq's layer, rows rounded up to round_to (0: no keys, only the rest), each
+  // query's visible count (s.prefill_keys, s.visible, one table per kv head in a per-head layer)
+  // and the spans they came from (s.spans / s.head_spans).
+  void LoadPrefillKeys(int seq, int layer, const int32_t* q_pos, int32_t n_q, int round_to);
   // The attention of one sequence's rows in one layer, after its K/V were stored.
   Status Attend(const Entry& e, int layer, const AttentionShape& shape);
   // With a SparseKvController attached, on a layer shared by all kv heads.
@@ -97,6 +130,7 @@ class Engine {
   int n_threads_;
   SparseKvController* controller_;
   std::unique_ptr<Scratch> scratch_;
+  std::unique_ptr<PromptEstimate> prompt_estimate_;  // null until a two-pass prompt
 };
 
 }  // namespace kvsparse

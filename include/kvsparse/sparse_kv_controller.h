@@ -142,6 +142,9 @@ class SparseKvController {
     st.prefill_causal_pairs += work.causal_pairs;
   }
 
+  // The engine's record of a two-pass layer's estimate from the prompt's tail (sparse_prefill.h).
+  void RecordPromptEstimate(int layer, double estimate_s) { stats_[static_cast<size_t>(layer)].prefill_estimate_s += estimate_s; }
+
   // The engine's record of a densely attended prompt chunk's attention time.
   void RecordPrefillAttention(int layer, double attention_s) {
     stats_[static_cast<size_t>(layer)].prefill_attention_s += attention_s;

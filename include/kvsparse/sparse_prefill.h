@@ -13,6 +13,14 @@
 //   first among them (scored +inf, inside the counts, as in the reference). Each query
 //   block attends to its columns one by one and to each diagonal as a `block`-wide (64) band
 //   that follows the diagonal through the block, as MInference's kernel does.
+//   MInference estimates once per prompt, from its last 64 queries (the question, when it comes
+//   last); chunked at 512 tokens, kvsparse estimates per chunk from the chunk's own last queries
+//   by default, so early chunks never see the question. `two_pass` 1 is the reference's order:
+//   Engine::Forward runs the prompt once with per-chunk estimates on a fork of the sequence
+//   (copy-on-write pages, cloned policies), estimates each layer's columns and diagonals from
+//   that pass's last `last_q` queries against every key the layer holds at its last chunk, drops
+//   the fork and prefills the prompt again with those columns and diagonals for every chunk. It
+//   costs a second prefill; a prompt of one chunk runs once (its estimate already is the tail's).
 // - block_sparse: MInference's block-sparse pattern. Queries and keys are mean-pooled over
 //   blocks of `block` (64); the pooled products (no scaling, no softmax) rank the causal key
 //   blocks of each query block; the top `top_blocks` (100)
@@ -65,6 +73,7 @@ struct PrefillSparsity {
   int slash = 6096;
   int sink_columns = 30;
   int local_diagonals = 100;
+  int two_pass = 0;  // 1: one estimate per prompt from its tail (Engine::Forward's two passes)
   // block_sparse
   int top_blocks = 100;
   // xattention
@@ -98,6 +107,14 @@ StatusOr<PrefillSparsity> ParsePrefillSparsity(std::string_view text, std::strin
 // "xattention block=128 stride=8 threshold=0.9" (only the method's own parameters).
 std::string PrefillSparsitySummary(const PrefillSparsity& p);
 
+// What a Vertical-Slash estimate keeps for one selection: key columns (token indices of the keys
+// estimated against, ascending) and diagonals (offsets from a query's newest visible key,
+// ascending), the forced sink columns and local diagonals among them.
+struct VerticalSlashPattern {
+  std::vector<int64_t> columns;
+  std::vector<int64_t> diagonals;
+};
+
 // One kv head's selection, owning the ranges a KeySelection points at.
 struct PrefillSelection {
   int query_block = 0;
@@ -125,6 +142,15 @@ class PrefillSelector {
   // group's at out[0]).
   void Select(const PrefillSparsity& config, const AttentionShape& head_shape, const float* q, const int64_t* visible,
               int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
+  // Vertical-Slash's two halves (Select runs both): the estimate from the last `last_q` of the
+  // n_q queries (arguments as Select's; out: [PrefillSelectionsPerKvHead] patterns), and one
+  // selection's assembly for n_q queries from a pattern, whose columns index the keys these
+  // queries see (columns past a query block's visible keys are skipped).
+  void EstimateVerticalSlash(const PrefillSparsity& c, const AttentionShape& head_shape, const float* q,
+                             const int64_t* visible, int32_t n_q, const float* keys, int64_t n_tokens, int n_threads,
+                             VerticalSlashPattern* out);
+  static void AssembleVerticalSlash(const PrefillSparsity& c, const int64_t* visible, int32_t n_q,
+                                    const VerticalSlashPattern& pattern, PrefillSelection* out);
 
  private:
   void VerticalSlash(const PrefillSparsity& c, const AttentionShape& s, const float* q, const int64_t* visible,
@@ -133,10 +159,12 @@ class PrefillSelector {
                    int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
   void XAttention(const PrefillSparsity& c, const AttentionShape& s, const float* q, const int64_t* visible,
                   int32_t n_q, const float* keys, int64_t n_tokens, int n_threads, PrefillSelection* out);
-  void AssemblePattern(const PrefillSparsity& c, const int64_t* visible, int32_t n_q, int64_t horizon,
-                       float* vertical_sums, float* slash_sums, PrefillSelection* out);
+  // A pattern from column and diagonal sums ([horizon] each, overwritten).
+  void TopPattern(const PrefillSparsity& c, int64_t horizon, float* vertical_sums, float* slash_sums,
+                  VerticalSlashPattern* out);
   std::vector<float> a_, b_, c_, d_, e_;  // scratch
-  std::vector<int64_t> index_, columns_;
+  std::vector<int64_t> index_;
+  std::vector<VerticalSlashPattern> patterns_;  // Select's Vertical-Slash estimate
   ops::Int8Keys int8_keys_;  // estimate_bits 8: the keys packed once per estimate
 };
 

@@ -32,8 +32,19 @@ std::vector<int32_t> BenchTokens(int n, int n_vocab, uint32_t seed) {
   return t;
 }
 
-// Runs `tokens` through the engine in chunks starting at pos0.
+// Whether a layer estimates its sparse prefill from the whole prompt (two-pass Vertical-Slash),
+// which needs the prompt in one Forward call.
+bool EstimatesFromThePrompt(const SparseKvController* controller, int n_layers) {
+  for (int layer = 0; controller != nullptr && layer < n_layers; ++layer) {
+    if (controller->prefill_sparsity(0, layer).two_pass) return true;
+  }
+  return false;
+}
+
+// Runs `tokens` through the engine in chunks starting at pos0 (chunk 0: in one Forward call,
+// which chunks it at the controller's prefill_chunk).
 Status Prefill(Engine& engine, const std::vector<int32_t>& tokens, int32_t pos0, int chunk, std::vector<float>& logits) {
+  if (chunk == 0) chunk = static_cast<int>(std::max<size_t>(tokens.size(), 1));
   for (size_t i = 0; i < tokens.size(); i += chunk) {
     const int32_t n = static_cast<int32_t>(std::min<size_t>(chunk, tokens.size() - i));
     KVS_RETURN_IF_ERROR(engine.Forward(0, tokens.data() + i, n, pos0 + static_cast<int32_t>(i), logits.data()));
@@ -271,6 +282,8 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
     }
   };
 
+  // A two-pass prompt goes to Forward whole: per-call chunks would each be a prompt of their own.
+  const int prompt_chunk = EstimatesFromThePrompt(controller, c.n_layers) ? 0 : config.prefill_chunk;
   for (int depth : config.depths) {
     const std::vector<int32_t> fill = config.synthetic_fill ? std::vector<int32_t>() : BenchTokens(depth, c.n_vocab, 7);
     auto reset_to_depth = [&]() -> Status {
@@ -303,7 +316,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       for (int rep = config.warmup ? 0 : 1; rep <= config.repetitions; ++rep) {  // rep 0 warms up
         KVS_RETURN_IF_ERROR(reset_to_depth());
         const auto t0 = start_timing();
-        KVS_RETURN_IF_ERROR(Prefill(engine, prompt, depth, config.prefill_chunk, logits));
+        KVS_RETURN_IF_ERROR(Prefill(engine, prompt, depth, prompt_chunk, logits));
         const double s = Seconds(t0, Clock::now());
         if (rep > 0) {
           r.samples_tokens_per_s.push_back(n / s);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -297,6 +298,81 @@ TEST_F(RetrievalModelTest, SparsePrefillFindsADeepNeedle) {
   Report("deep needle, xattention prefill, length 2048", xattention);
   EXPECT_GE(dense, 0.95);
   EXPECT_GE(vertical_slash, dense);
+}
+
+// MInference estimates once per prompt from its last queries: the question. Two-pass
+// Vertical-Slash keeps the column the question reads (the needle's value, in the induction
+// layer) in the pattern every chunk of the second pass assembles from; a per-chunk estimate
+// of a chunk before the question ranks only what that chunk's own fillers read. The fork of
+// pass 1 is released, and the answer is right.
+TEST_F(RetrievalModelTest, TwoPassVerticalSlashKeepsTheQuestionsColumnInEveryChunk) {
+  std::mt19937 rng(41);
+  const Task task = NeedleTask(vocab_, 2048, 16, 400, rng);
+  const int32_t key_position = static_cast<int32_t>(
+      std::find(task.prompt.begin(), task.prompt.end(), task.prompt.back()) - task.prompt.begin());
+  auto config = KvSparsityConfigFromFlags("full", "", "f32", model().config().n_layers);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  auto sparsity = ParsePrefillSparsity("vertical_slash:vertical=30:slash=50:sink_columns=4:local_diagonals=8:two_pass=1",
+                                       "prefill");
+  ASSERT_TRUE(sparsity.ok()) << sparsity.status().ToString();
+  for (LayerKvConfig& layer : config->layers) layer.prefill = *sparsity;
+  auto setup = CreateSparseKv(Geometry(model()), *config, 1, 2048 + 1);
+  ASSERT_TRUE(setup.ok()) << setup.status().ToString();
+  Engine engine(model(), setup->cache.get(), kThreads, setup->controller.get());
+  EXPECT_TRUE(Solve(engine, task));
+  EXPECT_EQ(setup->controller->n_active_sequences(), 1);  // pass 1's fork is gone
+  const int induction_layer = model().config().n_layers - 1;
+  const std::vector<VerticalSlashPattern>& patterns = engine.PromptPatterns(induction_layer);
+  ASSERT_EQ(patterns.size(), 1u);  // one head
+  const std::vector<int64_t>& columns = patterns[0].columns;
+  EXPECT_EQ(columns.size(), 30u);
+  EXPECT_TRUE(std::find(columns.begin(), columns.end(), key_position + 1) != columns.end())
+      << "the value at position " << key_position + 1 << " is not among the estimated columns";
+  EXPECT_EQ(patterns[0].diagonals.size(), 50u);
+  // The chunks past the first (1024 tokens of context, min_context) attended sparsely, in each pass.
+  EXPECT_EQ(setup->controller->layer_stats()[induction_layer].sparse_prefill_chunks, 2 * (2048 / 512 - 1));
+
+  // The column is the question's: the same prompt ending in filler (queries like those of every
+  // chunk before the question) leaves it out.
+  std::vector<int32_t> no_question = task.prompt;
+  no_question.back() = vocab_.filler[0];
+  auto fresh = CreateSparseKv(Geometry(model()), *config, 1, 2048);
+  ASSERT_TRUE(fresh.ok());
+  Engine filler_engine(model(), fresh->cache.get(), kThreads, fresh->controller.get());
+  std::vector<float> logits(static_cast<size_t>(model().config().n_vocab));
+  ASSERT_TRUE(filler_engine.Forward(0, no_question.data(), 2048, 0, logits.data()).ok());
+  const std::vector<int64_t>& filler_columns = filler_engine.PromptPatterns(induction_layer).at(0).columns;
+  EXPECT_TRUE(std::find(filler_columns.begin(), filler_columns.end(), key_position + 1) == filler_columns.end());
+}
+
+// With a pattern that covers every key, both passes compute dense attention: a two-pass prompt
+// after a prefix (on the fork's shared pages) gives dense logits and leaves the sequence's
+// tokens as a one-pass prefill does.
+TEST_F(RetrievalModelTest, TwoPassVerticalSlashAfterAPrefixMatchesDense) {
+  std::mt19937 rng(43);
+  const std::vector<int32_t> tokens = Haystack(vocab_, 1800, rng);
+  const int n_vocab = model().config().n_vocab;
+  auto last_logits = [&](const std::string& prefill) {
+    auto config = KvSparsityConfigFromFlags("full", "", "f32", model().config().n_layers);
+    EXPECT_TRUE(config.ok());
+    if (!prefill.empty()) {
+      for (LayerKvConfig& layer : config->layers) layer.prefill = *ParsePrefillSparsity(prefill, "prefill");
+    }
+    auto setup = CreateSparseKv(Geometry(model()), *config, 1, 1800);
+    EXPECT_TRUE(setup.ok());
+    Engine engine(model(), setup->cache.get(), kThreads, setup->controller.get());
+    std::vector<float> logits(static_cast<size_t>(n_vocab));
+    EXPECT_TRUE(engine.Forward(0, tokens.data(), 300, 0, logits.data()).ok());
+    EXPECT_TRUE(engine.Forward(0, tokens.data() + 300, 1500, 300, logits.data()).ok());
+    for (int layer = 0; layer < model().config().n_layers; ++layer) {
+      EXPECT_EQ(setup->cache->NumTokens(0, layer), 1800) << prefill;
+    }
+    EXPECT_EQ(setup->controller->n_active_sequences(), 1);
+    return logits;
+  };
+  const std::vector<float> dense = last_logits("");
+  const std::vector<float> two_pass = last_logits("vertical_slash:vertical=4096:slash=4096:min_context=1:two_pass=1");
+  for (int i = 0; i < n_vocab; ++i) EXPECT_NEAR(two_pass[i], dense[i], 1e-4f * (1.f + std::fabs(dense[i]))) << i;
 }
 
 // One prompt chunk with the question last and a three-token answer: the first token comes from

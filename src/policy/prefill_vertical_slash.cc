@@ -38,6 +38,15 @@ void TopIndices(const float* score, int64_t n, int64_t count, std::vector<int64_
 void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionShape& s, const float* q,
                                     const int64_t* visible, int32_t n_q, const float* keys, int64_t n_tokens,
                                     int n_threads, PrefillSelection* out) {
+  const int n_out = PrefillSelectionsPerKvHead(c, s.n_heads);
+  patterns_.resize(static_cast<size_t>(n_out));
+  EstimateVerticalSlash(c, s, q, visible, n_q, keys, n_tokens, n_threads, patterns_.data());
+  for (int o = 0; o < n_out; ++o) AssembleVerticalSlash(c, visible, n_q, patterns_[o], &out[o]);
+}
+
+void PrefillSelector::EstimateVerticalSlash(const PrefillSparsity& c, const AttentionShape& s, const float* q,
+                                            const int64_t* visible, int32_t n_q, const float* keys, int64_t n_tokens,
+                                            int n_threads, VerticalSlashPattern* out) {
   using namespace prefill_detail;  // NOLINT
   const int group = s.n_heads, d = s.head_dim;
   const int n_out = PrefillSelectionsPerKvHead(c, group);  // 1: the group's mean; group: each head its own
@@ -90,24 +99,26 @@ void PrefillSelector::VerticalSlash(const PrefillSparsity& c, const AttentionSha
     }
   }
   for (int o = 0; o < n_out; ++o) {
-    AssemblePattern(c, visible, n_q, horizon, vertical.data() + static_cast<size_t>(o) * horizon,
-                    slash.data() + static_cast<size_t>(o) * horizon, &out[o]);
+    TopPattern(c, horizon, vertical.data() + static_cast<size_t>(o) * horizon,
+               slash.data() + static_cast<size_t>(o) * horizon, &out[o]);
   }
 }
 
-// One selection from its column and diagonal sums (vertical, slash: [horizon], overwritten).
-void PrefillSelector::AssemblePattern(const PrefillSparsity& c, const int64_t* visible, int32_t n_q, int64_t horizon,
-                                      float* vertical_sums, float* slash_sums, PrefillSelection* out) {
-  using namespace prefill_detail;  // NOLINT
+void PrefillSelector::TopPattern(const PrefillSparsity& c, int64_t horizon, float* vertical_sums, float* slash_sums,
+                                 VerticalSlashPattern* out) {
   const float kKeep = std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < std::min<int64_t>(c.sink_columns, horizon); ++t) vertical_sums[t] = kKeep;
   for (int64_t o = 0; o < std::min<int64_t>(c.local_diagonals, horizon); ++o) slash_sums[o] = kKeep;
-  std::vector<int64_t>& columns = columns_;
-  std::vector<int64_t>& diagonals = index_;
   // The forced ones (scored +inf) count within the counts, as in the reference.
-  TopIndices(vertical_sums, horizon, std::max<int64_t>(c.vertical, kLeastVertical), &columns);
-  TopIndices(slash_sums, horizon, std::max<int64_t>(c.slash, kLeastSlash), &diagonals);
+  TopIndices(vertical_sums, horizon, std::max<int64_t>(c.vertical, kLeastVertical), &out->columns);
+  TopIndices(slash_sums, horizon, std::max<int64_t>(c.slash, kLeastSlash), &out->diagonals);
+}
 
+void PrefillSelector::AssembleVerticalSlash(const PrefillSparsity& c, const int64_t* visible, int32_t n_q,
+                                            const VerticalSlashPattern& pattern, PrefillSelection* out) {
+  using namespace prefill_detail;  // NOLINT
+  const std::vector<int64_t>& columns = pattern.columns;
+  const std::vector<int64_t>& diagonals = pattern.diagonals;
   RangeAssembler ranges(c.block, out);
   for (int32_t b0 = 0; b0 < n_q; b0 += c.block) {
     const int32_t b1 = std::min<int32_t>(n_q, b0 + c.block) - 1;  // the block's last query

@@ -51,7 +51,7 @@ std::vector<std::string_view> PrefillParamKeys(PrefillMethod method) {
     case PrefillMethod::kDense:
       return {};
     case PrefillMethod::kVerticalSlash:
-      keys.insert(keys.end(), {"last_q", "vertical", "slash", "sink_columns", "local_diagonals"});
+      keys.insert(keys.end(), {"last_q", "vertical", "slash", "sink_columns", "local_diagonals", "two_pass"});
       break;
     case PrefillMethod::kBlockSparse:
       keys.push_back("top_blocks");
@@ -99,6 +99,7 @@ Status SetPrefillParam(std::string_view key, double value, PrefillSparsity* p) {
   if (key == "stride") p->stride = v;
   if (key == "estimate_bits") p->estimate_bits = v;
   if (key == "group_shared") p->group_shared = v;
+  if (key == "two_pass") p->two_pass = v;
   return Status::Ok();
 }
 
@@ -126,6 +127,11 @@ Status ValidatePrefillSparsity(const PrefillSparsity& p) {
   if (p.group_shared != 0 && p.group_shared != 1) {
     return bad("group_shared", fmt::format("must be 0 (a selection per query head) or 1 (per kv head); found {}",
                                            p.group_shared));
+  }
+  if (p.two_pass != 0 && p.two_pass != 1) {
+    return bad("two_pass", fmt::format("must be 0 (an estimate per chunk) or 1 (one per prompt, from its tail, "
+                                       "in two passes); found {}",
+                                       p.two_pass));
   }
   if (!(p.threshold > 0 && p.threshold <= 1))
     return bad("threshold", fmt::format("must be in (0, 1]; found {}", p.threshold));
@@ -175,6 +181,7 @@ std::string PrefillSparsitySummary(const PrefillSparsity& p) {
       break;
     case PrefillMethod::kVerticalSlash:
       s += fmt::format(" block={} last_q={} vertical={} slash={}", p.block, p.last_q, p.vertical, p.slash);
+      if (p.two_pass) s += " two_pass";
       break;
     case PrefillMethod::kBlockSparse:
       s += fmt::format(" block={} top_blocks={}", p.block, p.top_blocks);

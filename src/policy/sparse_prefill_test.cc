@@ -351,8 +351,11 @@ TEST(SparsePrefill, ParsesAndValidatesSpecs) {
   EXPECT_EQ(ParsePrefillSparsity("block_sparse:group_shared=1", "--sparse-prefill")->group_shared, 1);
   EXPECT_EQ(PrefillSparsitySummary(*ParsePrefillSparsity("block_sparse:group_shared=1", "--sparse-prefill")),
             "block_sparse block=64 top_blocks=100 estimate_bits=32 group_shared");
+  EXPECT_EQ(ParsePrefillSparsity("vertical_slash", "--sparse-prefill")->two_pass, 0);
+  EXPECT_EQ(PrefillSparsitySummary(*ParsePrefillSparsity("vertical_slash:two_pass=1", "--sparse-prefill")),
+            "vertical_slash block=64 last_q=64 vertical=1000 slash=6096 two_pass estimate_bits=8");
   for (const char* bad :
-       {"xattn", "xattention:threshold=2", "xattention:stride=7", "block_sparse:vertical=3", "vertical_slash:slash=-1",
+       {"xattn", "vertical_slash:two_pass=2", "block_sparse:two_pass=1", "xattention:threshold=2", "xattention:stride=7", "block_sparse:vertical=3", "vertical_slash:slash=-1",
         "vertical_slash:estimate_bits=16", "xattention:group_shared=2",
         "vertical_slash:slash", "block_sparse:top_blocks=1.5", "block_sparse:block=0", "vertical_slash:last_q=x"}) {
     StatusOr<PrefillSparsity> parsed = ParsePrefillSparsity(bad, "--sparse-prefill");

@@ -13,46 +13,11 @@
 #include "kvsparse/attention.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/sparse_prefill.h"
+#include "runtime/engine_internal.h"
 
 namespace kvsparse {
 
-namespace {
-// Long prompts run in chunks of this many tokens, which bounds the scratch memory
-// (the FFN buffers are [chunk, hidden]); chunking is exact because attention is causal.
-constexpr int32_t kMaxChunkTokens = 512;
-// Per-row elementwise work is spread over threads only when there are enough rows to pay for it.
-constexpr int32_t kParallelRowThreshold = 16;
-
-// rows [n, n_kv_heads, width] (a chunk's query rows: each kv head's group of query heads) ->
-// out [n_kv_heads, n, width], so that each kv head's rows are one job's contiguous input.
-void GroupRowsByKvHead(const float* rows, int32_t n, int n_kv_heads, size_t width, std::vector<float>* out) {
-  out->resize(static_cast<size_t>(n_kv_heads) * n * width);
-  for (int h = 0; h < n_kv_heads; ++h) {
-    for (int32_t i = 0; i < n; ++i) {
-      std::copy_n(rows + (static_cast<size_t>(i) * n_kv_heads + h) * width, width,
-                  out->data() + (static_cast<size_t>(h) * n + i) * width);
-    }
-  }
-}
-
-// The inverse: grouped [n_kv_heads, n, width] -> rows [n, n_kv_heads, width].
-void UngroupRows(const float* grouped, int32_t n, int n_kv_heads, size_t width, float* rows) {
-  for (int h = 0; h < n_kv_heads; ++h) {
-    for (int32_t i = 0; i < n; ++i) {
-      std::copy_n(grouped + (static_cast<size_t>(h) * n + i) * width, width,
-                  rows + (static_cast<size_t>(i) * n_kv_heads + h) * width);
-    }
-  }
-}
-
-// The same attention with other head counts (the per-head and per-query-head calls).
-AttentionShape WithHeads(const AttentionShape& shape, int n_heads, int n_kv_heads) {
-  AttentionShape s = shape;
-  s.n_heads = n_heads;
-  s.n_kv_heads = n_kv_heads;
-  return s;
-}
-}  // namespace
+using namespace engine_detail;  // NOLINT
 
 AttentionShape LayerAttentionShape(const ModelConfig& c, int layer) {
   AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, c.AttentionLogitScale(layer)};
@@ -61,91 +26,6 @@ AttentionShape LayerAttentionShape(const ModelConfig& c, int layer) {
   shape.integer_dots = true;  // int8 KV: integer q.k and p.v where the kernel family has them
   return shape;
 }
-
-struct Engine::Entry {
-  int seq = 0;
-  int32_t n = 0;
-  int32_t pos0 = 0;
-  EvictionPoint phase = EvictionPoint::kDecodeStep;
-  int32_t row0 = 0;  // first row in the scratch
-};
-
-// Activations for one step, rows = every row of the batch; grown on demand and kept, so
-// steady-state decode never allocates.
-struct Engine::Scratch {
-  int32_t rows = 0;
-  std::vector<float> x;            // [rows, dim] residual stream
-  std::vector<float> normed;       // [rows, dim] RmsNorm output fed to projections
-  std::vector<float> q;            // [rows, n_heads, head_dim]
-  std::vector<float> k;            // [rows, n_kv_heads, head_dim]
-  std::vector<float> v;            // [rows, n_kv_heads, head_dim]
-  std::vector<float> att;          // [rows, n_heads, head_dim]
-  std::vector<float> proj;         // [rows, dim] attention output / FFN output before the residual add
-  std::vector<float> gate;         // [rows, hidden]
-  std::vector<float> up;           // [rows, hidden]
-  std::vector<int32_t> positions;  // [rows]
-  std::vector<float> row_max_sum;  // [rows, n_heads, 2] softmax statistics (observing policies, compensation)
-  std::vector<KvCompensation> compensations;  // [n_kv_heads] a per-head layer's compensation tokens
-  // Decode steps with an observing policy: the attention call's raw scores, which the policy's
-  // scores are gathered from instead of a second pass over K. [n_heads, n_live] (per-head
-  // layers: each kv head's [group, n_live of that head], one after another).
-  std::vector<float> raw_scores;
-  std::vector<KvSpan> spans;       // live K/V of the current (seq, layer)
-  // Per-head layers: each kv head's live spans ([n, 1, head_dim] rows). [n_kv_heads]
-  std::vector<std::vector<KvSpan>> head_spans;
-  // Query-aware layers selecting per query head (Quest): the runs each query head reads. [n_heads]
-  std::vector<std::vector<KvSpan>> query_spans;
-  std::vector<AttentionJob> jobs;  // one ops::AttentionBatch call's jobs
-  std::vector<AttentionJob> observe_jobs;  // sparse prefill, per-head layers: each kv head's observation
-  // The step's batched decode attention (Engine::AttendDecodeBatch): the joining entries, each
-  // one's live spans, and the call's jobs. [joining entries]
-  std::vector<const Entry*> decode_batch;
-  std::vector<std::vector<KvSpan>> decode_spans;
-  std::vector<AttentionJob> decode_jobs;
-  std::vector<uint8_t> decode_done;  // 1: the entry's storage type had its call
-  std::vector<size_t> raw_offset;  // [n_kv_heads + 1] each head's first raw score in raw_scores
-  std::vector<uint8_t> selected_by_query;  // [n_kv_heads] 1: the head's query heads got their own runs
-  // Per-head layers, prompt chunks only (a decode step's group rows are contiguous in q / att):
-  std::vector<float> q_head;       // [n_kv_heads, rows, group, head_dim] the query rows by kv head
-  std::vector<float> att_head;     // [n_kv_heads, rows, group, head_dim] their attention output
-  std::vector<float> q_job;        // sparse prefill per query head: [n_heads, rows, head_dim]
-  // Logits of several sequences: the wanted rows' normed states and their logits.
-  std::vector<float> logit_in;     // [wanted rows, dim]
-  std::vector<float> logit_out;    // [wanted rows, n_vocab]
-  std::vector<int32_t> wanted;     // [wanted rows] batch row of each
-  std::vector<KvAppendPlan> plans; // [batch] what the step appends, checked before it runs
-  std::vector<uint8_t> relative_positions;  // [n_layers] 1: StreamingLLM cache-position layer
-  std::vector<Entry> entries;      // [batch] the step's sequences and their first rows
-  // Sparse prefill: the keys as f32 (a shared layer: one [n_kv_heads, rows, head_dim] matrix in
-  // [0]; a per-head layer: each head's [rows, head_dim]), each query's visible token count
-  // ([n_q], per head likewise), per kv head its selector, and the selections (per query head, or
-  // per kv head with group_shared).
-  std::vector<std::vector<float>> prefill_keys;
-  std::vector<int64_t> prefill_key_rows;  // rows of each prefill_keys matrix (n_tokens rounded up)
-  std::vector<std::vector<int64_t>> visible;
-  std::vector<PrefillSelector> selectors;
-  std::vector<PrefillSelection> selections;
-  std::vector<float> head_row_max_sum;  // [jobs, rows, query heads per job, 2] (observing policies)
-  std::vector<KeySelection> selection_views;
-
-  void Reserve(const ModelConfig& c, int32_t n) {
-    if (n <= rows) return;
-    const size_t r = static_cast<size_t>(n);
-    const size_t q_dim = static_cast<size_t>(c.n_heads) * c.head_dim;
-    const size_t kv_dim = static_cast<size_t>(c.n_kv_heads) * c.head_dim;
-    x.resize(r * c.dim);
-    normed.resize(r * c.dim);
-    q.resize(r * q_dim);
-    k.resize(r * kv_dim);
-    v.resize(r * kv_dim);
-    att.resize(r * q_dim);
-    proj.resize(r * c.dim);
-    gate.resize(r * c.hidden_dim);
-    up.resize(r * c.hidden_dim);
-    positions.resize(r);
-    rows = n;
-  }
-};
 
 Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller)
     : model_(model), cache_(cache), n_threads_(n_threads), controller_(controller),
@@ -210,6 +90,16 @@ Status Engine::Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, 
   // A controller may ask for smaller prompt chunks: it evicts between them.
   const int32_t max_chunk =
       controller_ != nullptr ? std::clamp(controller_->prefill_chunk(), 1, kMaxChunkTokens) : kMaxChunkTokens;
+  if (!WantsPromptEstimate(seq, n, max_chunk)) return ForwardChunks(seq, tokens, n, pos0, max_chunk, logits, all_logits);
+  KVS_RETURN_IF_ERROR(EstimatePrompt(seq, tokens, n, pos0, max_chunk));
+  const Status second_pass = ForwardChunks(seq, tokens, n, pos0, max_chunk, logits, all_logits);
+  prompt_estimate_->pattern_seq = -1;  // the patterns serve this prompt only
+  return second_pass;
+}
+
+Status Engine::ForwardChunks(int seq, const int32_t* tokens, int32_t n, int32_t pos0, int32_t max_chunk, float* logits,
+                             bool all_logits) {
+  const ModelConfig& c = model_.config();
   for (int32_t done = 0; done < n; done += max_chunk) {
     const int32_t chunk = std::min(max_chunk, n - done);
     const bool last_chunk = done + chunk == n;
@@ -222,7 +112,7 @@ Status Engine::Forward(int seq, const int32_t* tokens, int32_t n, int32_t pos0, 
     b.phase = n == 1 ? EvictionPoint::kDecodeStep
                      : (last_chunk ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
     b.all_logits = all_logits;
-    if (all_logits) {
+    if (logits != nullptr && all_logits) {
       b.logits = logits + static_cast<size_t>(done) * c.n_vocab;
     } else if (last_chunk) {
       b.logits = logits;
@@ -444,6 +334,9 @@ Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {
   Scratch& s = *scratch_;
   if (controller_ != nullptr && e.phase != EvictionPoint::kDecodeStep) {
     const PrefillSparsity& prefill = controller_->prefill_sparsity(e.seq, layer);
+    if (prompt_estimate_ != nullptr && e.seq == prompt_estimate_->capture_seq) {
+      CapturePromptTail(e, layer, shape, prefill);
+    }
     if (prefill.method != PrefillMethod::kDense && e.n >= prefill.min_queries &&
         cache_->NumTokens(e.seq, layer) >= prefill.min_context) {
       return SparsePrefillAttention(e, layer, shape, prefill);
@@ -507,6 +400,27 @@ Status Engine::AttendDecodeBatch(int layer, const AttentionShape& shape) {
   return Status::Ok();
 }
 
+void Engine::LoadPrefillKeys(int seq, int layer, const int32_t* q_pos, int32_t n_q, int round_to) {
+  Scratch& s = *scratch_;
+  const bool per_head = cache_->per_head(layer);
+  const int n_kv = cache_->geometry().n_kv_heads, d = cache_->geometry().head_dim;
+  // A shared layer's keys are loaded once for all heads; a per-head layer's heads keep their own tokens.
+  const int n_tables = per_head ? n_kv : 1;
+  s.prefill_keys.resize(static_cast<size_t>(n_tables));
+  s.visible.resize(static_cast<size_t>(n_tables));
+  s.prefill_key_rows.resize(static_cast<size_t>(n_tables));
+  if (!per_head) cache_->Spans(seq, layer, &s.spans);
+  for (int table = 0; table < n_tables; ++table) {
+    if (per_head) cache_->HeadSpans(seq, layer, table, &s.head_spans[static_cast<size_t>(table)]);
+    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(table)] : s.spans;
+    if (round_to > 0) {
+      LoadKeyMatrices(cache_->sequence_storage(seq, layer), spans.data(), static_cast<int32_t>(spans.size()),
+                      per_head ? 1 : n_kv, d, round_to, n_threads_, &s.prefill_keys[table], &s.prefill_key_rows[table]);
+    }
+    VisibleCounts(spans.data(), static_cast<int32_t>(spans.size()), q_pos, n_q, &s.visible[table]);
+  }
+}
+
 // A prompt chunk's attention over the tokens its estimator selects (sparse_prefill.h), for a
 // shared or a per-head layer: each query head is one job with its own selection (or, with
 // group_shared, each kv head's query heads one job with the group's). The policies see the chunk
@@ -552,20 +466,11 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
   s.selection_views.resize(static_cast<size_t>(n_jobs));
   s.jobs.resize(static_cast<size_t>(n_jobs));
   if (scores) s.head_row_max_sum.resize(static_cast<size_t>(n) * shape.n_heads * 2);  // [n_jobs, n, job_heads, 2]
-  // A shared layer's keys are loaded once for all heads; a per-head layer's heads keep their own tokens.
-  const int n_tables = per_head ? n_kv : 1;
-  s.prefill_keys.resize(static_cast<size_t>(n_tables));
-  s.visible.resize(static_cast<size_t>(n_tables));
-  s.prefill_key_rows.resize(static_cast<size_t>(n_tables));
-  if (!per_head) cache_->Spans(e.seq, layer, &s.spans);
+  // A two-pass layer's second pass assembles its selections from the prompt's pattern: no keys
+  // to estimate against.
+  const bool from_prompt = prefill.two_pass && HasPromptPattern(e.seq, layer);
   const int round_to = prefill.method == PrefillMethod::kXAttention ? prefill.stride : 1;
-  for (int table = 0; table < n_tables; ++table) {
-    if (per_head) cache_->HeadSpans(e.seq, layer, table, &s.head_spans[static_cast<size_t>(table)]);
-    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(table)] : s.spans;
-    LoadKeyMatrices(storage, spans.data(), static_cast<int32_t>(spans.size()), per_head ? 1 : n_kv, d, round_to,
-                    n_threads_, &s.prefill_keys[table], &s.prefill_key_rows[table]);
-    VisibleCounts(spans.data(), static_cast<int32_t>(spans.size()), q_pos, n, &s.visible[table]);
-  }
+  LoadPrefillKeys(e.seq, layer, q_pos, n, from_prompt ? 0 : round_to);
   auto head_spans_of = [&](int h) -> const std::vector<KvSpan>& {
     return per_head ? s.head_spans[static_cast<size_t>(h)] : s.spans;
   };
@@ -576,6 +481,13 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
 #pragma omp parallel for schedule(dynamic, 1) num_threads(estimate_threads) if (estimate_threads > 1)
   for (int h = 0; h < n_kv; ++h) {
     const int table = per_head ? h : 0;
+    if (from_prompt) {
+      for (int o = 0; o < per_kv; ++o) {
+        const int j = h * per_kv + o;
+        AssembleFromPromptPattern(layer, prefill, table, j, s.visible[table].data(), n, &s.selections[j]);
+      }
+      continue;
+    }
     int64_t n_tokens = 0;
     for (const KvSpan& span : head_spans_of(h)) n_tokens += span.n;
     const float* keys =
