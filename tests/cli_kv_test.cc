@@ -151,7 +151,8 @@ TEST(CliKv, SparsePrefillFlags) {
 }
 
 // --kivi-residual: a window longer than the whole run never quantizes, so int8_kivi prints
-// exactly f16's tokens; a window that is not whole pages is refused, naming the field.
+// exactly f16's tokens; a window that is not whole pages is refused, naming the field;
+// --kivi-v-group only where a layer stores int4 or int2 KIVI.
 TEST(CliKv, KiviResidualFlag) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   const std::string base = "generate -m " + model + " -n 40 --temp 0 -t 2 --kv-method full --page-size 16";
@@ -164,6 +165,9 @@ TEST(CliKv, KiviResidualFlag) {
   // Nothing to keep in f16 on an f16 cache, paged or dense: refused rather than ignored.
   ExpectCleanFailure(RunCli(base + " --kv-type f16 --kivi-residual 16"), "--kivi-residual applies to the KIVI");
   ExpectCleanFailure(RunCli("generate -m " + model + " -n 4 --kv-type f16 --kivi-residual 16"), "--kv-type is f16");
+  // V groups are int4/int2 KIVI's; int8_kivi has none to size.
+  RunOk(base + " --kv-type int4_kivi --kivi-v-group 4");
+  ExpectCleanFailure(RunCli(base + " --kv-type int8_kivi --kivi-v-group 4"), "--kivi-v-group applies to int4_kivi");
 }
 
 // --kv-per-head: Full per head prints exactly the dense tokens, a sparse method marks its

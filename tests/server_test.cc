@@ -572,6 +572,59 @@ TEST_F(ServerTest, StopStringsCutTheTextAndFinishAsStop) {
   EXPECT_EQ(Json::parse(events[events.size() - 2])["choices"][0]["finish_reason"], "stop");
 }
 
+// What evaluation harnesses send (lm-eval's local-completions, vLLM's clients): /tokenize with
+// vLLM's fields, /tokenizer_info, logit_bias, stop_token_ids, more than 4 stop strings, and a
+// response_format the server cannot honour refused by name.
+TEST_F(ServerTest, HarnessFieldsAndTokenizerEndpoints) {
+  const Reply info = Get("/tokenizer_info");
+  ASSERT_EQ(info.status, 200) << info.body;
+  const Json i = info.json();
+  EXPECT_TRUE(i.at("eos_token").is_string());
+  EXPECT_TRUE(i.at("eos_token_id").is_number_integer());
+  EXPECT_GT(i.at("model_max_length").get<int>(), 0);
+  EXPECT_GT(i.at("vocab_size").get<int>(), 0);
+
+  const Reply tok = Post("/tokenize", R"({"model": "tiny-test", "prompt": "hello there"})");
+  ASSERT_EQ(tok.status, 200) << tok.body;
+  const Json tokens = tok.json().at("tokens");
+  ASSERT_GE(tokens.size(), 2u);
+  EXPECT_EQ(tokens[0], i.at("bos_token_id")) << "vLLM's add_special_tokens defaults to true";
+  EXPECT_EQ(tok.json().at("count"), tokens.size());
+  const Reply bare = Post("/tokenize", R"({"prompt": "hello there", "add_special_tokens": false})");
+  ASSERT_EQ(bare.status, 200) << bare.body;
+  EXPECT_EQ(bare.json().at("tokens").size(), tokens.size() - 1);
+
+  // A large bias makes every greedy token `forced`; stopping on it ends at once, as "stop".
+  const int32_t forced = tokens[1].get<int32_t>();
+  Json body = {{"prompt", "Once upon a time"}, {"max_tokens", 4}, {"temperature", 0},
+               {"logit_bias", {{std::to_string(forced), 100}}}};
+  const Reply biased = Post("/v1/completions", body.dump());
+  ASSERT_EQ(biased.status, 200) << biased.body;
+  const Reply piece = Post("/detokenize", Json{{"tokens", {forced, forced, forced, forced}}}.dump());
+  auto without_spaces = [](std::string text) {  // /detokenize drops an SPM text's leading space
+    std::erase(text, ' ');
+    return text;
+  };
+  EXPECT_EQ(without_spaces(biased.json()["choices"][0]["text"]), without_spaces(piece.json()["content"]));
+  EXPECT_EQ(biased.json()["usage"]["completion_tokens"], 4);
+  body["stop_token_ids"] = {forced};
+  body["stop"] = {"a1", "b2", "c3", "d4", "e5", "f6"};
+  const Reply stopped = Post("/v1/completions", body.dump());
+  ASSERT_EQ(stopped.status, 200) << stopped.body;
+  EXPECT_EQ(stopped.json()["choices"][0]["text"], "");
+  EXPECT_EQ(stopped.json()["choices"][0]["finish_reason"], "stop");
+
+  Json e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "logit_bias": {"99999999": 1}})"), 400,
+                       "logit_bias outside the vocabulary");
+  EXPECT_EQ(e["param"], "logit_bias.99999999");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "stop_token_ids": [99999999]})"), 400,
+                  "stop_token_ids outside the vocabulary");
+  EXPECT_EQ(e["param"], "stop_token_ids[0]");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "response_format": {"type": "json_object"}})"), 400,
+                  "response_format json_object");
+  EXPECT_EQ(e["param"], "response_format.type");
+}
+
 // The "kvsparse" extension runs one request under its own method and budget.
 TEST_F(ServerTest, PerRequestKvMethodEvicts) {
   const int64_t evicted_before = Idle().evicted_tokens;

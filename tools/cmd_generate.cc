@@ -129,7 +129,7 @@ int Run(const GenerateArgs& a) {
   int32_t pos = static_cast<int32_t>(prompt.size());
   while (n_generated < a.n_predict && pos < n_ctx) {
     const int32_t token = sampler.Sample(logits.data(), c.n_vocab);
-    sampler.Accept(token);
+    sampler.AcceptGenerated(token);
     ++n_generated;
     if (tokenizer && !a.ignore_eos && tokenizer->IsEndOfGeneration(token)) break;
     emit(token);

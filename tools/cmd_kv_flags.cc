@@ -119,6 +119,14 @@ StatusOr<std::optional<KvSparsityConfig>> ResolveKvFlags(const KvFlags& f, const
     return residual_without_kivi(f.config_file.empty() ? "--kv-type is " + kv_type
                                                        : "no layer of " + f.config_file + " stores one");
   }
+  // V groups are int4/int2 KIVI's: int8_kivi keeps one scale per token row.
+  if (f.kivi_v_group >= 0 && std::none_of(config.layers.begin(), config.layers.end(), [](const LayerKvConfig& layer) {
+        return IsLowBitKivi(layer.kv_type);
+      })) {
+    return InvalidArgumentError(fmt::format(
+        "--kivi-v-group applies to int4_kivi and int2_kivi (int8_kivi quantizes V per token row); {}",
+        f.config_file.empty() ? "--kv-type is " + kv_type : "no layer of " + f.config_file + " stores one"));
+  }
   KVS_RETURN_IF_ERROR(ValidateKvSparsityConfig(config));
   return std::optional<KvSparsityConfig>(std::move(config));
 }

@@ -21,6 +21,7 @@ Sampler::Sampler(const SamplerParams& p) : params_(p), rng_(p.seed) {}
 
 void Sampler::Reset() {
   history_.clear();
+  generated_counts_.clear();
   rng_.seed(params_.seed);
 }
 
@@ -32,6 +33,11 @@ void Sampler::Accept(int32_t token) {
   }
 }
 
+void Sampler::AcceptGenerated(int32_t token) {
+  Accept(token);
+  if (params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f) ++generated_counts_[token];
+}
+
 double Sampler::NextUniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
 int32_t Sampler::Sample(const float* logits, int32_t n_vocab) {
@@ -41,6 +47,9 @@ int32_t Sampler::Sample(const float* logits, int32_t n_vocab) {
     penalized_[i] = std::isnan(logits[i]) ? -std::numeric_limits<float>::infinity() : logits[i];
   }
 
+  for (const auto& [token, bias] : params_.logit_bias) {
+    if (token >= 0 && token < n_vocab) penalized_[token] += bias;
+  }
   // Repetition penalty: once per distinct recent token, pushing its logit towards "less likely".
   if (params_.repeat_penalty != 1.0f && params_.repeat_penalty > 0.0f && !history_.empty()) {
     std::unordered_set<int32_t> seen;
@@ -49,6 +58,11 @@ int32_t Sampler::Sample(const float* logits, int32_t n_vocab) {
       float& logit = penalized_[token];
       logit = logit <= 0.0f ? logit * params_.repeat_penalty : logit / params_.repeat_penalty;
     }
+  }
+
+  for (const auto& [token, count] : generated_counts_) {
+    if (token < 0 || token >= n_vocab) continue;
+    penalized_[token] -= params_.frequency_penalty * static_cast<float>(count) + params_.presence_penalty;
   }
 
   if (params_.temperature <= 0.0f) {
@@ -87,6 +101,12 @@ int32_t Sampler::Sample(const float* logits, int32_t n_vocab) {
       }
     }
     candidates_.resize(std::max<size_t>(prefix, 1));
+  }
+
+  // Min-p: p >= min_p * p_max, i.e. logit >= max + log(min_p); the best always stays.
+  if (params_.min_p > 0.0f && candidates_.size() > 1) {
+    const float floor = max_logit + std::log(params_.min_p);  // <= max_logit: the best is never below it
+    std::erase_if(candidates_, [floor](const std::pair<float, int32_t>& c) { return c.first < floor; });
   }
 
   // Temperature, then draw by inverting the CDF.

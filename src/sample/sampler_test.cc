@@ -163,6 +163,68 @@ TEST(Sampler, PenaltyWindowForgetsOldTokens) {
   EXPECT_EQ(off.Sample(logits.data(), 4), 0) << "repeat_last_n = 0 disables the penalty";
 }
 
+TEST(Sampler, LogitBiasComesFirst) {
+  SamplerParams p = Plain(0.0f);
+  p.logit_bias = {{0, -100.0f}, {3, 1.5f}, {99, 5.0f}};  // an id past the vocabulary is ignored
+  Sampler sampler(p);
+  const std::vector<float> logits = {3.0f, 2.0f, 1.0f, 0.0f};
+  EXPECT_EQ(sampler.Sample(logits.data(), 4), 1);  // 0 banned; 3 gets 1.5 < 2.0
+  p.logit_bias = {{3, 2.5f}};
+  Sampler lifted(p);
+  EXPECT_EQ(lifted.Sample(logits.data(), 4), 0);  // 2.5 < 3.0
+  p.logit_bias = {{3, 3.5f}};
+  Sampler over(p);
+  EXPECT_EQ(over.Sample(logits.data(), 4), 3);  // 3.5 > 3.0
+}
+
+// OpenAI's penalties count generated tokens only: frequency per occurrence, presence once.
+TEST(Sampler, PresenceAndFrequencyPenaltiesCountGeneratedTokens) {
+  const std::vector<float> logits = {2.0f, 1.5f, 0.0f};
+  SamplerParams p = Plain(0.0f);
+  p.presence_penalty = 0.6f;
+  Sampler presence(p);
+  presence.Accept(0);  // a prompt token: not counted
+  EXPECT_EQ(presence.Sample(logits.data(), 3), 0);
+  presence.AcceptGenerated(0);
+  EXPECT_EQ(presence.Sample(logits.data(), 3), 1);  // 2.0 - 0.6 < 1.5
+  presence.AcceptGenerated(1);
+  presence.AcceptGenerated(1);
+  EXPECT_EQ(presence.Sample(logits.data(), 3), 0);  // 1.4 > 1.5 - 0.6 (once, however often)
+  presence.Reset();
+  EXPECT_EQ(presence.Sample(logits.data(), 3), 0);
+
+  p = Plain(0.0f);
+  p.frequency_penalty = 0.3f;
+  Sampler frequency(p);
+  frequency.AcceptGenerated(0);
+  EXPECT_EQ(frequency.Sample(logits.data(), 3), 0);  // 1.7 > 1.5
+  frequency.AcceptGenerated(0);
+  EXPECT_EQ(frequency.Sample(logits.data(), 3), 1);  // 1.4 < 1.5
+  // Negative penalties encourage repeats.
+  p = Plain(0.0f);
+  p.presence_penalty = -1.0f;
+  Sampler encourage(p);
+  encourage.AcceptGenerated(2);
+  EXPECT_EQ(encourage.Sample(logits.data(), 3), 0);  // 0 + 1 < 2
+  encourage.AcceptGenerated(1);
+  EXPECT_EQ(encourage.Sample(logits.data(), 3), 1);  // 1.5 + 1 > 2
+}
+
+TEST(Sampler, MinPDropsTheUnlikely) {
+  // Probabilities 0.6, 0.3, 0.08, 0.02; min_p 0.1 keeps p >= 0.06: the first three.
+  const std::vector<float> logits = {std::log(0.6f), std::log(0.3f), std::log(0.08f), std::log(0.02f)};
+  SamplerParams p = Plain(1.0f);
+  p.min_p = 0.1f;
+  Sampler sampler(p);
+  const std::vector<double> freq = Frequencies(sampler, logits, 20000);
+  EXPECT_EQ(freq[3], 0.0);
+  EXPECT_NEAR(freq[0], 0.6 / 0.98, 0.02);
+  EXPECT_NEAR(freq[2], 0.08 / 0.98, 0.01);
+  p.min_p = 1.0f;  // only the best
+  Sampler strict(p);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(strict.Sample(logits.data(), 4), 0);
+}
+
 TEST(Sampler, NanAndInfiniteLogitsAreHandled) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();

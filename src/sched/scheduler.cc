@@ -442,7 +442,7 @@ bool Scheduler::Step() {
       FinishReason finish = FinishReason::kNone;
       if (batch[i].logits != nullptr) {
         const int32_t token = a.sampler.Sample(a.logits.data(), n_vocab_);
-        a.sampler.Accept(token);
+        a.sampler.AcceptGenerated(token);
         a.tokens.push_back(token);
         ++a.n_generated;
         ++generated;

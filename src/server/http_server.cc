@@ -50,6 +50,7 @@ struct Route {
 constexpr Route kRoutes[] = {
     {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"}, {"/health", "GET"},
     {"/tokenize", "POST"},       {"/detokenize", "POST"},           {"/metrics", "GET"},
+    {"/tokenizer_info", "GET"},
 };
 
 const Route* FindRoute(std::string_view path) {
@@ -196,6 +197,7 @@ struct HttpServer::Impl {
   void HandleCompletion(const httplib::Request& req, httplib::Response& res, const std::string& body, bool chat);
   void HandleTokenize(httplib::Response& res, const std::string& body);
   void HandleDetokenize(httplib::Response& res, const std::string& body);
+  void HandleTokenizerInfo(httplib::Response& res);
   void HandleMetrics(httplib::Response& res);
   void HandleHttpError(const httplib::Request& req, httplib::Response& res);
 
@@ -407,6 +409,7 @@ void HttpServer::Impl::InitRoutes() {
   AddPost("/detokenize", [this](const httplib::Request&, httplib::Response& res, const std::string& body) {
     HandleDetokenize(res, body);
   });
+  AddGet("/tokenizer_info", [this](const httplib::Request&, httplib::Response& res) { HandleTokenizerInfo(res); });
   AddGet("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(ModelsBody(model_id, created), kJsonType);
   });
@@ -509,6 +512,21 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
                                                 prompt.size(), context),
                                     prompt_field, "context_length_exceeded"));
   }
+  const int32_t n_vocab = model.config().n_vocab;
+  for (size_t i = 0; i < r.stop_token_ids.size(); ++i) {
+    if (r.stop_token_ids[i] >= n_vocab) {
+      return SetError(res, BadRequest(fmt::format("stop_token_ids[{}]: token id {} is outside the vocabulary [0, {})",
+                                                  i, r.stop_token_ids[i], n_vocab),
+                                      fmt::format("stop_token_ids[{}]", i)));
+    }
+  }
+  for (const auto& [token, bias] : r.logit_bias) {
+    if (token >= n_vocab) {
+      return SetError(res, BadRequest(fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", token,
+                                                  n_vocab),
+                                      fmt::format("logit_bias.{}", token)));
+    }
+  }
   if (cancel_all.load() || stopped.load()) {
     return SetError(res, MakeError(503, "unavailable_error", "the server is shutting down"));
   }
@@ -521,6 +539,10 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   g.sampling.top_k = r.top_k;
   g.sampling.top_p = r.top_p;
   g.sampling.repeat_penalty = r.repeat_penalty;
+  g.sampling.presence_penalty = r.presence_penalty;
+  g.sampling.frequency_penalty = r.frequency_penalty;
+  g.sampling.min_p = r.min_p;
+  g.sampling.logit_bias = std::move(r.logit_bias);
   if (r.seed) {
     g.sampling.seed = *r.seed;
   } else {
@@ -528,6 +550,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
     g.sampling.seed = seed_rng();
   }
   if (!r.ignore_eos) g.stop_tokens = stop_tokens;
+  g.stop_tokens.insert(g.stop_tokens.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
   g.kv_layers = std::get<KvLayers>(std::move(kv_layers));
   double timeout_s = options.request_timeout_s;
   if (r.timeout_s) timeout_s = std::min(timeout_s, *r.timeout_s);
@@ -751,7 +774,25 @@ void HttpServer::Impl::HandleTokenize(httplib::Response& res, const std::string&
                                     "no_tokenizer"));
   }
   const std::vector<int32_t> tokens = tokenizer->Encode(r.content, r.add_special, r.parse_special);
-  res.set_content(TokenizeResponseBody(tokens), kJsonType);
+  res.set_content(TokenizeResponseBody(tokens, scheduler->options().max_context), kJsonType);
+}
+
+void HttpServer::Impl::HandleTokenizerInfo(httplib::Response& res) {
+  if (!tokenizer) {
+    return SetError(res, BadRequest(fmt::format("the model '{}' has no tokenizer", model_id), "", "no_tokenizer"));
+  }
+  TokenizerInfo info;
+  info.tokenizer_class = fmt::format("kvsparse-{}", tokenizer->model_name() == "llama" ? "spm" : "bpe");
+  info.bos_token_id = tokenizer->bos();
+  info.eos_token_id = tokenizer->eos();
+  info.bos_token = std::string(tokenizer->TokenText(info.bos_token_id));
+  info.eos_token = std::string(tokenizer->TokenText(info.eos_token_id));
+  const std::vector<int32_t> empty = tokenizer->Encode("", /*add_bos=*/true);
+  info.add_bos_token = !empty.empty() && empty.front() == info.bos_token_id;
+  info.vocab_size = tokenizer->n_vocab();
+  info.model_max_length = scheduler->options().max_context;
+  info.chat_template = std::string(ChatTemplateName(options.chat_template));
+  res.set_content(TokenizerInfoBody(info), kJsonType);
 }
 
 void HttpServer::Impl::HandleDetokenize(httplib::Response& res, const std::string& body) {

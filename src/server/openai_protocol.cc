@@ -1,7 +1,10 @@
 #include "server/openai_protocol.h"
 
+#include <charconv>
 #include <cmath>
 #include <exception>
+#include <string>
+#include <system_error>
 #include <limits>
 #include <utility>
 
@@ -332,6 +335,17 @@ void ParseSampling(const Json& body, CompletionRequest& request) {
     if (*r <= 0.0) FailValue("repeat_penalty", fmt::format("'repeat_penalty' must be greater than 0, got {}.", *r));
     request.repeat_penalty = static_cast<float>(*r);
   }
+  for (auto [key, field] : {std::pair<const char*, float*>{"presence_penalty", &request.presence_penalty},
+                            {"frequency_penalty", &request.frequency_penalty}}) {
+    if (auto v = ReadNumber(body, key, key)) {
+      if (*v < -2.0 || *v > 2.0) FailValue(key, fmt::format("'{}' must be between -2 and 2, got {}.", key, *v));
+      *field = static_cast<float>(*v);
+    }
+  }
+  if (auto m = ReadNumber(body, "min_p", "min_p")) {
+    if (*m < 0.0 || *m > 1.0) FailValue("min_p", fmt::format("'min_p' must be between 0 and 1, got {}.", *m));
+    request.min_p = static_cast<float>(*m);
+  }
   if (const Json* seed = Field(body, "seed")) {
     if (seed->is_number_unsigned()) {
       request.seed = seed->get<uint64_t>();
@@ -345,6 +359,72 @@ void ParseSampling(const Json& body, CompletionRequest& request) {
       FailType("seed", "an integer", *seed);
     }
   }
+}
+
+// {"50256": -100, ...}: token ids as keys (OpenAI's shape), biases in [-100, 100].
+void ParseLogitBias(const Json& body, const ProtocolLimits& limits, CompletionRequest& request) {
+  const Json* bias = Field(body, "logit_bias");
+  if (bias == nullptr) return;
+  if (!bias->is_object()) FailType("logit_bias", "an object of token id -> bias", *bias);
+  if (bias->size() > static_cast<size_t>(limits.max_logit_bias)) {
+    FailValue("logit_bias",
+              fmt::format("'logit_bias' has {} entries, at most {} allowed.", bias->size(), limits.max_logit_bias));
+  }
+  for (const auto& [key, value] : bias->items()) {
+    const std::string param = "logit_bias." + key;
+    int64_t id = -1;
+    const auto [end, error] = std::from_chars(key.data(), key.data() + key.size(), id);
+    if (error != std::errc() || end != key.data() + key.size() || id < 0 || id > std::numeric_limits<int32_t>::max()) {
+      FailValue(param, fmt::format("'{}': logit_bias keys must be token ids (non-negative integers).", param));
+    }
+    if (!value.is_number()) FailType(param, "a number", value);
+    const double b = value.get<double>();
+    if (!(b >= -100.0 && b <= 100.0)) {
+      FailValue(param, fmt::format("'{}' must be between -100 and 100, got {}.", param, b));
+    }
+    request.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(b));
+  }
+}
+
+// response_format: text is what every response is; JSON-constrained decoding is not implemented,
+// so asking for it is refused rather than silently answered with free text.
+void CheckResponseFormat(const Json& body) {
+  const Json* format = Field(body, "response_format");
+  if (format == nullptr) return;
+  if (!format->is_object()) FailType("response_format", "an object", *format);
+  const std::optional<std::string> type = ReadString(*format, "type", "response_format.type");
+  if (!type) Fail("response_format.type", "missing_required_parameter", "Missing required parameter: 'response_format.type'.");
+  if (*type != "text") {
+    FailValue("response_format.type",
+              fmt::format("'response_format.type' is '{}', which is not supported: this server generates free "
+                          "text only (type 'text').",
+                          *type));
+  }
+}
+
+// Log-probabilities and echo are not computed yet: refused by name rather than answered with
+// "logprobs": null, which harnesses would misread. Their off values (null, false, 0) pass.
+void RefuseLogprobs(const Json& body) {
+  for (const char* key : {"logprobs", "top_logprobs", "echo"}) {
+    const Json* value = Field(body, key);
+    if (value == nullptr) continue;
+    const bool off = (value->is_boolean() && !value->get<bool>()) || (value->is_number() && value->get<double>() == 0);
+    if (!off) {
+      FailValue(key, fmt::format("'{}' is not supported by this server yet (log-probabilities are not computed).",
+                                 key));
+    }
+  }
+}
+
+void ParseStopTokenIds(const Json& body, const ProtocolLimits& limits, CompletionRequest& request) {
+  const Json* ids = Field(body, "stop_token_ids");
+  if (ids == nullptr) return;
+  if (!ids->is_array()) FailType("stop_token_ids", "an array of token ids", *ids);
+  if (ids->size() > static_cast<size_t>(limits.max_stop_token_ids)) {
+    FailValue("stop_token_ids", fmt::format("'stop_token_ids' has {} ids, at most {} allowed.", ids->size(),
+                                            limits.max_stop_token_ids));
+  }
+  request.stop_token_ids = TokenIds(*ids, "stop_token_ids");
 }
 
 void ParseCompletionFields(const Json& body, bool chat, const ProtocolLimits& limits, CompletionRequest& request) {
@@ -364,7 +444,11 @@ void ParseCompletionFields(const Json& body, bool chat, const ProtocolLimits& li
     }
   }
   ParseSampling(body, request);
+  ParseLogitBias(body, limits, request);
   ParseStop(body, limits, request);
+  ParseStopTokenIds(body, limits, request);
+  CheckResponseFormat(body);
+  RefuseLogprobs(body);
   if (auto stream = ReadBool(body, "stream", "stream")) request.stream = *stream;
   if (const Json* options = Field(body, "stream_options")) {
     if (!options->is_object()) FailType("stream_options", "an object", *options);
@@ -492,11 +576,17 @@ std::variant<TokenizeRequest, ApiError> ParseTokenizeRequest(std::string_view bo
     const Json json = ParseJsonBody(body);
     RequireObjectBody(json);
     TokenizeRequest request;
-    std::optional<std::string> content = ReadString(json, "content", "content");
-    if (!content) Fail("content", "missing_required_parameter", "Missing required parameter: 'content'.");
-    CheckPromptBytes(content->size(), "content", limits);
+    // llama.cpp's "content" or vLLM's "prompt" (whose add_special_tokens defaults to true).
+    const char* field = Field(json, "content") == nullptr && Field(json, "prompt") != nullptr ? "prompt" : "content";
+    std::optional<std::string> content = ReadString(json, field, field);
+    if (!content) {
+      Fail("content", "missing_required_parameter", "Missing required parameter: 'content' (or vLLM's 'prompt').");
+    }
+    CheckPromptBytes(content->size(), field, limits);
     request.content = std::move(*content);
+    request.add_special = std::string_view(field) == "prompt";
     if (auto add_special = ReadBool(json, "add_special", "add_special")) request.add_special = *add_special;
+    if (auto add = ReadBool(json, "add_special_tokens", "add_special_tokens")) request.add_special = *add;
     if (auto parse_special = ReadBool(json, "parse_special", "parse_special")) request.parse_special = *parse_special;
     return request;
   });
@@ -609,9 +699,27 @@ std::string ModelsBody(std::string_view model_id, int64_t created) {
   return Dump(json);
 }
 
-std::string TokenizeResponseBody(std::span<const int32_t> tokens) {
+std::string TokenizeResponseBody(std::span<const int32_t> tokens, int max_model_len) {
   OrderedJson json = OrderedJson::object();
   json["tokens"] = std::vector<int32_t>(tokens.begin(), tokens.end());
+  json["count"] = tokens.size();
+  json["max_model_len"] = max_model_len;
+  return Dump(json);
+}
+
+std::string TokenizerInfoBody(const TokenizerInfo& info) {
+  auto token = [](const std::string& text, int32_t id) { return id < 0 ? OrderedJson(nullptr) : OrderedJson(text); };
+  auto token_id = [](int32_t id) { return id < 0 ? OrderedJson(nullptr) : OrderedJson(id); };
+  OrderedJson json = OrderedJson::object();
+  json["tokenizer_class"] = info.tokenizer_class;
+  json["bos_token"] = token(info.bos_token, info.bos_token_id);
+  json["bos_token_id"] = token_id(info.bos_token_id);
+  json["eos_token"] = token(info.eos_token, info.eos_token_id);
+  json["eos_token_id"] = token_id(info.eos_token_id);
+  json["add_bos_token"] = info.add_bos_token;
+  json["vocab_size"] = info.vocab_size;
+  json["model_max_length"] = info.model_max_length;
+  json["chat_template"] = info.chat_template;
   return Dump(json);
 }
 

@@ -40,7 +40,9 @@ struct ProtocolLimits {
   int max_tokens_limit = 4096;  // largest max_tokens a request may ask for
   int default_max_tokens = 256;  // when the request gives none
   int max_n = 1;                 // choices per request
-  int max_stop = 4;              // stop strings per request
+  int max_stop = 16;             // stop strings per request
+  int max_stop_token_ids = 64;   // stop_token_ids per request
+  int max_logit_bias = 1024;     // logit_bias entries per request
   int max_stop_bytes = 64;       // bytes per stop string
   size_t max_prompt_bytes = 1 << 20;  // prompt text, or all message contents together
   int max_messages = 256;
@@ -66,8 +68,14 @@ struct CompletionRequest {
   float top_p = 1.0f;         // (0, 1]
   int top_k = 0;              // 0: off (negative values, vLLM's "off", become 0)
   float repeat_penalty = 1.0f;  // > 0; 1: off
+  float presence_penalty = 0.0f;   // [-2, 2]; over the generated tokens (SamplerParams)
+  float frequency_penalty = 0.0f;  // [-2, 2]
+  float min_p = 0.0f;              // [0, 1]; 0: off
+  // logit_bias: {"token id": bias in [-100, 100]}; ids are checked against the vocabulary by the server.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   std::optional<uint64_t> seed;  // absent (or llama.cpp's -1): the server picks one
   std::vector<std::string> stop;  // non-empty strings
+  std::vector<int32_t> stop_token_ids;  // vLLM's: generation also ends on these ids (checked by the server)
   bool stream = false;
   bool include_usage_in_stream = false;  // stream_options.include_usage, only when streaming
   int n = 1;
@@ -80,7 +88,8 @@ std::variant<CompletionRequest, ApiError> ParseCompletionRequest(std::string_vie
                                                                  const ProtocolLimits& limits);
 
 // POST /tokenize: {"content": "...", "add_special": false, "parse_special": true} (llama.cpp's
-// fields and defaults).
+// fields and defaults), or {"prompt": "...", "add_special_tokens": true} (vLLM's: with `prompt`
+// add_special defaults to true, as vLLM's does).
 struct TokenizeRequest {
   std::string content;
   bool add_special = false;   // add BOS (and EOS where the vocab wants it)
@@ -141,7 +150,20 @@ inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
 std::string ModelsBody(std::string_view model_id, int64_t created);
 
 // /tokenize and /detokenize responses: {"tokens":[..]} and {"content":".."}.
-std::string TokenizeResponseBody(std::span<const int32_t> tokens);
+// {"tokens": [...], "count": n, "max_model_len": max_model_len}: llama.cpp's field and vLLM's.
+std::string TokenizeResponseBody(std::span<const int32_t> tokens, int max_model_len);
+// GET /tokenizer_info (vLLM's endpoint): the special tokens as text and ids, the vocabulary size,
+// the context, the tokenizer's kind and the chat template's name.
+struct TokenizerInfo {
+  std::string tokenizer_class;  // "kvsparse-spm", "kvsparse-bpe"
+  std::string bos_token, eos_token;
+  int32_t bos_token_id = -1, eos_token_id = -1;  // -1: none (null in the body)
+  int32_t vocab_size = 0;
+  int model_max_length = 0;
+  bool add_bos_token = false;
+  std::string chat_template;
+};
+std::string TokenizerInfoBody(const TokenizerInfo& info);
 std::string DetokenizeResponseBody(std::string_view content);
 
 }  // namespace kvsparse::server

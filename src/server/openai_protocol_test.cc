@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -313,7 +314,8 @@ TEST(ParseCompletionRequest, StopErrors) {
   ParseError(R"({"prompt": "x", "stop": 5})", kText, "stop");
   ParseError(R"({"prompt": "x", "stop": {"a": 1}})", kText, "stop");
   ParseError(R"({"prompt": "x", "stop": ["a", 1]})", kText, "stop[1]");
-  ParseError(R"({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]})", kText, "stop");
+  ParseError(R"({"prompt": "x", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]})",
+             kText, "stop");  // 17 strings
   ParseError(R"({"prompt": "x", "stop": ""})", kText, "stop");
   ParseError(R"({"prompt": "x", "stop": ["ok", ""]})", kText, "stop");
   ParseError(R"({"prompt": "x", "stop": ["12345678901234567890123456789012345678901234567890123456789012345"]})", kText,
@@ -321,6 +323,52 @@ TEST(ParseCompletionRequest, StopErrors) {
   ProtocolLimits one_stop;
   one_stop.max_stop = 1;
   ParseError(R"({"prompt": "x", "stop": ["a", "b"]})", kText, "stop", one_stop);
+}
+
+// What lm-eval and OpenAI clients send beyond the basics: 5+ stop strings with stop_token_ids,
+// OpenAI's penalties, min_p, logit_bias, and response_format text (anything else is refused).
+TEST(ParseCompletionRequest, SamplingExtensionsAndLimits) {
+  const CompletionRequest r = ParseOk(R"({"prompt": "x", "stop": ["\n\n", "Q:", "A:", "###", "</s>", "<|im_end|>"],
+      "stop_token_ids": [2, 32000], "presence_penalty": 0.5, "frequency_penalty": -1.5, "min_p": 0.05,
+      "logit_bias": {"50256": -100, "13": 2.5}, "response_format": {"type": "text"}})",
+                                      kText);
+  EXPECT_EQ(r.stop.size(), 6u);
+  EXPECT_EQ(r.stop_token_ids, (std::vector<int32_t>{2, 32000}));
+  EXPECT_FLOAT_EQ(r.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r.frequency_penalty, -1.5f);
+  EXPECT_FLOAT_EQ(r.min_p, 0.05f);
+  std::vector<std::pair<int32_t, float>> bias = r.logit_bias;
+  std::sort(bias.begin(), bias.end());
+  EXPECT_EQ(bias, (std::vector<std::pair<int32_t, float>>{{13, 2.5f}, {50256, -100.f}}));
+  const CompletionRequest defaults = ParseOk(R"({"prompt": "x"})", kText);
+  EXPECT_EQ(defaults.presence_penalty, 0.f);
+  EXPECT_EQ(defaults.frequency_penalty, 0.f);
+  EXPECT_EQ(defaults.min_p, 0.f);
+  EXPECT_TRUE(defaults.logit_bias.empty());
+  EXPECT_TRUE(defaults.stop_token_ids.empty());
+
+  ParseError(R"({"prompt": "x", "presence_penalty": 2.5})", kText, "presence_penalty");
+  ParseError(R"({"prompt": "x", "frequency_penalty": -3})", kText, "frequency_penalty");
+  ParseError(R"({"prompt": "x", "min_p": 1.5})", kText, "min_p");
+  ParseError(R"({"prompt": "x", "logit_bias": [1, 2]})", kText, "logit_bias");
+  ParseError(R"({"prompt": "x", "logit_bias": {"abc": 1}})", kText, "logit_bias.abc");
+  ParseError(R"({"prompt": "x", "logit_bias": {"-1": 1}})", kText, "logit_bias.-1");
+  ParseError(R"({"prompt": "x", "logit_bias": {"5": 101}})", kText, "logit_bias.5");
+  ParseError(R"({"prompt": "x", "logit_bias": {"5": "1"}})", kText, "logit_bias.5");
+  ParseError(R"({"prompt": "x", "stop_token_ids": 2})", kText, "stop_token_ids");
+  ParseError(R"({"prompt": "x", "stop_token_ids": [-1]})", kText, "stop_token_ids[0]");
+  ParseError(R"({"prompt": "x", "response_format": {"type": "json_object"}})", kText, "response_format.type");
+  ParseError(R"({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}})", kText,
+             "response_format.type");
+  ParseError(R"({"prompt": "x", "response_format": "json"})", kText, "response_format");
+  ParseError(R"({"prompt": "x", "response_format": {}})", kText, "response_format.type");
+  // Not computed yet: refused by name; the off values pass.
+  ParseOk(R"({"prompt": "x", "logprobs": null, "echo": false, "top_logprobs": 0})", kText);
+  ParseOk(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": false})", kChat);
+  ParseError(R"({"prompt": "x", "logprobs": 1})", kText, "logprobs");
+  ParseError(R"({"prompt": "x", "max_tokens": 1, "echo": true})", kText, "echo");
+  ParseError(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 2})", kChat,
+             "logprobs");
 }
 
 TEST(ParseCompletionRequest, FlagAndCountErrors) {
@@ -369,6 +417,20 @@ TEST(ParseTokenizeRequest, FieldsAndDefaults) {
   EXPECT_EQ(std::get<TokenizeRequest>(full).content, "");
   EXPECT_TRUE(std::get<TokenizeRequest>(full).add_special);
   EXPECT_FALSE(std::get<TokenizeRequest>(full).parse_special);
+}
+
+// vLLM's spelling (lm-eval's): "prompt", with add_special_tokens defaulting to true.
+TEST(ParseTokenizeRequest, VllmFields) {
+  auto vllm = ParseTokenizeRequest(R"({"model": "m", "prompt": "Hello"})", {});
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(vllm));
+  EXPECT_EQ(std::get<TokenizeRequest>(vllm).content, "Hello");
+  EXPECT_TRUE(std::get<TokenizeRequest>(vllm).add_special);
+  auto without = ParseTokenizeRequest(R"({"prompt": "Hello", "add_special_tokens": false})", {});
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(without));
+  EXPECT_FALSE(std::get<TokenizeRequest>(without).add_special);
+  auto llama = ParseTokenizeRequest(R"({"content": "Hello", "add_special_tokens": true})", {});
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(llama));
+  EXPECT_TRUE(std::get<TokenizeRequest>(llama).add_special);
 }
 
 TEST(ParseTokenizeRequest, Errors) {
@@ -612,6 +674,27 @@ TEST(Sse, EventFraming) {
   EXPECT_EQ(event.find("\n\n"), event.size() - 2);
 }
 
+TEST(TokenizerInfoBody, SpecialTokensAndNulls) {
+  TokenizerInfo info;
+  info.tokenizer_class = "kvsparse-spm";
+  info.bos_token = "<s>";
+  info.bos_token_id = 1;
+  info.eos_token_id = -1;
+  info.vocab_size = 32000;
+  info.model_max_length = 4096;
+  info.add_bos_token = true;
+  info.chat_template = "llama2";
+  const Json body = Json::parse(TokenizerInfoBody(info));
+  EXPECT_EQ(body.at("bos_token"), "<s>");
+  EXPECT_EQ(body.at("bos_token_id"), 1);
+  EXPECT_TRUE(body.at("eos_token").is_null());
+  EXPECT_TRUE(body.at("eos_token_id").is_null());
+  EXPECT_EQ(body.at("vocab_size"), 32000);
+  EXPECT_EQ(body.at("model_max_length"), 4096);
+  EXPECT_EQ(body.at("add_bos_token"), true);
+  EXPECT_EQ(body.at("tokenizer_class"), "kvsparse-spm");
+}
+
 TEST(ModelsBody, ListShape) {
   const Json body = Json::parse(ModelsBody("tinyllama", 1700000002));
   EXPECT_EQ(body.at("object"), "list");
@@ -626,9 +709,11 @@ TEST(ModelsBody, ListShape) {
 
 TEST(TokenizeResponses, Shapes) {
   const std::vector<int32_t> tokens = {1, 15043, 3186};
-  const Json tokenized = Json::parse(TokenizeResponseBody(tokens));
+  const Json tokenized = Json::parse(TokenizeResponseBody(tokens, 4096));
   EXPECT_EQ(tokenized.at("tokens"), Json::array({1, 15043, 3186}));
-  EXPECT_EQ(Json::parse(TokenizeResponseBody({})).at("tokens"), Json::array());
+  EXPECT_EQ(tokenized.at("count"), 3);
+  EXPECT_EQ(tokenized.at("max_model_len"), 4096);
+  EXPECT_EQ(Json::parse(TokenizeResponseBody({}, 4096)).at("tokens"), Json::array());
   EXPECT_EQ(Json::parse(DetokenizeResponseBody("Hello \xF0\x9F")).at("content"), "Hello \xEF\xBF\xBD");
 }
 
