@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/engine.h"
+#include "kvsparse/logprob.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/runtime.h"
@@ -403,6 +406,64 @@ TEST(Scheduler, PreemptionRecomputesWithoutChangingTokens) {
     EXPECT_EQ(Drain(*handles[i]), RunAlone(path, "full", "", Prompt(i + 2), 40)) << i;
   }
   EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+}
+
+// echo: every prompt token's log-probability (the first NaN), also when the prompt runs in
+// several chunks over several steps, equal to a plain forward pass's; max_tokens 0 generates
+// nothing. logprobs on a sparse request: each greedy token comes with its own log-probability,
+// the best of its alternatives.
+TEST(Scheduler, EchoAndLogprobsComeFromTheModelsLogits) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  SchedulerOptions options;
+  options.step_tokens = 32;  // a 75-token prompt runs in three steps
+  Runtime r = MakeRuntime(path, "full", "", "f16", 0, options);
+  GenerationRequest echo = Greedy(Prompt(2), 0);
+  echo.echo = true;
+  echo.logprobs = 2;
+  const std::vector<int32_t> prompt = echo.prompt;
+  ASSERT_EQ(prompt.size(), 75u);
+  auto h = r.scheduler->Submit(echo);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  StepUntilDone(*r.scheduler, {*h});
+  EXPECT_EQ((*h)->finish_reason(), FinishReason::kLength);
+  EXPECT_TRUE(Drain(**h).empty());
+  const std::vector<TokenLogprob> scored = (*h)->prompt_logprobs();
+  ASSERT_EQ(scored.size(), prompt.size());
+  EXPECT_TRUE(std::isnan(scored[0].logprob));
+
+  const ModelConfig& c = r.model->config();
+  ContiguousKvCache cache(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, KvStorage::kF16, 1,
+                          static_cast<int32_t>(prompt.size()));
+  Engine engine(*r.model, &cache, 1);
+  std::vector<float> logits(prompt.size() * static_cast<size_t>(c.n_vocab));
+  ASSERT_TRUE(engine.Forward(0, prompt.data(), static_cast<int32_t>(prompt.size()), 0, logits.data(), true).ok());
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    EXPECT_EQ(scored[i].token, prompt[i]);
+    const TokenLogprob want = LogprobOf(logits.data() + (i - 1) * c.n_vocab, c.n_vocab, prompt[i], 2);
+    EXPECT_NEAR(scored[i].logprob, want.logprob, 1e-3) << i;
+    ASSERT_EQ(scored[i].top.size(), 2u);
+    EXPECT_EQ(scored[i].top[0].first, want.top[0].first) << i;
+  }
+
+  Runtime sparse = MakeRuntime(path, "h2o", "24", "int8", 0);
+  GenerationRequest g = Greedy(Prompt(5), 12);
+  g.logprobs = 1;
+  auto generated = sparse.scheduler->Submit(g);
+  ASSERT_TRUE(generated.ok()) << generated.status().ToString();
+  StepUntilDone(*sparse.scheduler, {*generated});
+  std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs;
+  while ((*generated)->WaitNext(&tokens, milliseconds(10), &logprobs)) {
+  }
+  ASSERT_EQ(logprobs.size(), tokens.size());
+  ASSERT_FALSE(tokens.empty());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    EXPECT_EQ(logprobs[i].token, tokens[i]);
+    ASSERT_EQ(logprobs[i].top.size(), 1u);
+    EXPECT_EQ(logprobs[i].top[0].first, tokens[i]) << "greedy takes the best";
+    EXPECT_LE(logprobs[i].logprob, 0.f);
+  }
+  EXPECT_TRUE((*generated)->prompt_logprobs().empty());
 }
 
 // A worker thread serves requests submitted from other threads.

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -22,7 +23,9 @@
 #include <thread>
 #include <vector>
 
+#include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/engine.h"
+#include "kvsparse/logprob.h"
 #include "kvsparse/kv_config.h"
 #include "kvsparse/model.h"
 #include "kvsparse/runtime.h"
@@ -623,6 +626,92 @@ TEST_F(ServerTest, HarnessFieldsAndTokenizerEndpoints) {
   e = ExpectError(Post("/v1/completions", R"({"prompt": "x", "response_format": {"type": "json_object"}})"), 400,
                   "response_format json_object");
   EXPECT_EQ(e["param"], "response_format.type");
+}
+
+// lm-eval's loglikelihood request (openai_completions.py): context and continuation as one token
+// list, max_tokens 1, logprobs 1, echo; the harness sums token_logprobs[ctxlen:-1] and calls the
+// continuation greedy when each token is its top_logprobs' best. Every prompt log-probability is
+// the model's, as a plain forward pass over the same tokens gives it.
+TEST_F(ServerTest, LoglikelihoodViaEchoMatchesTheModel) {
+  const Reply tok = Post("/tokenize", R"({"prompt": "Once upon a time there was a little girl"})");
+  ASSERT_EQ(tok.status, 200) << tok.body;
+  const std::vector<int32_t> tokens = tok.json().at("tokens").get<std::vector<int32_t>>();
+  const size_t n = tokens.size();
+  ASSERT_GE(n, 6u);
+  const size_t ctxlen = 4;
+  Json body = {{"model", kModelId}, {"prompt", {tokens}}, {"max_tokens", 1}, {"temperature", 0},
+               {"logprobs", 1},     {"echo", true},        {"seed", 1234}};
+  const Reply r = Post("/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const Json reply = r.json();
+  const Json& lp = reply["choices"][0].at("logprobs");
+  const Json& token_logprobs = lp.at("token_logprobs");
+  const Json& top = lp.at("top_logprobs");
+  ASSERT_EQ(token_logprobs.size(), n + 1);  // the prompt, then the one generated token
+  ASSERT_EQ(lp.at("tokens").size(), n + 1);
+  ASSERT_EQ(lp.at("text_offset").size(), n + 1);
+  EXPECT_TRUE(token_logprobs[0].is_null());
+  EXPECT_TRUE(top[0].is_null());
+  std::string text;
+  for (size_t i = 0; i <= n; ++i) {
+    EXPECT_EQ(lp["text_offset"][i], text.size()) << i;
+    text += lp["tokens"][i].get<std::string>();
+  }
+  EXPECT_EQ(reply["choices"][0]["text"], text);
+
+  // The reference: one dense forward pass over the prompt, every row's logits.
+  const Model& model = *env_->model;
+  const int32_t n_vocab = model.config().n_vocab;
+  ContiguousKvCache cache(KvGeometry{model.config().n_layers, model.config().n_kv_heads, model.config().head_dim},
+                          KvStorage::kF16, 1, static_cast<int32_t>(n));
+  Engine engine(model, &cache, 2);
+  std::vector<float> logits(n * static_cast<size_t>(n_vocab));
+  ASSERT_TRUE(engine.Forward(0, tokens.data(), static_cast<int32_t>(n), 0, logits.data(), /*all_logits=*/true).ok());
+  double continuation = 0, expected = 0;
+  bool greedy = true, expected_greedy = true;
+  for (size_t i = 1; i < n; ++i) {
+    const TokenLogprob want = LogprobOf(logits.data() + (i - 1) * n_vocab, n_vocab, tokens[i], 1);
+    EXPECT_NEAR(token_logprobs[i].get<double>(), want.logprob, 2e-3) << "prompt token " << i;
+    ASSERT_EQ(top[i].size(), 1u);
+    if (i < ctxlen) continue;
+    continuation += token_logprobs[i].get<double>();
+    expected += want.logprob;
+    greedy = greedy && top[i].begin().key() == lp["tokens"][i].get<std::string>();
+    expected_greedy = expected_greedy && want.top[0].first == tokens[i];
+  }
+  EXPECT_NEAR(continuation, expected, 1e-2);
+  EXPECT_EQ(greedy, expected_greedy);
+  // The generated token is the greedy one, with its own log-probability.
+  const TokenLogprob last = LogprobOf(logits.data() + (n - 1) * n_vocab, n_vocab, 0, 1);
+  EXPECT_NEAR(token_logprobs[n].get<double>(), last.top[0].second, 2e-3);
+
+  // max_tokens 0: the prompt scored, nothing generated.
+  body["max_tokens"] = 0;
+  const Reply scored = Post("/v1/completions", body.dump());
+  ASSERT_EQ(scored.status, 200) << scored.body;
+  EXPECT_EQ(scored.json()["choices"][0]["logprobs"]["token_logprobs"].size(), n);
+  EXPECT_EQ(scored.json()["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(scored.json()["usage"]["completion_tokens"], 0);
+
+  // Chat: the content list, each token with its alternatives, the greedy token the best of them.
+  const Reply chat = Post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "Hi"}],
+      "max_tokens": 3, "temperature": 0, "logprobs": true, "top_logprobs": 2})");
+  ASSERT_EQ(chat.status, 200) << chat.body;
+  const Json chat_reply = chat.json();
+  const Json& content = chat_reply["choices"][0]["logprobs"].at("content");
+  ASSERT_FALSE(content.empty());
+  std::string joined;
+  for (const Json& item : content) {
+    ASSERT_EQ(item.at("top_logprobs").size(), 2u);
+    EXPECT_LE(item.at("logprob").get<double>(), 0.0);
+    EXPECT_NEAR(item.at("logprob").get<double>(), item["top_logprobs"][0].at("logprob").get<double>(), 1e-6);
+    EXPECT_EQ(item.at("bytes").size(), item.at("token").get<std::string>().size());
+    joined += item.at("token").get<std::string>();
+  }
+  EXPECT_EQ(chat_reply["choices"][0]["message"]["content"], joined);
+  // Without logprobs the field stays null.
+  const Reply plain = Post("/v1/completions", CompletionBody("Once", 2));
+  EXPECT_TRUE(plain.json()["choices"][0].at("logprobs").is_null());
 }
 
 // The "kvsparse" extension runs one request under its own method and budget.

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kvsparse/engine.h"
+#include "kvsparse/logprob.h"
 #include "kvsparse/sampler.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/status.h"
@@ -71,6 +72,13 @@ struct GenerationRequest {
   std::optional<std::chrono::steady_clock::time_point> deadline;  // kTimeout past it
   // This request's own methods and budgets (KvLayersWithOverride); null: the server's config.
   std::shared_ptr<const std::vector<LayerKvConfig>> kv_layers;
+  // >= 0: each generated token comes with its TokenLogprob (logprob.h) and this many
+  // alternatives (WaitNext's logprobs); -1: none.
+  int32_t logprobs = -1;
+  // The prompt's own log-probabilities too (RequestHandle::prompt_logprobs; max(logprobs, 0)
+  // alternatives): its chunks compute every row's logits, and it never starts from another
+  // request's pages. With echo, max_tokens may be 0 (score the prompt, generate nothing).
+  bool echo = false;
 };
 
 // What one request did, filled as it runs.
@@ -103,7 +111,11 @@ class RequestHandle {
   // Waits until new tokens are there, the request ended, or `timeout` passed; appends the
   // tokens produced since the last call to *tokens. Returns false once the request has ended
   // and every token has been taken.
-  bool WaitNext(std::vector<int32_t>* tokens, std::chrono::milliseconds timeout);
+  bool WaitNext(std::vector<int32_t>* tokens, std::chrono::milliseconds timeout,
+                std::vector<TokenLogprob>* logprobs = nullptr);
+  // With echo: one entry per prompt token (the first's logprob NaN), complete once the prompt
+  // has run (before its first generated token is delivered); empty before.
+  std::vector<TokenLogprob> prompt_logprobs() const;
   // Ends the request (kCancelled unless it already ended); its pages are freed at the next step.
   void Cancel();
   // Ends it as kStop (e.g. the caller matched a stop string), freeing its pages the same way.
@@ -123,6 +135,8 @@ class RequestHandle {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int32_t> pending_;  // produced, not yet taken
+  std::vector<TokenLogprob> pending_logprobs_;  // [pending_] with GenerationRequest::logprobs
+  std::vector<TokenLogprob> prompt_logprobs_;   // with echo, once the prompt has run
   bool ended_ = false;            // FinishReason set
   FinishReason reason_ = FinishReason::kNone;
   bool stop_requested_ = false;   // Cancel / Finish asked; the scheduler ends it at its next step
@@ -193,6 +207,10 @@ class Scheduler {
   bool IsDense(const Active& a) const;  // every layer of its config keeps every token
   const std::vector<LayerKvConfig>& LayersOf(const Active& a) const;  // its own config, or the server's
   void SharePrefix(Active& a);          // after acquiring a's sequence
+  // An echo request's prompt chunk b ran with every row's logits: the log-probabilities of the
+  // prompt tokens its rows predict; at the prompt's end the last row's logits go to sampling and
+  // the list to the handle.
+  void ScorePromptRows(Active& a, const BatchSequence& b, bool ends_prompt);
   void WorkerLoop();
   void PublishStats();  // the step state's gauges into stats_
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "kvsparse/paged_kv_cache.h"
 #include "common/timing.h"
@@ -39,13 +40,24 @@ void detail::SchedulerWaker::Notify() {
 
 // ---- RequestHandle ----
 
-bool RequestHandle::WaitNext(std::vector<int32_t>* tokens, std::chrono::milliseconds timeout) {
+bool RequestHandle::WaitNext(std::vector<int32_t>* tokens, std::chrono::milliseconds timeout,
+                             std::vector<TokenLogprob>* logprobs) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, timeout, [&] { return !pending_.empty() || ended_; });
   tokens->insert(tokens->end(), pending_.begin(), pending_.end());
+  if (logprobs != nullptr) {
+    logprobs->insert(logprobs->end(), std::make_move_iterator(pending_logprobs_.begin()),
+                     std::make_move_iterator(pending_logprobs_.end()));
+  }
+  pending_logprobs_.clear();
   const bool had = !pending_.empty();
   pending_.clear();
   return had || !ended_;
+}
+
+std::vector<TokenLogprob> RequestHandle::prompt_logprobs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return prompt_logprobs_;
 }
 
 void RequestHandle::RequestStop(FinishReason reason) {
@@ -96,6 +108,12 @@ struct Scheduler::Active {
   Sampler sampler;
   std::vector<float> logits;    // [n_vocab]
   Clock::time_point submitted;
+  // echo: every row's logits of its prompt chunks ([chunk, n_vocab]), the prompt's
+  // log-probabilities as they come, and whether they are complete (a recompute after a
+  // preemption does not redo them).
+  std::vector<float> echo_logits;
+  std::vector<TokenLogprob> prompt_logprobs;
+  bool echo_done = false;
 
   Active(GenerationRequest r, const SamplerParams& p) : request(std::move(r)), sampler(p) {}
   int32_t remaining() const { return static_cast<int32_t>(tokens.size()) - n_computed; }
@@ -140,8 +158,9 @@ StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest req
                                               n_vocab_));
     }
   }
-  if (request.max_tokens < 1) {
-    return InvalidArgumentError(fmt::format("max_tokens must be >= 1, got {}", request.max_tokens));
+  if (request.max_tokens < (request.echo ? 0 : 1)) {
+    return InvalidArgumentError(fmt::format("max_tokens must be >= {}, got {}", request.echo ? 0 : 1,
+                                            request.max_tokens));
   }
   if (prompt + request.max_tokens > options_.max_context) {
     return InvalidArgumentError(fmt::format("the prompt has {} tokens and max_tokens is {}: together above the context "
@@ -211,6 +230,7 @@ void Scheduler::Preempt(Active& a) {
   a.seq = -1;
   a.reserved = 0;
   a.n_computed = 0;  // recomputed from its prompt and generated tokens
+  if (!a.echo_done) a.prompt_logprobs.clear();  // scored again from the first row
   {
     std::lock_guard<std::mutex> lock(a.handle->mu_);
     ++a.handle->stats_.preemptions;
@@ -232,7 +252,7 @@ void Scheduler::SharePrefix(Active& a) {
   // Only dense sequences: a full-policy table holds every position, so a fork trimmed to the
   // common prefix is exactly the cache a recomputation would build. (A sparse table has chosen
   // its tokens with the rest of its prompt in view.)
-  if (!IsDense(a)) return;
+  if (!IsDense(a) || (a.request.echo && !a.echo_done)) return;  // echo scores every prompt row itself
   const int32_t page = controller_->cache()->page_size();
   Active* donor = nullptr;
   int32_t best = 0;
@@ -327,6 +347,29 @@ bool Scheduler::Admit() {
   return admitted;
 }
 
+void Scheduler::ScorePromptRows(Active& a, const BatchSequence& b, bool ends_prompt) {
+  const int top = std::max(a.request.logprobs, 0);
+  const size_t prompt = a.request.prompt.size();
+  if (b.pos0 == 0) {  // nothing predicts the first token
+    TokenLogprob first;
+    first.token = a.request.prompt[0];
+    first.logprob = std::numeric_limits<float>::quiet_NaN();
+    a.prompt_logprobs.push_back(std::move(first));
+  }
+  for (int32_t j = 0; j < b.n; ++j) {
+    const size_t next = static_cast<size_t>(b.pos0) + j + 1;  // the token row j predicts
+    if (next >= prompt) break;
+    a.prompt_logprobs.push_back(
+        LogprobOf(a.echo_logits.data() + static_cast<size_t>(j) * n_vocab_, n_vocab_, a.request.prompt[next], top));
+  }
+  if (!ends_prompt) return;
+  std::copy_n(a.echo_logits.data() + static_cast<size_t>(b.n - 1) * n_vocab_, n_vocab_, a.logits.data());
+  std::vector<float>().swap(a.echo_logits);
+  a.echo_done = true;
+  std::lock_guard<std::mutex> lock(a.handle->mu_);
+  a.handle->prompt_logprobs_ = std::move(a.prompt_logprobs);
+}
+
 bool Scheduler::Step() {
   const auto now = Clock::now();
   bool progressed = false;
@@ -387,6 +430,11 @@ bool Scheduler::Step() {
       b.pos0 = a.n_computed;
       b.phase = phase;
       b.logits = n == a.remaining() ? a.logits.data() : nullptr;
+      if (a.request.echo && !a.echo_done && phase != EvictionPoint::kDecodeStep) {
+        a.echo_logits.resize(static_cast<size_t>(n) * n_vocab_);  // every row's, for the prompt's logprobs
+        b.logits = a.echo_logits.data();
+        b.all_logits = true;
+      }
       batch.push_back(b);
       members.push_back(&a);
       rows += n;
@@ -437,12 +485,18 @@ bool Scheduler::Step() {
     int64_t generated = 0;
     for (size_t i = 0; i < members.size(); ++i) {
       Active& a = *members[i];
+      const bool ends_prompt = batch[i].n == a.remaining();  // its last row's logits pick the next token
       a.n_computed += batch[i].n;
       const size_t kv_bytes = cache.SequenceLiveBytes(a.seq);  // its pages' live slots now
       FinishReason finish = FinishReason::kNone;
-      if (batch[i].logits != nullptr) {
+      if (batch[i].all_logits) ScorePromptRows(a, batch[i], ends_prompt);
+      if (ends_prompt && a.request.max_tokens == 0) {
+        finish = FinishReason::kLength;  // echo only: the prompt is scored, nothing to generate
+      } else if (ends_prompt) {
         const int32_t token = a.sampler.Sample(a.logits.data(), n_vocab_);
         a.sampler.AcceptGenerated(token);
+        TokenLogprob logprob;
+        if (a.request.logprobs >= 0) logprob = LogprobOf(a.logits.data(), n_vocab_, token, a.request.logprobs);
         a.tokens.push_back(token);
         ++a.n_generated;
         ++generated;
@@ -456,7 +510,10 @@ bool Scheduler::Step() {
           if (st.ttft_s < 0) st.ttft_s = t;
           st.token_times_s.push_back(t);
           st.kv_peak_bytes = std::max(st.kv_peak_bytes, kv_bytes);
-          if (!stop) a.handle->pending_.push_back(token);  // end-of-generation tokens are not text
+          if (!stop) {  // end-of-generation tokens are not text
+            a.handle->pending_.push_back(token);
+            if (a.request.logprobs >= 0) a.handle->pending_logprobs_.push_back(std::move(logprob));
+          }
         }
         a.handle->cv_.notify_all();
         if (stop) {

@@ -123,6 +123,11 @@ struct Generation {
   Clock::time_point start;
   double timeout_s = 0;         // the deadline, from start
   std::vector<int32_t> tokens;  // scratch for WaitNext
+  // logprobs / echo (non-streaming): every delivered token's log-probability and text, in order.
+  bool wants_logprobs = false;
+  std::vector<TokenLogprob> logprobs;  // scratch for WaitNext
+  std::vector<LogprobEntry> entries;
+  size_t pieces_bytes = 0;  // the entries' text so far (their next text_offset)
   bool stopped_by_string = false;
   bool cancelled_by_server = false;  // HttpServer::Stop ran out of grace
   bool ended = false;                // WaitNext returned false (or the server cancelled it)
@@ -206,6 +211,11 @@ struct HttpServer::Impl {
   std::variant<KvLayers, ApiError> KvOverrideLayers(const KvOverride& kv) const;
   // What the tokens WaitNext gave (waiting up to kPollInterval) add to the text.
   std::string Pull(Generation& g);
+  // A token's text as responses show it (control tokens, and end-of-generation ones when
+  // skip_eog, are empty; without a tokenizer "<id> ").
+  std::string VisiblePiece(int32_t token, bool skip_eog) const;
+  // logprobs: one more token of g's entries, its text starting where the entries' text ends.
+  void AddLogprobEntry(Generation& g, const TokenLogprob& logprob, const std::string& piece);
   // After the end: the finish_reason, or the error the client gets.
   std::variant<std::string, ApiError> Outcome(const Generation& g) const;
   void RecordEnd(Generation& g);
@@ -551,6 +561,8 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   }
   if (!r.ignore_eos) g.stop_tokens = stop_tokens;
   g.stop_tokens.insert(g.stop_tokens.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
+  g.logprobs = r.logprobs;
+  g.echo = r.echo;
   g.kv_layers = std::get<KvLayers>(std::move(kv_layers));
   double timeout_s = options.request_timeout_s;
   if (r.timeout_s) timeout_s = std::min(timeout_s, *r.timeout_s);
@@ -570,6 +582,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   gen->chat = chat;
   gen->include_usage = r.stream && r.include_usage_in_stream;
   gen->skip_eog = !r.ignore_eos;
+  gen->wants_logprobs = r.logprobs >= 0;
   gen->start = start;
   gen->timeout_s = timeout_s;
   gen->meta.id = CompletionId(chat, next_id.fetch_add(1));
@@ -611,6 +624,30 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
     result.id = gen->meta.id;
     result.created = gen->meta.created;
     result.model = model_id;
+    if (gen->wants_logprobs || r.echo) {
+      // A stop string cut the text: the tokens from the cut on are not part of it.
+      std::erase_if(gen->entries,
+                    [&](const LogprobEntry& e) { return e.text_offset >= text.size() && !e.piece.empty(); });
+      std::vector<LogprobEntry> entries;
+      std::string echoed;
+      if (r.echo) {  // the prompt as its tokens' text, each with its log-probability
+        const std::vector<TokenLogprob> prompt_logprobs = gen->handle->prompt_logprobs();
+        Generation scratch(std::vector<std::string>{});
+        for (const TokenLogprob& lp : prompt_logprobs) AddLogprobEntry(scratch, lp, VisiblePiece(lp.token, false));
+        for (const LogprobEntry& e : scratch.entries) echoed += e.piece;
+        entries = std::move(scratch.entries);
+      }
+      for (LogprobEntry& e : gen->entries) {
+        e.text_offset += echoed.size();
+        entries.push_back(std::move(e));
+      }
+      text = echoed + text;
+      if (gen->wants_logprobs) {
+        result.logprobs = std::move(entries);
+      } else {  // echo alone: the text, without log-probabilities
+        result.logprobs.reset();
+      }
+    }
     result.text = std::move(text);
     result.finish_reason = std::get<std::string>(outcome);
     result.prompt_tokens = stats.prompt_tokens;
@@ -647,6 +684,23 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   guard.handed_off = true;  // the content provider and its releaser own it now
 }
 
+std::string HttpServer::Impl::VisiblePiece(int32_t token, bool skip_eog) const {
+  if (!tokenizer) return fmt::format("{} ", token);
+  const size_t i = static_cast<size_t>(token);
+  if (i < hidden_token.size() && (hidden_token[i] || (skip_eog && eog_token[i]))) return {};
+  return tokenizer->TokenToPiece(token);
+}
+
+void HttpServer::Impl::AddLogprobEntry(Generation& g, const TokenLogprob& logprob, const std::string& piece) {
+  LogprobEntry entry;
+  entry.piece = piece;
+  entry.text_offset = g.pieces_bytes;
+  entry.logprob = logprob.logprob;
+  for (const auto& [token, value] : logprob.top) entry.top.emplace_back(VisiblePiece(token, false), value);
+  g.pieces_bytes += piece.size();
+  g.entries.push_back(std::move(entry));
+}
+
 std::string HttpServer::Impl::Pull(Generation& g) {
   if (cancel_all.load()) {
     g.handle->Cancel();
@@ -655,18 +709,15 @@ std::string HttpServer::Impl::Pull(Generation& g) {
     return {};
   }
   g.tokens.clear();
-  const bool more = g.handle->WaitNext(&g.tokens, kPollInterval);
+  g.logprobs.clear();
+  const bool more = g.handle->WaitNext(&g.tokens, kPollInterval, g.wants_logprobs ? &g.logprobs : nullptr);
   generated_tokens_total->Inc(static_cast<double>(g.tokens.size()));
   std::string out;
-  for (int32_t t : g.tokens) {
+  for (size_t k = 0; k < g.tokens.size(); ++k) {
     if (g.text.stopped()) break;
-    if (!tokenizer) {
-      out += g.text.Push(fmt::format("{} ", t));
-      continue;
-    }
-    const size_t i = static_cast<size_t>(t);
-    if (i < hidden_token.size() && (hidden_token[i] || (g.skip_eog && eog_token[i]))) continue;
-    out += g.text.Push(tokenizer->TokenToPiece(t));
+    const std::string piece = VisiblePiece(g.tokens[k], g.skip_eog);
+    if (g.wants_logprobs && k < g.logprobs.size()) AddLogprobEntry(g, g.logprobs[k], piece);
+    out += g.text.Push(piece);
   }
   if (g.text.stopped() && !g.stopped_by_string) {
     g.stopped_by_string = true;

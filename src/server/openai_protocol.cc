@@ -402,17 +402,29 @@ void CheckResponseFormat(const Json& body) {
   }
 }
 
-// Log-probabilities and echo are not computed yet: refused by name rather than answered with
-// "logprobs": null, which harnesses would misread. Their off values (null, false, 0) pass.
-void RefuseLogprobs(const Json& body) {
-  for (const char* key : {"logprobs", "top_logprobs", "echo"}) {
-    const Json* value = Field(body, key);
-    if (value == nullptr) continue;
-    const bool off = (value->is_boolean() && !value->get<bool>()) || (value->is_number() && value->get<double>() == 0);
-    if (!off) {
-      FailValue(key, fmt::format("'{}' is not supported by this server yet (log-probabilities are not computed).",
-                                 key));
+// Completions: `logprobs` an integer (alternatives per token) and `echo`; chat: `logprobs` a
+// boolean and `top_logprobs` the alternatives. At most 20 alternatives (vLLM's default cap).
+void ParseLogprobs(const Json& body, bool chat, CompletionRequest& request) {
+  constexpr int kMaxTopLogprobs = 20;
+  if (chat) {
+    const bool wanted = ReadBool(body, "logprobs", "logprobs").value_or(false);
+    const std::optional<int64_t> top = ReadIntegerIn(body, "top_logprobs", 0, kMaxTopLogprobs);
+    if (top && !wanted && *top > 0) FailValue("top_logprobs", "'top_logprobs' needs 'logprobs': true.");
+    if (wanted) request.logprobs = static_cast<int>(top.value_or(0));
+    if (const Json* echo = Field(body, "echo"); echo != nullptr && !(echo->is_boolean() && !echo->get<bool>())) {
+      FailValue("echo", "'echo' applies to /v1/completions, not to chat.");
     }
+  } else {
+    const Json* logprobs = Field(body, "logprobs");
+    if (logprobs != nullptr && !(logprobs->is_boolean() && !logprobs->get<bool>())) {
+      request.logprobs = static_cast<int>(*ReadIntegerIn(body, "logprobs", 0, kMaxTopLogprobs));
+    }
+    if (auto echo = ReadBool(body, "echo", "echo")) request.echo = *echo;
+  }
+  if (request.stream && (request.logprobs >= 0 || request.echo)) {
+    FailValue(request.echo ? "echo" : "logprobs",
+              fmt::format("'{}' is not supported with 'stream' yet; send the request without streaming.",
+                          request.echo ? "echo" : "logprobs"));
   }
 }
 
@@ -438,8 +450,9 @@ void ParseCompletionFields(const Json& body, bool chat, const ProtocolLimits& li
   }
   // max_completion_tokens replaces max_tokens in OpenAI's current API; it wins when both are sent.
   for (const char* key : {"max_completion_tokens", "max_tokens"}) {
-    if (auto max_tokens = ReadIntegerIn(body, key, 1, limits.max_tokens_limit)) {
+    if (auto max_tokens = ReadIntegerIn(body, key, 0, limits.max_tokens_limit)) {
       request.max_tokens = static_cast<int>(*max_tokens);
+      request.max_tokens_key = key;
       break;
     }
   }
@@ -448,7 +461,6 @@ void ParseCompletionFields(const Json& body, bool chat, const ProtocolLimits& li
   ParseStop(body, limits, request);
   ParseStopTokenIds(body, limits, request);
   CheckResponseFormat(body);
-  RefuseLogprobs(body);
   if (auto stream = ReadBool(body, "stream", "stream")) request.stream = *stream;
   if (const Json* options = Field(body, "stream_options")) {
     if (!options->is_object()) FailType("stream_options", "an object", *options);
@@ -462,6 +474,11 @@ void ParseCompletionFields(const Json& body, bool chat, const ProtocolLimits& li
     request.n = static_cast<int>(*n);
   }
   if (auto ignore_eos = ReadBool(body, "ignore_eos", "ignore_eos")) request.ignore_eos = *ignore_eos;
+  ParseLogprobs(body, chat, request);
+  if (request.max_tokens == 0 && !request.echo) {
+    FailValue(request.max_tokens_key, fmt::format("'{}' must be at least 1 (0 only with 'echo': score the prompt).",
+                                                  request.max_tokens_key));
+  }
   ParseKvOverride(body, request.kv);
   if (auto timeout = ReadNumber(body, "timeout_s", "timeout_s")) {
     if (*timeout <= 0.0) FailValue("timeout_s", fmt::format("'timeout_s' must be greater than 0, got {}.", *timeout));
@@ -607,12 +624,75 @@ std::string CompletionId(bool chat, uint64_t unique) {
   return fmt::format("{}-{:016x}", chat ? "chatcmpl" : "cmpl", unique);
 }
 
+namespace {
+
+OrderedJson LogprobValue(float logprob) { return std::isnan(logprob) ? OrderedJson(nullptr) : OrderedJson(logprob); }
+
+// OpenAI's legacy completions shape: parallel lists, top_logprobs a dict per token (null where the
+// token has no log-probability).
+OrderedJson LegacyLogprobs(const std::vector<LogprobEntry>& entries) {
+  OrderedJson tokens = OrderedJson::array(), token_logprobs = OrderedJson::array(), top = OrderedJson::array(),
+              offsets = OrderedJson::array();
+  for (const LogprobEntry& e : entries) {
+    tokens.push_back(e.piece);
+    token_logprobs.push_back(LogprobValue(e.logprob));
+    if (std::isnan(e.logprob)) {
+      top.push_back(nullptr);
+    } else {
+      OrderedJson alternatives = OrderedJson::object();
+      for (const auto& [piece, logprob] : e.top) {
+        if (!alternatives.contains(piece)) alternatives[piece] = logprob;  // two ids may share a text
+      }
+      top.push_back(std::move(alternatives));
+    }
+    offsets.push_back(e.text_offset);
+  }
+  OrderedJson json = OrderedJson::object();
+  json["tokens"] = std::move(tokens);
+  json["token_logprobs"] = std::move(token_logprobs);
+  json["top_logprobs"] = std::move(top);
+  json["text_offset"] = std::move(offsets);
+  return json;
+}
+
+OrderedJson Utf8Bytes(const std::string& text) {
+  OrderedJson bytes = OrderedJson::array();
+  for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
+  return bytes;
+}
+
+// The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+OrderedJson ChatLogprobs(const std::vector<LogprobEntry>& entries) {
+  OrderedJson content = OrderedJson::array();
+  for (const LogprobEntry& e : entries) {
+    OrderedJson item = OrderedJson::object();
+    item["token"] = e.piece;
+    item["logprob"] = LogprobValue(e.logprob);
+    item["bytes"] = Utf8Bytes(e.piece);
+    OrderedJson top = OrderedJson::array();
+    for (const auto& [piece, logprob] : e.top) {
+      OrderedJson alternative = OrderedJson::object();
+      alternative["token"] = piece;
+      alternative["logprob"] = logprob;
+      alternative["bytes"] = Utf8Bytes(piece);
+      top.push_back(std::move(alternative));
+    }
+    item["top_logprobs"] = std::move(top);
+    content.push_back(std::move(item));
+  }
+  OrderedJson json = OrderedJson::object();
+  json["content"] = std::move(content);
+  return json;
+}
+
+}  // namespace
+
 std::string CompletionResponseBody(const CompletionResult& result) {
   OrderedJson json = Envelope(result.id, "text_completion", result.created, result.model);
   OrderedJson choice = OrderedJson::object();
   choice["text"] = result.text;
   choice["index"] = 0;
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = result.logprobs ? LegacyLogprobs(*result.logprobs) : OrderedJson(nullptr);
   choice["finish_reason"] = NullIfEmpty(result.finish_reason);
   json["choices"] = OrderedJson::array({std::move(choice)});
   json["usage"] = Usage(result.prompt_tokens, result.completion_tokens, result.kv_peak_bytes);
@@ -627,7 +707,7 @@ std::string ChatCompletionResponseBody(const CompletionResult& result) {
   OrderedJson choice = OrderedJson::object();
   choice["index"] = 0;
   choice["message"] = std::move(message);
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = result.logprobs ? ChatLogprobs(*result.logprobs) : OrderedJson(nullptr);
   choice["finish_reason"] = NullIfEmpty(result.finish_reason);
   json["choices"] = OrderedJson::array({std::move(choice)});
   json["usage"] = Usage(result.prompt_tokens, result.completion_tokens, result.kv_peak_bytes);

@@ -64,6 +64,7 @@ struct CompletionRequest {
   bool prompt_is_tokens = false;
   std::vector<ChatMessage> messages;  // chat; roles are system, user or assistant
   int max_tokens = 0;  // the request's max_completion_tokens / max_tokens, else default_max_tokens
+  const char* max_tokens_key = "max_tokens";  // which of the two set it (error messages)
   float temperature = 1.0f;   // [0, 2]; 0 is greedy
   float top_p = 1.0f;         // (0, 1]
   int top_k = 0;              // 0: off (negative values, vLLM's "off", become 0)
@@ -80,6 +81,10 @@ struct CompletionRequest {
   bool include_usage_in_stream = false;  // stream_options.include_usage, only when streaming
   int n = 1;
   bool ignore_eos = false;
+  // Log-probabilities (non-streaming): -1 none, else each token's with this many alternatives
+  // (completions' integer `logprobs`, or chat's `logprobs: true` with `top_logprobs`), in [0, 20].
+  int logprobs = -1;
+  bool echo = false;  // completions: the prompt comes back in `text`, with its log-probabilities
   KvOverride kv;
   std::optional<double> timeout_s;  // > 0
 };
@@ -104,6 +109,15 @@ struct DetokenizeRequest {
 };
 std::variant<DetokenizeRequest, ApiError> ParseDetokenizeRequest(std::string_view body);
 
+// One token of a response's log-probabilities: its text, where that text starts in the choice's
+// text, its log-probability (NaN: null, a prompt's first token) and the alternatives' texts.
+struct LogprobEntry {
+  std::string piece;
+  size_t text_offset = 0;
+  float logprob = 0.f;
+  std::vector<std::pair<std::string, float>> top;
+};
+
 // What a finished request produced, for the non-streaming responses.
 struct CompletionResult {
   std::string id;  // "cmpl-..." / "chatcmpl-..." (CompletionId)
@@ -114,6 +128,10 @@ struct CompletionResult {
   int prompt_tokens = 0;
   int completion_tokens = 0;
   size_t kv_peak_bytes = 0;  // peak KV cache bytes the request held: usage.kv_bytes
+  // With logprobs (or echo): one entry per token of `text`, the echoed prompt's first. Completions
+  // write OpenAI's legacy shape (tokens, token_logprobs, top_logprobs, text_offset), chat its
+  // content list (token, logprob, bytes, top_logprobs); without: "logprobs": null.
+  std::optional<std::vector<LogprobEntry>> logprobs;
 };
 
 // "cmpl-<16 hex digits>" or "chatcmpl-<16 hex digits>"; `unique` comes from the server (a counter

@@ -362,13 +362,33 @@ TEST(ParseCompletionRequest, SamplingExtensionsAndLimits) {
              "response_format.type");
   ParseError(R"({"prompt": "x", "response_format": "json"})", kText, "response_format");
   ParseError(R"({"prompt": "x", "response_format": {}})", kText, "response_format.type");
-  // Not computed yet: refused by name; the off values pass.
-  ParseOk(R"({"prompt": "x", "logprobs": null, "echo": false, "top_logprobs": 0})", kText);
-  ParseOk(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": false})", kChat);
-  ParseError(R"({"prompt": "x", "logprobs": 1})", kText, "logprobs");
-  ParseError(R"({"prompt": "x", "max_tokens": 1, "echo": true})", kText, "echo");
-  ParseError(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 2})", kChat,
-             "logprobs");
+}
+
+// lm-eval's loglikelihood request (max_tokens 0 or 1, logprobs, echo) and the chat form.
+TEST(ParseCompletionRequest, LogprobsAndEcho) {
+  EXPECT_EQ(ParseOk(R"({"prompt": "x"})", kText).logprobs, -1);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "logprobs": null, "echo": false})", kText).logprobs, -1);
+  const CompletionRequest loglikelihood =
+      ParseOk(R"({"prompt": [1, 2, 3], "max_tokens": 0, "logprobs": 1, "echo": true, "temperature": 0})", kText);
+  EXPECT_EQ(loglikelihood.logprobs, 1);
+  EXPECT_TRUE(loglikelihood.echo);
+  EXPECT_EQ(loglikelihood.max_tokens, 0);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "logprobs": 0})", kText).logprobs, 0);
+  const CompletionRequest chat =
+      ParseOk(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 2})", kChat);
+  EXPECT_EQ(chat.logprobs, 2);
+  EXPECT_EQ(ParseOk(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true})", kChat).logprobs, 0);
+  EXPECT_EQ(ParseOk(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": false})", kChat).logprobs, -1);
+
+  ParseError(R"({"prompt": "x", "logprobs": 21})", kText, "logprobs");
+  ParseError(R"({"prompt": "x", "logprobs": -1})", kText, "logprobs");
+  ParseError(R"({"prompt": "x", "echo": 1})", kText, "echo");
+  ParseError(R"({"prompt": "x", "max_tokens": 0, "logprobs": 1})", kText, "max_tokens");
+  ParseError(R"({"prompt": "x", "logprobs": 1, "stream": true})", kText, "logprobs");
+  ParseError(R"({"prompt": "x", "echo": true, "stream": true})", kText, "echo");
+  ParseError(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", kChat, "top_logprobs");
+  ParseError(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": 1})", kChat, "logprobs");
+  ParseError(R"({"messages": [{"role": "user", "content": "x"}], "echo": true})", kChat, "echo");
 }
 
 TEST(ParseCompletionRequest, FlagAndCountErrors) {
@@ -672,6 +692,38 @@ TEST(Sse, EventFraming) {
   EXPECT_EQ(chunk.find('\n'), std::string::npos);
   const std::string event = SseEvent(chunk);
   EXPECT_EQ(event.find("\n\n"), event.size() - 2);
+}
+
+// logprobs in OpenAI's two shapes: the completions' parallel lists (a null where a prompt's first
+// token has none) and chat's content list with UTF-8 bytes.
+TEST(CompletionResponseBody, LogprobShapes) {
+  CompletionResult r;
+  r.id = "cmpl-1";
+  r.text = "<s>Hi!";
+  r.finish_reason = "length";
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  r.logprobs = std::vector<LogprobEntry>{{"<s>", 0, nan, {}},
+                                         {"Hi", 3, -0.5f, {{"Hi", -0.5f}, {"Ho", -1.5f}}},
+                                         {"!", 5, -2.0f, {{".", -0.25f}, {"!", -2.0f}}}};
+  const Json legacy = Json::parse(CompletionResponseBody(r))["choices"][0].at("logprobs");
+  EXPECT_EQ(legacy.at("tokens"), Json::array({"<s>", "Hi", "!"}));
+  EXPECT_TRUE(legacy.at("token_logprobs")[0].is_null());
+  EXPECT_FLOAT_EQ(legacy["token_logprobs"][1].get<float>(), -0.5f);
+  EXPECT_TRUE(legacy.at("top_logprobs")[0].is_null());
+  EXPECT_FLOAT_EQ(legacy["top_logprobs"][2].at(".").get<float>(), -0.25f);
+  EXPECT_EQ(legacy.at("text_offset"), Json::array({0, 3, 5}));
+
+  r.logprobs->erase(r.logprobs->begin());
+  const Json chat = Json::parse(ChatCompletionResponseBody(r))["choices"][0].at("logprobs");
+  ASSERT_EQ(chat.at("content").size(), 2u);
+  const Json& bang = chat["content"][1];
+  EXPECT_EQ(bang.at("token"), "!");
+  EXPECT_FLOAT_EQ(bang.at("logprob").get<float>(), -2.0f);
+  EXPECT_EQ(bang.at("bytes"), Json::array({33}));
+  EXPECT_EQ(bang.at("top_logprobs")[0].at("token"), ".");
+  EXPECT_EQ(bang["top_logprobs"][0].at("bytes"), Json::array({46}));
+  r.logprobs.reset();
+  EXPECT_TRUE(Json::parse(CompletionResponseBody(r))["choices"][0].at("logprobs").is_null());
 }
 
 TEST(TokenizerInfoBody, SpecialTokensAndNulls) {
