@@ -101,6 +101,9 @@ class Engine {
   void CapturePromptTail(const Entry& e, int layer, const AttentionShape& shape, const PrefillSparsity& prefill);
   // Pass 2, in SparsePrefillAttention: whether (seq, layer) has a pattern from pass 1.
   bool HasPromptPattern(int seq, int layer) const;
+  // Pass 2, after LoadPrefillKeys read the chunk's spans: each table's key positions, once per
+  // chunk, for AssembleFromPromptPattern.
+  void TakeChunkKeyPositions(int layer);
   // Pass 2: selection `selection` of kv head h (table `table`) from its pattern, the columns
   // mapped to the chunk's keys. visible: [n_q].
   void AssembleFromPromptPattern(int layer, const PrefillSparsity& prefill, int table, int selection,

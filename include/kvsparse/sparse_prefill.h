@@ -173,6 +173,9 @@ class PrefillSelector {
 void LoadKeyMatrices(KvStorage storage, const KvSpan* spans, int32_t n_spans, int row_heads, int head_dim, int round_to,
                      int n_threads, std::vector<float>* out, int64_t* n_rows);
 
+// The spans' token positions, concatenated in span order (ascending): out [n_tokens].
+void SpanPositions(const KvSpan* spans, int32_t n_spans, std::vector<int32_t>* out);
+
 // Tokens each query sees: visible[i] = the spans' tokens with position <= q_pos[i].
 void VisibleCounts(const KvSpan* spans, int32_t n_spans, const int32_t* q_pos, int32_t n_q,
                    std::vector<int64_t>* visible);

@@ -241,11 +241,15 @@ void LoadKeyMatrices(KvStorage storage, const KvSpan* spans, int32_t n_spans, in
   }
 }
 
+void SpanPositions(const KvSpan* spans, int32_t n_spans, std::vector<int32_t>* out) {
+  out->clear();
+  for (int32_t s = 0; s < n_spans; ++s) out->insert(out->end(), spans[s].positions, spans[s].positions + spans[s].n);
+}
+
 void VisibleCounts(const KvSpan* spans, int32_t n_spans, const int32_t* q_pos, int32_t n_q,
                    std::vector<int64_t>* visible) {
   std::vector<int32_t> positions;  // [n_tokens] ascending
-  for (int32_t s = 0; s < n_spans; ++s)
-    positions.insert(positions.end(), spans[s].positions, spans[s].positions + spans[s].n);
+  SpanPositions(spans, n_spans, &positions);
   visible->resize(static_cast<size_t>(n_q));
   for (int32_t i = 0; i < n_q; ++i) {
     (*visible)[i] = std::upper_bound(positions.begin(), positions.end(), q_pos[i]) - positions.begin();

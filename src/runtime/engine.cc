@@ -471,6 +471,7 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
   const bool from_prompt = prefill.two_pass && HasPromptPattern(e.seq, layer);
   const int round_to = prefill.method == PrefillMethod::kXAttention ? prefill.stride : 1;
   LoadPrefillKeys(e.seq, layer, q_pos, n, from_prompt ? 0 : round_to);
+  if (from_prompt) TakeChunkKeyPositions(layer);
   auto head_spans_of = [&](int h) -> const std::vector<KvSpan>& {
     return per_head ? s.head_spans[static_cast<size_t>(h)] : s.spans;
   };

@@ -155,13 +155,11 @@ struct Engine::PromptEstimate {
     std::vector<VerticalSlashPattern> patterns;
   };
   std::vector<Layer> layers;  // [n_layers]
-  // Pass 2's scratch, one per kv head (they assemble in parallel): the token positions of its
-  // table's keys (ascending) and a pattern with its columns mapped to them.
-  struct Mapped {
-    std::vector<int32_t> positions;  // [n_tokens]
-    VerticalSlashPattern pattern;
-  };
-  std::vector<Mapped> mapped;  // [n_kv_heads]
+  // Pass 2's scratch: each table's token positions (ascending; one table, or one per kv head in
+  // a per-head layer), taken once per chunk, and per kv head (they assemble in parallel) a
+  // pattern with its columns mapped to them.
+  std::vector<std::vector<int32_t>> table_positions;  // [n_tables][n_tokens]
+  std::vector<VerticalSlashPattern> mapped;           // [n_kv_heads]
 };
 
 }  // namespace kvsparse

@@ -21,12 +21,6 @@ namespace {
 
 bool IsTwoPass(const PrefillSparsity& p) { return p.method == PrefillMethod::kVerticalSlash && p.two_pass != 0; }
 
-// Concatenated token positions of spans (ascending: span order).
-void SpanPositions(const std::vector<KvSpan>& spans, std::vector<int32_t>* out) {
-  out->clear();
-  for (const KvSpan& span : spans) out->insert(out->end(), span.positions, span.positions + span.n);
-}
-
 }  // namespace
 
 bool Engine::WantsPromptEstimate(int seq, int32_t n, int32_t max_chunk) const {
@@ -115,7 +109,7 @@ void Engine::CapturePromptTail(const Entry& e, int layer, const AttentionShape& 
                                          s.visible[table].data(), n_q, keys, n_tokens, /*n_threads=*/1, patterns);
     // Columns as positions: pass 2's chunks see other key sets (fewer tokens, other evictions).
     std::vector<int32_t> positions;
-    SpanPositions(spans, &positions);
+    SpanPositions(spans.data(), static_cast<int32_t>(spans.size()), &positions);
     for (int o = 0; o < per_kv; ++o) {
       for (int64_t& column : patterns[o].columns) column = positions[static_cast<size_t>(column)];
     }
@@ -136,26 +130,35 @@ bool Engine::HasPromptPattern(int seq, int layer) const {
          !prompt_estimate_->layers[static_cast<size_t>(layer)].patterns.empty();
 }
 
+void Engine::TakeChunkKeyPositions(int layer) {
+  Scratch& s = *scratch_;
+  const bool per_head = cache_->per_head(layer);
+  const int n_tables = per_head ? cache_->geometry().n_kv_heads : 1;
+  std::vector<std::vector<int32_t>>& positions = prompt_estimate_->table_positions;
+  positions.resize(static_cast<size_t>(n_tables));
+  for (int table = 0; table < n_tables; ++table) {
+    const std::vector<KvSpan>& spans = per_head ? s.head_spans[static_cast<size_t>(table)] : s.spans;
+    SpanPositions(spans.data(), static_cast<int32_t>(spans.size()), &positions[static_cast<size_t>(table)]);
+  }
+}
+
 void Engine::AssembleFromPromptPattern(int layer, const PrefillSparsity& prefill, int table, int selection,
                                        const int64_t* visible, int32_t n_q, PrefillSelection* out) {
-  Scratch& s = *scratch_;
   PromptEstimate& pe = *prompt_estimate_;
   const VerticalSlashPattern& pattern = pe.layers[static_cast<size_t>(layer)].patterns[static_cast<size_t>(selection)];
   const int n_kv = cache_->geometry().n_kv_heads;
   const int per_kv = static_cast<int>(pe.layers[static_cast<size_t>(layer)].patterns.size()) / n_kv;
-  PromptEstimate::Mapped& mapped = pe.mapped[static_cast<size_t>(selection / per_kv)];  // this kv head's
-  if (selection % per_kv == 0) {  // a kv head's selections come in order, on one thread
-    SpanPositions(cache_->per_head(layer) ? s.head_spans[static_cast<size_t>(table)] : s.spans, &mapped.positions);
-  }
+  VerticalSlashPattern& mapped = pe.mapped[static_cast<size_t>(selection / per_kv)];  // this kv head's scratch
+  const std::vector<int32_t>& positions = pe.table_positions[static_cast<size_t>(table)];
   // Each column's index among this chunk's keys; columns the keys lack (evicted, or not yet
   // seen) drop out.
-  mapped.pattern.columns.clear();
+  mapped.columns.clear();
   for (const int64_t position : pattern.columns) {
-    const auto it = std::lower_bound(mapped.positions.begin(), mapped.positions.end(), position);
-    if (it != mapped.positions.end() && *it == position) mapped.pattern.columns.push_back(it - mapped.positions.begin());
+    const auto it = std::lower_bound(positions.begin(), positions.end(), position);
+    if (it != positions.end() && *it == position) mapped.columns.push_back(it - positions.begin());
   }
-  mapped.pattern.diagonals = pattern.diagonals;
-  PrefillSelector::AssembleVerticalSlash(prefill, visible, n_q, mapped.pattern, out);
+  mapped.diagonals = pattern.diagonals;
+  PrefillSelector::AssembleVerticalSlash(prefill, visible, n_q, mapped, out);
 }
 
 }  // namespace kvsparse

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
+#include <vector>
 
 #include "kvsparse/status.h"
 
@@ -27,15 +27,19 @@ TokenLogprob LogprobOf(const float* logits, int32_t n_vocab, int32_t token, int 
   TokenLogprob out;
   out.token = token;
   out.logprob = logprob(token);
-  const int k = std::clamp(top_k, 0, n_vocab);
-  if (k > 0) {
-    std::vector<int32_t> ids(static_cast<size_t>(n_vocab));
-    std::iota(ids.begin(), ids.end(), 0);
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-      return logit(a) > logit(b) || (logit(a) == logit(b) && a < b);
-    });
-    for (int i = 0; i < k; ++i) out.top.emplace_back(ids[static_cast<size_t>(i)], logprob(ids[static_cast<size_t>(i)]));
+  // The k best in one pass, kept sorted (k is small: at most 20 from the API), so an echo's
+  // per-row call allocates k entries rather than sorting the vocabulary's ids.
+  const size_t k = static_cast<size_t>(std::clamp(top_k, 0, n_vocab));
+  if (k == 0) return out;
+  auto before = [&](int32_t a, int32_t b) { return logit(a) > logit(b) || (logit(a) == logit(b) && a < b); };
+  std::vector<int32_t> best;  // [<= k] best first
+  best.reserve(k + 1);
+  for (int32_t i = 0; i < n_vocab; ++i) {
+    if (best.size() == k && !before(i, best.back())) continue;
+    best.insert(std::upper_bound(best.begin(), best.end(), i, before), i);
+    if (best.size() > k) best.pop_back();
   }
+  for (int32_t id : best) out.top.emplace_back(id, logprob(id));
   return out;
 }
 
