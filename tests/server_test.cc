@@ -714,6 +714,177 @@ TEST_F(ServerTest, LoglikelihoodViaEchoMatchesTheModel) {
   EXPECT_TRUE(plain.json()["choices"][0].at("logprobs").is_null());
 }
 
+// lm-evaluation-harness's local-completions client, as its source builds requests and reads
+// replies (lm_eval/models/openai_completions.py, api_models.py): batches of token lists for
+// loglikelihood (max_tokens 1, logprobs 1, echo, seed 1234; the score is the sum of
+// token_logprobs[ctxlen:-1] over the choices sorted by index, greedy when each token's logprob
+// is the largest of its top_logprobs' values), batches of prompts for generate_until (`until`
+// plus the EOS text as `stop`, temperature 0, max_tokens, seed; the texts placed by index), and
+// the tokenizer endpoints. Each batched choice equals the same prompt sent alone.
+TEST_F(ServerTest, LmEvalRequestShapes) {
+  const Reply info = Get("/tokenizer_info");
+  ASSERT_EQ(info.status, 200) << info.body;
+  const std::string eos = info.json().at("eos_token").get<std::string>();
+  auto tokenize = [&](const std::string& text) {
+    const Reply r = Post("/tokenize", Json{{"prompt", text}, {"add_special_tokens", true}}.dump());
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json().at("tokens").get<std::vector<int32_t>>();
+  };
+  // Multiple choice: one context, three continuations (each its own sequence).
+  const std::vector<int32_t> context = tokenize("Once upon a time there was a little girl named");
+  const size_t ctxlen = context.size();
+  std::vector<std::vector<int32_t>> requests;
+  for (int32_t extra : {5, 17, 29}) {
+    requests.push_back(context);
+    requests.back().push_back(extra);
+    requests.back().push_back(extra + 1);
+  }
+  auto loglikelihood_payload = [&](const Json& prompt) {
+    return Json{{"model", kModelId}, {"prompt", prompt}, {"temperature", 0}, {"max_tokens", 1},
+                {"logprobs", 1},     {"seed", 1234},     {"echo", true}}.dump();
+  };
+  // parse_logprobs: (sum, is_greedy) per choice, the choices sorted by index.
+  auto parse_logprobs = [&](const Json& out) {
+    std::vector<Json> choices(out.at("choices").begin(), out.at("choices").end());
+    std::sort(choices.begin(), choices.end(),
+              [](const Json& a, const Json& b) { return a.at("index").get<int>() < b.at("index").get<int>(); });
+    std::vector<std::pair<double, bool>> res;
+    for (const Json& choice : choices) {
+      const Json& token_logprobs = choice.at("logprobs").at("token_logprobs");
+      const Json& top_logprobs = choice.at("logprobs").at("top_logprobs");
+      double sum = 0;
+      bool greedy = true;
+      for (size_t i = ctxlen; i + 1 < token_logprobs.size(); ++i) {
+        const double lp = token_logprobs[i].get<double>();
+        sum += lp;
+        double best = -INFINITY;
+        for (const auto& [piece, value] : top_logprobs[i].items()) best = std::max(best, value.get<double>());
+        greedy = greedy && lp == best;
+      }
+      res.emplace_back(sum, greedy);
+    }
+    return res;
+  };
+  const Reply batch = Post("/v1/completions", loglikelihood_payload(requests));
+  ASSERT_EQ(batch.status, 200) << batch.body;
+  const Json batch_reply = batch.json();
+  const auto batched = parse_logprobs(batch_reply);
+  ASSERT_EQ(batched.size(), requests.size());
+  int prompt_tokens = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Reply alone = Post("/v1/completions", loglikelihood_payload(Json::array({requests[i]})));
+    ASSERT_EQ(alone.status, 200) << alone.body;
+    const auto single = parse_logprobs(alone.json());
+    ASSERT_EQ(single.size(), 1u);
+    EXPECT_NEAR(batched[i].first, single[0].first, 2e-3) << "prompt " << i;
+    EXPECT_LT(batched[i].first, 0.0);
+    EXPECT_EQ(batched[i].second, single[0].second) << "prompt " << i;
+    EXPECT_EQ(batch_reply["choices"][i]["logprobs"]["token_logprobs"].size(), requests[i].size() + 1);
+    prompt_tokens += static_cast<int>(requests[i].size());
+  }
+  EXPECT_EQ(batch_reply["usage"]["prompt_tokens"], prompt_tokens);
+
+  // generate_until: a batch of prompts, five `until` strings and the EOS text as stop.
+  const std::vector<std::string> contexts = {"Once upon a time", "The little dog", "One day, a girl"};
+  const Json stop = {"\n\n", "Question:", "</p>", "###", "Q:", eos};
+  auto generate_payload = [&](const Json& prompt) {
+    return Json{{"prompt", prompt},       {"model", kModelId}, {"max_tokens", 12},
+                {"temperature", 0},       {"stop", stop},      {"seed", 1234}}.dump();
+  };
+  const Reply generated = Post("/v1/completions", generate_payload(contexts));
+  ASSERT_EQ(generated.status, 200) << generated.body;
+  const Json generations = generated.json();
+  std::vector<std::string> texts(generations.at("choices").size());  // parse_generations
+  for (const Json& choice : generations["choices"]) {
+    texts.at(choice.at("index").get<size_t>()) = choice.at("text").get<std::string>();
+  }
+  ASSERT_EQ(texts.size(), contexts.size());
+  for (size_t i = 0; i < contexts.size(); ++i) {
+    const Reply alone = Post("/v1/completions", generate_payload(contexts[i]));
+    ASSERT_EQ(alone.status, 200) << alone.body;
+    EXPECT_EQ(texts[i], alone.json()["choices"][0]["text"].get<std::string>()) << "prompt " << i;
+  }
+  // A bad prompt refuses the whole batch, naming it; nothing is left running.
+  Json bad = requests;
+  bad[1][2] = 99999999;
+  const Json e = ExpectError(Post("/v1/completions", loglikelihood_payload(bad)), 400, "a bad prompt in a batch");
+  EXPECT_EQ(e["param"], "prompt[1][2]");
+}
+
+// n > 1: the copies fork the prompt's pages (it is computed once); each choice is sampled with its
+// own seed; streamed, each chunk carries one choice's index and its tokens' log-probabilities.
+TEST_F(ServerTest, ChoicesShareTheirPromptAndStreamWithLogprobs) {
+  const std::string story =
+      "Once upon a time there was a little girl. She liked to play in the park with her dog. One day the dog "
+      "ran after a red ball and the girl ran after the dog, all the way to the river.";
+  const int64_t reused_before = Idle().prefix_reused_tokens;
+  Json body = {{"prompt", story}, {"max_tokens", 8}, {"temperature", 1.0}, {"seed", 7},
+               {"n", 3},          {"logprobs", 0},   {"ignore_eos", true}};
+  const Reply r = Post("/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const Json reply = r.json();
+  ASSERT_EQ(reply.at("choices").size(), 3u);
+  const int prompt_tokens = reply["usage"]["prompt_tokens"].get<int>();
+  ASSERT_GE(prompt_tokens, 40);
+  EXPECT_GE(Idle().prefix_reused_tokens - reused_before, 2 * (prompt_tokens / 16) * 16 - 2 * 16)
+      << "the copies fork the first's prompt pages";
+  for (int i = 0; i < 3; ++i) {
+    const Json& choice = reply["choices"][i];
+    EXPECT_EQ(choice.at("index"), i);
+    std::string joined;
+    for (const Json& piece : choice.at("logprobs").at("tokens")) joined += piece.get<std::string>();
+    EXPECT_EQ(joined, choice.at("text").get<std::string>());
+  }
+  // Greedy copies agree; the prompt's tokens count once in the usage.
+  body["temperature"] = 0;
+  const Reply greedy = Post("/v1/completions", body.dump());
+  ASSERT_EQ(greedy.status, 200) << greedy.body;
+  const Json g = greedy.json();
+  EXPECT_EQ(g["choices"][0]["text"], g["choices"][1]["text"]);
+  EXPECT_EQ(g["choices"][0]["text"], g["choices"][2]["text"]);
+  EXPECT_EQ(g["usage"]["prompt_tokens"], prompt_tokens);
+  EXPECT_EQ(g["usage"]["completion_tokens"].get<int>(), 3 * 8);
+
+  // Streamed with two prompts x n 2, echo and logprobs: each index's text and log-probabilities
+  // put together equal the non-streamed choice, one finish chunk each, [DONE] last.
+  body = {{"prompt", Json::array({story, "The little dog"})}, {"max_tokens", 6}, {"temperature", 0}, {"n", 2},
+          {"logprobs", 1}, {"echo", true}};
+  const Reply plain_reply = Post("/v1/completions", body.dump());
+  ASSERT_EQ(plain_reply.status, 200) << plain_reply.body;
+  const Json plain = plain_reply.json();
+  body["stream"] = true;
+  const Reply streamed = Post("/v1/completions", body.dump());
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  const std::vector<std::string> events = SseEvents(streamed.body);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::vector<std::string> text(4);
+  std::vector<std::vector<std::string>> tokens(4);
+  std::vector<int> finishes(4, 0);
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const Json c = Json::parse(events[i]);
+    ASSERT_EQ(c.at("choices").size(), 1u);
+    const Json& choice = c["choices"][0];
+    const size_t index = choice.at("index").get<size_t>();
+    ASSERT_LT(index, 4u);
+    EXPECT_EQ(finishes[index], 0) << "nothing after a choice's finish chunk";
+    text[index] += choice.at("text").get<std::string>();
+    if (!choice.at("logprobs").is_null()) {
+      for (const Json& t : choice["logprobs"].at("tokens")) tokens[index].push_back(t.get<std::string>());
+    }
+    if (!choice.at("finish_reason").is_null()) ++finishes[index];
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    const Json& want = plain["choices"][i];
+    EXPECT_EQ(finishes[i], 1) << i;
+    EXPECT_EQ(text[i], want.at("text").get<std::string>()) << i;
+    EXPECT_EQ(tokens[i], want.at("logprobs").at("tokens").get<std::vector<std::string>>()) << i;
+  }
+  EXPECT_EQ(plain["choices"][0]["text"], plain["choices"][1]["text"]);
+  // echo: the prompt's token pieces first (an SPM piece brings its leading space).
+  EXPECT_LE(plain["choices"][0]["text"].get<std::string>().find(story.substr(0, 10)), 1u);
+}
+
 // The "kvsparse" extension runs one request under its own method and budget.
 TEST_F(ServerTest, PerRequestKvMethodEvicts) {
   const int64_t evicted_before = Idle().evicted_tokens;

@@ -49,7 +49,9 @@ struct SchedulerOptions {
   // worst case) and preemption absorbs the excess, as vLLM's optimistic admission does.
   double overcommit = 1.0;
   // A dense request whose prompt starts like a running dense request's computed tokens (at least
-  // a page) forks that sequence (pages shared by reference count) and computes only the rest.
+  // a page) forks that sequence (pages shared by reference count) and computes only the rest;
+  // one whose prompt starts like an earlier request's still being computed waits for it to get
+  // there (n copies of a prompt, several questions on one context).
   bool share_prefixes = true;
 };
 
@@ -206,7 +208,13 @@ class Scheduler {
   int32_t ChunkTokens() const;  // the largest prompt chunk of a step
   bool IsDense(const Active& a) const;  // every layer of its config keeps every token
   const std::vector<LayerKvConfig>& LayersOf(const Active& a) const;  // its own config, or the server's
-  void SharePrefix(Active& a);          // after acquiring a's sequence
+  bool CanShare(const Active& a) const;  // share_prefixes, dense, and not an echo still to score
+  // Leading tokens a's prompt has in common with donor's tokens, at most `limit` and never a's
+  // last (it must be computed for its logits); 0 when donor cannot give its pages to a.
+  int32_t CommonPrefix(const Active& donor, const Active& a, int32_t limit) const;
+  // An earlier admission computes a prefix (a page or more) of a's prompt: a waits to fork it.
+  bool WaitsForDonor(const Active& a) const;
+  void SharePrefix(Active& a);  // a's sequence acquired and still empty: fork the best donor's
   // An echo request's prompt chunk b ran with every row's logits: the log-probabilities of the
   // prompt tokens its rows predict; at the prompt's end the last row's logits go to sampling and
   // the list to the handle.

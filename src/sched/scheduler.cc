@@ -248,22 +248,44 @@ bool Scheduler::IsDense(const Active& a) const {
   return std::all_of(layers.begin(), layers.end(), [](const LayerKvConfig& l) { return l.method == KvMethod::kFull; });
 }
 
-void Scheduler::SharePrefix(Active& a) {
+bool Scheduler::CanShare(const Active& a) const {
   // Only dense sequences: a full-policy table holds every position, so a fork trimmed to the
   // common prefix is exactly the cache a recomputation would build. (A sparse table has chosen
-  // its tokens with the rest of its prompt in view.)
-  if (!IsDense(a) || (a.request.echo && !a.echo_done)) return;  // echo scores every prompt row itself
+  // its tokens with the rest of its prompt in view.) Echo scores every prompt row itself.
+  return options_.share_prefixes && IsDense(a) && !(a.request.echo && !a.echo_done);
+}
+
+int32_t Scheduler::CommonPrefix(const Active& donor, const Active& a, int32_t limit) const {
+  // A fork shares pages, so the donor must store them in the same types.
+  if (&donor == &a || donor.seq < 0 || !IsDense(donor)) return 0;
+  const std::vector<LayerKvConfig>& layers = LayersOf(a);
+  const std::vector<LayerKvConfig>& other = LayersOf(donor);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (layers[l].kv_type != other[l].kv_type) return 0;
+  }
+  limit = std::min<int32_t>({limit, static_cast<int32_t>(donor.tokens.size()), static_cast<int32_t>(a.tokens.size()) - 1});
+  int32_t common = 0;
+  while (common < limit && donor.tokens[common] == a.tokens[common]) ++common;
+  return common;
+}
+
+bool Scheduler::WaitsForDonor(const Active& a) const {
+  if (a.n_computed > 0 || !CanShare(a)) return false;
+  const int32_t page = controller_->cache()->page_size();
+  for (const auto& r : running_) {
+    // Only an earlier admission: the earliest of a group never waits, so the group moves on.
+    if (r->admit_order >= a.admit_order) continue;
+    const int32_t common = CommonPrefix(*r, a, std::numeric_limits<int32_t>::max());
+    if (common >= page && r->n_computed < common) return true;
+  }
+  return false;
+}
+
+void Scheduler::SharePrefix(Active& a) {
+  if (!CanShare(a) || a.n_computed > 0) return;
   const int32_t page = controller_->cache()->page_size();
   Active* donor = nullptr;
   int32_t best = 0;
-  const std::vector<LayerKvConfig>& layers = LayersOf(a);
-  auto same_storage = [&](const Active& r) {
-    const std::vector<LayerKvConfig>& other = LayersOf(r);
-    for (size_t l = 0; l < layers.size(); ++l) {
-      if (layers[l].kv_type != other[l].kv_type) return false;
-    }
-    return true;
-  };
   // Sliding-window layers free the positions their window has passed: the donor must still hold
   // every position the new sequence's next query (at `common`) sees, common - window + 1 on.
   PagedKvCache& cache = *controller_->cache();
@@ -283,11 +305,7 @@ void Scheduler::SharePrefix(Active& a) {
     return true;
   };
   for (const auto& r : running_) {
-    // A fork shares pages, so the donor must store them in the same types.
-    if (r.get() == &a || r->seq < 0 || !IsDense(*r) || !same_storage(*r)) continue;
-    const int32_t limit = std::min<int32_t>(r->n_computed, static_cast<int32_t>(a.tokens.size()) - 1);
-    int32_t common = 0;
-    while (common < limit && r->tokens[common] == a.tokens[common]) ++common;
+    const int32_t common = CommonPrefix(*r, a, r->n_computed);
     if (common > best && windows_cover(*r, common)) {
       best = common;
       donor = r.get();
@@ -339,7 +357,7 @@ bool Scheduler::Admit() {
       a.handle->stats_.kv_reserved_bytes = need;
       a.handle->stats_.queue_s = Seconds(a.submitted, Clock::now());
     }
-    if (options_.share_prefixes) SharePrefix(a);
+    SharePrefix(a);
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
     admitted = true;
@@ -449,6 +467,10 @@ bool Scheduler::Step() {
     size_t chunk_bytes = 0;
     for (auto& a : running_) {
       if (a->remaining() > 1 || a->n_computed == 0) {
+        // A prompt that starts like an earlier request's still being computed (n copies of one
+        // prompt, a batch of questions on one context) waits for it and forks its pages.
+        if (WaitsForDonor(*a)) continue;
+        SharePrefix(*a);
         const int32_t n = std::min({a->remaining(), chunk_limit, options_.step_tokens - rows});
         if (n <= 0) break;
         chunk_bytes += a->chunk_reserve;

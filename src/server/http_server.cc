@@ -112,28 +112,42 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
-// One generation request on its way: the handle, the text filter and what the response needs.
+// One choice on its way: the handle, the text filter and what the response needs.
 struct Generation {
   std::shared_ptr<RequestHandle> handle;
+  int index = 0;  // the choice's index in the response (prompt * n + copy)
   TextStream text;
-  bool chat = false;
-  bool include_usage = false;
   bool skip_eog = true;  // end-of-generation tokens are not shown (ignore_eos shows them)
-  StreamMeta meta;
+  bool echo = false;     // the prompt's text (and log-probabilities) come first
   Clock::time_point start;
   double timeout_s = 0;         // the deadline, from start
   std::vector<int32_t> tokens;  // scratch for WaitNext
-  // logprobs / echo (non-streaming): every delivered token's log-probability and text, in order.
+  std::string unsent;           // text not yet sent (non-streaming: all of it)
+  // logprobs: every delivered token's log-probability and text, in order.
   bool wants_logprobs = false;
   std::vector<TokenLogprob> logprobs;  // scratch for WaitNext
   std::vector<LogprobEntry> entries;
+  size_t entries_sent = 0;  // streaming: entries already in a chunk
   size_t pieces_bytes = 0;  // the entries' text so far (their next text_offset)
+  bool echo_placed = false;       // the echoed prompt is in `unsent` (and `entries`)
+  bool role_sent = false;         // streaming chat: the choice's first delta (role) went out
+  bool finish_sent = false;       // streaming: the choice's finish chunk went out
   bool stopped_by_string = false;
   bool cancelled_by_server = false;  // HttpServer::Stop ran out of grace
   bool ended = false;                // WaitNext returned false (or the server cancelled it)
   bool recorded = false;             // end-of-request metrics taken
 
   explicit Generation(std::vector<std::string> stop) : text(std::move(stop)) {}
+};
+
+// One completion request: its choices (each its own sequence in the scheduler) and what every
+// chunk of its response repeats.
+struct Completion {
+  bool chat = false;
+  bool include_usage = false;
+  int n = 1;  // choices per prompt: usage counts a prompt's tokens once
+  StreamMeta meta;
+  std::vector<std::shared_ptr<Generation>> choices;
 };
 
 // Connections the kernel queues before the accept loop takes them.
@@ -209,8 +223,20 @@ struct HttpServer::Impl {
   // The request flow.
   // The request's "kvsparse" methods and budgets as per-layer settings (null: the server's).
   std::variant<KvLayers, ApiError> KvOverrideLayers(const KvOverride& kv) const;
-  // What the tokens WaitNext gave (waiting up to kPollInterval) add to the text.
-  std::string Pull(Generation& g);
+  // Prompt i of a completions request (or the chat's rendered messages) as token ids.
+  std::variant<std::vector<int32_t>, ApiError> PromptTokens(CompletionRequest& r, size_t i) const;
+  // Submits every choice (prompts x n); on a failure cancels those already submitted.
+  std::variant<std::shared_ptr<Completion>, ApiError> SubmitChoices(CompletionRequest& r,
+                                                                    std::vector<std::vector<int32_t>> prompts,
+                                                                    KvLayers kv_layers, Clock::time_point start);
+  // Waits up to `timeout` for g's next tokens and adds their text to g.unsent (entries too).
+  void Pull(Generation& g, std::chrono::milliseconds timeout);
+  // Once the echoed prompt has run: its text (and log-probabilities) start the choice.
+  void PlaceEcho(Generation& g);
+  // Pulls every choice not yet ended once, sharing kPollInterval between them.
+  void PullAll(Completion& c);
+  void CancelAll(Completion& c);
+  void SendFinished(Completion& c, httplib::Response& res);  // non-streaming: the whole response
   // A token's text as responses show it (control tokens, and end-of-generation ones when
   // skip_eog, are empty; without a tokenizer "<id> ").
   std::string VisiblePiece(int32_t token, bool skip_eog) const;
@@ -219,7 +245,7 @@ struct HttpServer::Impl {
   // After the end: the finish_reason, or the error the client gets.
   std::variant<std::string, ApiError> Outcome(const Generation& g) const;
   void RecordEnd(Generation& g);
-  bool StreamBody(Generation& g, std::string first_text, httplib::DataSink& sink);
+  bool StreamBody(Completion& c, httplib::DataSink& sink);
   void RefreshSchedulerMetrics();
   void StopAccepting();
 };
@@ -468,6 +494,121 @@ std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOver
   return std::make_shared<const std::vector<LayerKvConfig>>(std::move(resolved.layers));
 }
 
+std::variant<std::vector<int32_t>, ApiError> HttpServer::Impl::PromptTokens(CompletionRequest& r, size_t i) const {
+  const std::string param = r.chat ? "messages" : r.prompts.size() == 1 ? "prompt" : fmt::format("prompt[{}]", i);
+  std::vector<int32_t> prompt;
+  if (!r.chat && r.prompts[i].is_tokens) {
+    const int32_t n_vocab = model.config().n_vocab;
+    const std::vector<int32_t>& ids = r.prompts[i].tokens;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      if (ids[k] < 0 || ids[k] >= n_vocab) {
+        return BadRequest(fmt::format("{}[{}]: token id {} is outside the vocabulary [0, {})", param, k, ids[k],
+                                      n_vocab),
+                          fmt::format("{}[{}]", param, k));
+      }
+    }
+    prompt = std::move(r.prompts[i].tokens);
+  } else if (!tokenizer) {
+    return BadRequest(fmt::format("the model '{}' has no tokenizer (no tokenizer.ggml.tokens in its file): send the "
+                                  "prompt as token ids to /v1/completions",
+                                  model_id),
+                      param, "no_tokenizer");
+  } else if (r.chat) {
+    auto text = ApplyChatTemplate(options.chat_template, r.messages, /*add_generation_prompt=*/true);
+    if (!text.ok()) {
+      ApiError e = ApiErrorFromStatus(text.status());
+      if (e.param.empty()) e.param = "messages";
+      return e;
+    }
+    prompt = tokenizer->Encode(*text, /*add_bos=*/true, /*parse_special=*/true);
+  } else {
+    prompt = tokenizer->Encode(r.prompts[i].text, /*add_bos=*/true);
+  }
+  if (prompt.empty()) return BadRequest("the prompt is empty (it has no tokens)", param);
+  const int32_t context = scheduler->options().max_context;
+  if (prompt.size() >= static_cast<size_t>(context)) {
+    return BadRequest(fmt::format("{} has {} tokens but the context is {} tokens (prompt and completion together); "
+                                  "shorten the prompt",
+                                  param, prompt.size(), context),
+                      param, "context_length_exceeded");
+  }
+  return prompt;
+}
+
+std::variant<std::shared_ptr<Completion>, ApiError> HttpServer::Impl::SubmitChoices(
+    CompletionRequest& r, std::vector<std::vector<int32_t>> prompts, KvLayers kv_layers, Clock::time_point start) {
+  auto completion = std::make_shared<Completion>();
+  Completion& c = *completion;
+  c.chat = r.chat;
+  c.include_usage = r.stream && r.include_usage_in_stream;
+  c.n = r.n;
+  c.meta.id = CompletionId(r.chat, next_id.fetch_add(1));
+  c.meta.created = static_cast<int64_t>(std::time(nullptr));
+  c.meta.model = model_id;
+  double timeout_s = options.request_timeout_s;
+  if (r.timeout_s) timeout_s = std::min(timeout_s, *r.timeout_s);
+  const int32_t context = scheduler->options().max_context;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    const int32_t n_prompt = static_cast<int32_t>(prompts[p].size());
+    for (int copy = 0; copy < r.n; ++copy) {
+      GenerationRequest g;
+      // The copies of a prompt are submitted together: the scheduler computes it once and forks
+      // its pages for the others (SchedulerOptions::share_prefixes).
+      g.prompt = copy + 1 < r.n ? prompts[p] : std::move(prompts[p]);
+      // What does not fit the context is cut: the choice then ends with finish_reason "length".
+      g.max_tokens = std::min<int32_t>(r.max_tokens, context - n_prompt);
+      g.sampling.temperature = r.temperature;
+      g.sampling.top_k = r.top_k;
+      g.sampling.top_p = r.top_p;
+      g.sampling.repeat_penalty = r.repeat_penalty;
+      g.sampling.presence_penalty = r.presence_penalty;
+      g.sampling.frequency_penalty = r.frequency_penalty;
+      g.sampling.min_p = r.min_p;
+      g.sampling.logit_bias = r.logit_bias;
+      if (r.seed) {
+        g.sampling.seed = *r.seed + static_cast<uint64_t>(copy);  // the copies differ, reproducibly
+      } else {
+        std::lock_guard<std::mutex> lock(seed_mu);
+        g.sampling.seed = seed_rng();
+      }
+      if (!r.ignore_eos) g.stop_tokens = stop_tokens;
+      g.stop_tokens.insert(g.stop_tokens.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
+      g.logprobs = r.logprobs;
+      g.echo = r.echo;
+      g.kv_layers = kv_layers;
+      g.deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+      auto handle = scheduler->Submit(std::move(g));
+      if (!handle.ok()) {
+        CancelAll(c);
+        ApiError e = ApiErrorFromStatus(handle.status());
+        if (e.http_status == 503) e.code = "server_busy";
+        if (prompts.size() > 1 && e.param.empty()) e.param = fmt::format("prompt[{}]", p);
+        return e;
+      }
+      prompt_tokens_total->Inc(n_prompt);
+      in_flight.fetch_add(1);
+      auto gen = std::make_shared<Generation>(r.stop);
+      gen->handle = std::move(*handle);
+      gen->index = static_cast<int>(c.choices.size());
+      gen->skip_eog = !r.ignore_eos;
+      gen->echo = r.echo;
+      gen->wants_logprobs = r.logprobs >= 0;
+      gen->start = start;
+      gen->timeout_s = timeout_s;
+      c.choices.push_back(std::move(gen));
+    }
+  }
+  return completion;
+}
+
+void HttpServer::Impl::CancelAll(Completion& c) {
+  for (auto& g : c.choices) {
+    if (!g->ended) g->handle->Cancel();
+    g->ended = true;
+    RecordEnd(*g);
+  }
+}
+
 void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Response& res, const std::string& body,
                                         bool chat) {
   const Clock::time_point start = Clock::now();
@@ -483,44 +624,12 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   auto kv_layers = KvOverrideLayers(r.kv);
   if (const ApiError* e = std::get_if<ApiError>(&kv_layers)) return SetError(res, *e);
 
-  // The prompt's tokens.
-  const char* prompt_field = chat ? "messages" : "prompt";
-  std::vector<int32_t> prompt;
-  if (!chat && r.prompt_is_tokens) {
-    const int32_t n_vocab = model.config().n_vocab;
-    for (size_t i = 0; i < r.prompt_tokens.size(); ++i) {
-      const int32_t t = r.prompt_tokens[i];
-      if (t < 0 || t >= n_vocab) {
-        return SetError(res, BadRequest(fmt::format("prompt[{}]: token id {} is outside the vocabulary [0, {})", i,
-                                                    t, n_vocab),
-                                        fmt::format("prompt[{}]", i)));
-      }
-    }
-    prompt = std::move(r.prompt_tokens);
-  } else if (!tokenizer) {
-    return SetError(res, BadRequest(fmt::format("the model '{}' has no tokenizer (no tokenizer.ggml.tokens in its "
-                                                "file): send the prompt as token ids to /v1/completions",
-                                                model_id),
-                                    prompt_field, "no_tokenizer"));
-  } else if (chat) {
-    auto text = ApplyChatTemplate(options.chat_template, r.messages, /*add_generation_prompt=*/true);
-    if (!text.ok()) {
-      ApiError e = ApiErrorFromStatus(text.status());
-      if (e.param.empty()) e.param = "messages";
-      return SetError(res, e);
-    }
-    prompt = tokenizer->Encode(*text, /*add_bos=*/true, /*parse_special=*/true);
-  } else {
-    prompt = tokenizer->Encode(r.prompt, /*add_bos=*/true);
-  }
-  if (prompt.empty()) return SetError(res, BadRequest("the prompt is empty (it has no tokens)", prompt_field));
-  const int32_t context = scheduler->options().max_context;
-  const int32_t n_prompt = static_cast<int32_t>(std::min<size_t>(prompt.size(), INT32_MAX));
-  if (n_prompt >= context) {
-    return SetError(res, BadRequest(fmt::format("the prompt has {} tokens but the context is {} tokens (prompt and "
-                                                "completion together); shorten the prompt",
-                                                prompt.size(), context),
-                                    prompt_field, "context_length_exceeded"));
+  // Every prompt's tokens, before anything is submitted: a bad prompt refuses the whole batch.
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < (chat ? 1 : r.prompts.size()); ++i) {
+    auto prompt = PromptTokens(r, i);
+    if (const ApiError* e = std::get_if<ApiError>(&prompt)) return SetError(res, *e);
+    prompts.push_back(std::move(std::get<std::vector<int32_t>>(prompt)));
   }
   const int32_t n_vocab = model.config().n_vocab;
   for (size_t i = 0; i < r.stop_token_ids.size(); ++i) {
@@ -541,147 +650,88 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
     return SetError(res, MakeError(503, "unavailable_error", "the server is shutting down"));
   }
 
-  GenerationRequest g;
-  g.prompt = std::move(prompt);
-  // What does not fit the context is cut: the response then ends with finish_reason "length".
-  g.max_tokens = std::min<int32_t>(r.max_tokens, context - n_prompt);
-  g.sampling.temperature = r.temperature;
-  g.sampling.top_k = r.top_k;
-  g.sampling.top_p = r.top_p;
-  g.sampling.repeat_penalty = r.repeat_penalty;
-  g.sampling.presence_penalty = r.presence_penalty;
-  g.sampling.frequency_penalty = r.frequency_penalty;
-  g.sampling.min_p = r.min_p;
-  g.sampling.logit_bias = std::move(r.logit_bias);
-  if (r.seed) {
-    g.sampling.seed = *r.seed;
-  } else {
-    std::lock_guard<std::mutex> lock(seed_mu);
-    g.sampling.seed = seed_rng();
-  }
-  if (!r.ignore_eos) g.stop_tokens = stop_tokens;
-  g.stop_tokens.insert(g.stop_tokens.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
-  g.logprobs = r.logprobs;
-  g.echo = r.echo;
-  g.kv_layers = std::get<KvLayers>(std::move(kv_layers));
-  double timeout_s = options.request_timeout_s;
-  if (r.timeout_s) timeout_s = std::min(timeout_s, *r.timeout_s);
-  g.deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-
-  auto handle = scheduler->Submit(std::move(g));
-  if (!handle.ok()) {
-    ApiError e = ApiErrorFromStatus(handle.status());
-    if (e.http_status == 503) e.code = "server_busy";
-    return SetError(res, e);
-  }
-  prompt_tokens_total->Inc(n_prompt);
-  in_flight.fetch_add(1);
-
-  auto gen = std::make_shared<Generation>(std::move(r.stop));
-  gen->handle = std::move(*handle);
-  gen->chat = chat;
-  gen->include_usage = r.stream && r.include_usage_in_stream;
-  gen->skip_eog = !r.ignore_eos;
-  gen->wants_logprobs = r.logprobs >= 0;
-  gen->start = start;
-  gen->timeout_s = timeout_s;
-  gen->meta.id = CompletionId(chat, next_id.fetch_add(1));
-  gen->meta.created = static_cast<int64_t>(std::time(nullptr));
-  gen->meta.model = model_id;
-  // Should anything below throw, the request must not go on generating for nobody.
+  auto submitted = SubmitChoices(r, std::move(prompts), std::get<KvLayers>(std::move(kv_layers)), start);
+  if (const ApiError* e = std::get_if<ApiError>(&submitted)) return SetError(res, *e);
+  std::shared_ptr<Completion> completion = std::get<std::shared_ptr<Completion>>(std::move(submitted));
+  Completion& c = *completion;
+  // Should anything below throw, the choices must not go on generating for nobody.
   struct CancelUnlessHandedOff {
     Impl* impl;
-    std::shared_ptr<Generation> gen;
+    Completion& c;
     bool handed_off = false;
     ~CancelUnlessHandedOff() {
-      if (handed_off) return;
-      if (!gen->ended) gen->handle->Cancel();
-      gen->ended = true;
-      impl->RecordEnd(*gen);
+      if (!handed_off) impl->CancelAll(c);
     }
-  } guard{this, gen};
+  } guard{this, c};
+  auto all_ended = [&] {
+    return std::all_of(c.choices.begin(), c.choices.end(), [](const auto& g) { return g->ended; });
+  };
 
   if (!r.stream) {
     // Nothing is written before the end, so a client that hangs up is seen by watching its
-    // socket between pulls: its request is cancelled and its pages freed at once.
+    // socket between pulls: its choices are cancelled and their pages freed at once.
     const ConnectionWatch watch(req.local_port, req.remote_port);
-    std::string text;
-    while (!gen->ended) {
-      text += Pull(*gen);
-      if (!gen->ended && watch.PeerClosed()) {
-        gen->handle->Cancel();
-        gen->ended = true;
-        RecordEnd(*gen);
+    while (!all_ended()) {
+      PullAll(c);
+      if (!all_ended() && watch.PeerClosed()) {
+        CancelAll(c);
         res.status = 499;  // nginx's "client closed request", for the logs and /metrics; nobody reads it
         return;
       }
     }
-    RecordEnd(*gen);
-    auto outcome = Outcome(*gen);
-    if (const ApiError* e = std::get_if<ApiError>(&outcome)) return SetError(res, *e);
-    const RequestStats stats = gen->handle->stats();
-    CompletionResult result;
-    result.id = gen->meta.id;
-    result.created = gen->meta.created;
-    result.model = model_id;
-    if (gen->wants_logprobs || r.echo) {
-      // A stop string cut the text: the tokens from the cut on are not part of it.
-      std::erase_if(gen->entries,
-                    [&](const LogprobEntry& e) { return e.text_offset >= text.size() && !e.piece.empty(); });
-      std::vector<LogprobEntry> entries;
-      std::string echoed;
-      if (r.echo) {  // the prompt as its tokens' text, each with its log-probability
-        const std::vector<TokenLogprob> prompt_logprobs = gen->handle->prompt_logprobs();
-        Generation scratch(std::vector<std::string>{});
-        for (const TokenLogprob& lp : prompt_logprobs) AddLogprobEntry(scratch, lp, VisiblePiece(lp.token, false));
-        for (const LogprobEntry& e : scratch.entries) echoed += e.piece;
-        entries = std::move(scratch.entries);
-      }
-      for (LogprobEntry& e : gen->entries) {
-        e.text_offset += echoed.size();
-        entries.push_back(std::move(e));
-      }
-      text = echoed + text;
-      if (gen->wants_logprobs) {
-        result.logprobs = std::move(entries);
-      } else {  // echo alone: the text, without log-probabilities
-        result.logprobs.reset();
-      }
-    }
-    result.text = std::move(text);
-    result.finish_reason = std::get<std::string>(outcome);
-    result.prompt_tokens = stats.prompt_tokens;
-    result.completion_tokens = stats.completion_tokens;
-    result.kv_peak_bytes = stats.kv_peak_bytes;
-    res.set_content(chat ? ChatCompletionResponseBody(result) : CompletionResponseBody(result), kJsonType);
-    return;
+    for (auto& g : c.choices) RecordEnd(*g);
+    return SendFinished(c, res);
   }
 
-  // Streaming. Wait for the first text (or the end) before committing to "200 OK", so a request
-  // that fails before its first token gets a real status code.
-  std::string first;
-  while (!gen->ended && first.empty()) first += Pull(*gen);
-  if (gen->ended) {
-    auto outcome = Outcome(*gen);
+  // Streaming. Wait for the first text (or every choice's end) before committing to "200 OK", so
+  // a request that fails before its first token gets a real status code.
+  auto has_output = [](const Generation& g) { return !g.unsent.empty() || g.entries_sent < g.entries.size(); };
+  while (!all_ended() && std::none_of(c.choices.begin(), c.choices.end(), [&](const auto& g) { return has_output(*g); })) {
+    PullAll(c);
+  }
+  for (const auto& g : c.choices) {
+    if (!g->ended) continue;
+    auto outcome = Outcome(*g);
     if (const ApiError* e = std::get_if<ApiError>(&outcome)) {
-      RecordEnd(*gen);
+      CancelAll(c);
       return SetError(res, *e);
     }
   }
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Accel-Buffering", "no");
   res.set_chunked_content_provider(
-      kSseType,
-      [this, gen, first = std::move(first)](size_t, httplib::DataSink& sink) { return StreamBody(*gen, first, sink); },
-      [this, gen](bool) {
+      kSseType, [this, completion](size_t, httplib::DataSink& sink) { return StreamBody(*completion, sink); },
+      [this, completion](bool) {
         // The stream ended early (client gone, server stopping) or never started.
-        if (!gen->ended) {
-          gen->handle->Cancel();
-          gen->ended = true;
-        }
-        RecordEnd(*gen);
+        CancelAll(*completion);
       });
   guard.handed_off = true;  // the content provider and its releaser own it now
+}
+
+void HttpServer::Impl::SendFinished(Completion& c, httplib::Response& res) {
+  CompletionResult result;
+  result.id = c.meta.id;
+  result.created = c.meta.created;
+  result.model = model_id;
+  for (auto& g : c.choices) {
+    auto outcome = Outcome(*g);
+    if (const ApiError* e = std::get_if<ApiError>(&outcome)) return SetError(res, *e);
+    const RequestStats stats = g->handle->stats();
+    if (g->index % c.n == 0) result.prompt_tokens += stats.prompt_tokens;  // a prompt's tokens once
+    result.completion_tokens += stats.completion_tokens;
+    result.kv_peak_bytes += stats.kv_peak_bytes;
+    ChoiceResult choice;
+    choice.text = std::move(g->unsent);
+    choice.finish_reason = std::get<std::string>(outcome);
+    if (g->wants_logprobs) {
+      // A stop string cut the text: the tokens from the cut on are not part of it.
+      std::erase_if(g->entries,
+                    [&](const LogprobEntry& e) { return e.text_offset >= choice.text.size() && !e.piece.empty(); });
+      choice.logprobs = std::move(g->entries);
+    }
+    result.choices.push_back(std::move(choice));
+  }
+  res.set_content(c.chat ? ChatCompletionResponseBody(result) : CompletionResponseBody(result), kJsonType);
 }
 
 std::string HttpServer::Impl::VisiblePiece(int32_t token, bool skip_eog) const {
@@ -701,23 +751,34 @@ void HttpServer::Impl::AddLogprobEntry(Generation& g, const TokenLogprob& logpro
   g.entries.push_back(std::move(entry));
 }
 
-std::string HttpServer::Impl::Pull(Generation& g) {
+void HttpServer::Impl::PlaceEcho(Generation& g) {
+  g.echo_placed = true;
+  for (const TokenLogprob& lp : g.handle->prompt_logprobs()) {
+    const std::string piece = VisiblePiece(lp.token, false);
+    if (g.wants_logprobs) AddLogprobEntry(g, lp, piece);
+    g.unsent += piece;
+  }
+  g.pieces_bytes = g.unsent.size();  // the generated tokens' offsets count the echoed text
+}
+
+void HttpServer::Impl::Pull(Generation& g, std::chrono::milliseconds timeout) {
   if (cancel_all.load()) {
     g.handle->Cancel();
     g.cancelled_by_server = true;
     g.ended = true;
-    return {};
+    return;
   }
   g.tokens.clear();
   g.logprobs.clear();
-  const bool more = g.handle->WaitNext(&g.tokens, kPollInterval, g.wants_logprobs ? &g.logprobs : nullptr);
+  const bool more = g.handle->WaitNext(&g.tokens, timeout, g.wants_logprobs ? &g.logprobs : nullptr);
   generated_tokens_total->Inc(static_cast<double>(g.tokens.size()));
-  std::string out;
+  // The prompt's log-probabilities are complete once its first token is delivered (or it ended).
+  if (g.echo && !g.echo_placed && (!g.tokens.empty() || !more)) PlaceEcho(g);
   for (size_t k = 0; k < g.tokens.size(); ++k) {
     if (g.text.stopped()) break;
     const std::string piece = VisiblePiece(g.tokens[k], g.skip_eog);
     if (g.wants_logprobs && k < g.logprobs.size()) AddLogprobEntry(g, g.logprobs[k], piece);
-    out += g.text.Push(piece);
+    g.unsent += g.text.Push(piece);
   }
   if (g.text.stopped() && !g.stopped_by_string) {
     g.stopped_by_string = true;
@@ -725,9 +786,16 @@ std::string HttpServer::Impl::Pull(Generation& g) {
   }
   if (!more) {
     g.ended = true;
-    if (!g.text.stopped()) out += g.text.Finish();
+    if (!g.text.stopped()) g.unsent += g.text.Finish();
   }
-  return out;
+}
+
+void HttpServer::Impl::PullAll(Completion& c) {
+  const auto active = std::count_if(c.choices.begin(), c.choices.end(), [](const auto& g) { return !g->ended; });
+  const auto slice = std::max(std::chrono::milliseconds(1), kPollInterval / std::max<decltype(active)>(active, 1));
+  for (auto& g : c.choices) {
+    if (!g->ended) Pull(*g, slice);
+  }
 }
 
 std::variant<std::string, ApiError> HttpServer::Impl::Outcome(const Generation& g) const {
@@ -770,48 +838,76 @@ void HttpServer::Impl::RecordEnd(Generation& g) {
   duration->Observe(std::chrono::duration<double>(Clock::now() - g.start).count());
 }
 
-bool HttpServer::Impl::StreamBody(Generation& g, std::string first_text, httplib::DataSink& sink) {
+bool HttpServer::Impl::StreamBody(Completion& c, httplib::DataSink& sink) {
   try {
     auto send = [&](const std::string& event) {
       if (sink.write(event.data(), event.size())) return true;
-      // The client is gone: free the request's sequence and pages now.
-      g.handle->Cancel();
-      g.ended = true;
+      // The client is gone: free the choices' sequences and pages now.
+      CancelAll(c);
       return false;
     };
-    auto send_text = [&](const std::string& text) {
-      if (text.empty()) return true;
-      return send(SseEvent(g.chat ? ChatDeltaChunk(g.meta, text, /*first=*/false) : CompletionChunk(g.meta, text)));
+    // What a choice has that the client has not: its text and its tokens' log-probabilities.
+    auto flush = [&](Generation& g) {
+      if (c.chat && !g.role_sent) {  // as OpenAI: the role first, with empty content
+        g.role_sent = true;
+        if (!send(SseEvent(ChatDeltaChunk(c.meta, g.index, "", /*first=*/true)))) return false;
+      }
+      if (g.unsent.empty() && g.entries_sent == g.entries.size()) return true;
+      std::vector<LogprobEntry> slice(g.entries.begin() + static_cast<std::ptrdiff_t>(g.entries_sent), g.entries.end());
+      const std::vector<LogprobEntry>* logprobs = g.wants_logprobs ? &slice : nullptr;
+      const std::string chunk = c.chat ? ChatDeltaChunk(c.meta, g.index, g.unsent, /*first=*/false, logprobs)
+                                       : CompletionChunk(c.meta, g.index, g.unsent, {}, logprobs);
+      g.unsent.clear();
+      g.entries_sent = g.entries.size();
+      return send(SseEvent(chunk));
     };
-    if (g.chat && !send(SseEvent(ChatDeltaChunk(g.meta, "", /*first=*/true)))) return false;
-    if (!send_text(first_text)) return false;
-    while (!g.ended) {
-      if (!send_text(Pull(g))) return false;
-    }
-    RecordEnd(g);
-    auto outcome = Outcome(g);
-    if (const ApiError* e = std::get_if<ApiError>(&outcome)) {
-      if (!send(SseEvent(ErrorBody(*e)))) return false;
-    } else {
-      const std::string& reason = std::get<std::string>(outcome);
-      if (!send(SseEvent(g.chat ? ChatFinishChunk(g.meta, reason) : CompletionChunk(g.meta, "", reason)))) return false;
-      if (g.include_usage) {
-        const RequestStats stats = g.handle->stats();
-        if (!send(SseEvent(UsageChunk(g.meta, g.chat, stats.prompt_tokens, stats.completion_tokens,
-                                      stats.kv_peak_bytes)))) {
+    for (;;) {
+      bool all_finished = true;
+      for (auto& gp : c.choices) {
+        Generation& g = *gp;
+        if (g.finish_sent) continue;
+        if (!flush(g)) return false;
+        if (!g.ended) {
+          all_finished = false;
+          continue;
+        }
+        RecordEnd(g);
+        auto outcome = Outcome(g);
+        if (const ApiError* e = std::get_if<ApiError>(&outcome)) {
+          // One choice failed: the stream ends with its error, the others are cancelled.
+          CancelAll(c);
+          if (!send(SseEvent(ErrorBody(*e)))) return false;
+          if (!send(std::string(kSseDone))) return false;
+          sink.done();
+          return true;
+        }
+        const std::string& reason = std::get<std::string>(outcome);
+        if (!send(SseEvent(c.chat ? ChatFinishChunk(c.meta, g.index, reason)
+                                  : CompletionChunk(c.meta, g.index, "", reason)))) {
           return false;
         }
+        g.finish_sent = true;
       }
+      if (all_finished) break;
+      PullAll(c);
+    }
+    if (c.include_usage) {
+      int prompt_tokens = 0, completion_tokens = 0;
+      size_t kv_bytes = 0;
+      for (const auto& g : c.choices) {
+        const RequestStats stats = g->handle->stats();
+        if (g->index % c.n == 0) prompt_tokens += stats.prompt_tokens;
+        completion_tokens += stats.completion_tokens;
+        kv_bytes += stats.kv_peak_bytes;
+      }
+      if (!send(SseEvent(UsageChunk(c.meta, c.chat, prompt_tokens, completion_tokens, kv_bytes)))) return false;
     }
     if (!send(std::string(kSseDone))) return false;
     sink.done();
     return true;
   } catch (...) {
     // Nothing may escape: httplib runs this outside its handler's try block.
-    if (!g.ended) {
-      g.handle->Cancel();
-      g.ended = true;
-    }
+    CancelAll(c);
     return false;
   }
 }

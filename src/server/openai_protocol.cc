@@ -182,37 +182,47 @@ void CheckPromptBytes(size_t bytes, const std::string& param, const ProtocolLimi
 void ParsePrompt(const Json& body, const ProtocolLimits& limits, CompletionRequest& request) {
   const Json* prompt = Field(body, "prompt");
   if (prompt == nullptr) Fail("prompt", "missing_required_parameter", "Missing required parameter: 'prompt'.");
-  constexpr std::string_view kShapes = "a string, an array of one string, or an array of token ids";
+  constexpr std::string_view kShapes =
+      "a string, an array of strings, an array of token ids, or an array of token-id arrays";
+  // OpenAI's four shapes: one prompt (a string or token ids) or a batch (an array of either).
   if (prompt->is_string()) {
-    request.prompt = prompt->get<std::string>();
-  } else if (prompt->is_array()) {
-    if (prompt->empty()) FailValue("prompt", "'prompt' must not be empty.");
-    const Json& first = (*prompt)[0];
-    if (first.is_string()) {
-      // OpenAI's batch form; one string is the only batch this server takes.
-      if (prompt->size() != 1) {
-        FailValue("prompt", fmt::format("'prompt' has {} strings; batched prompts are not supported, send one.",
-                                        prompt->size()));
-      }
-      request.prompt = first.get<std::string>();
-    } else if (first.is_array() && prompt->size() == 1 && IsTokenIdArray(first)) {
-      request.prompt_tokens = TokenIds(first, "prompt[0]");  // batch form of one token list
-      request.prompt_is_tokens = true;
-    } else if (IsTokenIdArray(*prompt)) {
-      request.prompt_tokens = TokenIds(*prompt, "prompt");
-      request.prompt_is_tokens = true;
-    } else {
-      FailType("prompt", kShapes, *prompt);
-    }
-  } else {
+    request.prompts.push_back(PromptInput{prompt->get<std::string>(), {}, false});
+  } else if (!prompt->is_array()) {
     FailType("prompt", kShapes, *prompt);
-  }
-  if (request.prompt_is_tokens) {
-    if (request.prompt_tokens.empty()) FailValue("prompt", "'prompt' must not be empty.");
+  } else if (prompt->empty()) {
+    FailValue("prompt", "'prompt' must not be empty.");
+  } else if (IsTokenIdArray(*prompt)) {
+    request.prompts.push_back(PromptInput{{}, TokenIds(*prompt, "prompt"), true});
+  } else if ((*prompt)[0].is_number()) {
+    request.prompts.push_back(PromptInput{{}, TokenIds(*prompt, "prompt"), true});  // names a bad entry
+  } else if (!(*prompt)[0].is_string() && !(*prompt)[0].is_array()) {
+    FailType("prompt", kShapes, *prompt);
   } else {
-    if (request.prompt.empty()) FailValue("prompt", "'prompt' must not be empty.");
-    CheckPromptBytes(request.prompt.size(), "prompt", limits);
+    const bool strings = (*prompt)[0].is_string();
+    if (prompt->size() > static_cast<size_t>(limits.max_prompts)) {
+      FailValue("prompt", fmt::format("'prompt' has {} prompts, at most {} allowed in one request.", prompt->size(),
+                                      limits.max_prompts));
+    }
+    for (size_t i = 0; i < prompt->size(); ++i) {
+      const Json& item = (*prompt)[i];
+      const std::string param = fmt::format("prompt[{}]", i);
+      if (strings) {
+        if (!item.is_string()) FailType(param, "a string (like prompt[0])", item);
+        request.prompts.push_back(PromptInput{item.get<std::string>(), {}, false});
+      } else {
+        if (!item.is_array() || !IsTokenIdArray(item)) FailType(param, "an array of token ids", item);
+        request.prompts.push_back(PromptInput{{}, TokenIds(item, param), true});
+      }
+    }
   }
+  size_t text_bytes = 0;
+  for (size_t i = 0; i < request.prompts.size(); ++i) {
+    const PromptInput& p = request.prompts[i];
+    const std::string param = request.prompts.size() == 1 ? "prompt" : fmt::format("prompt[{}]", i);
+    if (p.is_tokens ? p.tokens.empty() : p.text.empty()) FailValue(param, fmt::format("'{}' must not be empty.", param));
+    text_bytes += p.text.size();
+  }
+  CheckPromptBytes(text_bytes, "prompt", limits);
 }
 
 // A message's content: a string, or OpenAI's array of parts of which only text parts are taken
@@ -421,11 +431,6 @@ void ParseLogprobs(const Json& body, bool chat, CompletionRequest& request) {
     }
     if (auto echo = ReadBool(body, "echo", "echo")) request.echo = *echo;
   }
-  if (request.stream && (request.logprobs >= 0 || request.echo)) {
-    FailValue(request.echo ? "echo" : "logprobs",
-              fmt::format("'{}' is not supported with 'stream' yet; send the request without streaming.",
-                          request.echo ? "echo" : "logprobs"));
-  }
 }
 
 void ParseStopTokenIds(const Json& body, const ProtocolLimits& limits, CompletionRequest& request) {
@@ -472,6 +477,11 @@ void ParseCompletionFields(const Json& body, bool chat, const ProtocolLimits& li
     if (*n < 1) FailValue("n", fmt::format("'n' must be at least 1, got {}.", *n));
     if (*n > limits.max_n) FailValue("n", fmt::format("'n' must be at most {}, got {}.", limits.max_n, *n));
     request.n = static_cast<int>(*n);
+  }
+  const size_t choices = std::max<size_t>(request.prompts.size(), 1) * static_cast<size_t>(request.n);
+  if (choices > static_cast<size_t>(limits.max_choices)) {
+    FailValue("n", fmt::format("{} prompts with 'n' {} make {} choices, at most {} allowed in one request.",
+                               request.prompts.size(), request.n, choices, limits.max_choices));
   }
   if (auto ignore_eos = ReadBool(body, "ignore_eos", "ignore_eos")) request.ignore_eos = *ignore_eos;
   ParseLogprobs(body, chat, request);
@@ -689,60 +699,72 @@ OrderedJson ChatLogprobs(const std::vector<LogprobEntry>& entries) {
 
 std::string CompletionResponseBody(const CompletionResult& result) {
   OrderedJson json = Envelope(result.id, "text_completion", result.created, result.model);
-  OrderedJson choice = OrderedJson::object();
-  choice["text"] = result.text;
-  choice["index"] = 0;
-  choice["logprobs"] = result.logprobs ? LegacyLogprobs(*result.logprobs) : OrderedJson(nullptr);
-  choice["finish_reason"] = NullIfEmpty(result.finish_reason);
-  json["choices"] = OrderedJson::array({std::move(choice)});
+  OrderedJson choices = OrderedJson::array();
+  for (size_t i = 0; i < result.choices.size(); ++i) {
+    const ChoiceResult& c = result.choices[i];
+    OrderedJson choice = OrderedJson::object();
+    choice["text"] = c.text;
+    choice["index"] = i;
+    choice["logprobs"] = c.logprobs ? LegacyLogprobs(*c.logprobs) : OrderedJson(nullptr);
+    choice["finish_reason"] = NullIfEmpty(c.finish_reason);
+    choices.push_back(std::move(choice));
+  }
+  json["choices"] = std::move(choices);
   json["usage"] = Usage(result.prompt_tokens, result.completion_tokens, result.kv_peak_bytes);
   return Dump(json);
 }
 
 std::string ChatCompletionResponseBody(const CompletionResult& result) {
   OrderedJson json = Envelope(result.id, "chat.completion", result.created, result.model);
-  OrderedJson message = OrderedJson::object();
-  message["role"] = "assistant";
-  message["content"] = result.text;
-  OrderedJson choice = OrderedJson::object();
-  choice["index"] = 0;
-  choice["message"] = std::move(message);
-  choice["logprobs"] = result.logprobs ? ChatLogprobs(*result.logprobs) : OrderedJson(nullptr);
-  choice["finish_reason"] = NullIfEmpty(result.finish_reason);
-  json["choices"] = OrderedJson::array({std::move(choice)});
+  OrderedJson choices = OrderedJson::array();
+  for (size_t i = 0; i < result.choices.size(); ++i) {
+    const ChoiceResult& c = result.choices[i];
+    OrderedJson message = OrderedJson::object();
+    message["role"] = "assistant";
+    message["content"] = c.text;
+    OrderedJson choice = OrderedJson::object();
+    choice["index"] = i;
+    choice["message"] = std::move(message);
+    choice["logprobs"] = c.logprobs ? ChatLogprobs(*c.logprobs) : OrderedJson(nullptr);
+    choice["finish_reason"] = NullIfEmpty(c.finish_reason);
+    choices.push_back(std::move(choice));
+  }
+  json["choices"] = std::move(choices);
   json["usage"] = Usage(result.prompt_tokens, result.completion_tokens, result.kv_peak_bytes);
   return Dump(json);
 }
 
-std::string CompletionChunk(const StreamMeta& meta, std::string_view text, std::string_view finish_reason) {
+std::string CompletionChunk(const StreamMeta& meta, int index, std::string_view text, std::string_view finish_reason,
+                            const std::vector<LogprobEntry>* logprobs) {
   OrderedJson json = Envelope(meta.id, "text_completion", meta.created, meta.model);
   OrderedJson choice = OrderedJson::object();
   choice["text"] = std::string(text);
-  choice["index"] = 0;
-  choice["logprobs"] = nullptr;
+  choice["index"] = index;
+  choice["logprobs"] = logprobs != nullptr ? LegacyLogprobs(*logprobs) : OrderedJson(nullptr);
   choice["finish_reason"] = NullIfEmpty(finish_reason);
   json["choices"] = OrderedJson::array({std::move(choice)});
   return Dump(json);
 }
 
-std::string ChatDeltaChunk(const StreamMeta& meta, std::string_view content, bool first) {
+std::string ChatDeltaChunk(const StreamMeta& meta, int index, std::string_view content, bool first,
+                           const std::vector<LogprobEntry>* logprobs) {
   OrderedJson json = Envelope(meta.id, "chat.completion.chunk", meta.created, meta.model);
   OrderedJson delta = OrderedJson::object();
   if (first) delta["role"] = "assistant";
   delta["content"] = std::string(content);
   OrderedJson choice = OrderedJson::object();
-  choice["index"] = 0;
+  choice["index"] = index;
   choice["delta"] = std::move(delta);
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = logprobs != nullptr ? ChatLogprobs(*logprobs) : OrderedJson(nullptr);
   choice["finish_reason"] = nullptr;
   json["choices"] = OrderedJson::array({std::move(choice)});
   return Dump(json);
 }
 
-std::string ChatFinishChunk(const StreamMeta& meta, std::string_view finish_reason) {
+std::string ChatFinishChunk(const StreamMeta& meta, int index, std::string_view finish_reason) {
   OrderedJson json = Envelope(meta.id, "chat.completion.chunk", meta.created, meta.model);
   OrderedJson choice = OrderedJson::object();
-  choice["index"] = 0;
+  choice["index"] = index;
   choice["delta"] = OrderedJson::object();
   choice["logprobs"] = nullptr;
   choice["finish_reason"] = NullIfEmpty(finish_reason);

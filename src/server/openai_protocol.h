@@ -39,7 +39,9 @@ ApiError ApiErrorFromStatus(const Status& status);
 struct ProtocolLimits {
   int max_tokens_limit = 4096;  // largest max_tokens a request may ask for
   int default_max_tokens = 256;  // when the request gives none
-  int max_n = 1;                 // choices per request
+  int max_n = 16;                // 'n': choices per prompt
+  int max_prompts = 64;          // prompts of one batched /v1/completions request
+  int max_choices = 64;          // prompts x n: each is its own sequence
   int max_stop = 16;             // stop strings per request
   int max_stop_token_ids = 64;   // stop_token_ids per request
   int max_logit_bias = 1024;     // logit_bias entries per request
@@ -56,12 +58,19 @@ struct KvOverride {
   std::optional<std::string> kv_type;
 };
 
+// One prompt of /v1/completions: text, or token ids (sent as they are, no BOS added).
+struct PromptInput {
+  std::string text;
+  std::vector<int32_t> tokens;
+  bool is_tokens = false;
+};
+
 struct CompletionRequest {
   bool chat = false;  // /v1/chat/completions (messages) or /v1/completions (prompt)
   std::string model;  // as sent; empty when absent
-  std::string prompt;                  // completions, prompt given as text
-  std::vector<int32_t> prompt_tokens;  // completions, prompt given as token ids
-  bool prompt_is_tokens = false;
+  // Completions: one prompt, or a batch (OpenAI's list of strings or of token-id lists); the
+  // response's choices run prompt by prompt, n for each (index = prompt * n + copy).
+  std::vector<PromptInput> prompts;
   std::vector<ChatMessage> messages;  // chat; roles are system, user or assistant
   int max_tokens = 0;  // the request's max_completion_tokens / max_tokens, else default_max_tokens
   const char* max_tokens_key = "max_tokens";  // which of the two set it (error messages)
@@ -79,9 +88,9 @@ struct CompletionRequest {
   std::vector<int32_t> stop_token_ids;  // vLLM's: generation also ends on these ids (checked by the server)
   bool stream = false;
   bool include_usage_in_stream = false;  // stream_options.include_usage, only when streaming
-  int n = 1;
+  int n = 1;  // choices per prompt; copies fork the prompt's pages (the scheduler's prefix sharing)
   bool ignore_eos = false;
-  // Log-probabilities (non-streaming): -1 none, else each token's with this many alternatives
+  // Log-probabilities: -1 none, else each token's with this many alternatives
   // (completions' integer `logprobs`, or chat's `logprobs: true` with `top_logprobs`), in [0, 20].
   int logprobs = -1;
   bool echo = false;  // completions: the prompt comes back in `text`, with its log-probabilities
@@ -118,20 +127,27 @@ struct LogprobEntry {
   std::vector<std::pair<std::string, float>> top;
 };
 
-// What a finished request produced, for the non-streaming responses.
-struct CompletionResult {
-  std::string id;  // "cmpl-..." / "chatcmpl-..." (CompletionId)
-  int64_t created = 0;  // Unix seconds
-  std::string model;
+// One choice of a finished request, for the non-streaming responses.
+struct ChoiceResult {
   std::string text;
   std::string finish_reason;  // "stop" or "length"
-  int prompt_tokens = 0;
-  int completion_tokens = 0;
-  size_t kv_peak_bytes = 0;  // peak KV cache bytes the request held: usage.kv_bytes
   // With logprobs (or echo): one entry per token of `text`, the echoed prompt's first. Completions
   // write OpenAI's legacy shape (tokens, token_logprobs, top_logprobs, text_offset), chat its
   // content list (token, logprob, bytes, top_logprobs); without: "logprobs": null.
   std::optional<std::vector<LogprobEntry>> logprobs;
+};
+
+// What a finished request produced: its choices in index order (prompt * n + copy) and the usage
+// of them all (each prompt's tokens counted once, as OpenAI does; kv_bytes the sum of the choices'
+// peaks, an upper bound where copies share pages).
+struct CompletionResult {
+  std::string id;  // "cmpl-..." / "chatcmpl-..." (CompletionId)
+  int64_t created = 0;  // Unix seconds
+  std::string model;
+  std::vector<ChoiceResult> choices;
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  size_t kv_peak_bytes = 0;  // usage.kv_bytes
 };
 
 // "cmpl-<16 hex digits>" or "chatcmpl-<16 hex digits>"; `unique` comes from the server (a counter
@@ -149,13 +165,18 @@ struct StreamMeta {
   std::string model;
 };
 
-// Streaming /v1/completions: choices[0].text; finish_reason is null until the last chunk.
-std::string CompletionChunk(const StreamMeta& meta, std::string_view text, std::string_view finish_reason = {});
-// Streaming /v1/chat/completions: the first chunk's delta carries role "assistant" (with
+// Each chunk carries one choice, `index` (prompt * n + copy), and with logprobs the entries of
+// the tokens it brings (their text_offset within the choice's whole text; the text itself may
+// come a chunk later while a stop string is possible).
+// Streaming /v1/completions: choices[0].text; finish_reason is null until the choice's last chunk.
+std::string CompletionChunk(const StreamMeta& meta, int index, std::string_view text,
+                            std::string_view finish_reason = {}, const std::vector<LogprobEntry>* logprobs = nullptr);
+// Streaming /v1/chat/completions: a choice's first chunk's delta carries role "assistant" (with
 // `content`, possibly empty), later ones only content.
-std::string ChatDeltaChunk(const StreamMeta& meta, std::string_view content, bool first);
-// The chat stream's last choice chunk: an empty delta and the finish_reason.
-std::string ChatFinishChunk(const StreamMeta& meta, std::string_view finish_reason);
+std::string ChatDeltaChunk(const StreamMeta& meta, int index, std::string_view content, bool first,
+                           const std::vector<LogprobEntry>* logprobs = nullptr);
+// A chat choice's last chunk: an empty delta and the finish_reason.
+std::string ChatFinishChunk(const StreamMeta& meta, int index, std::string_view finish_reason);
 // stream_options.include_usage: a last chunk with empty choices and the usage (with kv_bytes).
 std::string UsageChunk(const StreamMeta& meta, bool chat, int prompt_tokens, int completion_tokens,
                        size_t kv_peak_bytes);

@@ -51,9 +51,10 @@ TEST(ParseCompletionRequest, MinimalCompletionGetsDefaults) {
   const CompletionRequest r = ParseOk(R"({"prompt": "Once upon a time"})", kText);
   EXPECT_FALSE(r.chat);
   EXPECT_EQ(r.model, "");
-  EXPECT_EQ(r.prompt, "Once upon a time");
-  EXPECT_FALSE(r.prompt_is_tokens);
-  EXPECT_TRUE(r.prompt_tokens.empty());
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].text, "Once upon a time");
+  EXPECT_FALSE(r.prompts[0].is_tokens);
+  EXPECT_TRUE(r.prompts[0].tokens.empty());
   EXPECT_TRUE(r.messages.empty());
   EXPECT_EQ(r.max_tokens, 256);
   EXPECT_EQ(r.temperature, 1.0f);
@@ -84,7 +85,7 @@ TEST(ParseCompletionRequest, EveryFieldOfACompletion) {
       "kvsparse": {"kv_method": "h2o", "kv_budget": 0.2, "kv_type": "int8"}, "timeout_s": 30})",
                                       kText);
   EXPECT_EQ(r.model, "tinyllama");
-  EXPECT_EQ(r.prompt, "Q: 2+2?\nA:");
+  EXPECT_EQ(r.prompts.at(0).text, "Q: 2+2?\nA:");
   EXPECT_EQ(r.max_tokens, 32);
   EXPECT_FLOAT_EQ(r.temperature, 0.7f);
   EXPECT_FLOAT_EQ(r.top_p, 0.9f);
@@ -119,22 +120,55 @@ TEST(ParseCompletionRequest, ChatMessages) {
   EXPECT_EQ(r.messages[2].role, "assistant");
   EXPECT_EQ(r.messages[2].content, "");
   EXPECT_EQ(r.messages[3].content, "What is KV?");  // text parts joined
-  EXPECT_TRUE(r.prompt.empty());
+  EXPECT_TRUE(r.prompts.empty());
 }
 
 TEST(ParseCompletionRequest, PromptShapes) {
   CompletionRequest one_string = ParseOk(R"({"prompt": ["hello"]})", kText);
-  EXPECT_EQ(one_string.prompt, "hello");
-  EXPECT_FALSE(one_string.prompt_is_tokens);
+  ASSERT_EQ(one_string.prompts.size(), 1u);
+  EXPECT_EQ(one_string.prompts[0].text, "hello");
+  EXPECT_FALSE(one_string.prompts[0].is_tokens);
 
   CompletionRequest tokens = ParseOk(R"({"prompt": [1, 15043, 0, 2147483647]})", kText);
-  EXPECT_TRUE(tokens.prompt_is_tokens);
-  EXPECT_EQ(tokens.prompt_tokens, (std::vector<int32_t>{1, 15043, 0, 2147483647}));
-  EXPECT_TRUE(tokens.prompt.empty());
+  ASSERT_EQ(tokens.prompts.size(), 1u);
+  EXPECT_TRUE(tokens.prompts[0].is_tokens);
+  EXPECT_EQ(tokens.prompts[0].tokens, (std::vector<int32_t>{1, 15043, 0, 2147483647}));
+  EXPECT_TRUE(tokens.prompts[0].text.empty());
 
   CompletionRequest nested = ParseOk(R"({"prompt": [[5, 6]]})", kText);  // OpenAI's batch of one token list
-  EXPECT_TRUE(nested.prompt_is_tokens);
-  EXPECT_EQ(nested.prompt_tokens, (std::vector<int32_t>{5, 6}));
+  ASSERT_EQ(nested.prompts.size(), 1u);
+  EXPECT_TRUE(nested.prompts[0].is_tokens);
+  EXPECT_EQ(nested.prompts[0].tokens, (std::vector<int32_t>{5, 6}));
+
+  // Batches: each prompt its own choice (lm-eval sends lists of token lists).
+  CompletionRequest strings = ParseOk(R"({"prompt": ["a", "bc", "d"]})", kText);
+  ASSERT_EQ(strings.prompts.size(), 3u);
+  EXPECT_EQ(strings.prompts[1].text, "bc");
+  CompletionRequest lists = ParseOk(R"({"prompt": [[1, 2], [3], [4, 5, 6]], "n": 2})", kText, [] {
+    ProtocolLimits limits;
+    limits.max_n = 2;
+    return limits;
+  }());
+  ASSERT_EQ(lists.prompts.size(), 3u);
+  EXPECT_EQ(lists.prompts[2].tokens, (std::vector<int32_t>{4, 5, 6}));
+  EXPECT_EQ(lists.n, 2);
+}
+
+TEST(ParseCompletionRequest, BadBatchesNameTheirPrompt) {
+  ParseError(R"({"prompt": ["a", 5]})", kText, "prompt[1]");
+  ParseError(R"({"prompt": [[1, 2], "b"]})", kText, "prompt[1]");
+  ParseError(R"({"prompt": [[1, 2], []]})", kText, "prompt[1]");
+  ParseError(R"({"prompt": ["a", ""]})", kText, "prompt[1]");
+  ParseError(R"({"prompt": [[1, -2]]})", kText, "prompt[0][1]");
+  ProtocolLimits two;
+  two.max_prompts = 2;
+  ParseError(R"({"prompt": ["a", "b", "c"]})", kText, "prompt", two);
+  ProtocolLimits few_choices;
+  few_choices.max_choices = 5;
+  ParseError(R"({"prompt": ["a", "b", "c"], "n": 2})", kText, "n", few_choices);
+  ProtocolLimits small;
+  small.max_prompt_bytes = 4;
+  ParseError(R"({"prompt": ["abc", "de"]})", kText, "prompt", small);  // the batch's bytes together
 }
 
 TEST(ParseCompletionRequest, StopAsStringOrNull) {
@@ -230,10 +264,9 @@ TEST(ParseCompletionRequest, PromptErrors) {
   ParseError(R"({"prompt": []})", kText, "prompt");
   ParseError(R"({"prompt": [""]})", kText, "prompt");
   ParseError(R"({"prompt": [[]]})", kText, "prompt");
-  ParseError(R"({"prompt": ["a", "b"]})", kText, "prompt");
   EXPECT_EQ(ParseError(R"({"prompt": 5})", kText, "prompt").code, "invalid_type");
   ParseError(R"({"prompt": {"text": "x"}})", kText, "prompt");
-  ParseError(R"({"prompt": [1, "a"]})", kText, "prompt");
+  ParseError(R"({"prompt": [1, "a"]})", kText, "prompt[1]");
   ParseError(R"({"prompt": [true]})", kText, "prompt");
   ParseError(R"({"prompt": [1, -2]})", kText, "prompt[1]");
   ParseError(R"({"prompt": [1, 2.5]})", kText, "prompt[1]");
@@ -384,8 +417,7 @@ TEST(ParseCompletionRequest, LogprobsAndEcho) {
   ParseError(R"({"prompt": "x", "logprobs": -1})", kText, "logprobs");
   ParseError(R"({"prompt": "x", "echo": 1})", kText, "echo");
   ParseError(R"({"prompt": "x", "max_tokens": 0, "logprobs": 1})", kText, "max_tokens");
-  ParseError(R"({"prompt": "x", "logprobs": 1, "stream": true})", kText, "logprobs");
-  ParseError(R"({"prompt": "x", "echo": true, "stream": true})", kText, "echo");
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "logprobs": 1, "echo": true, "stream": true})", kText).logprobs, 1);
   ParseError(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", kChat, "top_logprobs");
   ParseError(R"({"messages": [{"role": "user", "content": "x"}], "logprobs": 1})", kChat, "logprobs");
   ParseError(R"({"messages": [{"role": "user", "content": "x"}], "echo": true})", kChat, "echo");
@@ -399,7 +431,7 @@ TEST(ParseCompletionRequest, FlagAndCountErrors) {
   ParseError(R"({"prompt": "x", "stream": true, "stream_options": {"include_usage": "y"}})", kText,
              "stream_options.include_usage");
   ParseError(R"({"prompt": "x", "n": 0})", kText, "n");
-  ParseError(R"({"prompt": "x", "n": 2})", kText, "n");
+  ParseError(R"({"prompt": "x", "n": 17})", kText, "n");
   ParseError(R"({"prompt": "x", "n": "1"})", kText, "n");
   ParseError(R"({"prompt": "x", "ignore_eos": 1})", kText, "ignore_eos");
   ParseError(R"({"prompt": "x", "timeout_s": 0})", kText, "timeout_s");
@@ -553,8 +585,7 @@ CompletionResult SampleResult() {
   r.id = "cmpl-00000000000000ff";
   r.created = 1700000000;
   r.model = "tinyllama-1.1b-chat";
-  r.text = "Paris, the \"city\" of light.\n";
-  r.finish_reason = "stop";
+  r.choices.push_back(ChoiceResult{"Paris, the \"city\" of light.\n", "stop", std::nullopt});
   r.prompt_tokens = 12;
   r.completion_tokens = 9;
   r.kv_peak_bytes = 3u * 1024 * 1024 * 1024;  // past 32 bits
@@ -582,7 +613,7 @@ TEST(CompletionResponseBody, TextCompletionShape) {
   ASSERT_TRUE(body.at("choices").is_array());
   ASSERT_EQ(body["choices"].size(), 1u);
   const Json& choice = body["choices"][0];
-  EXPECT_EQ(choice.at("text"), r.text);
+  EXPECT_EQ(choice.at("text"), r.choices[0].text);
   EXPECT_EQ(choice.at("index"), 0);
   EXPECT_TRUE(choice.at("logprobs").is_null());
   EXPECT_EQ(choice.at("finish_reason"), "stop");
@@ -595,7 +626,7 @@ TEST(CompletionResponseBody, TextCompletionShape) {
 TEST(CompletionResponseBody, ChatCompletionShape) {
   CompletionResult r = SampleResult();
   r.id = CompletionId(true, 255);
-  r.finish_reason = "length";
+  r.choices[0].finish_reason = "length";
   const Json body = Json::parse(ChatCompletionResponseBody(r));
   EXPECT_EQ(body.at("id"), "chatcmpl-00000000000000ff");
   EXPECT_EQ(body.at("object"), "chat.completion");
@@ -605,7 +636,7 @@ TEST(CompletionResponseBody, ChatCompletionShape) {
   const Json& choice = body["choices"][0];
   EXPECT_EQ(choice.at("index"), 0);
   EXPECT_EQ(choice.at("message").at("role"), "assistant");
-  EXPECT_EQ(choice.at("message").at("content"), r.text);
+  EXPECT_EQ(choice.at("message").at("content"), r.choices[0].text);
   EXPECT_TRUE(choice.at("logprobs").is_null());
   EXPECT_EQ(choice.at("finish_reason"), "length");
   EXPECT_FALSE(choice.contains("text"));
@@ -614,7 +645,7 @@ TEST(CompletionResponseBody, ChatCompletionShape) {
 
 TEST(CompletionResponseBody, InvalidUtf8IsReplacedNotFatal) {
   CompletionResult r = SampleResult();
-  r.text = "ok \xF0\x9F then";  // a truncated 4-byte character
+  r.choices[0].text = "ok \xF0\x9F then";  // a truncated 4-byte character
   const Json body = Json::parse(CompletionResponseBody(r));
   EXPECT_EQ(body["choices"][0]["text"], "ok \xEF\xBF\xBD then");  // U+FFFD
   const Json chat = Json::parse(ChatCompletionResponseBody(r));
@@ -638,7 +669,7 @@ void ExpectChunkEnvelope(const Json& chunk, std::string_view object) {
 }
 
 TEST(StreamChunks, CompletionChunks) {
-  const Json middle = Json::parse(CompletionChunk(kMeta, "Hel"));
+  const Json middle = Json::parse(CompletionChunk(kMeta, 0, "Hel"));
   ExpectChunkEnvelope(middle, "text_completion");
   ASSERT_EQ(middle["choices"].size(), 1u);
   EXPECT_EQ(middle["choices"][0].at("text"), "Hel");
@@ -647,13 +678,13 @@ TEST(StreamChunks, CompletionChunks) {
   EXPECT_TRUE(middle["choices"][0].at("finish_reason").is_null());
   EXPECT_FALSE(middle.contains("usage"));
 
-  const Json last = Json::parse(CompletionChunk(kMeta, "", "length"));
+  const Json last = Json::parse(CompletionChunk(kMeta, 0, "", "length"));
   EXPECT_EQ(last["choices"][0].at("text"), "");
   EXPECT_EQ(last["choices"][0].at("finish_reason"), "length");
 }
 
 TEST(StreamChunks, ChatChunks) {
-  const Json first = Json::parse(ChatDeltaChunk(kMeta, "", /*first=*/true));
+  const Json first = Json::parse(ChatDeltaChunk(kMeta, 0, "", /*first=*/true));
   ExpectChunkEnvelope(first, "chat.completion.chunk");
   ASSERT_EQ(first["choices"].size(), 1u);
   EXPECT_EQ(first["choices"][0].at("index"), 0);
@@ -661,14 +692,14 @@ TEST(StreamChunks, ChatChunks) {
   EXPECT_EQ(first["choices"][0].at("delta").at("content"), "");
   EXPECT_TRUE(first["choices"][0].at("finish_reason").is_null());
 
-  const Json next = Json::parse(ChatDeltaChunk(kMeta, "Hi \xC3\xA9", /*first=*/false));
+  const Json next = Json::parse(ChatDeltaChunk(kMeta, 0, "Hi \xC3\xA9", /*first=*/false));
   ExpectChunkEnvelope(next, "chat.completion.chunk");
   const Json& delta = next["choices"][0].at("delta");
   EXPECT_FALSE(delta.contains("role"));
   EXPECT_EQ(delta.at("content"), "Hi \xC3\xA9");
   EXPECT_TRUE(next["choices"][0].at("finish_reason").is_null());
 
-  const Json last = Json::parse(ChatFinishChunk(kMeta, "stop"));
+  const Json last = Json::parse(ChatFinishChunk(kMeta, 0, "stop"));
   ExpectChunkEnvelope(last, "chat.completion.chunk");
   EXPECT_TRUE(last["choices"][0].at("delta").is_object());
   EXPECT_TRUE(last["choices"][0].at("delta").empty());
@@ -688,7 +719,7 @@ TEST(Sse, EventFraming) {
   EXPECT_EQ(SseEvent(R"({"a":1})"), "data: {\"a\":1}\n\n");
   EXPECT_EQ(kSseDone, "data: [DONE]\n\n");
   // A chunk never holds a raw newline, which would end the SSE event early.
-  const std::string chunk = ChatDeltaChunk(kMeta, "line 1\nline 2\r\n", false);
+  const std::string chunk = ChatDeltaChunk(kMeta, 0, "line 1\nline 2\r\n", false);
   EXPECT_EQ(chunk.find('\n'), std::string::npos);
   const std::string event = SseEvent(chunk);
   EXPECT_EQ(event.find("\n\n"), event.size() - 2);
@@ -699,10 +730,9 @@ TEST(Sse, EventFraming) {
 TEST(CompletionResponseBody, LogprobShapes) {
   CompletionResult r;
   r.id = "cmpl-1";
-  r.text = "<s>Hi!";
-  r.finish_reason = "length";
+  r.choices.push_back(ChoiceResult{"<s>Hi!", "length", std::nullopt});
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  r.logprobs = std::vector<LogprobEntry>{{"<s>", 0, nan, {}},
+  r.choices[0].logprobs = std::vector<LogprobEntry>{{"<s>", 0, nan, {}},
                                          {"Hi", 3, -0.5f, {{"Hi", -0.5f}, {"Ho", -1.5f}}},
                                          {"!", 5, -2.0f, {{".", -0.25f}, {"!", -2.0f}}}};
   const Json legacy = Json::parse(CompletionResponseBody(r))["choices"][0].at("logprobs");
@@ -713,7 +743,7 @@ TEST(CompletionResponseBody, LogprobShapes) {
   EXPECT_FLOAT_EQ(legacy["top_logprobs"][2].at(".").get<float>(), -0.25f);
   EXPECT_EQ(legacy.at("text_offset"), Json::array({0, 3, 5}));
 
-  r.logprobs->erase(r.logprobs->begin());
+  r.choices[0].logprobs->erase(r.choices[0].logprobs->begin());
   const Json chat = Json::parse(ChatCompletionResponseBody(r))["choices"][0].at("logprobs");
   ASSERT_EQ(chat.at("content").size(), 2u);
   const Json& bang = chat["content"][1];
@@ -722,8 +752,34 @@ TEST(CompletionResponseBody, LogprobShapes) {
   EXPECT_EQ(bang.at("bytes"), Json::array({33}));
   EXPECT_EQ(bang.at("top_logprobs")[0].at("token"), ".");
   EXPECT_EQ(bang["top_logprobs"][0].at("bytes"), Json::array({46}));
-  r.logprobs.reset();
+  r.choices[0].logprobs.reset();
   EXPECT_TRUE(Json::parse(CompletionResponseBody(r))["choices"][0].at("logprobs").is_null());
+}
+
+// Several choices: indexed in order, each with its own text, finish_reason and logprobs; a
+// stream chunk carries one choice and the log-probabilities of the tokens it brings.
+TEST(CompletionResponseBody, ChoicesAndStreamedLogprobs) {
+  CompletionResult r;
+  r.choices.push_back(ChoiceResult{"one", "stop", std::nullopt});
+  r.choices.push_back(ChoiceResult{"two", "length", std::vector<LogprobEntry>{{"two", 0, -0.75f, {}}}});
+  const Json body = Json::parse(CompletionResponseBody(r));
+  ASSERT_EQ(body.at("choices").size(), 2u);
+  EXPECT_EQ(body["choices"][1].at("index"), 1);
+  EXPECT_EQ(body["choices"][1].at("text"), "two");
+  EXPECT_EQ(body["choices"][1].at("finish_reason"), "length");
+  EXPECT_TRUE(body["choices"][0].at("logprobs").is_null());
+  EXPECT_EQ(body["choices"][1]["logprobs"].at("tokens"), Json::array({"two"}));
+  const Json chat = Json::parse(ChatCompletionResponseBody(r));
+  EXPECT_EQ(chat["choices"][1].at("message").at("content"), "two");
+
+  const std::vector<LogprobEntry> entries{{" a", 7, -1.0f, {{" a", -1.0f}}}};
+  const Json chunk = Json::parse(CompletionChunk(kMeta, 3, " a", {}, &entries));
+  EXPECT_EQ(chunk["choices"][0].at("index"), 3);
+  EXPECT_EQ(chunk["choices"][0]["logprobs"].at("text_offset"), Json::array({7}));
+  const Json delta = Json::parse(ChatDeltaChunk(kMeta, 2, " a", false, &entries));
+  EXPECT_EQ(delta["choices"][0].at("index"), 2);
+  EXPECT_EQ(delta["choices"][0]["logprobs"]["content"][0].at("token"), " a");
+  EXPECT_EQ(Json::parse(ChatFinishChunk(kMeta, 2, "stop"))["choices"][0].at("index"), 2);
 }
 
 TEST(TokenizerInfoBody, SpecialTokensAndNulls) {
