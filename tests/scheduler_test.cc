@@ -651,6 +651,124 @@ TEST(Scheduler, PromptsSubmittedTogetherComputeTheirCommonPrefixOnce) {
   r.kv.cache->CheckInvariants();
 }
 
+// Automatic prefix caching: a finished dense request leaves its sequence in the cache; a later
+// prompt that starts like it forks the kept pages and gets exactly the tokens of a cold run; under
+// memory pressure admission frees cached sequences least recently used first; Stop frees the rest.
+TEST(Scheduler, PrefixCacheHitsMatchColdRunsAndGiveWayUnderPressure) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  std::vector<int32_t> document = Prompt(2);  // 150 tokens
+  for (int32_t t : Prompt(2)) document.push_back((t + 3) % 512);
+  SchedulerOptions options;
+  options.max_running = 2;
+  options.prefix_cache_entries = 4;
+  Runtime probe = MakeRuntime(path, "full", "", "f16", 0, options);
+  const size_t one = probe.scheduler->ReserveBytes(256, 0);
+  Runtime r = MakeRuntime(path, "full", "", "f16", 2 * one, options);  // room for about two requests
+  auto run = [&](const std::vector<int32_t>& prompt, int32_t max_tokens) {
+    auto h = r.scheduler->Submit(Greedy(prompt, max_tokens));
+    EXPECT_TRUE(h.ok()) << h.status().ToString();
+    StepUntilDone(*r.scheduler, {*h});
+    return Drain(**h);
+  };
+  EXPECT_EQ(run(document, 10), RunAlone(path, "full", "", document, 10));
+  SchedulerStats s = r.scheduler->Stats();
+  EXPECT_EQ(s.prefix_cache_entries, 1);
+  EXPECT_GT(s.prefix_cache_bytes, 0u);
+  EXPECT_GT(r.kv.cache->pages_in_use(), 0) << "the finished request's pages stay for later prompts";
+
+  for (int32_t question : {7, 8, 9}) {
+    std::vector<int32_t> prompt = document;
+    prompt.push_back(question);
+    EXPECT_EQ(run(prompt, 10), RunAlone(path, "full", "", prompt, 10)) << "question " << question;
+  }
+  s = r.scheduler->Stats();
+  EXPECT_EQ(s.prefix_cache_hits, 3);
+  EXPECT_EQ(s.prefix_cache_hit_tokens, 3 * 150) << "every document token came from the cache";
+  EXPECT_LE(s.prefix_cache_entries, 4);
+
+  // Other documents fill the cache; a long request then needs their room.
+  for (int d = 3; d < 7; ++d) {
+    std::vector<int32_t> other = Prompt(d);
+    while (other.size() < 120) other.push_back(static_cast<int32_t>((other.size() * 31 + d) % 500 + 3));
+    run(other, 8);
+  }
+  EXPECT_LE(r.scheduler->Stats().prefix_cache_entries, 4) << "at most prefix_cache_entries";
+  std::vector<int32_t> long_prompt = Prompt(9);
+  while (long_prompt.size() < 200) long_prompt.push_back(static_cast<int32_t>((long_prompt.size() * 7) % 500 + 3));
+  EXPECT_EQ(run(long_prompt, 50), RunAlone(path, "full", "", long_prompt, 50));
+  s = r.scheduler->Stats();
+  EXPECT_GT(s.prefix_cache_evictions, 0) << "admission freed cached sequences";
+  EXPECT_EQ(s.preemptions, 0);
+  r.kv.cache->CheckInvariants();
+  r.scheduler->Stop();
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0) << "Stop frees the cache's pages";
+  EXPECT_EQ(r.scheduler->Stats().prefix_cache_entries, 0);
+}
+
+// Compressed contexts: a request's context (context_tokens) is prefilled and compressed on its own,
+// then its question; the compressed context is kept, and later questions on it (one after
+// another, or submitted together: the others wait for the first) fork it and give exactly the
+// tokens of a cold run of the same protocol and config, while the cache holds a fraction of the
+// dense context's bytes.
+TEST(Scheduler, CompressedContextsAreKeptAndReusedExactly) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  std::vector<int32_t> document = Prompt(2);  // 150 tokens
+  for (int32_t t : Prompt(2)) document.push_back((t + 3) % 512);
+  const int32_t n_context = static_cast<int32_t>(document.size());
+  auto with_question = [&](int q) {
+    std::vector<int32_t> p = document;
+    for (int j = 0; j < 4; ++j) p.push_back(static_cast<int32_t>(20 + 13 * q + j));
+    return p;
+  };
+  auto request = [&](int q) {
+    GenerationRequest g = Greedy(with_question(q), 10);
+    g.context_tokens = n_context;
+    return g;
+  };
+  for (const char* method : {"h2o", "snapkv"}) {
+    SchedulerOptions cold_options;
+    std::vector<std::vector<int32_t>> cold;
+    for (int q = 0; q < 3; ++q) {
+      Runtime r = MakeRuntime(path, method, "0.2", "int8", 0, cold_options);
+      auto h = r.scheduler->Submit(request(q));
+      ASSERT_TRUE(h.ok()) << h.status().ToString();
+      StepUntilDone(*r.scheduler, {*h});
+      cold.push_back(Drain(**h));
+    }
+    SchedulerOptions options;
+    options.prefix_cache_entries = 4;
+    options.max_running = 4;
+    {  // one after another
+      Runtime r = MakeRuntime(path, method, "0.2", "int8", 0, options);
+      for (int q = 0; q < 3; ++q) {
+        auto h = r.scheduler->Submit(request(q));
+        ASSERT_TRUE(h.ok());
+        StepUntilDone(*r.scheduler, {*h});
+        EXPECT_EQ(Drain(**h), cold[q]) << method << " question " << q;
+      }
+      const SchedulerStats s = r.scheduler->Stats();
+      EXPECT_EQ(s.prefix_cache_hits, 2) << method;
+      EXPECT_EQ(s.prefix_cache_hit_tokens, 2 * n_context) << method;
+      EXPECT_EQ(s.prefix_cache_entries, 1) << method;
+      // The kept context holds its budget (20% of 150 tokens, int8), not the dense context.
+      const size_t dense = MakeRuntime(path, "full", "", "f16", 0).kv.controller->SequenceReserveBytes(n_context, 0);
+      EXPECT_GT(s.prefix_cache_bytes, 0u);
+      EXPECT_LT(s.prefix_cache_bytes, dense / 4) << method;
+      r.scheduler->Stop();
+      EXPECT_EQ(r.kv.cache->pages_in_use(), 0) << method;
+    }
+    {  // submitted together
+      Runtime r = MakeRuntime(path, method, "0.2", "int8", 0, options);
+      std::vector<std::shared_ptr<RequestHandle>> handles;
+      for (int q = 0; q < 3; ++q) handles.push_back(*r.scheduler->Submit(request(q)));
+      StepUntilDone(*r.scheduler, handles);
+      for (int q = 0; q < 3; ++q) EXPECT_EQ(Drain(*handles[q]), cold[q]) << method << " together, question " << q;
+      EXPECT_EQ(r.scheduler->Stats().prefix_cache_hits, 2) << method;
+      EXPECT_LT(r.scheduler->Stats().prompt_tokens, 2 * n_context) << "the context was computed once";
+    }
+  }
+}
+
 // Sliding-window layers free the positions their window passed: a donor shares its prefix only
 // while its sliding layers still hold what the new request's next query sees, so shared or not,
 // every request gets the tokens it gets alone. Donors just past their prompt (sharing happens)

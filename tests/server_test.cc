@@ -885,6 +885,83 @@ TEST_F(ServerTest, ChoicesShareTheirPromptAndStreamWithLogprobs) {
   EXPECT_LE(plain["choices"][0]["text"].get<std::string>().find(story.substr(0, 10)), 1u);
 }
 
+// The prefix cache and compressed contexts through the API, on a server started with
+// --prefix-cache: a dense prompt that starts like a finished one reuses its pages and gets the
+// cold run's text; a batch of questions on one `kvsparse.context` compresses it once (H2O 20%,
+// question after) and later requests attach to it, each text equal to a cold run's (the open
+// server keeps nothing); /metrics counts the hits, the tokens saved and the bytes held.
+TEST_F(ServerTest, PrefixCacheAndCompressedContexts) {
+  Serving cached;
+  SchedulerOptions sched;
+  sched.max_running = 4;
+  sched.prefix_cache_entries = 8;
+  ASSERT_EQ(MakeServing(*env_, sched, &cached), "");
+  cached.scheduler->Start();
+  ServerOptions o = BaseOptions();
+  o.kv_config = &env_->kv_config;
+  auto server = HttpServer::Create(*env_->model, env_->tokenizer.get(), cached.scheduler.get(), o);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  ASSERT_TRUE((*server)->Start().ok());
+  const int port = (*server)->port();
+  auto metric = [&](const std::string& name) {
+    const std::string body = Get("/metrics", port).body;
+    const size_t at = body.find("\n" + name + " ");
+    EXPECT_NE(at, std::string::npos) << name;
+    return at == std::string::npos ? -1.0 : std::stod(body.substr(at + name.size() + 2));
+  };
+  const std::string document =
+      "Once upon a time there was a little girl named Lily. She lived in a small house near a big forest with her "
+      "mother, her father and a dog called Max. Every morning Lily and Max walked to the river to watch the fish.";
+  auto text_of = [](const Reply& r) { return r.json()["choices"][0]["text"].get<std::string>(); };
+
+  // Dense: the second prompt starts from the first's kept pages.
+  ASSERT_EQ(Post("/v1/completions", CompletionBody(document + " Where did they walk?", 8), port).status, 200);
+  const std::string second = document + " What was the dog called?";
+  const Reply warm = Post("/v1/completions", CompletionBody(second, 8), port);
+  ASSERT_EQ(warm.status, 200) << warm.body;
+  EXPECT_EQ(text_of(warm), text_of(Post("/v1/completions", CompletionBody(second, 8))));
+  EXPECT_EQ(metric("kvsparse_prefix_cache_hits_total"), 1);
+  EXPECT_GT(metric("kvsparse_prefix_cache_hit_tokens_total"), 32);
+  EXPECT_GT(metric("kvsparse_prefix_cache_bytes"), 0);
+
+  // Compressed contexts: three questions on one context in one request, then one more request.
+  const Json questions = Json::array({" Where did they walk?", " Who is Max?", " Where was the house?"});
+  Json body = {{"prompt", questions},
+               {"max_tokens", 8},
+               {"temperature", 0},
+               {"kvsparse", {{"kv_method", "h2o"}, {"kv_budget", 0.2}, {"context", document}}}};
+  const Reply first = Post("/v1/completions", body.dump(), port);
+  ASSERT_EQ(first.status, 200) << first.body;
+  const Reply cold = Post("/v1/completions", body.dump());  // the same protocol, nothing kept
+  ASSERT_EQ(cold.status, 200) << cold.body;
+  const Json first_reply = first.json(), cold_reply = cold.json();
+  for (size_t i = 0; i < questions.size(); ++i) {
+    EXPECT_EQ(first_reply["choices"][i]["text"], cold_reply["choices"][i]["text"]) << "question " << i;
+  }
+  EXPECT_EQ(metric("kvsparse_prefix_cache_hits_total"), 1 + 2) << "the first question computes the context";
+  body["prompt"] = " What did they watch?";
+  const Reply later = Post("/v1/completions", body.dump(), port);
+  ASSERT_EQ(later.status, 200) << later.body;
+  EXPECT_EQ(text_of(later), text_of(Post("/v1/completions", body.dump())));
+  EXPECT_EQ(metric("kvsparse_prefix_cache_hits_total"), 4);
+  // The same context under another config is another entry.
+  body["kvsparse"]["kv_budget"] = 0.3;
+  ASSERT_EQ(Post("/v1/completions", body.dump(), port).status, 200);
+  EXPECT_EQ(metric("kvsparse_prefix_cache_hits_total"), 4);
+
+  // Bad uses name the field.
+  Json e = ExpectError(Post("/v1/chat/completions",
+                            R"({"messages": [{"role": "user", "content": "x"}], "kvsparse": {"context": "y"}})", port),
+                       400, "context on chat");
+  EXPECT_EQ(e["param"], "kvsparse.context");
+  e = ExpectError(Post("/v1/completions", R"({"prompt": [1, 2, 3], "kvsparse": {"context_tokens": 3}})", port), 400,
+                  "no question after the context");
+  EXPECT_EQ(e["param"], "prompt");
+  (*server)->Stop();
+  cached.scheduler->Stop();
+  EXPECT_EQ(cached.runtime->paged_cache()->pages_in_use(), 0) << "stopping frees the kept pages";
+}
+
 // The "kvsparse" extension runs one request under its own method and budget.
 TEST_F(ServerTest, PerRequestKvMethodEvicts) {
   const int64_t evicted_before = Idle().evicted_tokens;

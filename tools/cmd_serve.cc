@@ -43,6 +43,7 @@ struct ServeArgs {
   std::string model_id;
   int queue = 64;
   int step_tokens = 512;
+  int prefix_cache = 64;
   double timeout_s = 600;
   int http_threads = 0;
 };
@@ -143,6 +144,7 @@ int Run(const ServeArgs& a) {
   sched_options.step_tokens = a.step_tokens;
   sched_options.max_queue = a.queue;
   sched_options.max_context = n_ctx;
+  sched_options.prefix_cache_entries = a.prefix_cache;
   Scheduler scheduler((*runtime)->engine.get(), controller, sched_options);
 
   server::ServerOptions options;
@@ -228,6 +230,11 @@ void RegisterServe(CLI::App& app, int* exit_code) {
   cmd->add_option("--step-tokens", args->step_tokens, "rows per batch step: decode rows, then prompt chunks")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--prefix-cache", args->prefix_cache,
+                  "finished requests' sequences kept for later prompts that start like them (dense KV layers; "
+                  "their pages are freed least recently used first when requests need the room; 0 = off)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--timeout", args->timeout_s, "seconds a generation request may take (then 408)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

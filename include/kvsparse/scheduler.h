@@ -36,6 +36,7 @@
 #include "kvsparse/sampler.h"
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/status.h"
+#include "kvsparse/prefix_cache.h"
 
 namespace kvsparse {
 
@@ -53,6 +54,12 @@ struct SchedulerOptions {
   // one whose prompt starts like an earlier request's still being computed waits for it to get
   // there (n copies of a prompt, several questions on one context).
   bool share_prefixes = true;
+  // Automatic prefix caching: > 0 keeps up to this many finished dense sequences (their computed
+  // tokens, a page or more) for later prompts that start like them, as vLLM's prefix cache keeps
+  // finished requests' blocks: a hit forks the kept sequence (pages shared copy-on-write) and
+  // computes only the rest. Kept pages are freed least recently used first when admission or a
+  // step needs the room; admission counts them. 0: off (pages return when a request ends).
+  int prefix_cache_entries = 0;
 };
 
 enum class FinishReason {
@@ -81,6 +88,13 @@ struct GenerationRequest {
   // alternatives): its chunks compute every row's logits, and it never starts from another
   // request's pages. With echo, max_tokens may be 0 (score the prompt, generate nothing).
   bool echo = false;
+  // > 0: the prompt's first context_tokens tokens are a context, compressed on its own: they are
+  // prefilled first and their last chunk ends like a prompt (the layers' prompt-end eviction), the
+  // rest (the question) after them, as bench's question_after protocol. With the prefix cache
+  // the compressed context is kept, keyed by its tokens and the request's layer config; a later
+  // request with the same context and config forks it (pages and policy state) and prefills only
+  // its question; one submitted while the first still computes it waits for it.
+  int32_t context_tokens = 0;
 };
 
 // What one request did, filled as it runs.
@@ -155,7 +169,12 @@ struct SchedulerStats {
   int64_t generated_tokens = 0;
   int64_t preemptions = 0;
   int64_t rejected = 0;          // refused by a full queue
-  int64_t prefix_reused_tokens = 0;  // prompt tokens taken from a running request's pages
+  int64_t prefix_reused_tokens = 0;  // prompt tokens taken from another sequence's pages (running or cached)
+  int64_t prefix_cache_hits = 0;         // requests that started from a cached sequence
+  int64_t prefix_cache_hit_tokens = 0;   // prompt tokens they did not compute
+  int64_t prefix_cache_evictions = 0;    // cached sequences freed for room (LRU)
+  int prefix_cache_entries = 0;          // sequences kept now
+  size_t prefix_cache_bytes = 0;         // KV bytes only the cache holds (what evicting it all frees)
   int64_t finished[7] = {};      // by FinishReason
   size_t kv_budget_bytes = 0;
   size_t kv_reserved_bytes = 0;  // admission reservations of the running requests
@@ -208,6 +227,10 @@ class Scheduler {
   int32_t ChunkTokens() const;  // the largest prompt chunk of a step
   bool IsDense(const Active& a) const;  // every layer of its config keeps every token
   const std::vector<LayerKvConfig>& LayersOf(const Active& a) const;  // its own config, or the server's
+  // A context request (GenerationRequest::context_tokens) not yet started: fork its kept context.
+  void AttachContext(Active& a);
+  // After a step: a request whose context just ended keeps a fork of it in the prefix cache.
+  void KeepContext(Active& a);
   bool CanShare(const Active& a) const;  // share_prefixes, dense, and not an echo still to score
   // Leading tokens a's prompt has in common with donor's tokens, at most `limit` and never a's
   // last (it must be computed for its logits); 0 when donor cannot give its pages to a.
@@ -215,6 +238,18 @@ class Scheduler {
   // An earlier admission computes a prefix (a page or more) of a's prompt: a waits to fork it.
   bool WaitsForDonor(const Active& a) const;
   void SharePrefix(Active& a);  // a's sequence acquired and still empty: fork the best donor's
+  // The prefix cache's key for a's pages: its layers' storage types (dense entries).
+  uint64_t DenseCacheKey(const Active& a) const;
+  // The cached sequence sharing the longest prefix with a's prompt (CanShare(a) only).
+  PrefixCache::Match CachedPrefix(const Active& a) const;
+  // Whether seq's sliding-window layers still hold every position a query at `common` sees.
+  bool WindowsCover(int seq, int32_t common) const;
+  // A request that ends gives its sequence to the prefix cache when it may; false: release it.
+  bool KeepInPrefixCache(Active& a, FinishReason reason);
+  void ReleaseSequences(const std::vector<int>& seqs);
+  // Frees the least recently used cached sequence (not keep_seq's); false when there is none.
+  bool EvictCachedPrefix(int keep_seq = -1);
+  size_t PrefixCacheBytes() const;  // KV bytes held by cached sequences alone
   // An echo request's prompt chunk b ran with every row's logits: the log-probabilities of the
   // prompt tokens its rows predict; at the prompt's end the last row's logits go to sampling and
   // the list to the handle.
@@ -241,6 +276,8 @@ class Scheduler {
   uint64_t admit_counter_ = 0;
   std::vector<BatchSequence> step_batch_;  // the step's batch, kept so a step does not allocate
   std::vector<Active*> step_members_;      // [batch] the request of each entry
+  PrefixCache prefix_cache_;               // finished sequences kept for later prompts
+  uint64_t tick_ = 0;                      // steps run: the prefix cache's clock
 
   std::thread worker_;
   bool worker_exit_ = false;  // under waker_->mu

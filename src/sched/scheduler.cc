@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <limits>
 
+#include <functional>
+
+#include "kvsparse/kv_config.h"
 #include "kvsparse/paged_kv_cache.h"
 #include "common/timing.h"
 
@@ -114,6 +117,10 @@ struct Scheduler::Active {
   std::vector<float> echo_logits;
   std::vector<TokenLogprob> prompt_logprobs;
   bool echo_done = false;
+  // context_tokens: the prefix cache's key for its layer config (methods, budgets, types and
+  // parameters), and whether its compressed context is in the cache (kept or attached).
+  uint64_t config_key = 0;
+  bool context_kept = false;
 
   Active(GenerationRequest r, const SamplerParams& p) : request(std::move(r)), sampler(p) {}
   int32_t remaining() const { return static_cast<int32_t>(tokens.size()) - n_computed; }
@@ -124,7 +131,8 @@ Scheduler::Scheduler(Engine* engine, SparseKvController* controller, const Sched
       controller_(controller),
       options_(options),
       n_vocab_(engine->model().config().n_vocab),
-      waker_(std::make_shared<detail::SchedulerWaker>()) {
+      waker_(std::make_shared<detail::SchedulerWaker>()),
+      prefix_cache_(controller->cache()->page_size(), std::max(options.prefix_cache_entries, 0)) {
   KVS_CHECK(engine != nullptr && controller != nullptr);
   KVS_CHECK_MSG(engine->controller() == controller, "the scheduler's engine must run with its controller");
   KVS_CHECK_MSG(options.max_running >= 1 && options.step_tokens >= 1 && options.max_queue >= 0 &&
@@ -167,6 +175,11 @@ StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest req
                                             "of {} tokens; shorten the prompt or lower max_tokens",
                                             prompt, request.max_tokens, options_.max_context));
   }
+  if (request.context_tokens < 0 || request.context_tokens >= prompt) {
+    return InvalidArgumentError(fmt::format("context_tokens must be in [0, {}) (the prompt's tokens, a question after "
+                                            "the context), got {}",
+                                            prompt, request.context_tokens));
+  }
   if (request.kv_layers) KVS_RETURN_IF_ERROR(controller_->CheckSequenceLayers(*request.kv_layers));
   const size_t need = ReserveBytes(static_cast<int32_t>(prompt), request.max_tokens, request.kv_layers.get()) +
                       ChunkReserveBytes(static_cast<int32_t>(prompt), request.kv_layers.get());
@@ -183,6 +196,11 @@ StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest req
   for (int32_t t : active->tokens) active->sampler.Accept(t);
   active->logits.resize(static_cast<size_t>(n_vocab_));
   active->submitted = Clock::now();
+  if (active->request.context_tokens > 0) {
+    KvSparsityConfig layers = controller_->config();
+    if (active->request.kv_layers) layers.layers = *active->request.kv_layers;
+    active->config_key = std::hash<std::string>{}(KvSparsityConfigSummary(layers));
+  }
   std::shared_ptr<RequestHandle> handle;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -203,8 +221,10 @@ StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest req
 
 void Scheduler::End(Active& a, FinishReason reason, Status error) {
   if (a.seq >= 0) {
-    const Status released = controller_->ReleaseSequence(a.seq);
-    KVS_CHECK_MSG(released.ok(), released.ToString());
+    if (!KeepInPrefixCache(a, reason)) {
+      const Status released = controller_->ReleaseSequence(a.seq);
+      KVS_CHECK_MSG(released.ok(), released.ToString());
+    }
     reserved_bytes_ -= a.reserved;
     a.seq = -1;
     a.reserved = 0;
@@ -230,6 +250,7 @@ void Scheduler::Preempt(Active& a) {
   a.seq = -1;
   a.reserved = 0;
   a.n_computed = 0;  // recomputed from its prompt and generated tokens
+  a.context_kept = false;  // attached again, or kept again if the cache let it go
   if (!a.echo_done) a.prompt_logprobs.clear();  // scored again from the first row
   {
     std::lock_guard<std::mutex> lock(a.handle->mu_);
@@ -269,50 +290,82 @@ int32_t Scheduler::CommonPrefix(const Active& donor, const Active& a, int32_t li
   return common;
 }
 
+uint64_t Scheduler::DenseCacheKey(const Active& a) const {
+  uint64_t key = 0x6b7673706172ull;  // the pages' storage types, layer by layer
+  for (const LayerKvConfig& l : LayersOf(a)) key = key * 1000003u + static_cast<uint64_t>(l.kv_type) + 1;
+  return key;
+}
+
+PrefixCache::Match Scheduler::CachedPrefix(const Active& a) const {
+  if (prefix_cache_.size() == 0) return {};
+  return prefix_cache_.Find(DenseCacheKey(a), a.tokens, static_cast<int32_t>(a.tokens.size()) - 1);
+}
+
 bool Scheduler::WaitsForDonor(const Active& a) const {
-  if (a.n_computed > 0 || !CanShare(a)) return false;
+  if (a.n_computed > 0) return false;
+  const int32_t context = a.request.context_tokens;
+  if (context > 0 && options_.prefix_cache_entries > 0 && !(a.request.echo && !a.echo_done)) {
+    // An earlier request computing the same context under the same config will keep it.
+    const std::span<const int32_t> mine(a.tokens.data(), static_cast<size_t>(context));
+    for (const auto& r : running_) {
+      if (r->admit_order >= a.admit_order || r->context_kept || r->config_key != a.config_key ||
+          r->request.context_tokens != context || r->seq < 0) {
+        continue;
+      }
+      if (std::equal(mine.begin(), mine.end(), r->tokens.begin())) return true;
+    }
+  }
+  if (!CanShare(a)) return false;
   const int32_t page = controller_->cache()->page_size();
+  const int32_t cached = CachedPrefix(a).common;
   for (const auto& r : running_) {
     // Only an earlier admission: the earliest of a group never waits, so the group moves on.
     if (r->admit_order >= a.admit_order) continue;
     const int32_t common = CommonPrefix(*r, a, std::numeric_limits<int32_t>::max());
-    if (common >= page && r->n_computed < common) return true;
+    if (common >= page && common > cached && r->n_computed < common) return true;
   }
   return false;
+}
+
+bool Scheduler::WindowsCover(int seq, int32_t common) const {
+  // Sliding-window layers free the positions their window has passed: the donor must still hold
+  // every position the new sequence's next query (at `common`) sees, common - window + 1 on.
+  const PagedKvCache& cache = *controller_->cache();
+  std::vector<KvSpan> spans;
+  for (int layer = 0; layer < cache.geometry().n_layers; ++layer) {
+    const int32_t window = cache.geometry().LayerWindow(layer);
+    if (window <= 0) continue;
+    if (cache.per_head(layer)) return false;
+    cache.Spans(seq, layer, &spans);
+    for (const KvSpan& span : spans) {
+      if (span.n == 0) continue;
+      if (span.positions[0] > std::max(0, common - window + 1)) return false;
+      break;
+    }
+  }
+  return true;
 }
 
 void Scheduler::SharePrefix(Active& a) {
   if (!CanShare(a) || a.n_computed > 0) return;
   const int32_t page = controller_->cache()->page_size();
-  Active* donor = nullptr;
+  int donor_seq = -1;
   int32_t best = 0;
-  // Sliding-window layers free the positions their window has passed: the donor must still hold
-  // every position the new sequence's next query (at `common`) sees, common - window + 1 on.
-  PagedKvCache& cache = *controller_->cache();
-  std::vector<KvSpan> spans;
-  auto windows_cover = [&](const Active& donor, int32_t common) {
-    for (int layer = 0; layer < cache.geometry().n_layers; ++layer) {
-      const int32_t window = cache.geometry().LayerWindow(layer);
-      if (window <= 0) continue;
-      if (cache.per_head(layer)) return false;
-      cache.Spans(donor.seq, layer, &spans);
-      for (const KvSpan& span : spans) {
-        if (span.n == 0) continue;
-        if (span.positions[0] > std::max(0, common - window + 1)) return false;
-        break;
-      }
-    }
-    return true;
-  };
   for (const auto& r : running_) {
     const int32_t common = CommonPrefix(*r, a, r->n_computed);
-    if (common > best && windows_cover(*r, common)) {
+    if (common > best && WindowsCover(r->seq, common)) {
       best = common;
-      donor = r.get();
+      donor_seq = r->seq;
     }
   }
-  if (donor == nullptr || best < page) return;  // less than a page is not worth a fork
-  Status shared = controller_->Fork(donor->seq, a.seq);
+  const PrefixCache::Match cached = CachedPrefix(a);
+  const bool from_cache = cached.common > best && WindowsCover(cached.entry->seq, cached.common);
+  if (from_cache) {
+    best = cached.common;
+    donor_seq = cached.entry->seq;
+  }
+  if (donor_seq < 0 || best < page) return;  // less than a page is not worth a fork
+  Status shared = controller_->Fork(donor_seq, a.seq);
   if (shared.ok()) shared = controller_->RemoveRange(a.seq, best, -1);
   if (!shared.ok()) {  // e.g. no page for the copy of a shared, partly kept page: compute it all
     const Status reset = controller_->ResetSequence(a.seq);
@@ -320,8 +373,90 @@ void Scheduler::SharePrefix(Active& a) {
     return;
   }
   a.n_computed = best;
+  if (from_cache) prefix_cache_.Touch(cached.entry, tick_);
   std::lock_guard<std::mutex> lock(mu_);
   stats_.prefix_reused_tokens += best;
+  if (from_cache) {
+    ++stats_.prefix_cache_hits;
+    stats_.prefix_cache_hit_tokens += best;
+  }
+}
+
+void Scheduler::AttachContext(Active& a) {
+  const int32_t context = a.request.context_tokens;
+  if (context <= 0 || a.n_computed > 0 || prefix_cache_.size() == 0 || (a.request.echo && !a.echo_done)) return;
+  const PrefixCache::Entry* kept =
+      prefix_cache_.FindExact(a.config_key, std::span<const int32_t>(a.tokens.data(), static_cast<size_t>(context)));
+  if (kept == nullptr) return;
+  if (Status forked = controller_->Fork(kept->seq, a.seq); !forked.ok()) {
+    const Status reset = controller_->ResetSequence(a.seq);  // no page for a copy: compute it all
+    KVS_CHECK_MSG(reset.ok(), reset.ToString());
+    return;
+  }
+  prefix_cache_.Touch(kept, tick_);
+  a.n_computed = context;
+  a.context_kept = true;
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.prefix_reused_tokens += context;
+  ++stats_.prefix_cache_hits;
+  stats_.prefix_cache_hit_tokens += context;
+}
+
+void Scheduler::KeepContext(Active& a) {
+  if (a.context_kept || a.n_computed != a.request.context_tokens || options_.prefix_cache_entries <= 0) return;
+  a.context_kept = true;
+  auto copy = controller_->AcquireSequence(a.request.kv_layers);
+  if (!copy.ok()) return;  // the request goes on; its context is just not kept
+  if (Status forked = controller_->Fork(a.seq, *copy); !forked.ok()) {
+    ReleaseSequences({*copy});
+    return;
+  }
+  std::vector<int32_t> context(a.tokens.begin(), a.tokens.begin() + a.n_computed);
+  ReleaseSequences(prefix_cache_.Insert(*copy, a.config_key, std::move(context), /*whole_only=*/true, tick_));
+}
+
+bool Scheduler::KeepInPrefixCache(Active& a, FinishReason reason) {
+  // Only dense sequences whose pages are the exact cache of their computed tokens.
+  if (options_.prefix_cache_entries <= 0 || reason == FinishReason::kError || !IsDense(a) ||
+      a.n_computed < controller_->cache()->page_size()) {
+    return false;
+  }
+  std::vector<int32_t> computed(a.tokens.begin(), a.tokens.begin() + a.n_computed);
+  std::vector<int> release = prefix_cache_.Insert(a.seq, DenseCacheKey(a), std::move(computed), false, tick_);
+  const bool kept = std::find(release.begin(), release.end(), a.seq) == release.end();
+  std::erase(release, a.seq);
+  ReleaseSequences(release);
+  return kept;
+}
+
+void Scheduler::ReleaseSequences(const std::vector<int>& seqs) {
+  for (int seq : seqs) {
+    const Status released = controller_->ReleaseSequence(seq);
+    KVS_CHECK_MSG(released.ok(), released.ToString());
+  }
+}
+
+bool Scheduler::EvictCachedPrefix(int keep_seq) {
+  const int seq = prefix_cache_.EvictLeastRecentlyUsed(keep_seq);
+  if (seq < 0) return false;
+  ReleaseSequences({seq});
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.prefix_cache_evictions;
+  return true;
+}
+
+size_t Scheduler::PrefixCacheBytes() const {
+  if (prefix_cache_.size() == 0) return 0;
+  // Pages a cached sequence shares with a running one are not the cache's alone: the bytes in use
+  // beyond the running sequences', at most the cached sequences' own.
+  const PagedKvCache& cache = *controller_->cache();
+  size_t running = 0, cached = 0;
+  for (const auto& r : running_) {
+    if (r->seq >= 0) running += cache.SequenceLiveBytes(r->seq);
+  }
+  for (int seq : prefix_cache_.Sequences()) cached += cache.SequenceLiveBytes(seq);
+  const size_t used = cache.budget().used_bytes();
+  return std::min(cached, used > running ? used - running : 0);
 }
 
 bool Scheduler::Admit() {
@@ -338,8 +473,18 @@ bool Scheduler::Admit() {
     for (const auto& r : running_) {
       if (r->remaining() > 1 || r->n_computed == 0) largest_chunk = std::max(largest_chunk, r->chunk_reserve);
     }
+    // Cached prefixes give their pages back, least recently used first, before the head waits
+    // (the one it would start from last).
+    const PrefixCache::Entry* hit = CanShare(a) ? CachedPrefix(a).entry : nullptr;
+    const int hit_seq = hit != nullptr ? hit->seq : -1;
+    auto fits = [&] {
+      return static_cast<double>(reserved_bytes_ + need + largest_chunk + PrefixCacheBytes()) <= budget;
+    };
+    while (!fits() && EvictCachedPrefix(hit_seq)) {
+    }
+    if (!fits()) EvictCachedPrefix();  // the hit itself, last
     // First come, first served: the head waits for room rather than being overtaken.
-    if (static_cast<double>(reserved_bytes_ + need + largest_chunk) > budget) break;
+    if (!fits()) break;
     auto seq = controller_->AcquireSequence(a.request.kv_layers);
     if (!seq.ok()) {
       std::unique_ptr<Active> failed = std::move(waiting_.front());
@@ -357,6 +502,7 @@ bool Scheduler::Admit() {
       a.handle->stats_.kv_reserved_bytes = need;
       a.handle->stats_.queue_s = Seconds(a.submitted, Clock::now());
     }
+    AttachContext(a);
     SharePrefix(a);
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -470,13 +616,18 @@ bool Scheduler::Step() {
         // A prompt that starts like an earlier request's still being computed (n copies of one
         // prompt, a batch of questions on one context) waits for it and forks its pages.
         if (WaitsForDonor(*a)) continue;
+        AttachContext(*a);
         SharePrefix(*a);
-        const int32_t n = std::min({a->remaining(), chunk_limit, options_.step_tokens - rows});
+        // A context's last chunk ends at the context, like a prompt (question_after).
+        int32_t left = a->remaining();
+        const int32_t context = a->request.context_tokens;
+        if (context > a->n_computed) left = std::min(left, context - a->n_computed);
+        const int32_t n = std::min({left, chunk_limit, options_.step_tokens - rows});
         if (n <= 0) break;
         chunk_bytes += a->chunk_reserve;
         if (prompt_rows > 0 && static_cast<double>(reserved_bytes_ + chunk_bytes) > budget) break;
         prompt_rows += n;
-        add(*a, n, n == a->remaining() ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
+        add(*a, n, n == left ? EvictionPoint::kPromptEnd : EvictionPoint::kPrefillChunk);
       }
     }
     if (batch.empty()) break;
@@ -486,6 +637,8 @@ bool Scheduler::Step() {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.busy_s += Seconds(t0, Clock::now());
     }
+    // Out of pages: cached prefixes go first (ForwardBatch stored nothing, so the step reruns).
+    if (status.code() == StatusCode::kResourceExhausted && EvictCachedPrefix()) continue;
     if (status.code() != StatusCode::kResourceExhausted || running_.size() <= 1) break;
     // Out of pages: the newest request gives its pages back and waits to be recomputed.
     std::unique_ptr<Active> victim = std::move(running_.back());
@@ -509,6 +662,7 @@ bool Scheduler::Step() {
       Active& a = *members[i];
       const bool ends_prompt = batch[i].n == a.remaining();  // its last row's logits pick the next token
       a.n_computed += batch[i].n;
+      if (a.request.context_tokens > 0) KeepContext(a);
       const size_t kv_bytes = cache.SequenceLiveBytes(a.seq);  // its pages' live slots now
       FinishReason finish = FinishReason::kNone;
       if (batch[i].all_logits) ScorePromptRows(a, batch[i], ends_prompt);
@@ -559,11 +713,13 @@ bool Scheduler::Step() {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.steps;
   }
+  ++tick_;
   PublishStats();
   return true;
 }
 
 void Scheduler::PublishStats() {
+  const size_t cache_bytes = PrefixCacheBytes();
   int64_t evicted = 0;
   for (const SparseKvLayerStats& l : controller_->layer_stats()) evicted += l.evicted_tokens;
   std::lock_guard<std::mutex> lock(mu_);
@@ -573,6 +729,8 @@ void Scheduler::PublishStats() {
   stats_.kv_used_bytes = controller_->cache()->budget().used_bytes();
   stats_.kv_pages_used = controller_->cache()->pages_in_use();
   stats_.evicted_tokens = evicted;
+  stats_.prefix_cache_entries = static_cast<int>(prefix_cache_.size());
+  stats_.prefix_cache_bytes = cache_bytes;
 }
 
 void Scheduler::WorkerLoop() {
@@ -633,6 +791,7 @@ void Scheduler::Stop(bool drain, std::chrono::milliseconds grace) {
   running_.clear();
   for (auto& a : waiting_) End(*a, FinishReason::kShutdown);
   waiting_.clear();
+  ReleaseSequences(prefix_cache_.Clear());
   PublishStats();
 }
 

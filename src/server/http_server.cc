@@ -196,8 +196,14 @@ struct HttpServer::Impl {
   Counter* kv_evicted_tokens = nullptr;
   Counter* preemptions = nullptr;
   Counter* rejected = nullptr;
+  Counter* prefix_cache_hits = nullptr;
+  Counter* prefix_cache_hit_tokens = nullptr;
+  Counter* prefix_cache_evictions = nullptr;
+  Gauge* prefix_cache_entries = nullptr;
+  Gauge* prefix_cache_bytes = nullptr;
   std::mutex scrape_mu;  // the last scheduler counters seen, turned into increments
   int64_t last_evicted = 0, last_preemptions = 0, last_rejected = 0;
+  int64_t last_cache_hits = 0, last_cache_hit_tokens = 0, last_cache_evictions = 0;
 
   Impl(const Model& m, const Tokenizer* t, Scheduler* s, ServerOptions o)
       : model(m), tokenizer(t), scheduler(s), options(std::move(o)) {}
@@ -223,12 +229,16 @@ struct HttpServer::Impl {
   // The request flow.
   // The request's "kvsparse" methods and budgets as per-layer settings (null: the server's).
   std::variant<KvLayers, ApiError> KvOverrideLayers(const KvOverride& kv) const;
-  // Prompt i of a completions request (or the chat's rendered messages) as token ids.
-  std::variant<std::vector<int32_t>, ApiError> PromptTokens(CompletionRequest& r, size_t i) const;
+  // Prompt i of a completions request (or the chat's rendered messages) as token ids, after
+  // `context` (kvsparse.context's tokens; a text prompt then has no BOS of its own).
+  std::variant<std::vector<int32_t>, ApiError> PromptTokens(CompletionRequest& r, size_t i,
+                                                            const std::vector<int32_t>& context) const;
   // Submits every choice (prompts x n); on a failure cancels those already submitted.
+  // context_tokens: each prompt's leading tokens that are its context (GenerationRequest's).
   std::variant<std::shared_ptr<Completion>, ApiError> SubmitChoices(CompletionRequest& r,
                                                                     std::vector<std::vector<int32_t>> prompts,
-                                                                    KvLayers kv_layers, Clock::time_point start);
+                                                                    int32_t context_tokens, KvLayers kv_layers,
+                                                                    Clock::time_point start);
   // Waits up to `timeout` for g's next tokens and adds their text to g.unsent (entries too).
   void Pull(Generation& g, std::chrono::milliseconds timeout);
   // Once the echoed prompt has run: its text (and log-probabilities) start the choice.
@@ -269,6 +279,14 @@ void HttpServer::Impl::InitMetrics() {
   kv_evicted_tokens = &r.GetCounter("kvsparse_kv_evicted_tokens_total", "Tokens evicted from the KV cache (all layers).");
   preemptions = &r.GetCounter("kvsparse_preemptions_total", "Running requests preempted for want of KV pages.");
   rejected = &r.GetCounter("kvsparse_requests_rejected_total", "Requests refused by a full queue.");
+  prefix_cache_hits =
+      &r.GetCounter("kvsparse_prefix_cache_hits_total", "Requests that started from a cached prefix (--prefix-cache).");
+  prefix_cache_hit_tokens = &r.GetCounter("kvsparse_prefix_cache_hit_tokens_total",
+                                          "Prompt tokens taken from cached prefixes instead of computed.");
+  prefix_cache_evictions = &r.GetCounter("kvsparse_prefix_cache_evictions_total",
+                                         "Cached prefixes freed for room, least recently used first.");
+  prefix_cache_entries = &r.GetGauge("kvsparse_prefix_cache_entries", "Finished sequences kept for later prompts.");
+  prefix_cache_bytes = &r.GetGauge("kvsparse_prefix_cache_bytes", "KV bytes only the prefix cache holds.");
   // kvsparse_requests_total{endpoint,status} series appear as requests come (the logger).
 }
 
@@ -494,9 +512,10 @@ std::variant<KvLayers, ApiError> HttpServer::Impl::KvOverrideLayers(const KvOver
   return std::make_shared<const std::vector<LayerKvConfig>>(std::move(resolved.layers));
 }
 
-std::variant<std::vector<int32_t>, ApiError> HttpServer::Impl::PromptTokens(CompletionRequest& r, size_t i) const {
+std::variant<std::vector<int32_t>, ApiError> HttpServer::Impl::PromptTokens(CompletionRequest& r, size_t i,
+                                                                          const std::vector<int32_t>& context) const {
   const std::string param = r.chat ? "messages" : r.prompts.size() == 1 ? "prompt" : fmt::format("prompt[{}]", i);
-  std::vector<int32_t> prompt;
+  std::vector<int32_t> prompt = context;
   if (!r.chat && r.prompts[i].is_tokens) {
     const int32_t n_vocab = model.config().n_vocab;
     const std::vector<int32_t>& ids = r.prompts[i].tokens;
@@ -507,7 +526,7 @@ std::variant<std::vector<int32_t>, ApiError> HttpServer::Impl::PromptTokens(Comp
                           fmt::format("{}[{}]", param, k));
       }
     }
-    prompt = std::move(r.prompts[i].tokens);
+    prompt.insert(prompt.end(), ids.begin(), ids.end());
   } else if (!tokenizer) {
     return BadRequest(fmt::format("the model '{}' has no tokenizer (no tokenizer.ggml.tokens in its file): send the "
                                   "prompt as token ids to /v1/completions",
@@ -522,21 +541,29 @@ std::variant<std::vector<int32_t>, ApiError> HttpServer::Impl::PromptTokens(Comp
     }
     prompt = tokenizer->Encode(*text, /*add_bos=*/true, /*parse_special=*/true);
   } else {
-    prompt = tokenizer->Encode(r.prompts[i].text, /*add_bos=*/true);
+    const std::vector<int32_t> text = tokenizer->Encode(r.prompts[i].text, /*add_bos=*/context.empty());
+    prompt.insert(prompt.end(), text.begin(), text.end());
   }
-  if (prompt.empty()) return BadRequest("the prompt is empty (it has no tokens)", param);
-  const int32_t context = scheduler->options().max_context;
-  if (prompt.size() >= static_cast<size_t>(context)) {
+  if (prompt.size() <= context.size()) return BadRequest("the prompt is empty (it has no tokens)", param);
+  if (r.kv.context_tokens && prompt.size() <= static_cast<size_t>(*r.kv.context_tokens)) {
+    return BadRequest(fmt::format("{} has {} tokens, not more than kvsparse.context_tokens ({}): a question must "
+                                  "follow the context",
+                                  param, prompt.size(), *r.kv.context_tokens),
+                      param);
+  }
+  const int32_t max_context = scheduler->options().max_context;
+  if (prompt.size() >= static_cast<size_t>(max_context)) {
     return BadRequest(fmt::format("{} has {} tokens but the context is {} tokens (prompt and completion together); "
                                   "shorten the prompt",
-                                  param, prompt.size(), context),
+                                  param, prompt.size(), max_context),
                       param, "context_length_exceeded");
   }
   return prompt;
 }
 
 std::variant<std::shared_ptr<Completion>, ApiError> HttpServer::Impl::SubmitChoices(
-    CompletionRequest& r, std::vector<std::vector<int32_t>> prompts, KvLayers kv_layers, Clock::time_point start) {
+    CompletionRequest& r, std::vector<std::vector<int32_t>> prompts, int32_t context_tokens, KvLayers kv_layers,
+    Clock::time_point start) {
   auto completion = std::make_shared<Completion>();
   Completion& c = *completion;
   c.chat = r.chat;
@@ -575,6 +602,7 @@ std::variant<std::shared_ptr<Completion>, ApiError> HttpServer::Impl::SubmitChoi
       g.stop_tokens.insert(g.stop_tokens.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
       g.logprobs = r.logprobs;
       g.echo = r.echo;
+      g.context_tokens = context_tokens;
       g.kv_layers = kv_layers;
       g.deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
       auto handle = scheduler->Submit(std::move(g));
@@ -624,10 +652,22 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   auto kv_layers = KvOverrideLayers(r.kv);
   if (const ApiError* e = std::get_if<ApiError>(&kv_layers)) return SetError(res, *e);
 
+  // kvsparse.context: compressed once, before every prompt.
+  std::vector<int32_t> context;
+  if (r.kv.context) {
+    if (!tokenizer) {
+      return SetError(res, BadRequest(fmt::format("the model '{}' has no tokenizer: send the context as the prompts' "
+                                                  "first tokens with kvsparse.context_tokens",
+                                                  model_id),
+                                      "kvsparse.context", "no_tokenizer"));
+    }
+    context = tokenizer->Encode(*r.kv.context, /*add_bos=*/true);
+  }
+  const int32_t context_tokens = r.kv.context_tokens ? *r.kv.context_tokens : static_cast<int32_t>(context.size());
   // Every prompt's tokens, before anything is submitted: a bad prompt refuses the whole batch.
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < (chat ? 1 : r.prompts.size()); ++i) {
-    auto prompt = PromptTokens(r, i);
+    auto prompt = PromptTokens(r, i, context);
     if (const ApiError* e = std::get_if<ApiError>(&prompt)) return SetError(res, *e);
     prompts.push_back(std::move(std::get<std::vector<int32_t>>(prompt)));
   }
@@ -650,7 +690,8 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
     return SetError(res, MakeError(503, "unavailable_error", "the server is shutting down"));
   }
 
-  auto submitted = SubmitChoices(r, std::move(prompts), std::get<KvLayers>(std::move(kv_layers)), start);
+  auto submitted =
+      SubmitChoices(r, std::move(prompts), context_tokens, std::get<KvLayers>(std::move(kv_layers)), start);
   if (const ApiError* e = std::get_if<ApiError>(&submitted)) return SetError(res, *e);
   std::shared_ptr<Completion> completion = std::get<std::shared_ptr<Completion>>(std::move(submitted));
   Completion& c = *completion;
@@ -969,6 +1010,8 @@ void HttpServer::Impl::RefreshSchedulerMetrics() {
   kv_bytes_used->Set(static_cast<double>(s.kv_used_bytes));
   kv_bytes_budget->Set(static_cast<double>(s.kv_budget_bytes));
   kv_bytes_reserved->Set(static_cast<double>(s.kv_reserved_bytes));
+  prefix_cache_entries->Set(s.prefix_cache_entries);
+  prefix_cache_bytes->Set(static_cast<double>(s.prefix_cache_bytes));
   std::lock_guard<std::mutex> lock(scrape_mu);
   auto advance = [](Counter* c, int64_t now, int64_t* last) {
     if (now > *last) c->Inc(static_cast<double>(now - *last));
@@ -977,6 +1020,9 @@ void HttpServer::Impl::RefreshSchedulerMetrics() {
   advance(kv_evicted_tokens, s.evicted_tokens, &last_evicted);
   advance(preemptions, s.preemptions, &last_preemptions);
   advance(rejected, s.rejected, &last_rejected);
+  advance(prefix_cache_hits, s.prefix_cache_hits, &last_cache_hits);
+  advance(prefix_cache_hit_tokens, s.prefix_cache_hit_tokens, &last_cache_hit_tokens);
+  advance(prefix_cache_evictions, s.prefix_cache_evictions, &last_cache_evictions);
 }
 
 void HttpServer::Impl::HandleMetrics(httplib::Response& res) {

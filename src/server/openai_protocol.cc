@@ -309,20 +309,43 @@ void ParseStop(const Json& body, const ProtocolLimits& limits, CompletionRequest
   }
 }
 
-void ParseKvOverride(const Json& body, KvOverride& kv) {
+void ParseKvOverride(const Json& body, const ProtocolLimits& limits, CompletionRequest& request) {
+  KvOverride& kv = request.kv;
   const Json* ext = Field(body, "kvsparse");
   if (ext == nullptr) return;
   if (!ext->is_object()) FailType("kvsparse", "an object", *ext);
   // Our own extension, so a misspelt key is an error rather than silently ignored.
   for (const auto& [key, value] : ext->items()) {
-    if (key != "kv_method" && key != "kv_budget" && key != "kv_type") {
-      FailValue("kvsparse." + key,
-                fmt::format("Unknown field 'kvsparse.{}' (known: kv_method, kv_budget, kv_type).", key));
+    if (key != "kv_method" && key != "kv_budget" && key != "kv_type" && key != "context" && key != "context_tokens") {
+      FailValue("kvsparse." + key, fmt::format("Unknown field 'kvsparse.{}' (known: kv_method, kv_budget, kv_type, "
+                                               "context, context_tokens).",
+                                               key));
     }
   }
   kv.method = ReadString(*ext, "kv_method", "kvsparse.kv_method");
   kv.budget = ReadNumber(*ext, "kv_budget", "kvsparse.kv_budget");
   kv.kv_type = ReadString(*ext, "kv_type", "kvsparse.kv_type");
+  kv.context = ReadString(*ext, "context", "kvsparse.context");
+  if (auto n = ReadInteger(*ext, "context_tokens", "kvsparse.context_tokens")) {
+    if (*n < 1 || *n > std::numeric_limits<int32_t>::max()) {
+      FailValue("kvsparse.context_tokens", fmt::format("'kvsparse.context_tokens' must be at least 1, got {}.", *n));
+    }
+    kv.context_tokens = static_cast<int32_t>(*n);
+  }
+  const char* context_field = kv.context ? "kvsparse.context" : "kvsparse.context_tokens";
+  if ((kv.context || kv.context_tokens) && request.chat) {
+    FailValue(context_field, fmt::format("'{}' applies to /v1/completions (a prompt after the context), not to chat.",
+                                         context_field));
+  }
+  if (kv.context && kv.context_tokens) {
+    FailValue("kvsparse.context_tokens", "Send 'kvsparse.context' or 'kvsparse.context_tokens', not both.");
+  }
+  if (kv.context) {
+    if (kv.context->empty()) FailValue("kvsparse.context", "'kvsparse.context' must not be empty.");
+    size_t bytes = kv.context->size();
+    for (const PromptInput& p : request.prompts) bytes += p.text.size();
+    CheckPromptBytes(bytes, "kvsparse.context", limits);
+  }
 }
 
 void ParseSampling(const Json& body, CompletionRequest& request) {
@@ -489,7 +512,7 @@ void ParseCompletionFields(const Json& body, bool chat, const ProtocolLimits& li
     FailValue(request.max_tokens_key, fmt::format("'{}' must be at least 1 (0 only with 'echo': score the prompt).",
                                                   request.max_tokens_key));
   }
-  ParseKvOverride(body, request.kv);
+  ParseKvOverride(body, limits, request);
   if (auto timeout = ReadNumber(body, "timeout_s", "timeout_s")) {
     if (*timeout <= 0.0) FailValue("timeout_s", fmt::format("'timeout_s' must be greater than 0, got {}.", *timeout));
     request.timeout_s = *timeout;

@@ -52,10 +52,16 @@ struct ProtocolLimits {
 
 // The "kvsparse" extension object: {"kv_method": "h2o", "kv_budget": 0.2, "kv_type": "int8"}.
 // Only parsed and type-checked here; the server validates the values against the KV config.
+// Completions may also name a context to compress once and keep (the scheduler's
+// GenerationRequest::context_tokens): {"context": "<text>"} goes before every prompt (tokenized
+// with BOS, each prompt then without), or {"context_tokens": N} marks every prompt's first N
+// tokens as the context.
 struct KvOverride {
   std::optional<std::string> method;
   std::optional<double> budget;
   std::optional<std::string> kv_type;
+  std::optional<std::string> context;
+  std::optional<int32_t> context_tokens;  // >= 1
 };
 
 // One prompt of /v1/completions: text, or token ids (sent as they are, no BOS added).

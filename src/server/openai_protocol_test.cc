@@ -448,6 +448,23 @@ TEST(ParseCompletionRequest, KvOverrideErrors) {
   ParseError(R"({"prompt": "x", "kvsparse": {"budget": 0.2}})", kText, "kvsparse.budget");
 }
 
+TEST(ParseCompletionRequest, CompressedContextFields) {
+  const CompletionRequest text = ParseOk(R"({"prompt": ["q1", "q2"], "kvsparse": {"context": "doc"}})", kText);
+  EXPECT_EQ(text.kv.context, "doc");
+  EXPECT_FALSE(text.kv.context_tokens.has_value());
+  EXPECT_EQ(ParseOk(R"({"prompt": [1, 2, 3], "kvsparse": {"context_tokens": 2}})", kText).kv.context_tokens, 2);
+  ParseError(R"({"prompt": "x", "kvsparse": {"context": ""}})", kText, "kvsparse.context");
+  ParseError(R"({"prompt": "x", "kvsparse": {"context": 3}})", kText, "kvsparse.context");
+  ParseError(R"({"prompt": "x", "kvsparse": {"context_tokens": 0}})", kText, "kvsparse.context_tokens");
+  ParseError(R"({"prompt": "x", "kvsparse": {"context_tokens": 1.5}})", kText, "kvsparse.context_tokens");
+  ParseError(R"({"prompt": "x", "kvsparse": {"context": "a", "context_tokens": 1}})", kText, "kvsparse.context_tokens");
+  ParseError(R"({"messages": [{"role": "user", "content": "x"}], "kvsparse": {"context": "a"}})", kChat,
+             "kvsparse.context");
+  ProtocolLimits small;
+  small.max_prompt_bytes = 6;
+  ParseError(R"({"prompt": ["abc"], "kvsparse": {"context": "defg"}})", kText, "kvsparse.context", small);
+}
+
 TEST(ParseCompletionRequest, ErrorsCarryTheFirstProblem) {
   // Both fields are wrong; the error names one of them and the request is refused.
   const ApiError e = ParseError(R"({"prompt": "", "temperature": 9})", kText, "prompt");
