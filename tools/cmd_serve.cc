@@ -44,6 +44,7 @@ struct ServeArgs {
   int queue = 64;
   int step_tokens = 512;
   int prefix_cache = 64;
+  bool share_prefixes = true;
   double timeout_s = 600;
   int http_threads = 0;
 };
@@ -145,6 +146,7 @@ int Run(const ServeArgs& a) {
   sched_options.max_queue = a.queue;
   sched_options.max_context = n_ctx;
   sched_options.prefix_cache_entries = a.prefix_cache;
+  sched_options.share_prefixes = a.share_prefixes;
   Scheduler scheduler((*runtime)->engine.get(), controller, sched_options);
 
   server::ServerOptions options;
@@ -235,6 +237,9 @@ void RegisterServe(CLI::App& app, int* exit_code) {
                   "their pages are freed least recently used first when requests need the room; 0 = off)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("!--no-share-prefixes", args->share_prefixes,
+                "never fork another request's pages, running or cached (every prompt is computed whole: a cold "
+                "baseline for measurements)");
   cmd->add_option("--timeout", args->timeout_s, "seconds a generation request may take (then 408)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

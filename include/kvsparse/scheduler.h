@@ -52,7 +52,8 @@ struct SchedulerOptions {
   // A dense request whose prompt starts like a running dense request's computed tokens (at least
   // a page) forks that sequence (pages shared by reference count) and computes only the rest;
   // one whose prompt starts like an earlier request's still being computed waits for it to get
-  // there (n copies of a prompt, several questions on one context).
+  // there (n copies of a prompt, several questions on one context). false: nothing is ever
+  // forked, running or cached (a cold baseline).
   bool share_prefixes = true;
   // Automatic prefix caching: > 0 keeps up to this many finished dense sequences (their computed
   // tokens, a page or more) for later prompts that start like them, as vLLM's prefix cache keeps

@@ -304,7 +304,7 @@ PrefixCache::Match Scheduler::CachedPrefix(const Active& a) const {
 bool Scheduler::WaitsForDonor(const Active& a) const {
   if (a.n_computed > 0) return false;
   const int32_t context = a.request.context_tokens;
-  if (context > 0 && options_.prefix_cache_entries > 0 && !(a.request.echo && !a.echo_done)) {
+  if (context > 0 && options_.share_prefixes && options_.prefix_cache_entries > 0 && !(a.request.echo && !a.echo_done)) {
     // An earlier request computing the same context under the same config will keep it.
     const std::span<const int32_t> mine(a.tokens.data(), static_cast<size_t>(context));
     for (const auto& r : running_) {
@@ -384,7 +384,10 @@ void Scheduler::SharePrefix(Active& a) {
 
 void Scheduler::AttachContext(Active& a) {
   const int32_t context = a.request.context_tokens;
-  if (context <= 0 || a.n_computed > 0 || prefix_cache_.size() == 0 || (a.request.echo && !a.echo_done)) return;
+  if (context <= 0 || a.n_computed > 0 || !options_.share_prefixes || prefix_cache_.size() == 0 ||
+      (a.request.echo && !a.echo_done)) {
+    return;
+  }
   const PrefixCache::Entry* kept =
       prefix_cache_.FindExact(a.config_key, std::span<const int32_t>(a.tokens.data(), static_cast<size_t>(context)));
   if (kept == nullptr) return;

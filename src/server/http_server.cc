@@ -150,6 +150,10 @@ struct Completion {
   std::vector<std::shared_ptr<Generation>> choices;
 };
 
+// The usage of all the choices: each prompt's tokens once (OpenAI's count), every choice's
+// generated tokens, and the sum of their KV peaks (an upper bound where copies share pages).
+static void AddUsage(const Completion& c, CompletionResult* result);
+
 // Connections the kernel queues before the accept loop takes them.
 constexpr int kListenBacklog = 1024;
 
@@ -749,18 +753,24 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   guard.handed_off = true;  // the content provider and its releaser own it now
 }
 
+static void AddUsage(const Completion& c, CompletionResult* result) {
+  for (const auto& g : c.choices) {
+    const RequestStats stats = g->handle->stats();
+    if (g->index % c.n == 0) result->prompt_tokens += stats.prompt_tokens;  // a prompt's tokens once
+    result->completion_tokens += stats.completion_tokens;
+    result->kv_peak_bytes += stats.kv_peak_bytes;
+  }
+}
+
 void HttpServer::Impl::SendFinished(Completion& c, httplib::Response& res) {
   CompletionResult result;
   result.id = c.meta.id;
   result.created = c.meta.created;
   result.model = model_id;
+  AddUsage(c, &result);
   for (auto& g : c.choices) {
     auto outcome = Outcome(*g);
     if (const ApiError* e = std::get_if<ApiError>(&outcome)) return SetError(res, *e);
-    const RequestStats stats = g->handle->stats();
-    if (g->index % c.n == 0) result.prompt_tokens += stats.prompt_tokens;  // a prompt's tokens once
-    result.completion_tokens += stats.completion_tokens;
-    result.kv_peak_bytes += stats.kv_peak_bytes;
     ChoiceResult choice;
     choice.text = std::move(g->unsent);
     choice.finish_reason = std::get<std::string>(outcome);
@@ -933,15 +943,12 @@ bool HttpServer::Impl::StreamBody(Completion& c, httplib::DataSink& sink) {
       PullAll(c);
     }
     if (c.include_usage) {
-      int prompt_tokens = 0, completion_tokens = 0;
-      size_t kv_bytes = 0;
-      for (const auto& g : c.choices) {
-        const RequestStats stats = g->handle->stats();
-        if (g->index % c.n == 0) prompt_tokens += stats.prompt_tokens;
-        completion_tokens += stats.completion_tokens;
-        kv_bytes += stats.kv_peak_bytes;
+      CompletionResult usage;
+      AddUsage(c, &usage);
+      if (!send(SseEvent(UsageChunk(c.meta, c.chat, usage.prompt_tokens, usage.completion_tokens,
+                                    usage.kv_peak_bytes)))) {
+        return false;
       }
-      if (!send(SseEvent(UsageChunk(c.meta, c.chat, prompt_tokens, completion_tokens, kv_bytes)))) return false;
     }
     if (!send(std::string(kSseDone))) return false;
     sink.done();

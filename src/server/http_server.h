@@ -1,12 +1,16 @@
 // The OpenAI-compatible HTTP front end of a Scheduler (continuous batching), like llama.cpp's
 // llama-server:
 //
-//   POST /v1/completions        prompt text or token ids; "stream": true answers with SSE chunks
-//   POST /v1/chat/completions   messages through the chat template; SSE likewise
+//   POST /v1/completions        prompt text or token ids, or a batch of either; n choices each
+//                               (each its own sequence); logprobs, echo; "stream": true answers
+//                               with SSE chunks, one choice each; "kvsparse": per-request KV
+//                               settings and a context to compress once and keep
+//   POST /v1/chat/completions   messages through the chat template; n, logprobs; SSE likewise
 //   GET  /v1/models             the one model served
 //   GET  /health                {"status":"ok"} (never needs the API key)
-//   POST /tokenize              {"content": ".."} -> {"tokens": [..]}
+//   POST /tokenize              {"content": ".."} or {"prompt": ".."} -> {"tokens": [..], "count": n}
 //   POST /detokenize            {"tokens": [..]}  -> {"content": ".."}
+//   GET  /tokenizer_info        special tokens, vocabulary size, context (vLLM's)
 //   GET  /metrics               Prometheus text format 0.0.4
 //
 // Every error is an OpenAI-style body {"error": {"message", "type", "param", "code"}}:
