@@ -705,6 +705,36 @@ TEST(Scheduler, PrefixCacheHitsMatchColdRunsAndGiveWayUnderPressure) {
   EXPECT_EQ(r.scheduler->Stats().prefix_cache_entries, 0);
 }
 
+// n > 1 under a sparse method: copies of a whole prompt wait for the first to reach the prompt's
+// end, fork it there (the compressed cache and the last logits) and sample their own first token:
+// the prompt is computed once, and each copy gets what it gets alone.
+TEST(Scheduler, SparsePromptCopiesForkAtThePromptsEnd) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  std::vector<int32_t> prompt = Prompt(2);  // 150 tokens
+  for (int32_t t : Prompt(2)) prompt.push_back((t + 3) % 512);
+  SchedulerOptions options;
+  options.max_running = 4;
+  options.step_tokens = 64;  // the prompt takes three chunks (and three evictions)
+  std::vector<int32_t> alone;
+  {
+    Runtime lone = MakeRuntime(path, "h2o", "0.2", "int8", 0, options);  // the same chunks, alone
+    auto h = lone.scheduler->Submit(Greedy(prompt, 12));
+    ASSERT_TRUE(h.ok());
+    StepUntilDone(*lone.scheduler, {*h});
+    alone = Drain(**h);
+  }
+  Runtime r = MakeRuntime(path, "h2o", "0.2", "int8", 0, options);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < 3; ++i) handles.push_back(*r.scheduler->Submit(Greedy(prompt, 12)));
+  StepUntilDone(*r.scheduler, handles);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(Drain(*handles[i]), alone) << "copy " << i;
+  const SchedulerStats s = r.scheduler->Stats();
+  EXPECT_EQ(s.prompt_tokens, static_cast<int64_t>(prompt.size())) << "the prompt was computed once";
+  EXPECT_EQ(s.prefix_reused_tokens, 2 * static_cast<int64_t>(prompt.size()));
+  EXPECT_EQ(r.kv.cache->pages_in_use(), 0);
+  r.kv.cache->CheckInvariants();
+}
+
 // Compressed contexts: a request's context (context_tokens) is prefilled and compressed on its own,
 // then its question; the compressed context is kept, and later questions on it (one after
 // another, or submitted together: the others wait for the first) fork it and give exactly the

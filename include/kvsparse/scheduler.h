@@ -228,6 +228,14 @@ class Scheduler {
   int32_t ChunkTokens() const;  // the largest prompt chunk of a step
   bool IsDense(const Active& a) const;  // every layer of its config keeps every token
   const std::vector<LayerKvConfig>& LayersOf(const Active& a) const;  // its own config, or the server's
+  // Samples a's next token from a.logits and hands it to the handle; the reason it ends, if it does.
+  FinishReason SampleAndDeliver(Active& a, size_t kv_bytes, std::chrono::steady_clock::time_point now);
+  // copy has donor's whole prompt under the same config and has not started (n > 1 under a
+  // sparse method): it waits for donor's prompt end and forks it there.
+  bool IsPromptCopy(const Active& copy, const Active& donor) const;
+  // donor's prompt just ended: its copies fork it, take its last logits and sample their first
+  // token now (before donor's sampler runs). Returns the tokens delivered.
+  int64_t ForkPromptCopies(Active& donor, std::chrono::steady_clock::time_point now);
   // A context request (GenerationRequest::context_tokens) not yet started: fork its kept context.
   void AttachContext(Active& a);
   // After a step: a request whose context just ended keeps a fork of it in the prefix cache.

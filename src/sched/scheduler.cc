@@ -117,8 +117,8 @@ struct Scheduler::Active {
   std::vector<float> echo_logits;
   std::vector<TokenLogprob> prompt_logprobs;
   bool echo_done = false;
-  // context_tokens: the prefix cache's key for its layer config (methods, budgets, types and
-  // parameters), and whether its compressed context is in the cache (kept or attached).
+  // A key for its layer config (methods, budgets, types and parameters: compressed contexts,
+  // prompt copies), and whether its compressed context is in the cache (kept or attached).
   uint64_t config_key = 0;
   bool context_kept = false;
 
@@ -196,7 +196,7 @@ StatusOr<std::shared_ptr<RequestHandle>> Scheduler::Submit(GenerationRequest req
   for (int32_t t : active->tokens) active->sampler.Accept(t);
   active->logits.resize(static_cast<size_t>(n_vocab_));
   active->submitted = Clock::now();
-  if (active->request.context_tokens > 0) {
+  {
     KvSparsityConfig layers = controller_->config();
     if (active->request.kv_layers) layers.layers = *active->request.kv_layers;
     active->config_key = std::hash<std::string>{}(KvSparsityConfigSummary(layers));
@@ -314,6 +314,9 @@ bool Scheduler::WaitsForDonor(const Active& a) const {
       }
       if (std::equal(mine.begin(), mine.end(), r->tokens.begin())) return true;
     }
+  }
+  for (const auto& r : running_) {  // a copy of an earlier admission's prompt: forked at its end
+    if (r->admit_order < a.admit_order && IsPromptCopy(a, *r)) return true;
   }
   if (!CanShare(a)) return false;
   const int32_t page = controller_->cache()->page_size();
@@ -460,6 +463,65 @@ size_t Scheduler::PrefixCacheBytes() const {
   for (int seq : prefix_cache_.Sequences()) cached += cache.SequenceLiveBytes(seq);
   const size_t used = cache.budget().used_bytes();
   return std::min(cached, used > running ? used - running : 0);
+}
+
+FinishReason Scheduler::SampleAndDeliver(Active& a, size_t kv_bytes, Clock::time_point now) {
+  const int32_t token = a.sampler.Sample(a.logits.data(), n_vocab_);
+  a.sampler.AcceptGenerated(token);
+  TokenLogprob logprob;
+  if (a.request.logprobs >= 0) logprob = LogprobOf(a.logits.data(), n_vocab_, token, a.request.logprobs);
+  a.tokens.push_back(token);
+  ++a.n_generated;
+  const bool stop =
+      std::find(a.request.stop_tokens.begin(), a.request.stop_tokens.end(), token) != a.request.stop_tokens.end();
+  {
+    std::lock_guard<std::mutex> lock(a.handle->mu_);
+    RequestStats& st = a.handle->stats_;
+    st.completion_tokens = a.n_generated;
+    const double t = Seconds(a.submitted, now);
+    if (st.ttft_s < 0) st.ttft_s = t;
+    st.token_times_s.push_back(t);
+    st.kv_peak_bytes = std::max(st.kv_peak_bytes, kv_bytes);
+    if (!stop) {  // end-of-generation tokens are not text
+      a.handle->pending_.push_back(token);
+      if (a.request.logprobs >= 0) a.handle->pending_logprobs_.push_back(std::move(logprob));
+    }
+  }
+  a.handle->cv_.notify_all();
+  if (stop) return FinishReason::kStop;
+  if (a.n_generated >= a.request.max_tokens || static_cast<int32_t>(a.tokens.size()) >= options_.max_context) {
+    return FinishReason::kLength;
+  }
+  return FinishReason::kNone;
+}
+
+bool Scheduler::IsPromptCopy(const Active& copy, const Active& donor) const {
+  // Whole-prompt copies (n > 1 under any method): a sparse table that has seen the whole prompt
+  // is what the copy's would be, so the fork at the prompt's end is exact where a partial one
+  // is not. Dense copies already fork a partial prefix (SharePrefix).
+  return &copy != &donor && options_.share_prefixes && !IsDense(copy) && copy.n_computed == 0 && copy.seq >= 0 &&
+         donor.seq >= 0 && copy.request.context_tokens == 0 && donor.request.context_tokens == 0 &&
+         !copy.request.echo && !donor.request.echo && copy.config_key == donor.config_key &&
+         copy.request.prompt == donor.request.prompt;
+}
+
+int64_t Scheduler::ForkPromptCopies(Active& donor, Clock::time_point now) {
+  int64_t delivered = 0;
+  for (auto& c : running_) {
+    Active& copy = *c;
+    if (!IsPromptCopy(copy, donor)) continue;
+    if (!controller_->Fork(donor.seq, copy.seq).ok()) continue;  // no page for it: it computes its own
+    copy.n_computed = donor.n_computed;
+    std::copy(donor.logits.begin(), donor.logits.end(), copy.logits.begin());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.prefix_reused_tokens += copy.n_computed;
+    }
+    const FinishReason finish = SampleAndDeliver(copy, controller_->cache()->SequenceLiveBytes(copy.seq), now);
+    ++delivered;
+    if (finish != FinishReason::kNone) End(copy, finish);
+  }
+  return delivered;
 }
 
 bool Scheduler::Admit() {
@@ -672,35 +734,9 @@ bool Scheduler::Step() {
       if (ends_prompt && a.request.max_tokens == 0) {
         finish = FinishReason::kLength;  // echo only: the prompt is scored, nothing to generate
       } else if (ends_prompt) {
-        const int32_t token = a.sampler.Sample(a.logits.data(), n_vocab_);
-        a.sampler.AcceptGenerated(token);
-        TokenLogprob logprob;
-        if (a.request.logprobs >= 0) logprob = LogprobOf(a.logits.data(), n_vocab_, token, a.request.logprobs);
-        a.tokens.push_back(token);
-        ++a.n_generated;
+        generated += ForkPromptCopies(a, after);  // before a's sampler touches its logits
+        finish = SampleAndDeliver(a, kv_bytes, after);
         ++generated;
-        const bool stop = std::find(a.request.stop_tokens.begin(), a.request.stop_tokens.end(), token) !=
-                          a.request.stop_tokens.end();
-        {
-          std::lock_guard<std::mutex> lock(a.handle->mu_);
-          RequestStats& st = a.handle->stats_;
-          st.completion_tokens = a.n_generated;
-          const double t = Seconds(a.submitted, after);
-          if (st.ttft_s < 0) st.ttft_s = t;
-          st.token_times_s.push_back(t);
-          st.kv_peak_bytes = std::max(st.kv_peak_bytes, kv_bytes);
-          if (!stop) {  // end-of-generation tokens are not text
-            a.handle->pending_.push_back(token);
-            if (a.request.logprobs >= 0) a.handle->pending_logprobs_.push_back(std::move(logprob));
-          }
-        }
-        a.handle->cv_.notify_all();
-        if (stop) {
-          finish = FinishReason::kStop;
-        } else if (a.n_generated >= a.request.max_tokens ||
-                   static_cast<int32_t>(a.tokens.size()) >= options_.max_context) {
-          finish = FinishReason::kLength;
-        }
       } else {
         std::lock_guard<std::mutex> lock(a.handle->mu_);
         a.handle->stats_.kv_peak_bytes = std::max(a.handle->stats_.kv_peak_bytes, kv_bytes);
