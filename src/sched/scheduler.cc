@@ -308,15 +308,18 @@ bool Scheduler::WaitsForDonor(const Active& a) const {
     // An earlier request computing the same context under the same config will keep it.
     const std::span<const int32_t> mine(a.tokens.data(), static_cast<size_t>(context));
     for (const auto& r : running_) {
-      if (r->admit_order >= a.admit_order || r->context_kept || r->config_key != a.config_key ||
-          r->request.context_tokens != context || r->seq < 0) {
+      if (r->admit_order >= a.admit_order || r->context_kept || r->n_computed >= context ||
+          r->config_key != a.config_key || r->request.context_tokens != context || r->seq < 0) {
         continue;
       }
       if (std::equal(mine.begin(), mine.end(), r->tokens.begin())) return true;
     }
   }
-  for (const auto& r : running_) {  // a copy of an earlier admission's prompt: forked at its end
-    if (r->admit_order < a.admit_order && IsPromptCopy(a, *r)) return true;
+  for (const auto& r : running_) {  // a copy of an earlier admission's prompt still running: forked at its end
+    if (r->admit_order < a.admit_order && r->n_generated == 0 &&
+        r->n_computed < static_cast<int32_t>(r->request.prompt.size()) && IsPromptCopy(a, *r)) {
+      return true;
+    }
   }
   if (!CanShare(a)) return false;
   const int32_t page = controller_->cache()->page_size();
@@ -507,9 +510,16 @@ bool Scheduler::IsPromptCopy(const Active& copy, const Active& donor) const {
 
 int64_t Scheduler::ForkPromptCopies(Active& donor, Clock::time_point now) {
   int64_t delivered = 0;
+  // Only at the end of a first run of the prompt (a recompute after a preemption also holds the
+  // tokens it generated).
+  if (donor.n_generated > 0 || donor.n_computed != static_cast<int32_t>(donor.request.prompt.size())) return 0;
   for (auto& c : running_) {
     Active& copy = *c;
-    if (!IsPromptCopy(copy, donor)) continue;
+    // Only those that waited for donor (admitted after it, not in this step's batch).
+    if (copy.admit_order < donor.admit_order || !IsPromptCopy(copy, donor) ||
+        std::find(step_members_.begin(), step_members_.end(), &copy) != step_members_.end()) {
+      continue;
+    }
     if (!controller_->Fork(donor.seq, copy.seq).ok()) continue;  // no page for it: it computes its own
     copy.n_computed = donor.n_computed;
     std::copy(donor.logits.begin(), donor.logits.end(), copy.logits.begin());
