@@ -9,5 +9,6 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   ca-certificates cmake ninja-build g++ make pkg-config \
   libhwy-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev libcpp-httplib-dev \
   libgtest-dev libgmock-dev libbenchmark-dev \
-  python3 python3-matplotlib qemu-user >/dev/null
+  python3 python3-matplotlib qemu-user \
+  clang libclang-rt-14-dev libomp-14-dev >/dev/null  # libFuzzer (scripts/fuzz.sh)
 echo "install-deps: done"

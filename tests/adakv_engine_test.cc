@@ -49,8 +49,10 @@ TEST_F(AdaKvEngineTest, AdaptiveHeadsKeepTheLayerBudgetUnevenlyAndFreeTheirPages
   const int32_t budget = 48, prompt_tokens = 200, n_decode = 40;
   for (const std::string method : {"h2o", "snapkv"}) {
     // (rule, guaranteed share): kvpress's floor or the reference's alpha; 1 is the uniform split.
-    for (const auto& [rule, floor] : {std::pair{AdaptiveRule::kReference, 0.2}, std::pair{AdaptiveRule::kReference, 1.0},
-                                      std::pair{AdaptiveRule::kKvpress, 0.5}, std::pair{AdaptiveRule::kKvpress, 1.0}}) {
+    for (const auto& rule_floor : {std::pair{AdaptiveRule::kReference, 0.2}, std::pair{AdaptiveRule::kReference, 1.0},
+                                   std::pair{AdaptiveRule::kKvpress, 0.5}, std::pair{AdaptiveRule::kKvpress, 1.0}}) {
+      const AdaptiveRule rule = rule_floor.first;  // (not a structured binding: the lambda below captures them)
+      const double floor = rule_floor.second;
       auto config = KvSparsityConfigFromFlags(method, std::to_string(budget), "f16", n_layers);
       ASSERT_TRUE(config.ok()) << config.status().ToString();
       config->evict_interval = 1;

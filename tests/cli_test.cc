@@ -2,10 +2,14 @@
 // exit (never a crash), and convert produces a GGUF that generates exactly like the original.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "support/cli_runner.h"
 
@@ -110,6 +114,86 @@ TEST(CliBadInput, BadOptions) {
   KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
   ExpectCleanFailure(RunCli("generate -m " + model + " --kv-type int3"), "int3");
   ExpectCleanFailure(RunCli("convert " + model + " -o /tmp/x.gguf --type q4_k"), "divisible by 256");
+}
+
+// Issue 30's probes: sizes the machine cannot hold are refused before anything is allocated, with
+// the bytes needed and available; sampling values get the server's ranges (SamplerValueRequirement);
+// counts are checked by the flag parser. Never a crash or the OOM killer.
+TEST(CliBadInput, ResourceAndSamplingProbes) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string gen = "generate -m " + model + " --tokens 1,2 ";
+  // 100M tokens of a dense f16 cache are 61 GiB; the cap makes the answer the same on any machine.
+  const Result huge = RunCli(gen + "-n 4 -c 100000000", "KVSPARSE_MEMORY_LIMIT_MIB=16384");
+  ExpectCleanFailure(huge, "needs 61.47 GiB");
+  EXPECT_NE(huge.all.find("16.00 GiB available (KVSPARSE_MEMORY_LIMIT_MIB)"), std::string::npos) << huge.all;
+  ExpectCleanFailure(RunCli(gen + "--top-p 2"), "--top-p must be greater than 0 and at most 1, got 2");
+  ExpectCleanFailure(RunCli(gen + "--temp -1"), "--temp must be between 0 and 2, got -1");
+  ExpectCleanFailure(RunCli(gen + "--top-k -3"), "--top-k must be an integer of at least -1");
+  ExpectCleanFailure(RunCli(gen + "--repeat-penalty 0"), "--repeat-penalty must be greater than 0");
+  ExpectCleanFailure(RunCli(gen + "-t -1"), "--threads: Value -1 not in range 0 to 1024");
+  ExpectCleanFailure(RunCli(gen + "-b 0"), "--batch-size: must be positive, got 0");
+  ExpectCleanFailure(RunCli(gen + "-c -5"), "--ctx-size");
+  // The paged cache allocates as tokens come: past the machine's memory it stops with an error.
+  ExpectCleanFailure(RunCli(gen + "-n 400 -c 500 --kv-method h2o --kv-budget 0.9", "KVSPARSE_MEMORY_LIMIT_MIB=0.1"),
+                     "KV budget");
+  // A sparse cache of a 100M-token context reserves address space only: it runs.
+  const Result sparse = RunCli(gen + "-n 4 -c 100000000 --kv-method h2o --kv-budget 0.2");
+  EXPECT_EQ(sparse.exit_code, 0) << sparse.all;
+  // -1 generates until the context is full.
+  const Result fill = RunCli("generate -m " + model + " --tokens 1,2 -n -1 -c 40");
+  EXPECT_EQ(fill.exit_code, 0) << fill.all;
+  EXPECT_NE(fill.all.find("generated: 38 tokens"), std::string::npos) << fill.all;
+}
+
+// The keys of a bench results file, in file order.
+std::vector<std::string> ResultKeys(const std::string& path) {
+  std::vector<std::string> keys;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find("\"key\":\"");
+    if (at == std::string::npos) continue;
+    const size_t start = at + 7;
+    keys.push_back(line.substr(start, line.find('"', start) - start));
+  }
+  return keys;
+}
+
+// `kvsparse bench` killed with SIGKILL in the middle of its run, with a half-written row left at
+// the end of its results (as a kill during a write leaves), resumes: every configuration ends up
+// in the file exactly once, the same set a run without a kill writes.
+TEST(CliBench, SigkillMidRunResumesWithoutLosingOrRepeatingAConfiguration) {
+  KVS_SKIP_IF_NO_SHARED(model, "models/stories260K.bin");
+  const std::string args = "bench -m " + model +
+                           " --tasks fidelity --methods full,h2o,snapkv,streaming_llm,tova,quest --budgets 0.2,0.5 "
+                           "--lengths 256 --samples 4 --no-plots -t 1 -o ";
+  const std::string clean_dir = testing::TempPath("bench_sigkill_clean"), killed_dir = testing::TempPath("bench_sigkill");
+  std::filesystem::remove_all(clean_dir);
+  std::filesystem::remove_all(killed_dir);
+  ASSERT_EQ(RunCli(args + clean_dir).exit_code, 0);
+  std::vector<std::string> expected = ResultKeys(clean_dir + "/results.jsonl");
+  ASSERT_EQ(expected.size(), 11u);  // full once, 5 methods x 2 budgets
+
+  // Kill it once 3 rows are written, then leave half a row behind.
+  const std::string results = killed_dir + "/results.jsonl";
+  const std::string script = "mkdir -p " + killed_dir + "; " + testing::CliPath() + " " + args + killed_dir +
+                             " >/dev/null 2>&1 & pid=$!; "
+                             "while [ \"$(cat " + results + " 2>/dev/null | wc -l)\" -lt 3 ]; do sleep 0.002; done; "
+                             "kill -9 $pid; wait $pid; exit 0";
+  ASSERT_EQ(std::system(("bash -c '" + script + "'").c_str()), 0);
+  const std::vector<std::string> before = ResultKeys(results);
+  ASSERT_GE(before.size(), 3u);
+  ASSERT_LT(before.size(), expected.size()) << "the run finished before the kill";
+  {
+    std::ofstream out(results, std::ios::app);
+    out << "{\"key\":\"half-writ";
+  }
+  const Result resumed = RunCli(args + killed_dir);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.all;
+  EXPECT_NE(resumed.all.find("dropping an incomplete last line"), std::string::npos) << resumed.all;
+  std::vector<std::string> after = ResultKeys(results);
+  std::sort(after.begin(), after.end());
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(after, expected);  // none lost, none twice
 }
 
 // Generated token ids (the line after "generated:").

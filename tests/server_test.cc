@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1229,6 +1230,113 @@ TEST_F(ServerTest, ServeCommandAnswersAndExitsCleanlyOnSigterm) {
   for (ssize_t n; (n = read(err_pipe[0], buf, sizeof(buf))) > 0;) log.append(buf, static_cast<size_t>(n));
   EXPECT_EQ(status, 0) << "exit status after SIGTERM; log:\n" << log;
   close(err_pipe[0]);
+}
+
+// A raw loopback connection that sends `bytes` (maybe an unfinished request): the descriptor, or
+// -1 when it failed.
+int SendRaw(int port, const std::string& bytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(bytes.size())) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Seconds until the server closes `fd` (reading whatever it answers first); 30 when it does not.
+double SecondsUntilClosed(int fd, std::string* answer) {
+  const auto start = Clock::now();
+  char buf[4096];
+  while (Clock::now() - start < std::chrono::seconds(30)) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    answer->append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Issue 30's probes against a server of its own (1 MiB bodies, a 0.5 s read timeout and 1 s
+// keep-alive, 4 HTTP threads holding at most 8 connections): a 1 MiB prompt gets 413, a slow
+// client's unfinished headers or body are cut off after the two timeouts, and 10,000 idle connections opened at once
+// hold at most 8 connections on the server, which answers again as soon as they go.
+TEST_F(ServerTest, OversizedSlowAndIdleClients) {
+  ServerOptions o = BaseOptions();
+  o.max_body_bytes = 1 << 20;
+  o.read_timeout_s = 0.5;
+  o.keep_alive_timeout_s = 1;  // httplib then waits this long for more bytes before closing
+  o.http_threads = 4;
+  o.max_connections = 8;
+  o.kv_config = &env_->kv_config;
+  auto server = HttpServer::Create(*env_->model, env_->tokenizer.get(), env_->scheduler, o);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  ASSERT_TRUE((*server)->Start().ok());
+  const int port = (*server)->port();
+
+  // A 1 MiB prompt: its body is above the limit.
+  const Json big = {{"prompt", std::string(1 << 20, 'a')}, {"max_tokens", 1}};
+  ExpectError(Post("/v1/completions", big.dump(), port), 413, "a 1 MiB prompt");
+
+  // Unfinished headers, then an unfinished body: closed at the read timeout, not held.
+  std::string answer;
+  const int headers_fd = SendRaw(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+  ASSERT_GE(headers_fd, 0);
+  EXPECT_LT(SecondsUntilClosed(headers_fd, &answer), 5.0) << "a client stalled in its headers holds the connection";
+  answer.clear();
+  const int body_fd = SendRaw(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    "Content-Length: 100\r\n\r\n{\"prompt\": ");
+  ASSERT_GE(body_fd, 0);
+  EXPECT_LT(SecondsUntilClosed(body_fd, &answer), 5.0) << "a client stalled in its body holds the connection";
+  EXPECT_TRUE(answer.empty() || answer.rfind("HTTP/1.1 4", 0) == 0) << answer.substr(0, 200);
+
+  // 10,000 idle connections at once (non-blocking connects; the client needs the descriptors).
+  rlimit files{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &files), 0);
+  constexpr rlim_t kIdle = 10000;
+  if (files.rlim_cur < kIdle + 256) {
+    files.rlim_cur = std::min<rlim_t>(files.rlim_max, kIdle + 256);
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &files), 0);
+  const int n_idle = static_cast<int>(std::min<rlim_t>(kIdle, files.rlim_cur - 256));
+  if (n_idle < static_cast<int>(kIdle)) std::fprintf(stderr, "note: %d idle connections (open-file limit)\n", n_idle);
+  std::vector<int> idle;
+  idle.reserve(static_cast<size_t>(n_idle));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  for (int i = 0; i < n_idle; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    if (fd < 0) break;
+    ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));  // EINPROGRESS
+    idle.push_back(fd);
+  }
+  EXPECT_EQ(static_cast<int>(idle.size()), n_idle);
+  int most_held = 0;
+  for (int i = 0; i < 20; ++i) {  // 2 s: several read timeouts
+    most_held = std::max(most_held, (*server)->open_connections());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_LE(most_held, 8) << "the server holds more connections than max_connections";
+  EXPECT_GT(most_held, 0);
+  for (int fd : idle) ::close(fd);
+  // Answers again once they are gone.
+  Reply health;
+  const auto until = Clock::now() + std::chrono::seconds(30);
+  do {
+    health = Get("/health", port);
+  } while (health.status != 200 && Clock::now() < until);
+  EXPECT_EQ(health.status, 200) << "the server did not answer after the idle connections closed";
+  (*server)->Stop();
 }
 
 }  // namespace

@@ -68,7 +68,7 @@ void RegisterBenchServe(CLI::App& app, int* exit_code) {
   CLI::App* cmd = app.add_subcommand(
       "bench-serve", "Serving benchmark: batched decode throughput vs concurrency, and capacity under a KV budget");
   cmd->add_option("-m,--model", a->model, "model (default: built-in synthetic TinyLlama-1.1B shape, q8_0)");
-  cmd->add_option("-t,--threads", a->config.n_threads, "threads (0 = all cores)")->capture_default_str();
+  AddThreadsOption(cmd, &a->config.n_threads);
   cmd->add_option("--streams", a->config.streams, "concurrent requests to time, one run each")
       ->delimiter(',')
       ->capture_default_str();

@@ -150,9 +150,9 @@ void RegisterBenchSpeed(CLI::App& app, int* exit_code) {
   cmd->add_option("-p,--n-prompt", a->config.n_prompt, "prompt lengths to time (ppN)")->delimiter(',')->capture_default_str();
   cmd->add_option("-n,--n-gen", a->config.n_gen, "generation lengths to time (tgN)")->delimiter(',')->capture_default_str();
   cmd->add_option("-d,--depth", a->config.depths, "KV depths: tokens in the cache before timing")->delimiter(',')->capture_default_str();
-  cmd->add_option("-t,--threads", a->config.n_threads, "threads (0 = all cores)")->capture_default_str();
-  cmd->add_option("-r,--repetitions", a->config.repetitions, "timed repetitions per test")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("-b,--batch-size", a->config.prefill_chunk, "tokens per forward pass in prefill (a two-pass sparse prefill gets the whole prompt in one)")->capture_default_str()->check(CLI::PositiveNumber);
+  AddThreadsOption(cmd, &a->config.n_threads);
+  cmd->add_option("-r,--repetitions", a->config.repetitions, "timed repetitions per test")->capture_default_str()->check(kPositive);
+  cmd->add_option("-b,--batch-size", a->config.prefill_chunk, "tokens per forward pass in prefill (a two-pass sparse prefill gets the whole prompt in one)")->capture_default_str()->check(kPositive);
   cmd->add_option("--fill", a->fill,
                   "how the depth is filled: prefill (run the tokens through the model) or synthetic (append random "
                   "K/V; decode speed and memory do not depend on the values)")

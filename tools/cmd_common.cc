@@ -15,6 +15,21 @@ int Fail(const Status& status) {
   return 1;
 }
 
+const CLI::Validator kPositive(
+    [](std::string& text) -> std::string {
+      char* end = nullptr;
+      const double v = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0' || !(v > 0)) return "must be positive, got " + text;
+      return "";
+    },
+    "POSITIVE");
+
+CLI::Option* AddThreadsOption(CLI::App* cmd, int* n_threads) {
+  return cmd->add_option("-t,--threads", *n_threads, "threads (0 = all cores)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
+}
+
 StatusOr<std::string> ResolveModelPath(const std::string& path) {
   if (!path.empty()) return path;
   namespace fs = std::filesystem;

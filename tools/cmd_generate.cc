@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <sstream>
 
 #include "commands.h"
@@ -49,7 +50,24 @@ StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
   return out;
 }
 
+// The flag that sets a sampling value (its JSON name in the server's errors).
+const char* SamplingFlag(SamplerValue which) {
+  switch (which) {
+    case SamplerValue::kTemperature: return "--temp";
+    case SamplerValue::kTopK: return "--top-k";
+    case SamplerValue::kTopP: return "--top-p";
+    case SamplerValue::kRepeatPenalty: return "--repeat-penalty";
+    case SamplerValue::kRepeatLastN: return "--repeat-last-n";
+    default: return "sampling";
+  }
+}
+
 int Run(const GenerateArgs& a) {
+  // The server's ranges (SamplerValueRequirement), checked before the model loads.
+  if (auto problem = FindSamplerValueProblem(a.sampling)) {
+    return Fail(InvalidArgumentError(
+        fmt::format("{} {}, got {}", SamplingFlag(problem->which), problem->requirement, problem->value)));
+  }
   auto loaded = LoadModelWithTokenizer(a.model);
   if (!loaded.ok()) return Fail(loaded.status());
   const std::string& path = loaded->path;
@@ -118,8 +136,9 @@ int Run(const GenerateArgs& a) {
 
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  for (size_t i = 0; i < prompt.size(); i += a.batch) {
-    const int32_t n = static_cast<int32_t>(std::min<size_t>(a.batch, prompt.size() - i));
+  const size_t batch = static_cast<size_t>(std::min(a.batch, n_ctx));  // a batch never exceeds the context
+  for (size_t i = 0; i < prompt.size(); i += batch) {
+    const int32_t n = static_cast<int32_t>(std::min(batch, prompt.size() - i));
     Status s = engine.Forward(0, prompt.data() + i, n, static_cast<int32_t>(i), logits.data());
     if (!s.ok()) return Fail(s);
   }
@@ -127,7 +146,7 @@ int Run(const GenerateArgs& a) {
   const auto t1 = Clock::now();
   int n_generated = 0;
   int32_t pos = static_cast<int32_t>(prompt.size());
-  while (n_generated < a.n_predict && pos < n_ctx) {
+  while ((a.n_predict < 0 || n_generated < a.n_predict) && pos < n_ctx) {
     const int32_t token = sampler.Sample(logits.data(), c.n_vocab);
     sampler.AcceptGenerated(token);
     ++n_generated;
@@ -163,10 +182,14 @@ void RegisterGenerate(CLI::App& app, int* exit_code) {
   cmd->add_option("-m,--model", args->model, "GGUF or llama2.c .bin model (default: built-in synthetic TinyLlama shape)");
   cmd->add_option("-p,--prompt", args->prompt, "prompt text (needs a tokenizer in the GGUF)");
   cmd->add_option("--tokens", args->prompt_tokens, "prompt as comma-separated token ids, e.g. 1,461,401");
-  cmd->add_option("-n,--n-predict", args->n_predict, "tokens to generate")->capture_default_str();
-  cmd->add_option("-t,--threads", args->n_threads, "threads (0 = all cores)")->capture_default_str();
-  cmd->add_option("-c,--ctx-size", args->n_ctx, "context size in tokens (0 = min(model context, 4096))")->capture_default_str();
-  cmd->add_option("-b,--batch-size", args->batch, "prompt tokens per forward pass")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("-n,--n-predict", args->n_predict, "tokens to generate (-1 = until the context is full)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, std::numeric_limits<int>::max()));
+  AddThreadsOption(cmd, &args->n_threads);
+  cmd->add_option("-c,--ctx-size", args->n_ctx, "context size in tokens (0 = min(model context, 4096))")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("-b,--batch-size", args->batch, "prompt tokens per forward pass")->capture_default_str()->check(kPositive);
   AddKvFlags(cmd, &args->kv, kDefaultKvType);
   cmd->add_option("--temp", args->sampling.temperature, "temperature (0 = greedy)")->capture_default_str();
   cmd->add_option("--top-k", args->sampling.top_k, "top-k (0 = off)")->capture_default_str();

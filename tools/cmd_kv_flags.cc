@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "commands.h"
 #include "kv_flags.h"
 
 namespace kvsparse::cli {
@@ -22,7 +23,7 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
       ->allow_extra_args(false);
   cmd->add_option("--page-size", f->page_size,
                   "tokens per KV page (default 16; 32, KIVI's K group, when a layer stores a KIVI type)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--kivi-residual", f->kivi_residual,
                   "KIVI types: the newest N tokens stay in f16 besides the partly filled page, KIVI's residual "
                   "length (a multiple of --page-size; default 128, rounded up to whole pages; 0: only the partly "
@@ -34,7 +35,7 @@ void AddKvFlags(CLI::App* cmd, KvFlags* f, const std::string& default_kv_type) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--evict-interval", f->evict_interval,
                   "decode steps a layer may grow past its budget before evicting (default 16)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_flag("--kv-stats", f->stats, "print per-layer KV bytes (allocated, live), evictions and policy time");
   CLI::Option* per_head =
       cmd->add_flag("--kv-per-head", f->per_head,

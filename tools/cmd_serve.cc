@@ -46,6 +46,8 @@ struct ServeArgs {
   int prefix_cache = 64;
   bool share_prefixes = true;
   double timeout_s = 600;
+  double read_timeout_s = 10;
+  int max_connections = 0;
   int http_threads = 0;
 };
 
@@ -156,6 +158,8 @@ int Run(const ServeArgs& a) {
   options.model_id = a.model_id;
   options.chat_template = chat_template;
   options.request_timeout_s = a.timeout_s;
+  options.read_timeout_s = a.read_timeout_s;
+  options.max_connections = a.max_connections;
   options.http_threads = a.http_threads;
   options.kv_config = &config;
   // max_tokens beyond what the context leaves is cut to fit (finish_reason "length"), so any
@@ -212,8 +216,8 @@ void RegisterServe(CLI::App& app, int* exit_code) {
   cmd->add_option("--port", args->port, "TCP port (0: any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
   cmd->add_option("--parallel", args->parallel, "requests generated at once (continuous batching)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("-t,--threads", args->n_threads, "threads (0 = all cores)")->capture_default_str();
+      ->check(kPositive);
+  AddThreadsOption(cmd, &args->n_threads);
   cmd->add_option("-c,--ctx-size", args->n_ctx, "context per request: prompt + completion (0 = min(model context, 4096))")
       ->capture_default_str();
   cmd->add_option("--kv-memory", args->kv_memory_mib,
@@ -231,7 +235,7 @@ void RegisterServe(CLI::App& app, int* exit_code) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--step-tokens", args->step_tokens, "rows per batch step: decode rows, then prompt chunks")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--prefix-cache", args->prefix_cache,
                   "finished requests' sequences kept for later prompts that start like them (dense KV layers; "
                   "their pages are freed least recently used first when requests need the room; 0 = off)")
@@ -240,9 +244,19 @@ void RegisterServe(CLI::App& app, int* exit_code) {
   cmd->add_flag("!--no-share-prefixes", args->share_prefixes,
                 "never fork another request's pages, running or cached (every prompt is computed whole: a cold "
                 "baseline for measurements)");
+  cmd->add_option("--max-connections", args->max_connections,
+                  "connections held at once, served or waiting for an HTTP thread; more wait in the kernel's "
+                  "backlog (0 = 4 x the HTTP threads)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--read-timeout", args->read_timeout_s,
+                  "seconds a client may take to send the next bytes of its request (headers, body); then the "
+                  "connection closes")
+      ->capture_default_str()
+      ->check(kPositive);
   cmd->add_option("--timeout", args->timeout_s, "seconds a generation request may take (then 408)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--http-threads", args->http_threads,
                   "HTTP worker threads (0 = --parallel + --queue + 4, at most 256)")
       ->capture_default_str()

@@ -26,6 +26,12 @@ void RegisterProbeHeads(CLI::App& app, int* exit_code);  // retrieval-head score
 // Prints "error: <status>" to stderr and returns 1.
 int Fail(const Status& status);
 
+// A value above 0 (CLI::PositiveNumber's message prints the range up to DBL_MAX).
+extern const CLI::Validator kPositive;
+
+// -t/--threads, the same range for every command: 0 (all cores) to 1024.
+CLI::Option* AddThreadsOption(CLI::App* cmd, int* n_threads);
+
 // The model a command runs on: `path` when given, else the built-in default —
 // a random-weight model of TinyLlama-1.1B's exact shape (Q8_0), synthesized once into
 // $KVSPARSE_CACHE (default ~/.cache/kvsparse) so no download is needed.

@@ -2,6 +2,7 @@
 // serve.
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
 #include <string>
 
 #include "commands.h"
@@ -33,6 +34,14 @@ int main(int argc, char** argv) {
   kvsparse::cli::RegisterBench(app, &exit_code);
   kvsparse::cli::RegisterServe(app, &exit_code);
   kvsparse::cli::RegisterProbeHeads(app, &exit_code);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0 through CLI11; a bad flag or value reads like every other
+    // error ("error: --threads: Value -1 not in range 0 to 1024").
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "error: %s\nRun with --help for more information.\n", e.what());
+    return e.get_exit_code();
+  }
   return exit_code;
 }

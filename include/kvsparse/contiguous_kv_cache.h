@@ -12,6 +12,8 @@ class ContiguousKvCache final : public KvCache {
  public:
   // Reserves n_seqs * n_layers * max_tokens rows of K and V up front.
   ContiguousKvCache(const KvGeometry& geometry, KvStorage storage, int n_seqs, int32_t max_tokens);
+  // The bytes that constructor allocates (K, V and positions), to check before it does.
+  static size_t BytesFor(const KvGeometry& geometry, KvStorage storage, int n_seqs, int32_t max_tokens);
 
   KvStorage storage() const override { return storage_; }
   const KvGeometry& geometry() const override { return geometry_; }

@@ -6,7 +6,10 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <random>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -30,6 +33,31 @@ struct SamplerParams {
   std::vector<std::pair<int32_t, float>> logit_bias;
   uint64_t seed = 0;
 };
+
+// The ranges sampling values must lie in, one rule for every front end: the server answers a
+// value outside them with a 400 naming the field, `generate` refuses it naming the flag.
+enum class SamplerValue {
+  kTemperature,      // [0, 2]; 0 is greedy
+  kTopK,             // >= -1; -1 and 0: off (vLLM's and llama.cpp's "off")
+  kTopP,             // (0, 1]
+  kMinP,             // [0, 1]
+  kRepeatPenalty,    // > 0
+  kRepeatLastN,      // >= -1; -1: all accepted tokens
+  kPresencePenalty,  // [-2, 2]
+  kFrequencyPenalty, // [-2, 2]
+  kLogitBias,        // each bias in [-100, 100]
+};
+// The value's OpenAI / JSON name: "temperature", "top_k", ...
+std::string_view SamplerValueName(SamplerValue which);
+// Empty when `value` is allowed, else what it must be ("must be between 0 and 2"); NaN never is.
+std::optional<std::string> SamplerValueRequirement(SamplerValue which, double value);
+// The first value of `p` outside its range, with what it must be.
+struct SamplerValueProblem {
+  SamplerValue which;
+  std::string requirement;
+  double value;
+};
+std::optional<SamplerValueProblem> FindSamplerValueProblem(const SamplerParams& p);
 
 class Sampler {
  public:

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 
 namespace kvsparse {
@@ -25,14 +26,24 @@ StatusOr<BenchShard> ParseBenchShard(std::string_view text) {
   return shard;
 }
 
+// Crash safety: rows are appended one line at a time, so a run killed at any moment (SIGKILL
+// included) leaves complete rows plus at most one partial last line. Open drops that line, ends
+// the file on a newline (a row written without one would otherwise fuse with the next append),
+// and keeps the first of any repeated key; such repairs rewrite the file through a temporary
+// file and a rename, so a second crash during the repair loses nothing either.
 StatusOr<BenchResultStore> BenchResultStore::Open(const std::string& path) {
   BenchResultStore store;
   store.path_ = path;
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) return store;  // a new file
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
   std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  bool dropped = false;
+  for (size_t start = 0; start < text.size();) {
+    const size_t end = std::min(text.find('\n', start), text.size());
+    lines.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  bool repaired = !text.empty() && text.back() != '\n';
   for (size_t i = 0; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
     nlohmann::json row = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
@@ -40,20 +51,31 @@ StatusOr<BenchResultStore> BenchResultStore::Open(const std::string& path) {
       if (i + 1 == lines.size()) {
         std::fprintf(stderr, "warning: %s:%zu: dropping an incomplete last line (an interrupted run); it will be redone\n",
                      path.c_str(), i + 1);
-        dropped = true;
+        repaired = true;
         continue;
       }
       return InvalidArgumentError(
           fmt::format("{}:{}: not a result row (expected a JSON object with a string \"key\")", path, i + 1));
     }
-    store.keys_.insert(row["key"].get<std::string>());
+    if (!store.keys_.insert(row["key"].get<std::string>()).second) {
+      std::fprintf(stderr, "warning: %s:%zu: configuration %s appears twice; keeping the first row\n", path.c_str(),
+                   i + 1, row["key"].get<std::string>().c_str());
+      repaired = true;
+      continue;
+    }
     store.rows_.push_back(std::move(row));
   }
-  if (dropped) {
-    // Rewrite without the dropped line so appends start on a clean line.
-    std::ofstream out(path, std::ios::trunc);
-    for (const nlohmann::json& row : store.rows_) out << row.dump() << '\n';
-    if (!out) return InvalidArgumentError(fmt::format("cannot rewrite results file {}", path));
+  if (repaired) {
+    const std::string tmp = path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      for (const nlohmann::json& row : store.rows_) out << row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+      out.flush();
+      if (!out) return InvalidArgumentError(fmt::format("cannot write {} to repair {}", tmp, path));
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) return InvalidArgumentError(fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
   }
   return store;
 }
@@ -61,7 +83,7 @@ StatusOr<BenchResultStore> BenchResultStore::Open(const std::string& path) {
 Status BenchResultStore::Append(const nlohmann::json& row) {
   KVS_CHECK_MSG(row.contains("key") && row["key"].is_string(), "a result row needs a string key");
   std::ofstream out(path_, std::ios::app);
-  out << row.dump() << '\n';
+  out << row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
   out.flush();
   if (!out) return InvalidArgumentError(fmt::format("cannot append to results file {}", path_));
   keys_.insert(row["key"].get<std::string>());
@@ -96,7 +118,7 @@ Status MergeBenchResults(const std::vector<std::string>& inputs, const std::stri
   const std::string tmp = out_path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
-    for (const auto& [key, row] : merged) out << row.dump() << '\n';
+    for (const auto& [key, row] : merged) out << row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
     if (!out) return InvalidArgumentError(fmt::format("cannot write {}", tmp));
   }
   std::error_code ec;

@@ -668,7 +668,7 @@ std::string ServeBenchJson(const ServeBenchReport& report) {
                                     {"pages_leaked", r.pages_leaked}});
   }
   j["total_s"] = report.total_s;
-  return j.dump(2) + "\n";
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace kvsparse

@@ -551,7 +551,7 @@ std::string SpeedReportJson(const SpeedReport& report) {
                             {"prefill_computed_share", r.prefill_computed_share}});
     if (!r.kv_stats_table.empty()) j["results"].back()["kv_stats"] = r.kv_stats_table;
   }
-  return j.dump(2);
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace kvsparse

@@ -14,6 +14,13 @@ size_t StorageElementBytes(KvStorage storage) { return storage == KvStorage::kF3
 
 }  // namespace
 
+size_t ContiguousKvCache::BytesFor(const KvGeometry& geometry, KvStorage storage, int n_seqs, int32_t max_tokens) {
+  if (!DenseCacheHolds(storage)) return 0;
+  const size_t row_bytes = static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
+  return static_cast<size_t>(n_seqs) * geometry.n_layers * static_cast<size_t>(max_tokens) *
+         (2 * row_bytes + sizeof(int32_t));
+}
+
 ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage storage, int n_seqs, int32_t max_tokens)
     : geometry_(geometry), storage_(storage), n_seqs_(n_seqs), max_tokens_(max_tokens) {
   KVS_CHECK(geometry.n_layers > 0 && geometry.n_kv_heads > 0 && geometry.head_dim > 0);

@@ -8,6 +8,7 @@
 
 #include "kvsparse/attention_scores.h"
 #include "kvsparse/kv_policies.h"
+#include "kvsparse/machine_memory.h"
 #include "kvsparse/quest_pages.h"
 #include "policy/adakv.h"
 #include "common/timing.h"
@@ -1034,7 +1035,9 @@ StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSpars
               static_cast<size_t>(n_seqs);
   }
   probe.reset();
-  options.budget_bytes = budget;
+  // Pages past what the machine has would meet the OOM killer: the budget stops there, and a
+  // sequence that outgrows it gets the cache's ResourceExhausted error instead.
+  options.budget_bytes = std::min(budget, ReadMachineMemory().available_bytes);
   SparseKvSetup setup;
   KVS_ASSIGN_OR_RETURN(setup.cache, PagedKvCache::Create(geometry, options));
   KVS_ASSIGN_OR_RETURN(setup.controller, SparseKvController::Create(config, setup.cache.get(), seed));

@@ -645,7 +645,11 @@ inline void UnpermuteVDims(float* row, int dp) {
 // probabilities. These functions carry the target attribute on top of the family's, so they are
 // called (not inlined) from the kernels.
 constexpr bool kBf16Dots = true;
+#if defined(__clang__)  // clang takes a function's own target attribute instead of the region's
+#define KVS_BF16_TARGET __attribute__((target(HWY_TARGET_STR ",avx512vnni,avx512bf16")))
+#else
 #define KVS_BF16_TARGET __attribute__((target("avx512bf16")))
+#endif
 
 // Dims d0..d0+31 of a K or V row (the first `mask` ones, zeros after) as 32 bf16: bf16 rows as
 // stored, fp8 codes unscaled (e4m3 reads value / 256, as CodesToF32).

@@ -10,6 +10,9 @@
 #include <string_view>
 #include <string>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/isa.cc"
@@ -158,6 +161,17 @@ std::vector<Isa> SupportedIsas() {
 
 Isa ActiveIsa() { return isa_internal::IsaOfTarget(KVS_DISPATCH(isa_internal::CompiledTarget)()); }
 
+#if HWY_ARCH_X86
+namespace {
+enum CpuidRegister { kEax, kEbx, kEcx, kEdx };
+bool CpuidBit(unsigned leaf, unsigned subleaf, CpuidRegister reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (__get_cpuid_count(leaf, subleaf, &r[0], &r[1], &r[2], &r[3]) == 0) return false;
+  return (r[reg] >> bit) & 1u;
+}
+}  // namespace
+#endif
+
 std::string CpuFeatureList() {
   std::string list;
 #if HWY_ARCH_X86
@@ -168,13 +182,14 @@ std::string CpuFeatureList() {
   add(__builtin_cpu_supports("sse4.2"), "sse4.2");
   add(__builtin_cpu_supports("avx2"), "avx2");
   add(__builtin_cpu_supports("fma"), "fma");
-  add(__builtin_cpu_supports("f16c"), "f16c");
+  // f16c and avxvnni by CPUID: clang 14's __builtin_cpu_supports does not know them.
+  add(CpuidBit(1, 0, kEcx, 29), "f16c");
   add(__builtin_cpu_supports("avx512f"), "avx512f");
   add(__builtin_cpu_supports("avx512bw"), "avx512bw");
   add(__builtin_cpu_supports("avx512dq"), "avx512dq");
   add(__builtin_cpu_supports("avx512vl"), "avx512vl");
   add(__builtin_cpu_supports("avx512vnni"), "avx512vnni");
-  add(__builtin_cpu_supports("avxvnni"), "avxvnni");
+  add(CpuidBit(7, 1, kEax, 4), "avxvnni");
   add(__builtin_cpu_supports("avx512bf16"), "avx512bf16");
 #endif
   return list.empty() ? "no SIMD extensions used by kvsparse" : list;

@@ -63,7 +63,7 @@ std::string Suggestion(std::string_view word, const std::vector<std::string_view
 std::string Describe(const json& v) {
   if (v.is_number_integer()) return fmt::format("integer {}", v.dump());
   if (v.is_number_float()) return fmt::format("number {}", v.dump());
-  if (v.is_string()) return fmt::format("string {}", v.dump());
+  if (v.is_string()) return fmt::format("string {}", v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   return v.type_name();
 }
 

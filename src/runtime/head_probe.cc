@@ -108,7 +108,7 @@ std::string HeadScoresToJson(const std::vector<HeadScore>& heads, int n_layers, 
                     {"echo", h.echo}});
   }
   nlohmann::json out = {{"n_layers", n_layers}, {"n_kv_heads", n_kv_heads}, {"heads", list}};
-  return out.dump(1) + "\n";
+  return out.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 StatusOr<std::vector<HeadScore>> LoadHeadScores(const std::string& path, int n_layers, int n_kv_heads) {

@@ -6,6 +6,7 @@
 
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/head_probe.h"
+#include "kvsparse/machine_memory.h"
 
 namespace kvsparse {
 
@@ -66,6 +67,10 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
       return InvalidArgumentError(std::string("runtime: the dense cache stores f32, f16 or bf16; ") +
                                   KvStorageName(dense_storage) + " needs the paged cache (a KV config)");
     }
+    const size_t cache_bytes = ContiguousKvCache::BytesFor(ModelKvGeometry(model), dense_storage, n_seqs, max_tokens);
+    KVS_RETURN_IF_ERROR(CheckFitsInMemory(
+        cache_bytes, fmt::format("the {} KV cache for {} sequence(s) of {} tokens ({} layers)", KvStorageName(dense_storage),
+                                 n_seqs, max_tokens, model.config().n_layers)));
     r->dense_cache = std::make_unique<ContiguousKvCache>(ModelKvGeometry(model), dense_storage, n_seqs, max_tokens);
   }
   r->engine = std::make_unique<Engine>(model, &r->cache(), n_threads, r->controller());
@@ -74,6 +79,7 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
 
 StatusOr<std::unique_ptr<Runtime>> CreateServingRuntime(const Model& model, const KvSparsityConfig& config,
                                                         size_t budget_bytes, int n_threads, uint64_t seed) {
+  KVS_RETURN_IF_ERROR(CheckFitsInMemory(budget_bytes, "the KV page pool (--kv-memory, or --parallel x -c)"));
   auto r = std::make_unique<Runtime>();
   KvSparsityConfig resolved = config;
   KVS_RETURN_IF_ERROR(ResolveSlidingLayers(model, &resolved));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <unordered_set>
 
@@ -15,7 +16,73 @@ bool Before(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>&
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
+// 2, 0.5, -100: the shortest form that reads back the same.
+std::string FormatNumber(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
 }  // namespace
+
+std::string_view SamplerValueName(SamplerValue which) {
+  switch (which) {
+    case SamplerValue::kTemperature: return "temperature";
+    case SamplerValue::kTopK: return "top_k";
+    case SamplerValue::kTopP: return "top_p";
+    case SamplerValue::kMinP: return "min_p";
+    case SamplerValue::kRepeatPenalty: return "repeat_penalty";
+    case SamplerValue::kRepeatLastN: return "repeat_last_n";
+    case SamplerValue::kPresencePenalty: return "presence_penalty";
+    case SamplerValue::kFrequencyPenalty: return "frequency_penalty";
+    case SamplerValue::kLogitBias: return "logit_bias";
+  }
+  return "?";
+}
+
+std::optional<std::string> SamplerValueRequirement(SamplerValue which, double v) {
+  auto between = [v](double lo, double hi) -> std::optional<std::string> {
+    if (v >= lo && v <= hi) return std::nullopt;  // false for NaN
+    return "must be between " + FormatNumber(lo) + " and " + FormatNumber(hi);
+  };
+  switch (which) {
+    case SamplerValue::kTemperature: return between(0.0, 2.0);
+    case SamplerValue::kTopK:
+      if (v >= -1.0 && v == std::floor(v)) return std::nullopt;
+      return std::string("must be an integer of at least -1 (-1 and 0: off)");
+    case SamplerValue::kTopP:
+      if (v > 0.0 && v <= 1.0) return std::nullopt;
+      return std::string("must be greater than 0 and at most 1");
+    case SamplerValue::kMinP: return between(0.0, 1.0);
+    case SamplerValue::kRepeatPenalty:
+      if (v > 0.0 && std::isfinite(v)) return std::nullopt;
+      return std::string("must be greater than 0");
+    case SamplerValue::kRepeatLastN:
+      if (v >= -1.0 && v == std::floor(v)) return std::nullopt;
+      return std::string("must be an integer of at least -1 (-1: all tokens, 0: off)");
+    case SamplerValue::kPresencePenalty:
+    case SamplerValue::kFrequencyPenalty: return between(-2.0, 2.0);
+    case SamplerValue::kLogitBias: return between(-100.0, 100.0);
+  }
+  return std::nullopt;
+}
+
+std::optional<SamplerValueProblem> FindSamplerValueProblem(const SamplerParams& p) {
+  const std::pair<SamplerValue, double> values[] = {
+      {SamplerValue::kTemperature, p.temperature},          {SamplerValue::kTopK, p.top_k},
+      {SamplerValue::kTopP, p.top_p},                       {SamplerValue::kMinP, p.min_p},
+      {SamplerValue::kRepeatPenalty, p.repeat_penalty},     {SamplerValue::kRepeatLastN, p.repeat_last_n},
+      {SamplerValue::kPresencePenalty, p.presence_penalty}, {SamplerValue::kFrequencyPenalty, p.frequency_penalty}};
+  for (const auto& [which, value] : values) {
+    if (auto requirement = SamplerValueRequirement(which, value)) return SamplerValueProblem{which, *requirement, value};
+  }
+  for (const auto& [token, bias] : p.logit_bias) {
+    if (auto requirement = SamplerValueRequirement(SamplerValue::kLogitBias, bias)) {
+      return SamplerValueProblem{SamplerValue::kLogitBias, *requirement, bias};
+    }
+  }
+  return std::nullopt;
+}
 
 Sampler::Sampler(const SamplerParams& p) : params_(p), rng_(p.seed) {}
 

@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <ctime>
 #include <exception>
@@ -157,6 +158,45 @@ static void AddUsage(const Completion& c, CompletionResult* result);
 // Connections the kernel queues before the accept loop takes them.
 constexpr int kListenBacklog = 1024;
 
+// httplib's thread pool with a cap on the connections it holds (served, or accepted and waiting
+// for a thread). At the cap the accept loop waits for one to end, so further clients wait in the
+// kernel's backlog (and past it, get no connection) instead of costing descriptors and memory:
+// 10,000 idle connections hold `max_connections` descriptors, each closed after the read
+// timeout. Once the server stops accepting, nothing waits (the sockets are closed by httplib).
+class BoundedConnectionQueue : public httplib::TaskQueue {
+ public:
+  BoundedConnectionQueue(int threads, int max_connections, const std::atomic<bool>* closing,
+                         std::atomic<int>* held)
+      : pool_(static_cast<size_t>(threads)), max_connections_(max_connections), closing_(closing), held_(held) {}
+
+  void enqueue(std::function<void()> fn) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (held_->load() >= max_connections_ && !closing_->load()) {
+        freed_.wait_for(lock, std::chrono::milliseconds(50));
+      }
+      held_->fetch_add(1);
+    }
+    pool_.enqueue([this, fn = std::move(fn)] {
+      fn();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        held_->fetch_sub(1);
+      }
+      freed_.notify_one();
+    });
+  }
+  void shutdown() override { pool_.shutdown(); }
+
+ private:
+  httplib::ThreadPool pool_;
+  const int max_connections_;
+  const std::atomic<bool>* closing_;
+  std::atomic<int>* held_;
+  std::mutex mu_;
+  std::condition_variable freed_;
+};
+
 struct HttpServer::Impl {
   const Model& model;
   const Tokenizer* tokenizer;
@@ -172,6 +212,8 @@ struct HttpServer::Impl {
   std::mutex stop_mu;  // Stop
   std::atomic<bool> started{false};
   std::atomic<int> listen_socket{-1};  // set by the socket-options callback, before bind
+  std::atomic<bool> closing{false};        // StopAccepting ran: the accept loop must not wait
+  std::atomic<int> open_connections{0};    // held by BoundedConnectionQueue
   std::atomic<bool> stopped{false};
   std::atomic<bool> cancel_all{false};  // Stop's grace is over: cancel what still runs
   std::atomic<int> in_flight{0};        // generation requests submitted and not yet ended
@@ -417,6 +459,15 @@ void HttpServer::Impl::HandleHttpError(const httplib::Request& req, httplib::Res
 void HttpServer::Impl::InitRoutes() {
   http.set_payload_max_length(options.max_body_bytes);
   http.set_tcp_nodelay(true);
+  auto whole_and_micro = [](double seconds) {
+    const auto whole = static_cast<time_t>(seconds);
+    return std::pair<time_t, time_t>{whole, static_cast<time_t>((seconds - static_cast<double>(whole)) * 1e6)};
+  };
+  const auto [read_s, read_us] = whole_and_micro(options.read_timeout_s);
+  http.set_read_timeout(read_s, read_us);
+  const auto [write_s, write_us] = whole_and_micro(options.write_timeout_s);
+  http.set_write_timeout(write_s, write_us);
+  http.set_keep_alive_timeout(options.keep_alive_timeout_s);
   // httplib's default sets SO_REUSEPORT, which lets a second server bind the same port and
   // silently take half the connections: SO_REUSEADDR only (a restart may reuse a TIME_WAIT
   // port), so a port in use is a bind error.
@@ -428,7 +479,10 @@ void HttpServer::Impl::InitRoutes() {
   const int threads = options.http_threads > 0
                           ? options.http_threads
                           : std::min(256, scheduler->options().max_running + scheduler->options().max_queue + 4);
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  const int max_connections = options.max_connections > 0 ? options.max_connections : 4 * threads;
+  http.new_task_queue = [this, threads, max_connections] {
+    return new BoundedConnectionQueue(threads, max_connections, &closing, &open_connections);
+  };
 
   http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
     std::string what = "unknown exception";
@@ -1038,6 +1092,7 @@ void HttpServer::Impl::HandleMetrics(httplib::Response& res) {
 }
 
 void HttpServer::Impl::StopAccepting() {
+  closing = true;  // an accept loop waiting for a connection slot goes on (and ends)
   if (started.load()) http.stop();  // closes the listening socket; the accept loop ends
 }
 
@@ -1055,6 +1110,12 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Create(const Model& model, con
     return InvalidArgumentError(fmt::format("--port: {} is not a TCP port (0-65535; 0 picks a free one)", options.port));
   }
   if (options.max_body_bytes == 0) return InvalidArgumentError("HttpServer: max_body_bytes must be positive");
+  if (!(options.read_timeout_s > 0 && options.read_timeout_s < 86400) ||
+      !(options.write_timeout_s > 0 && options.write_timeout_s < 86400) || options.keep_alive_timeout_s < 1) {
+    return InvalidArgumentError(fmt::format(
+        "server timeouts must be positive and under a day: read {} s, write {} s, keep-alive {} s",
+        options.read_timeout_s, options.write_timeout_s, options.keep_alive_timeout_s));
+  }
   if (!(options.request_timeout_s > 0)) {
     return InvalidArgumentError(fmt::format("--timeout: must be positive, got {}", options.request_timeout_s));
   }
@@ -1112,6 +1173,8 @@ Status HttpServer::Start() {
   }
   return Status::Ok();
 }
+
+int HttpServer::open_connections() const { return impl_->open_connections.load(); }
 
 int HttpServer::port() const { return impl_->bound_port > 0 ? impl_->bound_port : impl_->options.port; }
 

@@ -59,7 +59,18 @@ struct ServerOptions {
   ProtocolLimits limits;
   size_t max_body_bytes = 1 << 20;  // larger request bodies get 413
   int http_threads = 0;  // 0: the scheduler's max_running + max_queue + 4 (at most 256)
+  // Connections held at once (served, or accepted and waiting for a thread); more wait in the
+  // kernel's backlog. 0: 4 x http_threads.
+  int max_connections = 0;
   double request_timeout_s = 600;  // deadline of every generation request (a request's own "timeout_s" may shorten it)
+  // Slow clients: each read of the request line, headers and body waits at most read_timeout_s
+  // for the next bytes; then httplib waits keep_alive_timeout_s (whole seconds) for anything
+  // more and closes, which is also how long a connection that sends nothing, or is idle between
+  // keep-alive requests, is held. A response write (a stream chunk included) the client does not
+  // take within write_timeout_s ends the connection, and so its request.
+  double read_timeout_s = 10;
+  double write_timeout_s = 30;
+  int keep_alive_timeout_s = 5;
   // The KV config the scheduler's cache runs (must outlive the server). A request's "kvsparse"
   // object overrides its methods, budgets and page storage for that request
   // (KvLayersWithOverride: {"kv_method": "h2o", "kv_budget": 0.2, "kv_type": "int8"}; a budget
@@ -86,6 +97,8 @@ class HttpServer {
   Status Start();
   // The bound port (after Start), else ServerOptions::port.
   int port() const;
+  // Connections the server holds now (at most ServerOptions::max_connections).
+  int open_connections() const;
 
   // Closes the listening socket: new connections are refused, requests in flight go on.
   // Non-blocking; safe to call more than once.

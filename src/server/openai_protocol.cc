@@ -11,6 +11,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "kvsparse/sampler.h"
+
 namespace kvsparse::server {
 namespace {
 
@@ -348,36 +350,31 @@ void ParseKvOverride(const Json& body, const ProtocolLimits& limits, CompletionR
   }
 }
 
+// A sampling value outside the range the sampler accepts (SamplerValueRequirement, shared with
+// the CLI) is refused naming the field.
+void CheckSamplerValue(SamplerValue which, double value, const std::string& param) {
+  if (auto requirement = SamplerValueRequirement(which, value)) {
+    FailValue(param, fmt::format("'{}' {}, got {}.", param, *requirement, value));
+  }
+}
+
 void ParseSampling(const Json& body, CompletionRequest& request) {
-  if (auto t = ReadNumber(body, "temperature", "temperature")) {
-    if (*t < 0.0 || *t > 2.0) {
-      FailValue("temperature", fmt::format("'temperature' must be between 0 and 2, got {}.", *t));
-    }
-    request.temperature = static_cast<float>(*t);
-  }
-  if (auto p = ReadNumber(body, "top_p", "top_p")) {
-    if (*p <= 0.0 || *p > 1.0) {
-      FailValue("top_p", fmt::format("'top_p' must be greater than 0 and at most 1, got {}.", *p));
-    }
-    request.top_p = static_cast<float>(*p);
-  }
-  if (auto k = ReadIntegerIn(body, "top_k", std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max())) {
-    request.top_k = *k > 0 ? static_cast<int>(*k) : 0;
-  }
-  if (auto r = ReadNumber(body, "repeat_penalty", "repeat_penalty")) {
-    if (*r <= 0.0) FailValue("repeat_penalty", fmt::format("'repeat_penalty' must be greater than 0, got {}.", *r));
-    request.repeat_penalty = static_cast<float>(*r);
-  }
-  for (auto [key, field] : {std::pair<const char*, float*>{"presence_penalty", &request.presence_penalty},
-                            {"frequency_penalty", &request.frequency_penalty}}) {
-    if (auto v = ReadNumber(body, key, key)) {
-      if (*v < -2.0 || *v > 2.0) FailValue(key, fmt::format("'{}' must be between -2 and 2, got {}.", key, *v));
+  const std::pair<SamplerValue, float*> reals[] = {{SamplerValue::kTemperature, &request.temperature},
+                                                   {SamplerValue::kTopP, &request.top_p},
+                                                   {SamplerValue::kRepeatPenalty, &request.repeat_penalty},
+                                                   {SamplerValue::kPresencePenalty, &request.presence_penalty},
+                                                   {SamplerValue::kFrequencyPenalty, &request.frequency_penalty},
+                                                   {SamplerValue::kMinP, &request.min_p}};
+  for (const auto& [which, field] : reals) {
+    const std::string key(SamplerValueName(which));
+    if (auto v = ReadNumber(body, key.c_str(), key)) {
+      CheckSamplerValue(which, *v, key);
       *field = static_cast<float>(*v);
     }
   }
-  if (auto m = ReadNumber(body, "min_p", "min_p")) {
-    if (*m < 0.0 || *m > 1.0) FailValue("min_p", fmt::format("'min_p' must be between 0 and 1, got {}.", *m));
-    request.min_p = static_cast<float>(*m);
+  if (auto k = ReadIntegerIn(body, "top_k", std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max())) {
+    CheckSamplerValue(SamplerValue::kTopK, static_cast<double>(*k), "top_k");
+    request.top_k = *k > 0 ? static_cast<int>(*k) : 0;
   }
   if (const Json* seed = Field(body, "seed")) {
     if (seed->is_number_unsigned()) {
@@ -412,9 +409,7 @@ void ParseLogitBias(const Json& body, const ProtocolLimits& limits, CompletionRe
     }
     if (!value.is_number()) FailType(param, "a number", value);
     const double b = value.get<double>();
-    if (!(b >= -100.0 && b <= 100.0)) {
-      FailValue(param, fmt::format("'{}' must be between -100 and 100, got {}.", param, b));
-    }
+    CheckSamplerValue(SamplerValue::kLogitBias, b, param);
     request.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(b));
   }
 }

@@ -335,6 +335,9 @@ TEST(ParseCompletionRequest, SamplingErrors) {
   ParseError(R"({"prompt": "x", "top_k": "40"})", kText, "top_k");
   ParseError(R"({"prompt": "x", "top_k": 2.5})", kText, "top_k");
   ParseError(R"({"prompt": "x", "top_k": 4294967296})", kText, "top_k");
+  // The same ranges as `generate --top-k -3` (SamplerValueRequirement): -1 and 0 are "off".
+  EXPECT_EQ(ParseError(R"({"prompt": "x", "top_k": -3})", kText, "top_k").message,
+            "'top_k' must be an integer of at least -1 (-1 and 0: off), got -3.");
   ParseError(R"({"prompt": "x", "repeat_penalty": 0})", kText, "repeat_penalty");
   ParseError(R"({"prompt": "x", "repeat_penalty": -1.1})", kText, "repeat_penalty");
   ParseError(R"({"prompt": "x", "repeat_penalty": [1]})", kText, "repeat_penalty");
