@@ -73,7 +73,9 @@ Server* StartServer() {
   o.port = 0;
   o.kv_config = &s->kv_config;
   o.request_timeout_s = 5;
-  o.read_timeout_s = 1;  // an input that promises more body than it sends costs a second
+  // An input that promises more than it sends costs the read timeout and the keep-alive wait.
+  o.read_timeout_s = 0.25;
+  o.keep_alive_timeout_s = 1;
   o.limits.max_tokens_limit = 8;  // short generations: many inputs per second
   o.limits.default_max_tokens = 4;
   auto http = server::HttpServer::Create(*s->model, s->tokenizer.get(), s->scheduler.get(), o);
@@ -84,7 +86,7 @@ Server* StartServer() {
   return s;
 }
 
-// Sends `request` and reads the answer until the server closes, 300 ms pass without a byte after
+// Sends `request` and reads the answer until the server closes, 100 ms pass without a byte after
 // the answer started, or 10 s pass. (No half-close: httplib answers nothing to a client that
 // shut its side down first.)
 std::string Exchange(int port, std::string_view request) {
@@ -106,7 +108,7 @@ std::string Exchange(int port, std::string_view request) {
   char buf[4096];
   while (std::chrono::steady_clock::now() < deadline) {
     pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 300) <= 0) {
+    if (poll(&p, 1, 100) <= 0) {
       if (!answer.empty()) break;
       continue;
     }
