@@ -10,5 +10,5 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   libhwy-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libfmt-dev libcpp-httplib-dev \
   libgtest-dev libgmock-dev libbenchmark-dev \
   python3 python3-matplotlib qemu-user \
-  clang libclang-rt-14-dev libomp-14-dev >/dev/null  # libFuzzer (scripts/fuzz.sh)
+  clang lld libclang-rt-14-dev libomp-14-dev >/dev/null  # the sanitizer build, libFuzzer, linking
 echo "install-deps: done"

@@ -124,7 +124,9 @@ TEST(CliBadInput, ResourceAndSamplingProbes) {
   const std::string gen = "generate -m " + model + " --tokens 1,2 ";
   // 100M tokens of a dense f16 cache are 61 GiB; the cap makes the answer the same on any machine.
   const Result huge = RunCli(gen + "-n 4 -c 100000000", "KVSPARSE_MEMORY_LIMIT_MIB=16384");
-  ExpectCleanFailure(huge, "needs 61.47 GiB");
+  ExpectCleanFailure(huge, "100000000 tokens (5 layers, 61.47 GiB) with the engine's scratch for 2048-row steps needs");
+  // The batch: a 2048-token cache (1.3 MiB) fits in 4 MiB, with its 2048-row steps' scratch it does not.
+  ExpectCleanFailure(RunCli(gen + "-n 4 -c 2048", "KVSPARSE_MEMORY_LIMIT_MIB=4"), "scratch for 2048-row steps needs");
   EXPECT_NE(huge.all.find("16.00 GiB available (KVSPARSE_MEMORY_LIMIT_MIB)"), std::string::npos) << huge.all;
   ExpectCleanFailure(RunCli(gen + "--top-p 2"), "--top-p must be greater than 0 and at most 1, got 2");
   ExpectCleanFailure(RunCli(gen + "--temp -1"), "--temp must be between 0 and 2, got -1");
@@ -134,8 +136,11 @@ TEST(CliBadInput, ResourceAndSamplingProbes) {
   ExpectCleanFailure(RunCli(gen + "-b 0"), "--batch-size: must be positive, got 0");
   ExpectCleanFailure(RunCli(gen + "-c -5"), "--ctx-size");
   // The paged cache allocates as tokens come: past the machine's memory it stops with an error.
-  ExpectCleanFailure(RunCli(gen + "-n 400 -c 500 --kv-method h2o --kv-budget 0.9", "KVSPARSE_MEMORY_LIMIT_MIB=0.1"),
+  // 1.5 MiB: the 500-row scratch (1.39 MiB) fits and leaves the pages about 110 KiB.
+  ExpectCleanFailure(RunCli(gen + "-n 400 -c 500 --kv-method h2o --kv-budget 0.9", "KVSPARSE_MEMORY_LIMIT_MIB=1.5"),
                      "KV budget");
+  ExpectCleanFailure(RunCli(gen + "-n 400 -c 500 --kv-method h2o --kv-budget 0.9", "KVSPARSE_MEMORY_LIMIT_MIB=0.1"),
+                     "the engine's scratch for 500-row steps needs 1.4 MiB");
   // A sparse cache of a 100M-token context reserves address space only: it runs.
   const Result sparse = RunCli(gen + "-n 4 -c 100000000 --kv-method h2o --kv-budget 0.2");
   EXPECT_EQ(sparse.exit_code, 0) << sparse.all;

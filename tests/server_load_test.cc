@@ -10,9 +10,6 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +31,7 @@
 #include "kvsparse/scheduler.h"
 #include "kvsparse/tokenizer.h"
 #include "server/http_server.h"
+#include "support/raw_http.h"
 #include "support/tiny_chat_model.h"
 
 namespace kvsparse::server {
@@ -81,19 +79,10 @@ struct Outcome {
 // Sends the head and a part of a body that promises more, then hangs up: the server must drop it
 // (an unfinished body never reaches the parser).
 bool SendTruncatedBody(int port, const std::string& body) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = testing::SendRawLoopback(port, testing::CompletionRequestHead(body.size()) + body.substr(0, body.size() / 2));
   if (fd < 0) return false;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const std::string head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                           "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n";
-  const std::string sent = head + body.substr(0, body.size() / 2);
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  ::send(fd, sent.data(), sent.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(sent.size());
   ::close(fd);
-  return ok;
+  return true;
 }
 
 TEST(ServerLoad, SixtyFourClientsTwentyRequestsEach) {
@@ -296,7 +285,7 @@ TEST(ServerLoad, SixtyFourClientsTwentyRequestsEach) {
   // AddressSanitizer freed memory sits in its quarantine (up to 256 MiB) by design; LeakSanitizer
   // checks for leaks there instead.
   ASSERT_GT(rss_start, 0);
-#ifdef __SANITIZE_ADDRESS__
+#ifdef KVS_SANITIZED
   GTEST_SKIP() << "RSS under AddressSanitizer includes its quarantine: " << rss_start << " -> " << rss_end << " KiB";
 #endif
   EXPECT_LT(rss_end - rss_start, 32 * 1024)

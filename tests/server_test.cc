@@ -34,6 +34,7 @@
 #include "kvsparse/sparse_kv_controller.h"
 #include "kvsparse/tokenizer.h"
 #include "support/cli_runner.h"
+#include "support/raw_http.h"
 #include "support/shared_data.h"
 #include "support/tiny_chat_model.h"
 
@@ -1087,21 +1088,7 @@ TEST_F(ServerTest, GreedyIsTheSameAloneAndWithFifteenOthers) {
 
 // A raw loopback client that sends one completion request with `body` (-1 when it failed).
 int SendRawCompletion(int port, const std::string& body) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                              "Content-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(request.size())) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
+  return testing::SendRawLoopback(port, testing::CompletionRequestHead(body.size()) + body);
 }
 
 // After a client hung up: its request ends as cancelled (within 10 s), nothing runs, and the
@@ -1232,23 +1219,6 @@ TEST_F(ServerTest, ServeCommandAnswersAndExitsCleanlyOnSigterm) {
   close(err_pipe[0]);
 }
 
-// A raw loopback connection that sends `bytes` (maybe an unfinished request): the descriptor, or
-// -1 when it failed.
-int SendRaw(int port, const std::string& bytes) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(bytes.size())) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 // Seconds until the server closes `fd` (reading whatever it answers first); 30 when it does not.
 double SecondsUntilClosed(int fd, std::string* answer) {
   const auto start = Clock::now();
@@ -1287,11 +1257,11 @@ TEST_F(ServerTest, OversizedSlowAndIdleClients) {
 
   // Unfinished headers, then an unfinished body: closed at the read timeout, not held.
   std::string answer;
-  const int headers_fd = SendRaw(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+  const int headers_fd = testing::SendRawLoopback(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
   ASSERT_GE(headers_fd, 0);
   EXPECT_LT(SecondsUntilClosed(headers_fd, &answer), 5.0) << "a client stalled in its headers holds the connection";
   answer.clear();
-  const int body_fd = SendRaw(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+  const int body_fd = testing::SendRawLoopback(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                                     "Content-Length: 100\r\n\r\n{\"prompt\": ");
   ASSERT_GE(body_fd, 0);
   EXPECT_LT(SecondsUntilClosed(body_fd, &answer), 5.0) << "a client stalled in its body holds the connection";

@@ -131,8 +131,6 @@ int Run(const ServeArgs& a) {
   size_t budget_bytes = 0;
   if (a.kv_memory_mib > 0) {
     budget_bytes = static_cast<size_t>(a.kv_memory_mib * kMiB);
-  } else if (a.kv_memory_mib < 0) {
-    return Fail(InvalidArgumentError(fmt::format("--kv-memory must be positive (MiB), got {}", a.kv_memory_mib)));
   } else {
     auto budget = DefaultKvBudget(geometry, config, n_ctx, a.parallel, a.step_tokens);
     if (!budget.ok()) return Fail(budget.status());
@@ -223,7 +221,8 @@ void RegisterServe(CLI::App& app, int* exit_code) {
   cmd->add_option("--kv-memory", args->kv_memory_mib,
                   "KV page budget in MiB for all requests together (0 = room for --parallel requests of -c tokens "
                   "under the KV config)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   AddKvFlags(cmd, &args->kv, kDefaultKvType);
   cmd->add_option("--api-key", args->api_key, "require 'Authorization: Bearer KEY' (all endpoints but /health)")
       ->envname("KVSPARSE_API_KEY");

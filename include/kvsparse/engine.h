@@ -56,6 +56,10 @@ class Engine {
   Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller = nullptr);
   ~Engine();
 
+  // The bytes of the scratch a step of `rows` rows grows to (its activations, and the logits of
+  // one row): CreateRuntime checks it against the machine's memory together with the cache.
+  static size_t ScratchBytesFor(const ModelConfig& config, int32_t rows);
+
   // One step over several sequences (each at most once). All-or-nothing: every check (token
   // ids, positions, the pages every layer of every sequence needs, KvCache::CheckAppend) runs
   // before anything is stored, so a failed step leaves the cache and the policies unchanged.

@@ -342,13 +342,15 @@ class SparseKvController {
 };
 
 // A paged cache sized for max_tokens per sequence in every table (storage and per-head tables
-// per layer from the config), and its controller.
+// per layer from the config), and its controller. Its page budget stops at the machine's
+// available memory less `reserved_bytes` (what the caller allocates beside it, e.g. the engine's
+// scratch).
 struct SparseKvSetup {
   std::unique_ptr<PagedKvCache> cache;
   std::unique_ptr<SparseKvController> controller;
 };
 StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSparsityConfig& config, int n_seqs,
-                                       int32_t max_tokens, uint64_t seed = 0);
+                                       int32_t max_tokens, uint64_t seed = 0, size_t reserved_bytes = 0);
 // A serving cache: no sequences yet (SparseKvController::AcquireSequence adds them) and a
 // fixed budget of budget_bytes for every page of every sequence together.
 StatusOr<SparseKvSetup> CreateServingKv(const KvGeometry& geometry, const KvSparsityConfig& config,

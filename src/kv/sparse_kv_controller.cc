@@ -1016,7 +1016,7 @@ StatusOr<SparseKvSetup> CreateServingKv(const KvGeometry& geometry, const KvSpar
 }
 
 StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSparsityConfig& config, int n_seqs,
-                                       int32_t max_tokens, uint64_t seed) {
+                                       int32_t max_tokens, uint64_t seed, size_t reserved_bytes) {
   KVS_RETURN_IF_ERROR(CheckLayerCount(geometry, config));
   if (max_tokens <= 0) return InvalidArgumentError(fmt::format("sparse KV: max_tokens must be positive, got {}", max_tokens));
   PagedKvCacheOptions options = CacheOptionsFor(config, n_seqs, geometry.head_dim);
@@ -1037,7 +1037,8 @@ StatusOr<SparseKvSetup> CreateSparseKv(const KvGeometry& geometry, const KvSpars
   probe.reset();
   // Pages past what the machine has would meet the OOM killer: the budget stops there, and a
   // sequence that outgrows it gets the cache's ResourceExhausted error instead.
-  options.budget_bytes = std::min(budget, ReadMachineMemory().available_bytes);
+  const size_t available = ReadMachineMemory().available_bytes;
+  options.budget_bytes = std::min(budget, available > reserved_bytes ? available - reserved_bytes : 0);
   SparseKvSetup setup;
   KVS_ASSIGN_OR_RETURN(setup.cache, PagedKvCache::Create(geometry, options));
   KVS_ASSIGN_OR_RETURN(setup.controller, SparseKvController::Create(config, setup.cache.get(), seed));

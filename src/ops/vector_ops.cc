@@ -35,6 +35,22 @@ HWY_INLINE void ForEachVector(int64_t n, const Body& body) {
   if (i < n) body(i, hn::FirstN(d, static_cast<size_t>(n - i)), false);
 }
 
+// Loads the lanes of `m` (a FirstN mask) from p and zeroes the rest, without reading past them.
+// On AVX2/AVX-512 MaskedLoad is a masked move that never touches masked-off memory; Highway 1.0's
+// emulated 128-bit target (the scalar family) loads the whole vector and then masks, which reads
+// past the end of the array (AddressSanitizer under clang reports it): copy the tail lanes there.
+template <class D, class M>
+HWY_INLINE hn::Vec<D> LoadTail(M m, D d, const float* HWY_RESTRICT p) {
+#if KVS_ISA_SCALAR
+  HWY_ALIGN float lanes[hn::MaxLanes(D())] = {};
+  const size_t count = hn::CountTrue(d, m);
+  for (size_t k = 0; k < count; ++k) lanes[k] = p[k];
+  return hn::Load(d, lanes);
+#else
+  return hn::MaskedLoad(m, d, p);
+#endif
+}
+
 }  // namespace
 
 float DotImpl(const float* a, const float* b, int64_t n) {
@@ -50,7 +66,7 @@ float DotImpl(const float* a, const float* b, int64_t n) {
   }
   for (; i < n; i += lanes) {
     const auto m = hn::FirstN(d, static_cast<size_t>(std::min(lanes, n - i)));
-    acc0 = hn::MulAdd(hn::MaskedLoad(m, d, a + i), hn::MaskedLoad(m, d, b + i), acc0);
+    acc0 = hn::MulAdd(LoadTail(m, d, a + i), LoadTail(m, d, b + i), acc0);
   }
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(acc0, acc1), hn::Add(acc2, acc3))));
 }
@@ -61,7 +77,7 @@ void RmsNormImpl(const float* x, const float* weight, float* out, int64_t n, flo
   const DF d;
   const auto scale = hn::Set(d, 1.f / std::sqrt(mean_sq + eps));
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
-    const auto v = hn::Mul(hn::Mul(hn::MaskedLoad(m, d, x + i), scale), hn::MaskedLoad(m, d, weight + i));
+    const auto v = hn::Mul(hn::Mul(LoadTail(m, d, x + i), scale), LoadTail(m, d, weight + i));
     if (full) {
       hn::StoreU(v, d, out + i);
     } else {
@@ -118,9 +134,9 @@ void SiluMulImpl(float* gate, const float* up, int64_t n) {
   // exp(-g) overflows past 88: clamp so silu(g) -> g / huge -> 0 for very negative g.
   const auto max_exp_arg = hn::Set(d, 88.f);
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
-    const auto g = hn::MaskedLoad(m, d, gate + i);
+    const auto g = LoadTail(m, d, gate + i);
     const auto e = hn::Exp(d, hn::Min(hn::Neg(g), max_exp_arg));
-    const auto v = hn::Mul(hn::Div(g, hn::Add(one, e)), hn::MaskedLoad(m, d, up + i));
+    const auto v = hn::Mul(hn::Div(g, hn::Add(one, e)), LoadTail(m, d, up + i));
     if (full) {
       hn::StoreU(v, d, gate + i);
     } else {
@@ -136,10 +152,10 @@ void GeluMulImpl(float* gate, const float* up, int64_t n) {
   const auto half = hn::Set(d, 0.5f), one = hn::Set(d, 1.f);
   const auto k0 = hn::Set(d, 0.7978845608028654f), k1 = hn::Set(d, 0.044715f);
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
-    const auto g = hn::MaskedLoad(m, d, gate + i);
+    const auto g = LoadTail(m, d, gate + i);
     const auto inner = hn::Mul(k0, hn::MulAdd(hn::Mul(k1, g), hn::Mul(g, g), g));
     const auto gelu = hn::Mul(hn::Mul(half, g), hn::Add(one, hn::Tanh(d, inner)));
-    const auto v = hn::Mul(gelu, hn::MaskedLoad(m, d, up + i));
+    const auto v = hn::Mul(gelu, LoadTail(m, d, up + i));
     if (full) {
       hn::StoreU(v, d, gate + i);
     } else {
@@ -152,7 +168,7 @@ void SoftcapInPlaceImpl(float* x, int64_t n, float cap) {
   const DF d;
   const auto vcap = hn::Set(d, cap), inv = hn::Set(d, 1.f / cap);
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
-    const auto v = hn::Mul(vcap, hn::Tanh(d, hn::Mul(hn::MaskedLoad(m, d, x + i), inv)));
+    const auto v = hn::Mul(vcap, hn::Tanh(d, hn::Mul(LoadTail(m, d, x + i), inv)));
     if (full) {
       hn::StoreU(v, d, x + i);
     } else {
@@ -166,14 +182,14 @@ void SoftmaxImpl(float* x, int64_t n) {
   const DF d;
   auto vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
   ForEachVector(
-      n, [&](int64_t i, auto m, bool) { vmax = hn::IfThenElse(m, hn::Max(vmax, hn::MaskedLoad(m, d, x + i)), vmax); });
+      n, [&](int64_t i, auto m, bool) { vmax = hn::IfThenElse(m, hn::Max(vmax, LoadTail(m, d, x + i)), vmax); });
   const float max = hn::GetLane(hn::MaxOfLanes(d, vmax));
   const auto vmax_b = hn::Set(d, max);
   // exp arguments are <= 0; below -104 the result underflows to 0 anyway (and -inf stays safe).
   const auto min_arg = hn::Set(d, -104.f);
   auto vsum = hn::Zero(d);
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
-    const auto e = hn::Exp(d, hn::Max(hn::Sub(hn::MaskedLoad(m, d, x + i), vmax_b), min_arg));
+    const auto e = hn::Exp(d, hn::Max(hn::Sub(LoadTail(m, d, x + i), vmax_b), min_arg));
     const auto e_masked = hn::IfThenElseZero(m, e);
     vsum = hn::Add(vsum, e_masked);
     if (full) {
@@ -184,7 +200,7 @@ void SoftmaxImpl(float* x, int64_t n) {
   });
   const auto inv = hn::Set(d, 1.f / hn::GetLane(hn::SumOfLanes(d, vsum)));
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
-    const auto v = hn::Mul(hn::MaskedLoad(m, d, x + i), inv);
+    const auto v = hn::Mul(LoadTail(m, d, x + i), inv);
     if (full) {
       hn::StoreU(v, d, x + i);
     } else {
@@ -196,7 +212,7 @@ void SoftmaxImpl(float* x, int64_t n) {
 void AddImpl(float* y, const float* x, int64_t n) {
   const DF d;
   ForEachVector(n, [&](int64_t i, auto m, bool full) {
-    const auto v = hn::Add(hn::MaskedLoad(m, d, y + i), hn::MaskedLoad(m, d, x + i));
+    const auto v = hn::Add(LoadTail(m, d, y + i), LoadTail(m, d, x + i));
     if (full) {
       hn::StoreU(v, d, y + i);
     } else {

@@ -27,6 +27,12 @@ AttentionShape LayerAttentionShape(const ModelConfig& c, int layer) {
   return shape;
 }
 
+size_t Engine::ScratchBytesFor(const ModelConfig& config, int32_t rows) {
+  const size_t r = static_cast<size_t>(std::max<int32_t>(rows, 1));
+  const size_t one_row_logits = static_cast<size_t>(config.dim) + static_cast<size_t>(config.n_vocab);
+  return (r * Scratch::FloatsPerRow(config) + one_row_logits) * sizeof(float);
+}
+
 Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller)
     : model_(model), cache_(cache), n_threads_(n_threads), controller_(controller),
       scratch_(std::make_unique<Scratch>()) {

@@ -119,6 +119,12 @@ struct Engine::Scratch {
   std::vector<float> head_row_max_sum;  // [jobs, rows, query heads per job, 2] (observing policies)
   std::vector<KeySelection> selection_views;
 
+  // Floats per row of the buffers Reserve sizes (Engine::ScratchBytesFor): keep the two in step.
+  static size_t FloatsPerRow(const ModelConfig& c) {
+    const size_t q_dim = static_cast<size_t>(c.n_heads) * c.head_dim;
+    const size_t kv_dim = static_cast<size_t>(c.n_kv_heads) * c.head_dim;
+    return 3 * static_cast<size_t>(c.dim) + 2 * q_dim + 2 * kv_dim + 2 * static_cast<size_t>(c.hidden_dim) + 1;
+  }
   void Reserve(const ModelConfig& c, int32_t n) {
     if (n <= rows) return;
     const size_t r = static_cast<size_t>(n);

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "kvsparse/contiguous_kv_cache.h"
@@ -43,6 +44,15 @@ Status ResolveSlidingLayers(const Model& model, KvSparsityConfig* config) {
   return Status::Ok();
 }
 
+namespace {
+
+// The most rows one engine step can hold for n_seqs sequences of max_tokens tokens.
+int32_t StepRowsBound(int n_seqs, int32_t max_tokens) {
+  return static_cast<int32_t>(std::min<int64_t>(int64_t{n_seqs} * max_tokens, Engine::kMaxBatchRows));
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSparsityConfig* config,
                                                  KvStorage dense_storage, int n_seqs, int32_t max_tokens,
                                                  int n_threads, uint64_t seed) {
@@ -57,11 +67,17 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
                                                              model.config().n_layers));
     config = &*windowed;
   }
+  const int32_t step_rows = StepRowsBound(n_seqs, max_tokens);
   if (config != nullptr) {
     KvSparsityConfig resolved = *config;
     KVS_RETURN_IF_ERROR(ResolveSlidingLayers(model, &resolved));
     KVS_RETURN_IF_ERROR(ResolveRetrievalHeads(model, n_threads, &resolved));
-    KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(ModelKvGeometry(model), resolved, n_seqs, max_tokens, seed));
+    // The paged cache reserves pages as they fill, up to the memory the scratch leaves.
+    const size_t scratch_bytes = Engine::ScratchBytesFor(model.config(), step_rows);
+    KVS_RETURN_IF_ERROR(
+        CheckFitsInMemory(scratch_bytes, fmt::format("the engine's scratch for {}-row steps", step_rows)));
+    KVS_ASSIGN_OR_RETURN(r->sparse, CreateSparseKv(ModelKvGeometry(model), resolved, n_seqs, max_tokens, seed,
+                                                   scratch_bytes));
   } else {
     if (!DenseCacheHolds(dense_storage)) {
       return InvalidArgumentError(std::string("runtime: the dense cache stores f32, f16 or bf16; ") +
@@ -69,8 +85,11 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
     }
     const size_t cache_bytes = ContiguousKvCache::BytesFor(ModelKvGeometry(model), dense_storage, n_seqs, max_tokens);
     KVS_RETURN_IF_ERROR(CheckFitsInMemory(
-        cache_bytes, fmt::format("the {} KV cache for {} sequence(s) of {} tokens ({} layers)", KvStorageName(dense_storage),
-                                 n_seqs, max_tokens, model.config().n_layers)));
+        cache_bytes + Engine::ScratchBytesFor(model.config(), step_rows),
+        fmt::format("the {} KV cache for {} sequence(s) of {} tokens ({} layers, {}) with the engine's scratch for "
+                    "{}-row steps",
+                    KvStorageName(dense_storage), n_seqs, max_tokens, model.config().n_layers,
+                    FormatBytes(cache_bytes), step_rows)));
     r->dense_cache = std::make_unique<ContiguousKvCache>(ModelKvGeometry(model), dense_storage, n_seqs, max_tokens);
   }
   r->engine = std::make_unique<Engine>(model, &r->cache(), n_threads, r->controller());
@@ -79,7 +98,10 @@ StatusOr<std::unique_ptr<Runtime>> CreateRuntime(const Model& model, const KvSpa
 
 StatusOr<std::unique_ptr<Runtime>> CreateServingRuntime(const Model& model, const KvSparsityConfig& config,
                                                         size_t budget_bytes, int n_threads, uint64_t seed) {
-  KVS_RETURN_IF_ERROR(CheckFitsInMemory(budget_bytes, "the KV page pool (--kv-memory, or --parallel x -c)"));
+  KVS_RETURN_IF_ERROR(CheckFitsInMemory(
+      budget_bytes + Engine::ScratchBytesFor(model.config(), Engine::kMaxBatchRows),
+      fmt::format("the KV page pool (--kv-memory, or --parallel x -c: {}) with the engine's scratch for {}-row steps",
+                  FormatBytes(budget_bytes), Engine::kMaxBatchRows)));
   auto r = std::make_unique<Runtime>();
   KvSparsityConfig resolved = config;
   KVS_RETURN_IF_ERROR(ResolveSlidingLayers(model, &resolved));

@@ -163,27 +163,40 @@ constexpr int kListenBacklog = 1024;
 // kernel's backlog (and past it, get no connection) instead of costing descriptors and memory:
 // 10,000 idle connections hold `max_connections` descriptors, each closed after the read
 // timeout. Once the server stops accepting, nothing waits (the sockets are closed by httplib).
+// The connections BoundedConnectionQueue holds, shared with the server (which outlives the queue
+// httplib owns): StopAccepting closes the gate and wakes an accept loop waiting at the cap.
+struct ConnectionGate {
+  std::mutex mu;
+  std::condition_variable changed;  // a connection ended, or the gate closed
+  std::atomic<int> held{0};
+  bool closing = false;  // guarded by mu
+  void Close() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      closing = true;
+    }
+    changed.notify_all();
+  }
+};
+
 class BoundedConnectionQueue : public httplib::TaskQueue {
  public:
-  BoundedConnectionQueue(int threads, int max_connections, const std::atomic<bool>* closing,
-                         std::atomic<int>* held)
-      : pool_(static_cast<size_t>(threads)), max_connections_(max_connections), closing_(closing), held_(held) {}
+  BoundedConnectionQueue(int threads, int max_connections, ConnectionGate* gate)
+      : pool_(static_cast<size_t>(threads)), max_connections_(max_connections), gate_(gate) {}
 
   void enqueue(std::function<void()> fn) override {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (held_->load() >= max_connections_ && !closing_->load()) {
-        freed_.wait_for(lock, std::chrono::milliseconds(50));
-      }
-      held_->fetch_add(1);
+      std::unique_lock<std::mutex> lock(gate_->mu);
+      gate_->changed.wait(lock, [this] { return gate_->held.load() < max_connections_ || gate_->closing; });
+      gate_->held.fetch_add(1);
     }
-    pool_.enqueue([this, fn = std::move(fn)] {
+    pool_.enqueue([gate = gate_, fn = std::move(fn)] {
       fn();
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        held_->fetch_sub(1);
+        std::lock_guard<std::mutex> lock(gate->mu);
+        gate->held.fetch_sub(1);
       }
-      freed_.notify_one();
+      gate->changed.notify_one();
     });
   }
   void shutdown() override { pool_.shutdown(); }
@@ -191,10 +204,7 @@ class BoundedConnectionQueue : public httplib::TaskQueue {
  private:
   httplib::ThreadPool pool_;
   const int max_connections_;
-  const std::atomic<bool>* closing_;
-  std::atomic<int>* held_;
-  std::mutex mu_;
-  std::condition_variable freed_;
+  ConnectionGate* gate_;
 };
 
 struct HttpServer::Impl {
@@ -212,8 +222,7 @@ struct HttpServer::Impl {
   std::mutex stop_mu;  // Stop
   std::atomic<bool> started{false};
   std::atomic<int> listen_socket{-1};  // set by the socket-options callback, before bind
-  std::atomic<bool> closing{false};        // StopAccepting ran: the accept loop must not wait
-  std::atomic<int> open_connections{0};    // held by BoundedConnectionQueue
+  ConnectionGate connections;  // BoundedConnectionQueue's count; closed by StopAccepting
   std::atomic<bool> stopped{false};
   std::atomic<bool> cancel_all{false};  // Stop's grace is over: cancel what still runs
   std::atomic<int> in_flight{0};        // generation requests submitted and not yet ended
@@ -481,7 +490,7 @@ void HttpServer::Impl::InitRoutes() {
                           : std::min(256, scheduler->options().max_running + scheduler->options().max_queue + 4);
   const int max_connections = options.max_connections > 0 ? options.max_connections : 4 * threads;
   http.new_task_queue = [this, threads, max_connections] {
-    return new BoundedConnectionQueue(threads, max_connections, &closing, &open_connections);
+    return new BoundedConnectionQueue(threads, max_connections, &connections);
   };
 
   http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
@@ -1092,7 +1101,7 @@ void HttpServer::Impl::HandleMetrics(httplib::Response& res) {
 }
 
 void HttpServer::Impl::StopAccepting() {
-  closing = true;  // an accept loop waiting for a connection slot goes on (and ends)
+  connections.Close();  // an accept loop waiting for a connection slot goes on (and ends)
   if (started.load()) http.stop();  // closes the listening socket; the accept loop ends
 }
 
@@ -1174,7 +1183,7 @@ Status HttpServer::Start() {
   return Status::Ok();
 }
 
-int HttpServer::open_connections() const { return impl_->open_connections.load(); }
+int HttpServer::open_connections() const { return impl_->connections.held.load(); }
 
 int HttpServer::port() const { return impl_->bound_port > 0 ? impl_->bound_port : impl_->options.port; }
 

@@ -55,7 +55,7 @@ inline std::string IsaParamName(const ::testing::TestParamInfo<Isa>& info) { ret
 // Families for whole-model tests: every compiled one, but under the sanitizers (10x slower) only
 // the best this CPU runs; the kernels' twins are checked family by family in the ops tests there.
 inline std::vector<Isa> EndToEndFamilies() {
-#ifdef __SANITIZE_ADDRESS__
+#ifdef KVS_SANITIZED
   return {SupportedIsas().back()};
 #else
   return CompiledIsas();
