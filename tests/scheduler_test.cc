@@ -35,38 +35,45 @@ struct Runtime {
 };
 
 // budget_bytes 0: room for 16 dense requests of 256 tokens.
-// per_head -1: the method's default granularity; 0 / 1: every layer shared / per KV head.
-Runtime MakeRuntime(const std::string& path, const std::string& method, const std::string& budget,
-                    const std::string& kv_type, size_t budget_bytes, SchedulerOptions options = {},
-                    int per_head = -1) {
+Runtime MakeRuntimeFromConfig(const std::string& path, KvSparsityConfig config, size_t budget_bytes,
+                              SchedulerOptions options = {}) {
   Runtime r;
   auto model = Model::Load(path);
   EXPECT_TRUE(model.ok()) << model.status().ToString();
   r.model = std::move(*model);
   const ModelConfig& c = r.model->config();
-  auto config = KvSparsityConfigFromFlags(method, budget, kv_type, c.n_layers);
-  EXPECT_TRUE(config.ok()) << config.status().ToString();
-  if (per_head >= 0) {
-    for (LayerKvConfig& layer : config->layers) layer.per_head = per_head != 0;
-  }
   // One page layout for every runtime, so a request alone (int8_kivi: 32-token pages and a
   // 128-token residual by default) matches one on a server started with f16 layers, whose
   // cache a per-request KIVI type shares.
-  config->page_size = kDefaultPageSize;
-  config->kivi_residual = 0;
+  config.page_size = kDefaultPageSize;
+  config.kivi_residual = 0;
   const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
   if (budget_bytes == 0) {
-    auto probe = CreateServingKv(geometry, *config, size_t{1} << 30);
+    auto probe = CreateServingKv(geometry, config, size_t{1} << 30);
     EXPECT_TRUE(probe.ok()) << probe.status().ToString();
     budget_bytes = 16 * probe->controller->SequenceReserveBytes(256, 0);
   }
-  auto kv = CreateServingKv(geometry, *config, budget_bytes);
+  auto kv = CreateServingKv(geometry, config, budget_bytes);
   EXPECT_TRUE(kv.ok()) << kv.status().ToString();
   r.kv = std::move(*kv);
   r.engine = std::make_unique<Engine>(*r.model, r.kv.cache.get(), 1, r.kv.controller.get());
   options.max_context = 256;
   r.scheduler = std::make_unique<Scheduler>(r.engine.get(), r.kv.controller.get(), options);
   return r;
+}
+
+// per_head -1: the method's default granularity; 0 / 1: every layer shared / per KV head.
+Runtime MakeRuntime(const std::string& path, const std::string& method, const std::string& budget,
+                    const std::string& kv_type, size_t budget_bytes, SchedulerOptions options = {},
+                    int per_head = -1) {
+  auto model = Model::Load(path);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  auto config = KvSparsityConfigFromFlags(method, budget, kv_type, (*model)->config().n_layers);
+  EXPECT_TRUE(config.ok()) << config.status().ToString();
+  if (per_head >= 0) {
+    for (LayerKvConfig& layer : config->layers) layer.per_head = per_head != 0;
+  }
+  return MakeRuntimeFromConfig(path, *config, budget_bytes, options);
 }
 
 GenerationRequest Greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
@@ -870,6 +877,40 @@ TEST(Scheduler, SpanSelectingMethodOnASlidingLayerIsAnError) {
                                       (*model)->config().n_layers);
   ASSERT_TRUE(global.ok());
   EXPECT_TRUE(CreateServingRuntime(**model, *global, size_t{16} << 20, 1).ok());
+}
+
+// A length-dependent budget ("budget_by_length", kv_budget.h) is applied per request by the
+// request's own length: on one server, a 64-token prompt keeps half of it and a 192-token prompt
+// an eighth, so the longer request holds fewer KV bytes; under a plain fraction it holds more.
+TEST(SchedulerTest, BudgetByLengthAppliesPerRequest) {
+  KVS_SKIP_IF_NO_SHARED(path, "models/stories260K.bin");
+  SchedulerOptions options;
+  options.step_tokens = 256;  // each prompt in one chunk: compressed once, at its own length
+  auto peaks = [&](const std::string& config_json) {
+    auto config = ParseKvSparsityConfig(config_json, 5);
+    EXPECT_TRUE(config.ok()) << config.status().ToString();
+    Runtime r = MakeRuntimeFromConfig(path, *config, 0, options);
+    std::vector<std::shared_ptr<RequestHandle>> handles;
+    std::vector<int32_t> short_prompt{1}, long_prompt{1};
+    for (int j = 1; j < 64; ++j) short_prompt.push_back(3 + (j * 17) % 500);
+    for (int j = 1; j < 192; ++j) long_prompt.push_back(3 + (j * 29) % 500);
+    for (const auto& prompt : {short_prompt, long_prompt}) {
+      auto h = r.scheduler->Submit(Greedy(prompt, 1));
+      EXPECT_TRUE(h.ok()) << h.status().ToString();
+      handles.push_back(*h);
+    }
+    StepUntilDone(*r.scheduler, handles);
+    return std::pair<size_t, size_t>{handles[0]->stats().kv_peak_bytes, handles[1]->stats().kv_peak_bytes};
+  };
+  const auto [by_length_short, by_length_long] = peaks(
+      R"({"default": {"method": "h2o", "budget_by_length": {"64": 0.5, "192": 0.125}, "kv_type": "f16"},
+          "prefill_eviction": "chunk"})");
+  const auto [plain_short, plain_long] =
+      peaks(R"({"default": {"method": "h2o", "budget": 0.5, "kv_type": "f16"}, "prefill_eviction": "chunk"})");
+  EXPECT_EQ(by_length_short, plain_short);  // 32 tokens either way
+  EXPECT_LT(by_length_long, by_length_short) << "24 tokens of 192 against 32 of 64";
+  EXPECT_GT(plain_long, plain_short) << "96 tokens of 192 against 32 of 64";
+  EXPECT_NEAR(static_cast<double>(by_length_long) / by_length_short, 24.0 / 32.0, 0.05);
 }
 
 }  // namespace

@@ -31,23 +31,6 @@ struct BenchArgs {
   bool no_plots = false;
 };
 
-// "2k" -> 2048, "32K" -> 32768, "1000" -> 1000.
-StatusOr<int32_t> ParseLength(const std::string& text) {
-  std::string digits = text;
-  int32_t scale = 1;
-  if (!digits.empty() && (digits.back() == 'k' || digits.back() == 'K')) {
-    scale = 1024;
-    digits.pop_back();
-  }
-  int32_t value = 0;
-  auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-  if (digits.empty() || ec != std::errc() || ptr != digits.data() + digits.size() || value <= 0 ||
-      value > (1 << 24) / scale) {
-    return InvalidArgumentError(fmt::format("--lengths: expected a token count like 1024 or 2k, found '{}'", text));
-  }
-  return value * scale;
-}
-
 // Progress on stderr: a bar with the ETA on a terminal, a line per ~5% otherwise.
 void Progress(size_t done, size_t total, double seconds, const std::string& key) {
   const double eta = done > 0 ? seconds / done * (total - done) : 0;
@@ -77,7 +60,7 @@ StatusOr<std::vector<BenchSpec>> BuildSpecs(const BenchArgs& a) {
     if (!a.lengths.empty()) {
       s.lengths.clear();
       for (const std::string& l : a.lengths) {
-        KVS_ASSIGN_OR_RETURN(int32_t n, ParseLength(l));
+        KVS_ASSIGN_OR_RETURN(int32_t n, ParseLengthFlag(l));
         s.lengths.push_back(n);
       }
     }

@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -69,6 +70,23 @@ StatusOr<LoadedModel> LoadModelWithTokenizer(const std::string& model_flag) {
   KVS_ASSIGN_OR_RETURN(loaded.model, Model::Load(loaded.path));
   KVS_ASSIGN_OR_RETURN(loaded.tokenizer, LoadTokenizerIfAny(*loaded.model));
   return loaded;
+}
+
+// "2k" -> 2048, "32K" -> 32768, "1000" -> 1000.
+StatusOr<int32_t> ParseLengthFlag(const std::string& text) {
+  std::string digits = text;
+  int32_t scale = 1;
+  if (!digits.empty() && (digits.back() == 'k' || digits.back() == 'K')) {
+    scale = 1024;
+    digits.pop_back();
+  }
+  int32_t value = 0;
+  auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (digits.empty() || ec != std::errc() || ptr != digits.data() + digits.size() || value <= 0 ||
+      value > (1 << 24) / scale) {
+    return InvalidArgumentError(fmt::format("--lengths: expected a token count like 1024 or 2k, found '{}'", text));
+  }
+  return value * scale;
 }
 
 }  // namespace kvsparse::cli

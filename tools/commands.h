@@ -22,6 +22,10 @@ void RegisterBenchServe(CLI::App& app, int* exit_code);  // serving benchmark (s
 void RegisterBench(CLI::App& app, int* exit_code);  // bench, bench-merge, bench-report
 void RegisterServe(CLI::App& app, int* exit_code);  // OpenAI-compatible HTTP server
 void RegisterProbeHeads(CLI::App& app, int* exit_code);  // retrieval-head scores for razor
+void RegisterCalibrate(CLI::App& app, int* exit_code);   // per-layer config search (src/bench/calibrate.cc)
+
+// --lengths values: "2k" -> 2048, "32K" -> 32768, "1000" -> 1000.
+StatusOr<int32_t> ParseLengthFlag(const std::string& text);
 
 // Prints "error: <status>" to stderr and returns 1.
 int Fail(const Status& status);

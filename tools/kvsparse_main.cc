@@ -1,5 +1,5 @@
 // kvsparse: one binary with subcommands — generate, inspect, convert, synth, bench-speed, bench-serve, bench,
-// serve.
+// serve, probe-heads, calibrate.
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   kvsparse::cli::RegisterBench(app, &exit_code);
   kvsparse::cli::RegisterServe(app, &exit_code);
   kvsparse::cli::RegisterProbeHeads(app, &exit_code);
+  kvsparse::cli::RegisterCalibrate(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -101,7 +101,13 @@ struct BenchRunOptions {
 // Runs the sweep (the shard's share of it), appending one row per configuration.
 Status RunBench(const BenchSpec& spec, const BenchRunOptions& options);
 
-// Runs one configuration and returns its row (no file I/O besides a fidelity stream file).
+// The samples a question-task configuration runs (the same for every method and kv type of a
+// run: they depend on the task, length, seed, samples, depths and value tokens only).
+StatusOr<std::vector<BenchSample>> BenchQuestionSamples(const BenchSpec& spec, const BenchConfig& config,
+                                                        const Model& model, const Tokenizer* tokenizer);
+
+// Runs one configuration and returns its row (no file I/O besides a fidelity stream file). Question
+// tasks' rows carry "first_generated", the first sample's greedy ids.
 // `streams`, when given, keeps the fidelity streams made for later configurations of the run.
 StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig& config, const Model& model,
                                         const Tokenizer* tokenizer, FidelityStreamCache* streams = nullptr);

@@ -12,6 +12,9 @@
 //   }
 // - "budget": an integer is a token count (>= 1); a non-integer number is a fraction in
 //   (0, 1] of the tokens seen so far (see kv_budget.h).
+// - "budget_by_length": {"4096": 0.5, "32768": 0.1} instead of "budget": fractions at context
+//   lengths, interpolated in log(length) between them and held beyond them (kv_budget.h); each
+//   request is compressed by its own length. Not for cumulative (its schedule scales one budget).
 // - "layers": an index (3 or "3") or an inclusive range "a-b"; entries may not overlap.
 // - "per_head": true gives the layer one policy and one page table per KV head, so heads
 //   keep different tokens; the budget then applies to each head (default false: every head
@@ -118,6 +121,12 @@ StatusOr<KvBudget> ParseKvBudget(std::string_view text);
 // "f32" | "f16" | "bf16" | "int8" | "int8_kivi" | "fp8_e4m3" | "fp8_e5m2" | "fp8" (= fp8_e4m3) |
 // "int4_kivi" | "int2_kivi"
 std::optional<KvStorage> KvStorageFromName(std::string_view name);
+
+// The config as JSON that ParseKvSparsityConfig reads back to the same layers and settings:
+// explicit values for every field (the file does not depend on the paper defaults of the
+// version that reads it), one "layers" entry per run of equal layers, and a "default" for the
+// layers no entry named (so sliding-window layers keep their meaning, see LayerKvConfig).
+std::string KvSparsityConfigToJson(const KvSparsityConfig& config);
 
 // Re-checks a config built in code (ranges, every layer's values).
 Status ValidateKvSparsityConfig(const KvSparsityConfig& config);

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "kvsparse/bench_metrics.h"
@@ -122,6 +123,7 @@ struct RowAccumulator {
   std::vector<double> kv_live_sliding;  // kv_live of the sliding-window layers (gemma2/3)
   std::vector<std::vector<double>> layer_live;  // [n_layers][samples] live tokens after the prompt
   FidelityAccumulator fidelity;
+  std::optional<std::vector<int32_t>> first_generated;  // the first sample's greedy ids
   double seconds = 0;
 };
 
@@ -195,6 +197,7 @@ Status RunQuestionSample(const BenchSample& sample, BenchProtocol protocol, cons
     token = ArgMax(logits);
   }
   const double total = Seconds(t0, Clock::now());
+  if (!acc.first_generated) acc.first_generated = generated;
   const double score = ScoreGeneration(sample, generated, tokenizer);
   acc.scores.Add(sample.task, sample.subtask, "score", score);
   acc.scores.Add(kAllSamples, kAllSamples, "score", score);
@@ -415,6 +418,55 @@ Status ValidateBenchSpec(const BenchSpec& spec) {
   return Status::Ok();
 }
 
+StatusOr<std::vector<BenchSample>> BenchQuestionSamples(const BenchSpec& spec, const BenchConfig& config,
+                                                        const Model& model, const Tokenizer* tokenizer) {
+  const uint64_t base_seed = Mix(Mix(spec.seed, HashString(config.task)), static_cast<uint64_t>(config.length));
+  std::vector<BenchSample> samples;
+  if (config.task.rfind(kUserTaskPrefix, 0) == 0) {
+    if (tokenizer == nullptr) {
+      return InvalidArgumentError(fmt::format("task {}: user tasks are text and model {} has no tokenizer",
+                                              config.task, model.path()));
+    }
+    KVS_ASSIGN_OR_RETURN(std::vector<UserTaskRecord> records,
+                         LoadUserTasks(config.task.substr(std::char_traits<char>::length(kUserTaskPrefix))));
+    UserSampleOptions options;
+    options.max_context_tokens = config.length;
+    for (size_t i = 0; i < records.size() && static_cast<int>(i) < spec.samples; ++i) {
+      samples.push_back(BuildUserSample(records[i], *tokenizer, options));
+    }
+    return samples;
+  }
+  KVS_ASSIGN_OR_RETURN(BenchTask task, ParseBenchTask(config.task));
+  std::optional<TokenVocab> vocab;
+  if (tokenizer == nullptr) {
+    if (!HasTokenLevelForm(task)) {
+      return InvalidArgumentError(fmt::format("task {} is text-only and model {} has no tokenizer", config.task,
+                                              model.path()));
+    }
+    KVS_ASSIGN_OR_RETURN(vocab, ModelTokenVocab(model));
+  }
+  for (int i = 0; i < spec.samples; ++i) {
+    BenchTaskOptions options;
+    options.depth = spec.depths[static_cast<size_t>(i) % spec.depths.size()];
+    options.value_tokens = spec.value_tokens;
+    if (task == BenchTask::kNiahMultiKey || task == BenchTask::kNiahMultiQuery) {
+      // Every needle's values must be distinct tokens: fit the keys to the vocabulary.
+      const int32_t fit = vocab ? static_cast<int32_t>(vocab->values.size()) / spec.value_tokens : options.n_keys;
+      options.n_keys = std::max<int32_t>(2, std::min<int32_t>(options.n_keys, fit));
+    }
+    const uint64_t seed = Mix(base_seed, static_cast<uint64_t>(i));
+    StatusOr<BenchSample> sample = tokenizer != nullptr
+                                       ? GenerateTextSample(task, *tokenizer, config.length, seed, options)
+                                       : GenerateTokenSample(task, *vocab, config.length, seed, options);
+    if (!sample.ok()) {
+      return Status(sample.status().code(),
+                    fmt::format("task {} at length {}: {}", config.task, config.length, sample.status().message()));
+    }
+    samples.push_back(std::move(*sample));
+  }
+  return samples;
+}
+
 StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig& config, const Model& model,
                                         const Tokenizer* tokenizer, FidelityStreamCache* streams) {
   const ModelConfig& c = model.config();
@@ -429,19 +481,7 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
   std::vector<BenchSample> samples;
   FidelityStreamCache local_streams;  // when the caller keeps none
   const std::vector<std::vector<int32_t>>* fidelity_streams = nullptr;  // [streams][length]
-  if (config.task.rfind(kUserTaskPrefix, 0) == 0) {
-    if (tokenizer == nullptr) {
-      return InvalidArgumentError(fmt::format("task {}: user tasks are text and model {} has no tokenizer",
-                                              config.task, model.path()));
-    }
-    KVS_ASSIGN_OR_RETURN(std::vector<UserTaskRecord> records,
-                         LoadUserTasks(config.task.substr(std::char_traits<char>::length(kUserTaskPrefix))));
-    UserSampleOptions options;
-    options.max_context_tokens = config.length;
-    for (size_t i = 0; i < records.size() && static_cast<int>(i) < spec.samples; ++i) {
-      samples.push_back(BuildUserSample(records[i], *tokenizer, options));
-    }
-  } else if (config.task == "fidelity") {
+  if (config.task == "fidelity") {
     // The same streams for every method of the run (bench_fidelity.h).
     FidelityStreamCache& cache = streams != nullptr ? *streams : local_streams;
     if (!cache.count(config.length)) {
@@ -452,34 +492,7 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
     }
     fidelity_streams = &cache[config.length];
   } else if (IsQuestionTask(config.task)) {
-    KVS_ASSIGN_OR_RETURN(BenchTask task, ParseBenchTask(config.task));
-    std::optional<TokenVocab> vocab;
-    if (tokenizer == nullptr) {
-      if (!HasTokenLevelForm(task)) {
-        return InvalidArgumentError(fmt::format("task {} is text-only and model {} has no tokenizer", config.task,
-                                                model.path()));
-      }
-      KVS_ASSIGN_OR_RETURN(vocab, ModelTokenVocab(model));
-    }
-    for (int i = 0; i < spec.samples; ++i) {
-      BenchTaskOptions options;
-      options.depth = spec.depths[static_cast<size_t>(i) % spec.depths.size()];
-      options.value_tokens = spec.value_tokens;
-      if (task == BenchTask::kNiahMultiKey || task == BenchTask::kNiahMultiQuery) {
-        // Every needle's values must be distinct tokens: fit the keys to the vocabulary.
-        const int32_t fit = vocab ? static_cast<int32_t>(vocab->values.size()) / spec.value_tokens : options.n_keys;
-        options.n_keys = std::max<int32_t>(2, std::min<int32_t>(options.n_keys, fit));
-      }
-      const uint64_t seed = Mix(base_seed, static_cast<uint64_t>(i));
-      StatusOr<BenchSample> sample = tokenizer != nullptr
-                                         ? GenerateTextSample(task, *tokenizer, config.length, seed, options)
-                                         : GenerateTokenSample(task, *vocab, config.length, seed, options);
-      if (!sample.ok()) {
-        return Status(sample.status().code(),
-                      fmt::format("task {} at length {}: {}", config.task, config.length, sample.status().message()));
-      }
-      samples.push_back(std::move(*sample));
-    }
+    KVS_ASSIGN_OR_RETURN(samples, BenchQuestionSamples(spec, config, model, tokenizer));
   }
 
   int32_t max_tokens = config.length + 64;
@@ -541,6 +554,8 @@ StatusOr<nlohmann::json> RunBenchConfig(const BenchSpec& spec, const BenchConfig
     }
     row["subtasks"] = subtasks;
   }
+  // A check that another front end runs the same config alike (calibrate's round trip).
+  if (acc.first_generated) row["first_generated"] = *acc.first_generated;
   if (acc.fidelity.positions() > 0) {
     row["kl"] = Finite(acc.fidelity.mean_kl());
     row["top1_agreement"] = Finite(acc.fidelity.top1_agreement());

@@ -179,6 +179,37 @@ Status ReadBudget(const json& v, const Where& where, KvBudget* out) {
                                    Describe(v));
 }
 
+// "budget_by_length": {"4096": 0.5, "32768": 0.1} (kv_budget.h): fractions at context lengths.
+Status ReadBudgetByLength(const json& v, const Where& where, KvBudget* out) {
+  constexpr std::string_view kField = "budget_by_length";
+  if (!v.is_object() || v.empty()) {
+    return where.Error(kField, "expected an object of context lengths to fractions, e.g. {\"4096\": 0.5, \"32768\": "
+                               "0.1}, found " + Describe(v));
+  }
+  std::vector<std::pair<int32_t, double>> points;
+  for (const auto& [key, value] : v.items()) {
+    int32_t length = 0;
+    const auto [ptr, ec] = std::from_chars(key.data(), key.data() + key.size(), length);
+    if (ec != std::errc() || ptr != key.data() + key.size() || length < 1) {
+      return where.Error(kField, fmt::format("'{}' is not a context length (an integer >= 1 as a string, e.g. \"4096\")",
+                                             key));
+    }
+    if (!value.is_number() || !(value.get<double>() > 0.0 && value.get<double>() <= 1.0)) {
+      return where.Error(kField, fmt::format("the budget at {} must be a fraction in (0, 1]; found {}", length,
+                                             Describe(value)));
+    }
+    points.emplace_back(length, value.get<double>());
+  }
+  // JSON object keys are unordered text ("32768" sorts before "4096"): order by length.
+  std::sort(points.begin(), points.end());
+  for (size_t i = 1; i < points.size(); ++i) {
+    if (points[i].first == points[i - 1].first)
+      return where.Error(kField, fmt::format("length {} is given twice", points[i].first));
+  }
+  *out = KvBudget::ByLength(std::move(points));
+  return Status::Ok();
+}
+
 std::vector<std::string_view> MethodNameList() {
   std::vector<std::string_view> names;
   for (KvMethod m : {KvMethod::kFull, KvMethod::kStreamingLlm, KvMethod::kH2O, KvMethod::kTova, KvMethod::kScissorhands,
@@ -342,12 +373,17 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
       out->per_head = DefaultPerHead(*method);
     }
   }
+  if (obj.contains("budget") && obj.contains("budget_by_length"))
+    return where.Error("budget_by_length", "give either 'budget' or 'budget_by_length', not both");
   if (MethodUses(out->method, "recent") && obj.contains("recent") && obj.contains("recent_ratio"))
     return where.Error("recent", "give either 'recent' (tokens) or 'recent_ratio' (of the budget), not both");
   for (const auto& [key, value] : obj.items()) {
     if (key == "method" || (is_entry && key == "layers")) continue;
     if (key == "budget") {
       KVS_RETURN_IF_ERROR(ReadBudget(value, where, &out->budget));
+      *has_budget = true;
+    } else if (key == "budget_by_length") {
+      KVS_RETURN_IF_ERROR(ReadBudgetByLength(value, where, &out->budget));
       *has_budget = true;
     } else if (key == "kv_type") {
       if (!value.is_string()) return where.Error(key, fmt::format("expected one of {}, found {}", kKvTypeNames, Describe(value)));
@@ -366,7 +402,7 @@ Status ReadLayerFields(const json& obj, const Where& where, bool is_entry, const
     } else {
       std::vector<std::string_view> valid;
       if (is_entry) valid.push_back("layers");
-      valid.insert(valid.end(), {"method", "budget", "kv_type"});
+      valid.insert(valid.end(), {"method", "budget", "budget_by_length", "kv_type"});
       for (std::string_view k : KvMethodParamKeys(out->method)) valid.push_back(k);
       valid.insert(valid.end(), {"per_head", "prefill"});
       const std::string users = MethodsUsing(key);

@@ -214,7 +214,7 @@ TEST(KvConfigErrorTest, UnknownKeyInEntryNamesTheValidOnes) {
   EXPECT_MENTIONS(m, "default");
   EXPECT_MENTIONS(m, "field 'recnet'");
   EXPECT_MENTIONS(m, "did you mean 'recent'");
-  EXPECT_MENTIONS(m, "method, budget, kv_type, n_sink, recent, recent_ratio, head_reduce");
+  EXPECT_MENTIONS(m, "method, budget, budget_by_length, kv_type, n_sink, recent, recent_ratio, head_reduce");
 }
 
 TEST(KvConfigErrorTest, ParameterOfAnotherMethod) {
@@ -476,6 +476,97 @@ TEST(KvConfigTest, CumulativeSummaryReportsALoweredSpread) {
   auto low = ParseKvSparsityConfig(R"({"default": {"method": "cumulative", "budget": 0.5}})", kLayers);
   ASSERT_TRUE(low.ok()) << low.status().ToString();
   EXPECT_EQ(KvSparsityConfigSummary(*low).find("lowered"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvsparse
+
+namespace kvsparse {
+namespace {
+
+// KvSparsityConfigToJson reads back to the same config, and writing that again gives the same text.
+TEST(KvConfigWriterTest, RoundTripsEveryMethodAndSetting) {
+  const char* configs[] = {
+      R"({"default": {"method": "h2o", "budget": 0.2, "kv_type": "int8"},
+          "layers": [{"layers": "0-1", "method": "full", "kv_type": "f16"}, {"layers": 4, "budget": 64}],
+          "evict_interval": 4, "page_size": 8, "gqa_aggregation": "max", "prefill_chunk": 128})",
+      R"({"layers": [{"layers": 0, "method": "snapkv", "budget": 1.0, "window": 8, "kernel": 5, "pooling": "avg",
+                      "head_budgets": "adaptive", "alpha": 0.3, "per_head": true},
+                     {"layers": 1, "method": "h2o", "budget": 32, "recent": 20},
+                     {"layers": 2, "method": "cumulative", "budget": 0.3, "rerank_period": 8, "decay": 0.9},
+                     {"layers": 3, "method": "razor", "budget": 0.1, "retrieval_heads": 2},
+                     {"layers": 4, "method": "quest", "budget": 0.25, "page_tokens": 8, "dense_layers": 0,
+                      "prefill": {"method": "xattention", "threshold": 0.8}}],
+          "prefill_eviction": "prompt_end"})",
+      R"({"default": {"method": "tova", "budget": 100, "kv_type": "int4_kivi"}, "kivi_residual": 64,
+          "kivi_v_group": 0})",
+  };
+  for (const char* text : configs) {
+    StatusOr<KvSparsityConfig> config = ParseKvSparsityConfig(text, kLayers);
+    ASSERT_TRUE(config.ok()) << config.status().message() << "\n" << text;
+    const std::string written = KvSparsityConfigToJson(*config);
+    StatusOr<KvSparsityConfig> back = ParseKvSparsityConfig(written, kLayers, "written");
+    ASSERT_TRUE(back.ok()) << back.status().message() << "\n" << written;
+    EXPECT_EQ(KvSparsityConfigSummary(*back), KvSparsityConfigSummary(*config)) << written;
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(back->layers[l].named_by_layers_entry, config->layers[l].named_by_layers_entry) << "layer " << l;
+      EXPECT_EQ(back->layers[l].budget.is_fraction(), config->layers[l].budget.is_fraction()) << "layer " << l;
+    }
+    EXPECT_EQ(KvSparsityConfigToJson(*back), written);
+  }
+  // A config changed in code after parsing: a layer that left the default gets its own entry.
+  StatusOr<KvSparsityConfig> config = ParseKvSparsityConfig(R"({"default": {"method": "h2o", "budget": 0.2}})", kLayers);
+  ASSERT_TRUE(config.ok());
+  config->layers[3].method = KvMethod::kFull;
+  StatusOr<KvSparsityConfig> back = ParseKvSparsityConfig(KvSparsityConfigToJson(*config), kLayers);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(KvSparsityConfigSummary(*back), KvSparsityConfigSummary(*config));
+}
+
+}  // namespace
+}  // namespace kvsparse
+
+namespace kvsparse {
+namespace {
+
+TEST(KvBudgetByLengthTest, InterpolatesInLogLengthAndHoldsBeyondThePoints) {
+  const KvBudget b = KvBudget::ByLength({{1024, 0.4}, {4096, 0.1}});
+  EXPECT_DOUBLE_EQ(b.FractionAt(512), 0.4);   // below the first length: the first fraction
+  EXPECT_DOUBLE_EQ(b.FractionAt(1024), 0.4);
+  EXPECT_NEAR(b.FractionAt(2048), 0.25, 1e-12);  // halfway in log(length)
+  EXPECT_DOUBLE_EQ(b.FractionAt(4096), 0.1);
+  EXPECT_DOUBLE_EQ(b.FractionAt(100000), 0.1);
+  EXPECT_EQ(ResolveBudget(b, 1024), 409);
+  EXPECT_EQ(ResolveBudget(b, 2048), 512);
+  EXPECT_EQ(ResolveBudget(b, 4096), 409);
+  EXPECT_EQ(KvBudgetToString(b), "of the context by length (0.4 at 1024, 0.1 at 4096)");
+}
+
+TEST(KvBudgetByLengthTest, ParsesChecksAndRoundTrips) {
+  StatusOr<KvSparsityConfig> config = ParseKvSparsityConfig(
+      R"({"default": {"method": "snapkv", "budget_by_length": {"32768": 0.1, "4096": 0.5}},
+          "layers": [{"layers": 0, "method": "full"}, {"layers": 1, "budget": 0.3}]})",
+      kLayers);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  ASSERT_TRUE(config->layers[2].budget.is_by_length());
+  ASSERT_EQ(config->layers[2].budget.by_length.size(), 2u);
+  EXPECT_EQ(config->layers[2].budget.by_length[0], (std::pair<int32_t, double>{4096, 0.5}));  // sorted by length
+  EXPECT_TRUE(config->layers[1].budget.is_fraction());  // an entry's budget replaces the default's
+  const std::string written = KvSparsityConfigToJson(*config);
+  StatusOr<KvSparsityConfig> back = ParseKvSparsityConfig(written, kLayers);
+  ASSERT_TRUE(back.ok()) << back.status().message() << written;
+  EXPECT_EQ(KvSparsityConfigSummary(*back), KvSparsityConfigSummary(*config));
+
+  EXPECT_MENTIONS(Rejection(R"({"default": {"method": "h2o", "budget": 0.2, "budget_by_length": {"1024": 0.1}}})"),
+                  "not both");
+  EXPECT_MENTIONS(Rejection(R"({"default": {"method": "h2o", "budget_by_length": {"1k": 0.1}}})"), "'1k'");
+  EXPECT_MENTIONS(Rejection(R"({"default": {"method": "h2o", "budget_by_length": {"1024": 1.5}}})"), "(0, 1]");
+  EXPECT_MENTIONS(Rejection(R"({"default": {"method": "h2o", "budget_by_length": {}}})"), "budget_by_length");
+  EXPECT_MENTIONS(Rejection(R"({"default": {"method": "h2o", "budget_by_length": [0.1]}})"), "budget_by_length");
+  EXPECT_MENTIONS(Rejection(R"({"default": {"method": "cumulative", "budget_by_length": {"1024": 0.1}}})"),
+                  "cumulative");
+  EXPECT_MENTIONS(Rejection(R"({"default": {"method": "h2o", "budget_by_length": {"1024": 0.1, "01024": 0.2}}})"),
+                  "twice");
 }
 
 }  // namespace

@@ -190,6 +190,19 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
   if (budget.is_fraction()) {
     if (!(budget.fraction > 0.0 && budget.fraction <= 1.0))
       return error("budget", fmt::format("a fraction must lie in (0, 1]; found {:g}", budget.fraction));
+  } else if (budget.is_by_length()) {
+    if (budget.by_length.empty()) return error("budget_by_length", "give at least one length");
+    for (size_t i = 0; i < budget.by_length.size(); ++i) {
+      const auto [length, f] = budget.by_length[i];
+      if (length < 1) return error("budget_by_length", fmt::format("a length must be >= 1; found {}", length));
+      if (i > 0 && length <= budget.by_length[i - 1].first)
+        return error("budget_by_length", fmt::format("lengths must ascend; {} follows {}", length, budget.by_length[i - 1].first));
+      if (!(f > 0.0 && f <= 1.0))
+        return error("budget_by_length", fmt::format("the fraction at {} must lie in (0, 1]; found {:g}", length, f));
+    }
+    if (method == KvMethod::kCumulative)
+      return error("budget_by_length", "cumulative's retention schedule scales one budget over the layers; give "
+                                       "'budget' (a token count or a fraction)");
   } else if (budget.tokens < 1) {
     return error("budget", fmt::format("a token budget must be >= 1; found {}", budget.tokens));
   }
@@ -262,7 +275,7 @@ Status ValidateLayerKvConfig(const LayerKvConfig& config, int layer) {
 
   // Protected tokens must leave room in an absolute budget (a fraction is checked as it
   // resolves: windows are clamped to the budget then).
-  if (method != KvMethod::kFull && !budget.is_fraction()) {
+  if (method != KvMethod::kFull && budget.is_tokens()) {
     const int32_t b = budget.tokens;
     if (Uses(method, "n_sink") && p.n_sink > b)
       return error("n_sink", fmt::format("{} sink tokens exceed the budget of {} tokens", p.n_sink, b));

@@ -1,0 +1,139 @@
+#include "kvsparse/calibrate.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "support/cli_runner.h"
+#include "support/retrieval_model_file.h"
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// A search with a known answer on the one-head retrieval model (retrieval_model.h), 4 layers:
+// layer 3 holds the induction head that reads the needle, layers 1-2 are exact no-ops. Under
+// StreamingLLM (sinks + the newest tokens) the induction layer loses every needle outside its
+// window at any budget of the ladder, so it must stay dense; the no-op layers need nothing and
+// must take the lowest rung.
+CalibrateSpec KnownAnswerSpec() {
+  CalibrateSpec spec;
+  spec.model_path = testing::RetrievalModelFile(4);
+  spec.tasks = {"niah_single"};
+  spec.lengths = {256};
+  spec.methods = {"streaming_llm"};
+  spec.budgets = {"0.5", "0.05", "0.2"};  // given in any order: the ladder is sorted
+  spec.kv_types = {"f16"};
+  spec.samples = 5;
+  spec.proxy_samples = 5;
+  spec.holdout_samples = 5;
+  spec.n_threads = 1;
+  return spec;
+}
+
+TEST(CalibrateTest, SensitiveLayerStaysDenseAndNoOpLayersTakeTheLowestRung) {
+  const std::string dir = testing::TempPath("calibrate_known_answer");
+  fs::remove_all(dir);
+  CalibrateOptions options;
+  options.work_dir = dir;
+  StatusOr<CalibrateResult> result = RunCalibrate(KnownAnswerSpec(), options);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  const KvSparsityConfig& config = result->config;
+  std::printf("chosen: %s\n", result->report["chosen"].get<std::string>().c_str());
+  ASSERT_EQ(config.layers.size(), 4u);
+  EXPECT_EQ(config.layers[3].method, KvMethod::kFull) << KvSparsityConfigSummary(config);
+  for (int l : {1, 2}) {
+    EXPECT_EQ(config.layers[l].method, KvMethod::kStreamingLlm) << "layer " << l;
+    EXPECT_DOUBLE_EQ(config.layers[l].budget.fraction, 0.05) << "layer " << l;
+  }
+  const json& report = result->report;
+  EXPECT_TRUE(report["holdout_pass"].get<bool>()) << report.dump(1);
+  // Uniform StreamingLLM never keeps the needle: no baseline passes, and the report says so.
+  ASSERT_EQ(report["uniform"].size(), 1u);
+  EXPECT_FALSE(report["uniform"][0]["pass"].get<bool>());
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "report.md"));
+
+  // Resumes without running anything again: the same answer from the cached evaluations.
+  const size_t evaluations_lines = [&] {
+    std::ifstream f(fs::path(dir) / "evaluations.jsonl");
+    return static_cast<size_t>(std::count(std::istreambuf_iterator<char>(f), {}, '\n'));
+  }();
+  StatusOr<CalibrateResult> again = RunCalibrate(KnownAnswerSpec(), options);
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  EXPECT_EQ(KvSparsityConfigSummary(again->config), KvSparsityConfigSummary(config));
+  std::ifstream f(fs::path(dir) / "evaluations.jsonl");
+  EXPECT_EQ(static_cast<size_t>(std::count(std::istreambuf_iterator<char>(f), {}, '\n')), evaluations_lines);
+}
+
+// calibrate -> kv-config.json -> `kvsparse generate --kv-config` gives the greedy ids that
+// calibrate's own held-out check produced on the same prompt.
+TEST(CalibrateTest, ConfigFileRoundTripsThroughGenerate) {
+  const std::string dir = testing::TempPath("calibrate_round_trip");
+  fs::remove_all(dir);
+  CalibrateSpec spec = KnownAnswerSpec();
+  spec.methods = {"streaming_llm", "snapkv"};  // a mixed config: snapkv where the needle is read
+  spec.kv_types = {"f16", "int8"};
+  CalibrateOptions options;
+  options.work_dir = dir;
+  StatusOr<CalibrateResult> result = RunCalibrate(spec, options);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  std::printf("chosen: %s\n", result->report["chosen"].get<std::string>().c_str());
+  const json& check = result->report["check"];
+  ASSERT_TRUE(check.is_object()) << result->report.dump(1);
+  std::string tokens;
+  for (const json& t : check["prompt_tokens"]) tokens += (tokens.empty() ? "" : ",") + std::to_string(t.get<int>());
+  const testing::CliResult r =
+      testing::RunCli(fmt::format("generate -m {} --kv-config {} --tokens {} -n {} --print-ids -b 4096 -c 1024 -t 1",
+                                  spec.model_path, result->config_path, tokens, check["max_new_tokens"].get<int>()));
+  ASSERT_EQ(r.exit_code, 0) << r.all;
+  const size_t at = r.out.find("generated: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  std::istringstream ids(r.out.substr(at + 11));
+  std::vector<int> generated;
+  for (int id; ids >> id;) generated.push_back(id);
+  const std::vector<int> expected = check["generated"].get<std::vector<int>>();
+  ASSERT_FALSE(expected.empty());
+  // generate runs to -n; calibrate's sample stops where the task's answer ends: compare that much.
+  ASSERT_GE(generated.size(), expected.size()) << r.out;
+  generated.resize(expected.size());
+  EXPECT_EQ(generated, expected) << r.out;
+  std::printf("generate --kv-config: %s\n", r.out.substr(at).c_str());
+}
+
+TEST(CalibrateTest, RejectsBadSpecsWithTheFlagNamed) {
+  CalibrateSpec spec = KnownAnswerSpec();
+  CalibrateOptions options;
+  options.work_dir = testing::TempPath("calibrate_bad");
+  auto expect_error = [&](CalibrateSpec s, const std::string& mention) {
+    StatusOr<CalibrateResult> r = RunCalibrate(s, options);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(mention), std::string::npos) << r.status().message();
+  };
+  CalibrateSpec s = spec;
+  s.keep = 1.5;
+  expect_error(s, "--keep");
+  s = spec;
+  s.tasks = {"latency"};
+  expect_error(s, "latency");
+  s = spec;
+  s.methods = {"nosuch"};
+  expect_error(s, "nosuch");
+  s = spec;
+  s.methods = {"full"};
+  expect_error(s, "'full' is not a candidate");
+  s = spec;
+  s.budgets = {"2.5"};
+  expect_error(s, "budget");
+  s = spec;
+  s.objective = "fast";
+  expect_error(s, "--objective");
+}
+
+}  // namespace
+}  // namespace kvsparse
