@@ -23,6 +23,7 @@ struct CalibrateArgs {
   double keep = 0.99, kl_max = 0.05, max_minutes = 0;
   int samples = 0, proxy_samples = 0, holdout_samples = 0, threads = 0, evict_interval = 0;
   uint64_t seed = 1;
+  bool no_plots = false;
 };
 
 void Progress(const std::string& phase, size_t done, size_t total, double seconds, double left) {
@@ -86,6 +87,7 @@ int Run(const CalibrateArgs& a) {
   options.work_dir = a.out_dir;
   options.shard = *shard;
   options.progress = Progress;
+  options.plots = !a.no_plots;
   std::fprintf(stderr, "kvsparse calibrate: %s -> %s\n", spec.model_path.c_str(), a.out_dir.c_str());
   auto result = RunCalibrate(spec, options);
   if (!result.ok()) return Fail(result.status());
@@ -147,6 +149,7 @@ void RegisterCalibrate(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--shard", a->shard, "i/N: run this share of the independent phases, then stop")
       ->capture_default_str();
+  cmd->add_flag("--no-plots", a->no_plots, "skip frontier.png");
   cmd->callback([a, exit_code] { *exit_code = Run(*a); });
 }
 

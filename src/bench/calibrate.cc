@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 
+#include "kvsparse/bench_report.h"
 #include "kvsparse/bench_runner.h"
 #include "kvsparse/kv_policies.h"
 #include "kvsparse/model.h"
@@ -700,6 +702,69 @@ StatusOr<CalibrateResult> Calibrator::Run() {
   return result;
 }
 
+// frontier.png from report.json: every configuration run on all cells with the search samples,
+// KV % of the dense f16 cache against the worst cell (accuracy relative to the full cache, or
+// KL for fidelity-only runs); uniform baselines, the search's candidates and the chosen config.
+constexpr const char* kPlotScript = R"PY(#!/usr/bin/env python3
+import json, os, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+report = json.load(open(sys.argv[1]))
+out_dir = sys.argv[2]
+samples = report["samples"]
+# Configurations run on every cell with the search samples (by-length steps run one length's cells).
+evals = [e for e in report["evaluations"]
+         if e.get("samples") == samples and e["phase"] != "holdout" and len(e["cells"]) == len(report["cells"])]
+reference = next((e for e in evals if e["phase"] == "reference" and e["complete"]), None)
+if reference is None:
+    sys.exit(0)
+kl_only = all("kl" in c for c in reference["cells"].values())
+
+def worst(e):
+    if kl_only:
+        return max(c["kl"] for c in e["cells"].values() if c.get("kl") is not None)
+    ratios = []
+    for name, c in e["cells"].items():
+        ref = reference["cells"][name].get("accuracy")
+        if "accuracy" in c and ref:
+            ratios.append(100.0 * c["accuracy"] / ref)
+    return min(ratios) if ratios else 0.0
+
+fig, ax = plt.subplots(figsize=(7, 4.5))
+styles = {"uniform": ("s", "uniform (one method, one budget)"), "refine": ("o", "per-layer candidates")}
+for phase, (marker, label) in styles.items():
+    pts = [(100 * e["kv_share"], worst(e), e["pass"]) for e in evals
+           if e["phase"] == phase and e["complete"] and "kv_share" in e]
+    if not pts:
+        continue
+    ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker,
+               c=["tab:green" if p[2] else "tab:red" for p in pts], label=label, alpha=0.8)
+chosen = report["holdout"]["calibrated"]
+best = next((e for e in evals if e["config"] == chosen["config"] and e["complete"] and "kv_share" in e), None)
+if best is not None:
+    ax.scatter([100 * best["kv_share"]], [worst(best)], marker="*", s=250, c="gold", edgecolors="black",
+               label="chosen", zorder=5)
+if kl_only:
+    ax.axhline(report["kl_max"], color="gray", linestyle="--", label="KL target")
+    ax.set_ylabel("worst cell: KL to the full cache (nats)")
+else:
+    ax.axhline(100 * report["keep"], color="gray", linestyle="--", label="target")
+    ax.set_ylabel("worst cell: accuracy, % of the full cache")
+ax.set_xscale("log")
+from matplotlib.ticker import FuncFormatter
+ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+ax.set_xlabel("KV bytes, % of the dense f16 cache (measured)")
+ax.set_title("kvsparse calibrate: " + report["model"] + " (green: passes, red: fails)")
+ax.legend(fontsize=8)
+fig.tight_layout()
+path = os.path.join(out_dir, "frontier.png")
+fig.savefig(path, dpi=120)
+print(path)
+)PY";
+
 std::string Pct(const json& v) { return v.is_number() ? fmt::format("{:.1f}", 100 * v.get<double>()) : "-"; }
 
 std::string CellScore(const json& cell) {
@@ -762,7 +827,17 @@ StatusOr<CalibrateResult> RunCalibrate(const CalibrateSpec& spec_in, const Calib
   if (!result.sharded_only) {
     const fs::path dir(options.work_dir);
     std::ofstream(dir / "report.json", std::ios::trunc) << result.report.dump(2) << "\n";
-    std::ofstream(dir / "report.md", std::ios::trunc) << CalibrateReportMarkdown(result.report);
+    std::string md = CalibrateReportMarkdown(result.report);
+    if (options.plots) {
+      StatusOr<std::vector<std::string>> pngs =
+          RunPlotScript(kPlotScript, "plot_calibrate.py", (dir / "report.json").string(), options.work_dir);
+      if (!pngs.ok()) {
+        std::fprintf(stderr, "warning: no plot: %s\n", pngs.status().message().c_str());
+      } else {
+        for (const std::string& p : *pngs) md += fmt::format("\n![{0}]({0})\n", fs::path(p).filename().string());
+      }
+    }
+    std::ofstream(dir / "report.md", std::ios::trunc) << md;
   }
   return result;
 }
@@ -813,7 +888,7 @@ std::string CalibrateReportMarkdown(const json& r) {
   std::vector<const json*> complete;
   for (const json& e : r["evaluations"])
     if (e.value("complete", false) && e.value("samples", 0) == r.value("samples", 0) && e.contains("kv_share") &&
-        e.value("phase", "") != "sensitivity" && e.value("phase", "") != "holdout")
+        e["cells"].size() == r["cells"].size() && e.value("phase", "") != "holdout")
       complete.push_back(&e);
   std::sort(complete.begin(), complete.end(), [](const json* a, const json* b) {
     return (*a)["kv_share"].get<double>() < (*b)["kv_share"].get<double>();

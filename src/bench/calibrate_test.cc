@@ -42,6 +42,7 @@ TEST(CalibrateTest, SensitiveLayerStaysDenseAndNoOpLayersTakeTheLowestRung) {
   fs::remove_all(dir);
   CalibrateOptions options;
   options.work_dir = dir;
+  options.plots = false;
   StatusOr<CalibrateResult> result = RunCalibrate(KnownAnswerSpec(), options);
   ASSERT_TRUE(result.ok()) << result.status().message();
   const KvSparsityConfig& config = result->config;
@@ -81,6 +82,7 @@ TEST(CalibrateTest, ConfigFileRoundTripsThroughGenerate) {
   spec.kv_types = {"f16", "int8"};
   CalibrateOptions options;
   options.work_dir = dir;
+  options.plots = false;
   StatusOr<CalibrateResult> result = RunCalibrate(spec, options);
   ASSERT_TRUE(result.ok()) << result.status().message();
   std::printf("chosen: %s\n", result->report["chosen"].get<std::string>().c_str());
@@ -133,6 +135,18 @@ TEST(CalibrateTest, RejectsBadSpecsWithTheFlagNamed) {
   s = spec;
   s.objective = "fast";
   expect_error(s, "--objective");
+}
+
+// The command fails cleanly on bad flags and files, naming them.
+TEST(CalibrateTest, CommandRejectsBadInputCleanly) {
+  const std::string dir = testing::TempPath("calibrate_cli_bad");
+  testing::ExpectCleanFailure(testing::RunCli("calibrate -m /nonexistent/model.gguf -o " + dir), "/nonexistent/model.gguf");
+  const std::string model = testing::RetrievalModelFile(4);
+  testing::ExpectCleanFailure(testing::RunCli("calibrate -m " + model + " --keep 2 -o " + dir), "--keep");
+  testing::ExpectCleanFailure(testing::RunCli("calibrate -m " + model + " --lengths 1q -o " + dir), "--lengths");
+  testing::ExpectCleanFailure(testing::RunCli("calibrate -m " + model + " --methods h2o:nosuch=1 -o " + dir), "nosuch");
+  testing::ExpectCleanFailure(testing::RunCli("calibrate -m " + model + " --tasks nosuch -o " + dir), "nosuch");
+  testing::ExpectCleanFailure(testing::RunCli("calibrate -m " + model + " --shard 3/2 -o " + dir), "--shard");
 }
 
 }  // namespace

@@ -310,11 +310,12 @@ std::string BenchReportMarkdown(const std::vector<Json>& rows) {
   return out;
 }
 
-StatusOr<std::vector<std::string>> WriteBenchPlots(const std::string& results_path, const std::string& out_dir) {
-  const std::string script = (std::filesystem::path(out_dir) / "plot_bench.py").string();
+StatusOr<std::vector<std::string>> RunPlotScript(std::string_view script_text, const std::string& script_name,
+                                                 const std::string& input_path, const std::string& out_dir) {
+  const std::string script = (std::filesystem::path(out_dir) / script_name).string();
   {
     std::ofstream f(script, std::ios::trunc);
-    f << kPlotScript;
+    f << script_text;
     if (!f) return InvalidArgumentError(fmt::format("cannot write {}", script));
   }
   // Debian's interpreter first: a python3 earlier on PATH (pyenv, venv) may lack matplotlib.
@@ -330,7 +331,7 @@ StatusOr<std::vector<std::string>> WriteBenchPlots(const std::string& results_pa
         "plots need python3 with matplotlib (Debian: apt-get install python3-matplotlib); the Markdown report is complete without them");
   }
   const std::string list = (std::filesystem::path(out_dir) / "plots.txt").string();
-  const std::string cmd = fmt::format("{} '{}' '{}' '{}' > '{}'", python, script, results_path, out_dir, list);
+  const std::string cmd = fmt::format("{} '{}' '{}' '{}' > '{}'", python, script, input_path, out_dir, list);
   const int rc = std::system(cmd.c_str());
   if (rc != 0) {
     return InternalError(fmt::format("plot script failed (exit {}): run `{}` to see why", WEXITSTATUS(rc), cmd));
@@ -341,6 +342,10 @@ StatusOr<std::vector<std::string>> WriteBenchPlots(const std::string& results_pa
     if (!line.empty()) paths.push_back(line);
   }
   return paths;
+}
+
+StatusOr<std::vector<std::string>> WriteBenchPlots(const std::string& results_path, const std::string& out_dir) {
+  return RunPlotScript(kPlotScript, "plot_bench.py", results_path, out_dir);
 }
 
 }  // namespace kvsparse

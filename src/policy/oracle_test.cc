@@ -156,7 +156,7 @@ TEST(OraclePolicyTest, CoveringBudgetReadsEverythingAndNothingIsEvicted) {
   ctx.n_q_heads = 2;
   ctx.n_kv_heads = 1;
   ctx.head_dim = 4;
-  for (const KvBudget budget : {KvBudget::Tokens(20), KvBudget::Tokens(64), KvBudget::Fraction(1.0)}) {
+  for (const KvBudget& budget : {KvBudget::Tokens(20), KvBudget::Tokens(64), KvBudget::Fraction(1.0)}) {
     auto policy = MakeOracle(budget);
     EXPECT_EQ(policy->name(), "oracle");
     EXPECT_TRUE(policy->SelectsSpans());
