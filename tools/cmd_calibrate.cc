@@ -26,11 +26,19 @@ struct CalibrateArgs {
   bool no_plots = false;
 };
 
+// One line per evaluation: the phase, its count against the phase's estimate, and the phase's ETA
+// from its own pace (phases differ: sensitivity runs the shortest length, refinement every one).
 void Progress(const std::string& phase, size_t done, size_t total, double seconds, double left) {
+  static std::string current;
+  static double phase_start = 0, last = 0;
+  if (phase != current) current = phase, phase_start = last;
+  last = seconds;
   auto clock = [](double s) { return fmt::format("{}:{:02}", static_cast<int>(s) / 60, static_cast<int>(s) % 60); };
+  const double eta = done > 0 ? (seconds - phase_start) / done * static_cast<double>(total - done) : 0;
   const std::string limit = left >= 0 ? fmt::format(", {} left of --max-minutes", clock(left)) : "";
-  std::fprintf(stderr, "%s%-11s %zu/%zu evaluations, %s elapsed%s%s", isatty(fileno(stderr)) ? "\r" : "",
-               phase.c_str(), done, total, clock(seconds).c_str(), limit.c_str(), isatty(fileno(stderr)) ? "   " : "\n");
+  std::fprintf(stderr, "%s%-11s %zu/~%zu evaluations, %s elapsed, phase ETA %s%s%s", isatty(fileno(stderr)) ? "\r" : "",
+               phase.c_str(), done, total, clock(seconds).c_str(), clock(eta).c_str(), limit.c_str(),
+               isatty(fileno(stderr)) ? "   " : "\n");
 }
 
 int Run(const CalibrateArgs& a) {

@@ -86,7 +86,7 @@ struct CalibrateOptions {
   std::string work_dir;  // evaluations*.jsonl, configs/, kv-config.json, report.{json,md}, frontier.png
   BenchShard shard;      // count > 1: run this share of phases 1-3, then stop
   bool plots = true;     // frontier.png (python3-matplotlib; a warning without it)
-  // After each evaluation: phase, evaluations done in it, its planned total (an upper bound),
+  // After each evaluation: phase, evaluations done in it, its estimated total (at least done),
   // seconds since the start, and the seconds left before max_minutes (< 0: no limit).
   std::function<void(const std::string&, size_t, size_t, double, double)> progress;
 };

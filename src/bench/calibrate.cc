@@ -157,9 +157,9 @@ Status Calibrator::Init() {
     for (size_t b = 0; b < budgets_.size(); ++b) {
       StatusOr<KvSparsityConfig> one = KvSparsityConfigFromFlags(methods_[m].name, budget_names_[b], "f16", 1);
       if (!one.ok()) continue;
-      if (!ApplyKvParams(methods_[m].params, &*one).ok()) {
-        // A parameter error is the user's to fix, not a rung to skip.
-        KVS_RETURN_IF_ERROR(ApplyKvParams(methods_[m].params, &*one));
+      // A parameter error is the user's to fix, not a rung to skip.
+      if (Status s = ApplyKvParams(methods_[m].params, &*one); !s.ok()) {
+        return InvalidArgumentError(fmt::format("--methods {}: {}", spec_.methods[m], s.message()));
       }
       templates_[m][b] = one->layers[0];
       templates_[m][b].named_by_layers_entry = true;
@@ -189,11 +189,18 @@ Status Calibrator::OpenCache() {
   const std::string own = options_.shard.count > 1 ? fmt::format("evaluations.shard{}of{}.jsonl", options_.shard.index,
                                                                  options_.shard.count)
                                                    : std::string("evaluations.jsonl");
+  // Other shards' files are only read (a shard may be appending to its own): a line that does not
+  // parse, such as one being written, is left for later.
   for (const fs::directory_entry& entry : fs::directory_iterator(options_.work_dir)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("evaluations", 0) != 0 || entry.path().extension() != ".jsonl" || name == own) continue;
-    KVS_ASSIGN_OR_RETURN(BenchResultStore other, BenchResultStore::Open(entry.path().string()));
-    for (const json& row : other.rows()) cache_.emplace(row["key"].get<std::string>(), row);
+    std::ifstream in(entry.path());
+    for (std::string line; std::getline(in, line);) {
+      json row = json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (row.is_object() && row.contains("key") && row["key"].is_string()) {
+        cache_.emplace(row["key"].get<std::string>(), std::move(row));
+      }
+    }
   }
   KVS_ASSIGN_OR_RETURN(BenchResultStore store, BenchResultStore::Open((fs::path(options_.work_dir) / own).string()));
   for (const json& row : store.rows()) cache_.emplace(row["key"].get<std::string>(), row);
@@ -319,12 +326,12 @@ StatusOr<Evaluation> Calibrator::Evaluate(const Candidate& c, const std::vector<
   uint64_t h = 1469598103934665603ULL;  // FNV-1a of the file: equal candidates share a file and a key
   for (char ch : text) h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ULL;
   const std::string path = (fs::path(options_.work_dir) / "configs" / fmt::format("{:016x}.json", h)).string();
-  if (!fs::exists(path)) {
+  if (std::error_code ec; !fs::exists(path, ec)) {
     std::ofstream f(path + ".tmp", std::ios::trunc);
     f << text;
     f.close();
-    if (!f) return InvalidArgumentError("cannot write " + path);
-    fs::rename(path + ".tmp", path);
+    if (f) fs::rename(path + ".tmp", path, ec);
+    if (!f || ec) return InvalidArgumentError(fmt::format("cannot write {}{}", path, ec ? ": " + ec.message() : ""));
   }
   BenchSpec bench = BenchSpecFor(path, samples, seed);
   Evaluation e;
@@ -416,6 +423,14 @@ StatusOr<CalibrateResult> Calibrator::Run() {
     for (size_t i = 0; i < all.size(); ++i) reference[i] = e.rows[i];
     KVS_ASSIGN_OR_RETURN(Evaluation p, Evaluate(dense, shortest, spec_.proxy_samples, spec_.seed, false, nullptr, "reference"));
     for (size_t i = 0; i < shortest.size(); ++i) proxy_reference[shortest[i]] = p.rows[i];
+  }
+  json warnings = json::array();
+  for (const auto& [i, row] : reference) {
+    if (!cells_[i].fidelity() && row.value("accuracy", 0.0) <= 0) {
+      warnings.push_back(fmt::format("{}: the full cache scores 0, so every configuration keeps its accuracy; the "
+                                     "cell constrains nothing (can the model do this task at this length?)",
+                                     cells_[i].Name()));
+    }
   }
   const size_t n_methods = methods_.size(), n_budgets = budgets_.size();
 
@@ -690,6 +705,7 @@ StatusOr<CalibrateResult> Calibrator::Run() {
                    {"uniform", uniform},
                    {"holdout", holdout},
                    {"holdout_pass", held.pass},
+                   {"warnings", warnings},
                    {"check", check},
                    {"evaluations", log_},
                    {"seconds", Seconds(start_, std::chrono::steady_clock::now())}};
@@ -857,6 +873,9 @@ std::string CalibrateReportMarkdown(const json& r) {
                       100 * r["saving_vs_best_uniform"].get<double>(), r.value("best_uniform", ""));
   }
   md += fmt::format(". Search took {:.0f} s.\n\n", r.value("seconds", 0.0));
+  if (r.contains("warnings")) {
+    for (const json& w : r["warnings"]) md += "**Warning:** " + w.get<std::string>() + "\n\n";
+  }
   md += "## Held-out check (accuracy % [95% interval], KV % of the dense f16 cache)\n\n| configuration | KV % |";
   for (const std::string& c : cells) md += " " + c + " |";
   md += "\n|---|---|";

@@ -42,8 +42,9 @@ HWY_INLINE void ForEachVector(int64_t n, const Body& body) {
 template <class D, class M>
 HWY_INLINE hn::Vec<D> LoadTail(M m, D d, const float* HWY_RESTRICT p) {
 #if KVS_ISA_SCALAR
-  HWY_ALIGN float lanes[hn::MaxLanes(D())] = {};
   const size_t count = hn::CountTrue(d, m);
+  if (count == hn::Lanes(d)) return hn::LoadU(d, p);  // a full vector: one load, no copy
+  HWY_ALIGN float lanes[hn::MaxLanes(D())] = {};
   for (size_t k = 0; k < count; ++k) lanes[k] = p[k];
   return hn::Load(d, lanes);
 #else

@@ -158,11 +158,6 @@ static void AddUsage(const Completion& c, CompletionResult* result);
 // Connections the kernel queues before the accept loop takes them.
 constexpr int kListenBacklog = 1024;
 
-// httplib's thread pool with a cap on the connections it holds (served, or accepted and waiting
-// for a thread). At the cap the accept loop waits for one to end, so further clients wait in the
-// kernel's backlog (and past it, get no connection) instead of costing descriptors and memory:
-// 10,000 idle connections hold `max_connections` descriptors, each closed after the read
-// timeout. Once the server stops accepting, nothing waits (the sockets are closed by httplib).
 // The connections BoundedConnectionQueue holds, shared with the server (which outlives the queue
 // httplib owns): StopAccepting closes the gate and wakes an accept loop waiting at the cap.
 struct ConnectionGate {
@@ -179,6 +174,11 @@ struct ConnectionGate {
   }
 };
 
+// httplib's thread pool with a cap on the connections it holds (served, or accepted and waiting
+// for a thread). At the cap the accept loop waits for one to end, so further clients wait in the
+// kernel's backlog (and past it, get no connection) instead of costing descriptors and memory:
+// 10,000 idle connections hold `max_connections` descriptors, each closed after the read
+// timeout. Once the server stops accepting, nothing waits (the sockets are closed by httplib).
 class BoundedConnectionQueue : public httplib::TaskQueue {
  public:
   BoundedConnectionQueue(int threads, int max_connections, ConnectionGate* gate)
