@@ -25,6 +25,9 @@
 //  5b. budgets by length (with several lengths): per length, longest first, each layer's rung at
 //      that length one down while that length's cells pass; the config then states
 //      "budget_by_length" (kv_budget.h), which every request resolves by its own length.
+//  5c. cumulative layers: the shared ranking's re-rank period doubled while the combination
+//      passes (up to 8x); per-layer candidates run cumulative layers with "schedule": "none", so
+//      the searched budgets are the layers' retentions.
 //   6. held-out check: the reference, the calibrated config and the cheapest uniform baseline on
 //      new samples (another seed, holdout_samples each), with 95% intervals.
 // Evaluations are cached in the work folder (evaluations*.jsonl), so an interrupted run resumes

@@ -34,6 +34,8 @@ struct LayerChoice {
   int kv_type = 0;
   // Fitted per length (phase 5b): the rung at each of lengths_; empty: `budget` at every length.
   std::vector<int> by_length;
+  // Cumulative layers (phase 5c): the shared ranking's re-rank period; 0: the method's own.
+  int rerank_period = 0;
   int RungAt(size_t length_index) const { return by_length.empty() ? budget : by_length[length_index]; }
   bool operator==(const LayerChoice&) const = default;
 };
@@ -69,6 +71,30 @@ bool IsQuestion(const std::string& task) { return task != "fidelity"; }
 // The ladder in ascending order of the share of the shortest length it keeps.
 double BudgetShare(const KvBudget& b, double length) {
   return b.is_fraction() ? b.fraction : std::min(1.0, b.tokens / length);
+}
+
+// The bench spec of the user's tasks, lengths and candidates: what ValidateBenchSpec checks, and
+// what each evaluation runs with its config file, samples and seed.
+BenchSpec BaseBenchSpec(const CalibrateSpec& spec) {
+  BenchSpec bench;
+  bench.model_path = spec.model_path;
+  bench.model_name = spec.model_name;
+  bench.tasks = spec.tasks;
+  bench.lengths = spec.lengths;
+  bench.protocols = spec.protocols;
+  bench.methods = spec.methods;
+  bench.budgets = spec.budgets;
+  bench.kv_types = spec.kv_types;
+  bench.samples = spec.samples;
+  bench.seed = spec.seed;
+  bench.n_threads = spec.n_threads;
+  bench.value_tokens = spec.value_tokens;
+  bench.depths = spec.depths;
+  bench.prefill_eviction = spec.prefill_eviction;
+  bench.evict_interval = spec.evict_interval;
+  bench.fidelity_text = spec.fidelity_text;
+  bench.fidelity_tokens = spec.fidelity_tokens;
+  return bench;
 }
 
 class Calibrator {
@@ -212,11 +238,18 @@ KvSparsityConfig Calibrator::ConfigFor(const Candidate& c) const {
   KvSparsityConfig config;
   config.layers.resize(n_layers_);
   int cadence = 0;  // the least paper cadence of the methods used
+  // Per-layer candidates give each cumulative layer its own retention (the searched budget), in
+  // place of the method's depth schedule; a uniform candidate keeps the method as given.
+  const bool uniform = std::all_of(c.begin(), c.end(), [&](const LayerChoice& ch) { return ch == c[0]; });
   for (int l = 0; l < n_layers_; ++l) {
     const LayerChoice& ch = c[l];
     LayerKvConfig layer;
     if (ch.method >= 0) {
       layer = templates_[ch.method][ch.budget];
+      if (layer.method == KvMethod::kCumulative) {
+        if (!uniform) layer.params.schedule = RetentionSchedule::kNone;
+        if (ch.rerank_period > 0) layer.params.rerank_period = ch.rerank_period;
+      }
       const int paper = PaperEvictInterval(layer.method);
       if (paper > 0) cadence = cadence == 0 ? paper : std::min(cadence, paper);
       if (!ch.by_length.empty()) {  // each length's rung as a fraction of that length
@@ -266,8 +299,9 @@ std::string Calibrator::Describe(const Candidate& c) const {
     while (last + 1 < n_layers_ && c[last + 1] == c[l]) ++last;
     const LayerChoice& ch = c[l];
     const std::string kv = ch.kv_type < 0 ? "f16" : spec_.kv_types[ch.kv_type];
-    const std::string what = ch.method < 0 ? "full " + kv
-                                           : fmt::format("{} {} {}", spec_.methods[ch.method], BudgetName(ch), kv);
+    std::string what = ch.method < 0 ? "full " + kv
+                                     : fmt::format("{} {} {}", spec_.methods[ch.method], BudgetName(ch), kv);
+    if (ch.rerank_period > 0) what += fmt::format(" rerank_period={}", ch.rerank_period);
     out += fmt::format("{}{}: {}", out.empty() ? "" : "; ", l == last ? fmt::format("L{}", l) : fmt::format("L{}-{}", l, last),
                        what);
     l = last + 1;
@@ -302,18 +336,10 @@ void Calibrator::Report(const std::string& phase, size_t done, size_t total) {
 }
 
 BenchSpec Calibrator::BenchSpecFor(const std::string& config_path, int samples, uint64_t seed) const {
-  BenchSpec bench;
-  bench.model_path = spec_.model_path;
-  bench.model_name = spec_.model_name;
+  BenchSpec bench = BaseBenchSpec(spec_);
   bench.kv_config_file = config_path;
   bench.samples = samples;
   bench.seed = seed;
-  bench.n_threads = spec_.n_threads;
-  bench.value_tokens = spec_.value_tokens;
-  bench.depths = spec_.depths;
-  bench.prefill_eviction = spec_.prefill_eviction;
-  bench.fidelity_text = spec_.fidelity_text;
-  bench.fidelity_tokens = spec_.fidelity_tokens;
   return bench;
 }
 
@@ -389,7 +415,8 @@ StatusOr<json> Calibrator::RoundTripCheck(const Evaluation& held, uint64_t seed)
 
 json Calibrator::CandidateJson(const Candidate& c, const Evaluation& e) const {
   json scores = json::object();
-  double measured = 0;
+  double measured = 0, decode_ms = 0;
+  int decode_rows = 0;
   for (const json& row : e.rows) {
     const std::string name = Cell{row["task"].get<std::string>(),
                                   row["protocol"] == "question_after" ? BenchProtocol::kQuestionAfter
@@ -399,10 +426,15 @@ json Calibrator::CandidateJson(const Candidate& c, const Evaluation& e) const {
     if (row.contains("kl")) scores[name] = {{"kl", row["kl"]}};
     else scores[name] = {{"accuracy", row.value("accuracy", 0.0)}, {"ci", row.value("accuracy_ci", json::array())}};
     measured += row.value("kv_ratio", 0.0);
+    if (row.contains("decode_ms") && row["decode_ms"].is_object()) {
+      decode_ms += row["decode_ms"].value("median", 0.0);
+      ++decode_rows;
+    }
   }
   json out = {{"config", Describe(c)}, {"estimated_kv_share", EstimatedShare(c)}, {"pass", e.pass},
               {"complete", e.complete}, {"cells", scores}};
   if (!e.rows.empty()) out["kv_share"] = measured / static_cast<double>(e.rows.size());
+  if (decode_rows > 0) out["decode_ms"] = decode_ms / decode_rows;  // the cells' median decode step, averaged
   return out;
 }
 
@@ -542,6 +574,7 @@ StatusOr<CalibrateResult> Calibrator::Run() {
   auto out_of_time = [&] { return spec_.max_minutes > 0 && SecondsLeft() < holdout_seconds; };
   phase_total_["refine"] = static_cast<size_t>(n_layers_) * 2;
   phase_total_["by_length"] = lengths_.size() > 1 ? static_cast<size_t>(n_layers_) * lengths_.size() : 0;
+  phase_total_["rerank"] = 3;
   std::optional<Candidate> chosen;
   auto try_candidate = [&](const Candidate& c) -> StatusOr<bool> {
     KVS_ASSIGN_OR_RETURN(Evaluation e, Evaluate(c, all, spec_.samples, spec_.seed, true, &reference, "refine"));
@@ -553,10 +586,14 @@ StatusOr<CalibrateResult> Calibrator::Run() {
       chosen = current;
       break;
     }
-    if (current == dense || out_of_time()) break;
-    for (LayerChoice& ch : current) {  // one rung up everywhere; past the top, dense
+    const bool any_compressed =
+        std::any_of(current.begin(), current.end(), [](const LayerChoice& ch) { return ch.method >= 0; });
+    if (!any_compressed || out_of_time()) break;  // every layer dense (at the first storage type) fails
+    for (LayerChoice& ch : current) {  // one valid rung up everywhere; past the top, dense
       if (ch.method < 0) continue;
-      if (++ch.budget >= static_cast<int>(n_budgets)) ch = Choice(-1, 0, 0);
+      do ++ch.budget;
+      while (ch.budget < static_cast<int>(n_budgets) && !valid_[ch.method][ch.budget]);
+      if (ch.budget >= static_cast<int>(n_budgets)) ch = Choice(-1, 0, 0);
     }
   }
   if (!chosen) chosen = best_uniform ? *best_uniform : dense;  // the time ran out: the best known
@@ -634,6 +671,26 @@ StatusOr<CalibrateResult> Calibrator::Run() {
           break;
         }
       }
+    }
+  }
+
+  // 5c. The cumulative ranking's re-rank period (after the retentions, before nothing else changes
+  // bytes): doubled while the combination passes, up to 8x, since fewer re-ranks cost less time.
+  const auto is_cumulative = [&](const LayerChoice& ch) {
+    return ch.method >= 0 && templates_[ch.method][ch.budget].method == KvMethod::kCumulative;
+  };
+  if (std::any_of(chosen->begin(), chosen->end(), is_cumulative)) {
+    int period = 0;
+    for (const LayerChoice& ch : *chosen)
+      if (is_cumulative(ch)) period = templates_[ch.method][ch.budget].params.rerank_period;
+    for (int step = 0; step < 3 && !out_of_time(); ++step) {
+      Candidate c = *chosen;
+      for (LayerChoice& ch : c)
+        if (is_cumulative(ch)) ch.rerank_period = period * 2;
+      KVS_ASSIGN_OR_RETURN(Evaluation e, Evaluate(c, all, spec_.samples, spec_.seed, true, &reference, "rerank"));
+      if (!e.pass) break;
+      chosen = c;
+      period *= 2;
     }
   }
 
@@ -809,22 +866,7 @@ Status ValidateCalibrateSpec(const CalibrateSpec& spec) {
     return InvalidArgumentError("--samples, --proxy-samples, --holdout-samples: expected >= 1");
   if (!(spec.max_minutes >= 0)) return InvalidArgumentError("--max-minutes: expected >= 0 (0: no limit)");
   // The rest (tasks, lengths, kv types, methods, fidelity stream) as bench checks it.
-  BenchSpec bench;
-  bench.model_path = spec.model_path;
-  bench.tasks = spec.tasks;
-  bench.lengths = spec.lengths;
-  bench.protocols = spec.protocols;
-  bench.methods = spec.methods;
-  bench.budgets = spec.budgets;
-  bench.kv_types = spec.kv_types;
-  bench.samples = spec.samples;
-  bench.value_tokens = spec.value_tokens;
-  bench.depths = spec.depths;
-  bench.prefill_eviction = spec.prefill_eviction;
-  bench.evict_interval = spec.evict_interval;
-  bench.fidelity_text = spec.fidelity_text;
-  bench.fidelity_tokens = spec.fidelity_tokens;
-  return ValidateBenchSpec(bench);
+  return ValidateBenchSpec(BaseBenchSpec(spec));
 }
 
 StatusOr<CalibrateResult> RunCalibrate(const CalibrateSpec& spec_in, const CalibrateOptions& options) {
@@ -876,16 +918,19 @@ std::string CalibrateReportMarkdown(const json& r) {
   if (r.contains("warnings")) {
     for (const json& w : r["warnings"]) md += "**Warning:** " + w.get<std::string>() + "\n\n";
   }
-  md += "## Held-out check (accuracy % [95% interval], KV % of the dense f16 cache)\n\n| configuration | KV % |";
+  md += "## Held-out check (accuracy % [95% interval], KV % of the dense f16 cache, decode step vs the full cache's in "
+        "the same run)\n\n| configuration | KV % | decode time |";
   for (const std::string& c : cells) md += " " + c + " |";
-  md += "\n|---|---|";
+  md += "\n|---|---|---|";
   for (size_t i = 0; i < cells.size(); ++i) md += "---|";
   md += "\n";
   const json& h = r["holdout"];
   for (const char* which : {"reference", "calibrated", "best_uniform"}) {
     if (!h.contains(which)) continue;
     const json& e = h[which];
-    md += fmt::format("| {} ({}) | {} |", which, e.value("config", ""), Pct(e.value("kv_share", json())));
+    const double ref_ms = h["reference"].value("decode_ms", 0.0), ms = e.value("decode_ms", 0.0);
+    const std::string decode = ref_ms > 0 && ms > 0 ? fmt::format("{:.2f}x", ms / ref_ms) : "-";
+    md += fmt::format("| {} ({}) | {} | {} |", which, e.value("config", ""), Pct(e.value("kv_share", json())), decode);
     for (const std::string& c : cells) md += " " + (e["cells"].contains(c) ? CellScore(e["cells"][c]) : "-") + " |";
     md += "\n";
   }

@@ -1,9 +1,11 @@
 #include "kvsparse/calibrate.h"
+#include "kvsparse/kv_policies.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 
@@ -108,33 +110,51 @@ TEST(CalibrateTest, ConfigFileRoundTripsThroughGenerate) {
   std::printf("generate --kv-config: %s\n", r.out.substr(at).c_str());
 }
 
+// Cumulative layers in a per-layer config keep their searched budgets as their retentions (no
+// depth schedule on top), and the shared ranking's re-rank period is raised while accuracy holds.
+TEST(CalibrateTest, CumulativeLayersGetRetentionsAndALongerRerankPeriod) {
+  CalibrateSpec spec = KnownAnswerSpec();
+  spec.methods = {"cumulative", "snapkv"};  // cumulative first: it takes the layers that need nothing
+  CalibrateOptions options;
+  options.work_dir = testing::TempPath("calibrate_cumulative");
+  options.plots = false;
+  StatusOr<CalibrateResult> result = RunCalibrate(spec, options);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  std::printf("chosen: %s\n", result->report["chosen"].get<std::string>().c_str());
+  const KvSparsityConfig& config = result->config;
+  for (int l : {1, 2}) {
+    const LayerKvConfig& layer = config.layers[l];
+    ASSERT_EQ(layer.method, KvMethod::kCumulative) << "layer " << l;
+    EXPECT_EQ(layer.params.schedule, RetentionSchedule::kNone);
+    EXPECT_DOUBLE_EQ(layer.budget.fraction, 0.05);
+    EXPECT_GT(layer.params.rerank_period, DefaultMethodParams(KvMethod::kCumulative).rerank_period);
+  }
+  StatusOr<KvSparsityConfig> file = LoadKvSparsityConfig(result->config_path, 4);
+  ASSERT_TRUE(file.ok()) << file.status().message();
+  EXPECT_EQ(KvSparsityConfigSummary(*file), KvSparsityConfigSummary(config));
+  EXPECT_TRUE(result->report["holdout_pass"].get<bool>());
+}
+
 TEST(CalibrateTest, RejectsBadSpecsWithTheFlagNamed) {
   CalibrateSpec spec = KnownAnswerSpec();
   CalibrateOptions options;
   options.work_dir = testing::TempPath("calibrate_bad");
-  auto expect_error = [&](CalibrateSpec s, const std::string& mention) {
-    StatusOr<CalibrateResult> r = RunCalibrate(s, options);
-    ASSERT_FALSE(r.ok());
-    EXPECT_NE(r.status().message().find(mention), std::string::npos) << r.status().message();
+  const std::pair<std::function<void(CalibrateSpec&)>, std::string> cases[] = {
+      {[](CalibrateSpec& s) { s.keep = 1.5; }, "--keep"},
+      {[](CalibrateSpec& s) { s.tasks = {"latency"}; }, "latency"},
+      {[](CalibrateSpec& s) { s.methods = {"nosuch"}; }, "nosuch"},
+      {[](CalibrateSpec& s) { s.methods = {"full"}; }, "'full' is not a candidate"},
+      {[](CalibrateSpec& s) { s.methods = {"h2o:nosuch=1"}; }, "--methods h2o:nosuch=1"},
+      {[](CalibrateSpec& s) { s.budgets = {"2.5"}; }, "budget"},
+      {[](CalibrateSpec& s) { s.objective = "fast"; }, "--objective"},
   };
-  CalibrateSpec s = spec;
-  s.keep = 1.5;
-  expect_error(s, "--keep");
-  s = spec;
-  s.tasks = {"latency"};
-  expect_error(s, "latency");
-  s = spec;
-  s.methods = {"nosuch"};
-  expect_error(s, "nosuch");
-  s = spec;
-  s.methods = {"full"};
-  expect_error(s, "'full' is not a candidate");
-  s = spec;
-  s.budgets = {"2.5"};
-  expect_error(s, "budget");
-  s = spec;
-  s.objective = "fast";
-  expect_error(s, "--objective");
+  for (const auto& [change, mention] : cases) {
+    CalibrateSpec s = spec;
+    change(s);
+    StatusOr<CalibrateResult> r = RunCalibrate(s, options);
+    ASSERT_FALSE(r.ok()) << mention;
+    EXPECT_NE(r.status().message().find(mention), std::string::npos) << r.status().message();
+  }
 }
 
 // The command fails cleanly on bad flags and files, naming them.
