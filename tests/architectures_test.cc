@@ -1,4 +1,4 @@
-// The architectures beyond llama/qwen (gemma2, gemma3, phi3) and YaRN, on their tiny synth shapes
+// The architectures beyond llama/qwen (gemma2, gemma3, phi3, the mixtures of experts) and YaRN, on their tiny synth shapes
 // with f32 weights: the loader's config (sliding pattern, softcaps, scales, RoPE tables), and the
 // Engine's logits against the float64 reference model (tests/support/reference_model.cc, written
 // from the formulas), on the prompt path and the decode path, past the 16-token windows, for
@@ -166,7 +166,8 @@ std::string ParamName(const ::testing::TestParamInfo<std::tuple<std::string, Isa
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ArchitectureReferenceTest,
                          ::testing::Combine(::testing::Values("tiny-gemma2", "tiny-gemma3", "tiny-phi3",
-                                                              "tiny-qwen2-yarn"),
+                                                              "tiny-qwen2-yarn", "tiny-qwen3moe", "tiny-qwen2moe",
+                                                              "tiny-olmoe", "tiny-mixtral"),
                                             ::testing::ValuesIn(testing::EndToEndFamilies())),
                          ParamName);
 

@@ -47,22 +47,28 @@ TEST_P(FuzzCorpus, SeedsAndRegressionsRunClean) {
 
 // GGUF seeds are written, not committed (a model is a few hundred KiB): a whole tiny model, then
 // prefixes and single-byte changes of it, as the fuzzer starts from.
+// The mixture of experts (expert keys, 3-D tensors, the shared expert) gets changes over its
+// metadata too, where the expert keys are.
 TEST(FuzzCorpus, GgufHarnessOnAWrittenModel) {
-  auto shape = FindSynthShape("tiny-llama");
-  ASSERT_TRUE(shape.ok());
-  SynthOptions options;
-  options.n_layers_override = 1;
-  const std::string path = testing::TempPath("fuzz_corpus_tiny.gguf");
-  ASSERT_TRUE(WriteSynthModel(*shape, options, path).ok());
-  std::ifstream f(path, std::ios::binary);
-  std::string bytes((std::istreambuf_iterator<char>(f)), {});
-  auto run = [](const std::string& b) { return fuzz::FuzzGguf(reinterpret_cast<const uint8_t*>(b.data()), b.size()); };
-  EXPECT_EQ(run(bytes), 0);
-  for (size_t cut : {size_t{0}, size_t{4}, size_t{23}, bytes.size() / 3, bytes.size() - 1}) EXPECT_EQ(run(bytes.substr(0, cut)), 0);
-  for (size_t at = 0; at < 160 && at < bytes.size(); at += 7) {
-    std::string flipped = bytes;
-    flipped[at] = static_cast<char>(flipped[at] ^ 0x5A);
-    EXPECT_EQ(run(flipped), 0) << "byte " << at;
+  for (const char* shape_name : {"tiny-llama", "tiny-qwen2moe"}) {
+    SCOPED_TRACE(shape_name);
+    auto shape = FindSynthShape(shape_name);
+    ASSERT_TRUE(shape.ok());
+    SynthOptions options;
+    options.n_layers_override = 1;
+    const std::string path = testing::TempPath(std::string("fuzz_corpus_") + shape_name + ".gguf");
+    ASSERT_TRUE(WriteSynthModel(*shape, options, path).ok());
+    std::ifstream f(path, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(f)), {});
+    auto run = [](const std::string& b) { return fuzz::FuzzGguf(reinterpret_cast<const uint8_t*>(b.data()), b.size()); };
+    EXPECT_EQ(run(bytes), 0);
+    for (size_t cut : {size_t{0}, size_t{4}, size_t{23}, bytes.size() / 3, bytes.size() - 1}) EXPECT_EQ(run(bytes.substr(0, cut)), 0);
+    // Densely over the header, sparsely over the rest of the metadata.
+    for (size_t at = 0; at < 2048 && at < bytes.size(); at += at < 160 ? 7 : 61) {
+      std::string flipped = bytes;
+      flipped[at] = static_cast<char>(flipped[at] ^ 0x5A);
+      EXPECT_EQ(run(flipped), 0) << "byte " << at;
+    }
   }
 }
 

@@ -19,6 +19,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -40,6 +42,10 @@ namespace {
 // decode paths differ by up to 0.107 in a logit (0 with f32 weights); llama.cpp's and our ids
 // disagreed only below a gap of 0.07 (16 mixes x 3 kernel families x 2 paths).
 constexpr double kMinGap = 0.1;
+// The router logit gap (last chosen expert minus first left out, float64 reference) below which
+// a MoE position is a near-tie. Measured: llama.cpp and the engine chose differently at a gap of
+// 0.0018 (tiny-qwen3moe f32, layer 0, position 26) and agreed at 0.008 and above.
+constexpr double kMinRouterGap = 0.005;
 
 struct GreedyCase {
   std::string shape;
@@ -101,22 +107,50 @@ TEST_P(LlamaCppGreedyTest, MatchesLlamaCppIds) {
   const int vocab = config.n_vocab;
   const size_t first = fixture.prompt.size() - 1;  // position whose logits choose ids[0]
 
+  // A mixture of experts has a second kind of near-tie: two experts' router logits. Which one
+  // runs is then a rounding matter, and it changes that token's state and, through attention,
+  // every later one's: steps from the first such position on are not compared.
+  // (The margins are the prompt path's, as the engine computed them.)
+  size_t steps = c.ids.size();
+  std::vector<double> router_margins(static_cast<size_t>(n), INFINITY);  // [n] smallest over layers
+  auto observe_router = [&](int, int32_t rows, const float* router_logits) {
+    if (rows != n) return;  // (the prompt path runs all n rows in one step)
+    for (int32_t row = 0; row < rows; ++row) {
+      std::vector<float> sorted(router_logits + static_cast<size_t>(row) * config.n_experts,
+                                router_logits + static_cast<size_t>(row + 1) * config.n_experts);
+      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+      const double margin = sorted[config.n_experts_used - 1] - sorted[config.n_experts_used];
+      router_margins[row] = std::min(router_margins[row], margin);
+    }
+  };
+  auto router_cutoff = [&] {
+    for (size_t pos = 0; pos < router_margins.size(); ++pos) {
+      if (router_margins[pos] < kMinRouterGap) {
+        steps = pos < first ? 0 : std::min(steps, pos - first);
+        return;
+      }
+    }
+  };
+
   auto check = [&](const std::vector<float>& logits, const char* path_name) {
     int compared = 0;
-    for (size_t step = 0; step < c.ids.size(); ++step) {
+    for (size_t step = 0; step < steps; ++step) {
       if (c.gaps[step] < kMinGap) continue;
       ++compared;
       EXPECT_EQ(ArgMax(&logits[(first + step) * vocab], vocab), c.ids[step])
           << path_name << " step " << step << " (llama.cpp top-2 gap " << c.gaps[step] << ")";
     }
-    EXPECT_GE(compared, static_cast<int>(c.ids.size()) / 2) << "too few steps above the gap threshold";
+    EXPECT_GE(compared, static_cast<int>(steps) / 2) << "too few steps above the gap threshold";
+    EXPECT_GE(steps, 10u) << "a router near-tie within the first 10 steps: choose another seed or prompt";
   };
 
   std::vector<float> logits(static_cast<size_t>(n) * vocab);
   {
     ContiguousKvCache cache(KvGeometry{config.n_layers, config.n_kv_heads, config.head_dim}, KvStorage::kF32, 1, n);
     Engine engine(**model, &cache, 2);
+    if (config.IsMoe() && config.n_experts_used < config.n_experts) engine.SetRouterObserver(observe_router);
     ASSERT_TRUE(engine.Forward(0, tokens.data(), n, 0, logits.data(), /*all_logits=*/true).ok());
+    router_cutoff();
     check(logits, "prompt path");
   }
 

@@ -67,6 +67,13 @@ int Run(const std::string& path, bool show_tensors) {
               c.tied_output ? "tied to embedding" : "separate");
   std::printf("  parameters    %lld (%.3f B)\n", static_cast<long long>(model.ParameterCount()), model.ParameterCount() / 1e9);
   std::printf("  weight bytes  %.1f MiB\n", model.WeightBytes() / 1048576.0);
+  if (c.IsMoe()) {
+    std::printf("  experts       %d, %d per token, width %d%s; %s\n", c.n_experts, c.n_experts_used,
+                c.expert_hidden_dim,
+                c.shared_expert_hidden_dim > 0 ? fmt::format(", shared expert width {}", c.shared_expert_hidden_dim).c_str() : "",
+                c.expert_weights_norm ? "chosen weights renormalized" : "softmax weights");
+  }
+  std::printf("  active bytes  %.1f MiB read per decoded token (weights)\n", model.ActiveWeightBytesPerToken() / 1048576.0);
 
   // K and V per token per layer: n_kv_heads * head_dim values each.
   const double values = 2.0 * c.n_kv_heads * c.head_dim;

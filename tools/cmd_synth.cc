@@ -34,8 +34,14 @@ void RegisterSynth(CLI::App& app, int* exit_code) {
   cmd->callback([a, exit_code, cmd] {
     if (a->list) {
       for (const SynthShape& s : SynthShapes()) {
-        std::printf("%-16s %-6s vocab %6d dim %5d ffn %5d layers %3d heads %3d kv %2d ctx %6d\n", s.name.c_str(),
+        std::printf("%-17s %-8s vocab %6d dim %5d ffn %5d layers %3d heads %3d kv %2d ctx %6d", s.name.c_str(),
                     s.arch.c_str(), s.n_vocab, s.dim, s.hidden_dim, s.n_layers, s.n_heads, s.n_kv_heads, s.context);
+        if (s.n_experts > 0) {
+          std::printf(" experts %d of %d x %d", s.n_experts_used, s.n_experts,
+                      s.expert_hidden_dim > 0 ? s.expert_hidden_dim : s.hidden_dim);
+          if (s.shared_expert_hidden_dim > 0) std::printf(" + shared %d", s.shared_expert_hidden_dim);
+        }
+        std::printf("\n");
       }
       std::printf("%-16s %-6s constructed weights for token-level retrieval (see retrieval_model.h)\n", "retrieval",
                   "llama");

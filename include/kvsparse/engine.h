@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -132,6 +133,21 @@ class Engine {
   // type: one parallel region for all of them instead of one per sequence, each job exactly what
   // its own call would compute. The controller's OnAppend before, AfterAttention after.
   Status AttendDecodeBatch(int layer, const AttentionShape& shape);
+  // ---- feed-forward (engine_ffn.cc) ----
+ public:
+  // MoE models: called in every MoE layer of every step with the router's logits of the step's
+  // rows ([n_rows, n_experts], rows in batch order) before the experts are chosen: expert-usage
+  // statistics, and tests that find router near-ties. Null (the default): nothing is called.
+  using RouterObserver = std::function<void(int layer, int32_t n_rows, const float* router_logits)>;
+  void SetRouterObserver(RouterObserver observer) { router_observer_ = std::move(observer); }
+
+ private:
+  RouterObserver router_observer_;
+  // The FFN of the step's n rows: s.normed in, s.proj out. A dense layer's SwiGLU / GeGLU, or a
+  // MoE layer's routed experts (each expert's rows gathered, so its weights are read once per
+  // step) plus the shared expert.
+  void FeedForward(int layer, int32_t n);
+  void MixtureOfExperts(int layer, int32_t n);
   const Model& model_;
   KvCache* cache_;
   int n_threads_;

@@ -13,7 +13,7 @@
 
 namespace kvsparse {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3 };
+enum class Arch { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kQwen2Moe, kQwen3Moe, kOlmoe };
 std::string_view ArchName(Arch a);
 
 // The FFN's gate activation: SwiGLU (llama, qwen, phi3) or GeGLU with tanh-approximated GELU (gemma).
@@ -38,6 +38,25 @@ struct ModelConfig {
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
   bool tied_output = false;  // output projection shares the token embedding
   bool qk_norm = false;      // qwen3, gemma3: RMSNorm of each query and key head before RoPE
+  // olmoe: the Q/K norms span the whole projection ([n_heads * head_dim], [n_kv_heads * head_dim])
+  // instead of one head.
+  bool qk_norm_full_width = false;
+
+  // Mixture of experts (llama.cpp's build_moe_ffn). n_experts 0: every FFN is dense. In a MoE
+  // layer the router ffn_gate_inp scores n_experts SwiGLU FFNs of width expert_hidden_dim per
+  // token; the n_experts_used best by softmax probability run, each weighted by its probability
+  // (renormalized over the chosen when expert_weights_norm), times expert_weights_scale.
+  int n_experts = 0;
+  int n_experts_used = 0;
+  int expert_hidden_dim = 0;
+  bool expert_weights_norm = false;
+  float expert_weights_scale = 1.0f;
+  // qwen2moe: one shared expert of this width runs on every token, its output times
+  // sigmoid(ffn_gate_inp_shexp . x). 0: none.
+  int shared_expert_hidden_dim = 0;
+  bool IsMoe() const { return n_experts > 0; }
+  // The widest FFN buffer a token needs: the dense FFN's, or a MoE layer's expert or shared expert.
+  int MaxFfnWidth() const;
 
   // What architectures add to the common decoder (src/model/arch_*.cc set them; the forward
   // pass reads only these fields, never the architecture's name).
@@ -91,6 +110,15 @@ struct LayerWeights {
   const float* post_ffn_norm = nullptr;   // [dim] gemma2/3: RMSNorm of the FFN output
   // phi3's fused attn_qkv and ffn_up are bound as row ranges of the fused matrix: wq/wk/wv and
   // w_gate/w_up then point into one tensor, so the forward pass is the same.
+
+  // MoE layers (ModelConfig::n_experts > 0) leave w_gate/w_up/w_down empty and bind these. Each
+  // expert's matrices are a row range of the file's 3-D ffn_*_exps tensor
+  // ([n_experts, expert_hidden, dim] and [n_experts, dim, expert_hidden]), so nothing is copied.
+  WeightView router;                                  // ffn_gate_inp [n_experts, dim]
+  std::vector<WeightView> expert_gate, expert_up;     // [n_experts] each [expert_hidden, dim]
+  std::vector<WeightView> expert_down;                // [n_experts] each [dim, expert_hidden]
+  WeightView shared_gate, shared_up, shared_down;     // qwen2moe's shared expert ([shared_hidden, dim] ...)
+  const float* shared_expert_gate = nullptr;          // ffn_gate_inp_shexp [dim]
 };
 
 struct ModelLoadOptions {
@@ -134,6 +162,14 @@ class Model {
 
   int64_t ParameterCount() const;
   size_t WeightBytes() const;  // bytes of all weight tensors as stored
+  // Bytes one decode step must read: every matrix but the token embedding (one row of it is
+  // looked up), and in MoE layers the router, the shared expert and n_experts_used of the
+  // experts (the average over tokens when all experts are equally likely). Equals WeightBytes()
+  // less the embedding for a dense model.
+  size_t ActiveWeightBytesPerToken() const;
+  // ParameterCount() with only n_experts_used of each MoE layer's experts: the weights one token
+  // multiplies (its arithmetic). Equals ParameterCount() for a dense model.
+  int64_t ActiveParameterCount() const;
   // Bytes of the matrices packed at load into the active kernel family's panel layout
   // (ops::PackPanels; today Q8_0 on avx512): their file pages are released, so these replace
   // them in memory. 0 when none were packed, with KVSPARSE_REPACK=0 in the environment, or when

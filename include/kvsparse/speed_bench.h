@@ -85,7 +85,9 @@ struct SpeedReport {
   std::string model_path;
   std::string model_desc;  // "llama 1.1B q8_0"
   double weight_bytes = 0;
+  double active_weight_bytes_per_token = 0;  // Model::ActiveWeightBytesPerToken: what a decode step reads
   int64_t n_params = 0;
+  int64_t active_params = 0;  // Model::ActiveParameterCount: the weights one token multiplies
   double read_bandwidth_gbs = 0;
   double f32_peak_gflops = 0;  // ops::MeasureComputePeak over the run's threads (with the bandwidth)
   double int8_peak_gops = 0;

@@ -44,9 +44,16 @@ struct SynthShape {
   // rope.scaling.original_context_length = rope_original_context.
   bool long_rope = false;
   int rope_original_context = 0;
+  // Mixture of experts (llama.cpp's names: ffn_gate_inp, ffn_{gate,up,down}_exps; arch qwen2moe,
+  // qwen3moe, olmoe, or llama for Mixtral). 0 experts: dense. expert_hidden_dim 0: hidden_dim.
+  int n_experts = 0;
+  int n_experts_used = 0;
+  int expert_hidden_dim = 0;
+  int shared_expert_hidden_dim = 0;  // qwen2moe: ffn_*_shexp and ffn_gate_inp_shexp
 };
 
-// Real shapes (tinyllama-1.1b, llama-3.2-1b, qwen2.5-0.5b, llama-3.1-8b) and tiny test shapes.
+// Real shapes (tinyllama-1.1b, llama-3.2-1b, qwen2.5-0.5b, llama-3.1-8b, the MoE models
+// qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, qwen1.5-moe-a2.7b, ...) and tiny test shapes.
 const std::vector<SynthShape>& SynthShapes();
 // Errors list the valid names.
 StatusOr<SynthShape> FindSynthShape(std::string_view name);

@@ -224,12 +224,12 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   report.model_path = model.path();
   report.weight_bytes = static_cast<double>(model.WeightBytes());
   // A decode step reads every weight once, except the token-embedding table, of which it reads one
-  // row — unless the output projection is tied to it and reads it whole.
-  const WeightView& emb = model.token_embedding;
-  const double embedding_bytes = static_cast<double>(DTypeRowBytes(emb.type, emb.cols)) * emb.rows;
-  const double weight_bytes_per_token =
-      model.config().tied_output ? report.weight_bytes : report.weight_bytes - embedding_bytes + embedding_bytes / emb.rows;
+  // row (unless the output projection is tied to it and reads it whole), and of a MoE layer's
+  // experts only the chosen ones.
+  const double weight_bytes_per_token = static_cast<double>(model.ActiveWeightBytesPerToken());
+  report.active_weight_bytes_per_token = weight_bytes_per_token;
   report.n_params = model.ParameterCount();
+  report.active_params = model.ActiveParameterCount();
   report.model_desc = model.Summary();
   if (config.known_bandwidth_gbs > 0) {
     report.read_bandwidth_gbs = config.known_bandwidth_gbs;
@@ -340,7 +340,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
       // Prefill is compute-bound: its floor is the arithmetic at the measured peaks (the weights'
       // multiply-adds at the int8 dot peak, causal attention at its path's peak).
       if (report.f32_peak_gflops > 0 && report.int8_peak_gops > 0) {
-        const double weight_s = 2.0 * report.n_params * n / (report.int8_peak_gops * 1e9);
+        const double weight_s = 2.0 * report.active_params * n / (report.int8_peak_gops * 1e9);
         const double attention_s = PromptAttentionSeconds(cache, c, depth, n, report);
         r.compute_limit_tokens_per_s = n / (weight_s + attention_s);
         r.limit_tokens_per_s = r.compute_limit_tokens_per_s;
@@ -392,7 +392,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
         const AttentionArithmetic attention = DecodeAttentionOps(cache, c, report);
         r.attention_ops_per_token = attention.ops;
         // The weights' multiply-adds at the int8 dot peak (the quantized matmuls' instructions).
-        const double weight_s = 2.0 * report.n_params / (report.int8_peak_gops * 1e9);
+        const double weight_s = 2.0 * report.active_params / (report.int8_peak_gops * 1e9);
         r.compute_limit_tokens_per_s = 1.0 / (attention.seconds + weight_s);
         if (r.limit_tokens_per_s <= 0 || r.compute_limit_tokens_per_s < r.limit_tokens_per_s) {
           r.limit_tokens_per_s = r.compute_limit_tokens_per_s;
@@ -410,7 +410,9 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   std::string out;
   out += fmt::format("model: {} ({})\n", report.model_path, report.model_desc);
   out += fmt::format("kernels: {}\n", report.isa);
-  out += fmt::format("weights: {:.1f} MiB, {:.3f} B params", report.weight_bytes / (1 << 20), report.n_params / 1e9);
+  out += fmt::format("weights: {:.1f} MiB, {:.3f} B params, {:.1f} MiB read per decoded token",
+                     report.weight_bytes / (1 << 20), report.n_params / 1e9,
+                     report.active_weight_bytes_per_token / (1 << 20));
   if (report.read_bandwidth_gbs > 0) out += fmt::format(", measured read bandwidth {:.1f} GB/s", report.read_bandwidth_gbs);
   out += "\n";
   if (report.f32_peak_gflops > 0) {
@@ -446,9 +448,10 @@ std::string SpeedReportMarkdown(const SpeedReport& report) {
   out += fmt::format("\npeak KV allocated {:.2f} MiB; peak resident memory of the process {:.1f} MiB (weights are mmapped and count once read)\n",
                      peak_kv / 1048576.0, peak_rss / 1048576.0);
   out += "\nlimit = 1 / max(bytes / read bandwidth, ops / peak): the bytes one generated token must read (all weights "
-         "except the unread rows of an untied token-embedding table, plus the live KV), and its arithmetic at the "
-         "measured peaks: attention's q.k and p.v (4 x head_dim ops per query head and attended token) at the peak of "
-         "the instructions the kernel uses, 2 ops per weight at the int8 dot peak; bound = the side that sets it. "
+         "except the unread rows of an untied token-embedding table and, in MoE layers, the experts not chosen, plus "
+         "the live KV), and its arithmetic at the measured peaks: attention's q.k and p.v (4 x head_dim ops per query "
+         "head and attended token) at the peak of the instructions the kernel uses, 2 ops per weight it multiplies "
+         "at the int8 dot peak; bound = the side that sets it. "
          "ppN: compute only, the N tokens' weight ops and causal attention at the same peaks\n";
   for (const SpeedResult& r : report.results) {
     if (r.kv_stats_table.empty()) continue;
@@ -518,7 +521,9 @@ std::string SpeedReportJson(const SpeedReport& report) {
   j["model_desc"] = report.model_desc;
   j["isa"] = report.isa;
   j["weight_bytes"] = report.weight_bytes;
+  j["active_weight_bytes_per_token"] = report.active_weight_bytes_per_token;
   j["n_params"] = report.n_params;
+  j["active_params"] = report.active_params;
   j["read_bandwidth_gbs"] = report.read_bandwidth_gbs;
   j["f32_peak_gflops"] = report.f32_peak_gflops;
   j["int8_peak_gops"] = report.int8_peak_gops;

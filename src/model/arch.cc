@@ -27,8 +27,9 @@ StatusOr<float> ArchKeys::FloatOr(std::string_view key, float dflt) const {
 }
 
 std::span<const ArchSpec* const> KnownArchSpecs() {
-  static const std::array<const ArchSpec*, 6> specs = {&kLlamaArchSpec,  &kQwen2ArchSpec,  &kQwen3ArchSpec,
-                                                       &kGemma2ArchSpec, &kGemma3ArchSpec, &kPhi3ArchSpec};
+  static const std::array<const ArchSpec*, 9> specs = {
+      &kLlamaArchSpec, &kQwen2ArchSpec,    &kQwen3ArchSpec,    &kGemma2ArchSpec, &kGemma3ArchSpec,
+      &kPhi3ArchSpec,  &kQwen2MoeArchSpec, &kQwen3MoeArchSpec, &kOlmoeArchSpec};
   return specs;
 }
 

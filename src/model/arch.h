@@ -57,6 +57,13 @@ struct ArchSpec {
   bool fused_qkv = false;          // attn_qkv.weight [q_dim + 2 kv_dim, dim] where attn_q/k/v are absent
   bool fused_gate_up = false;      // ffn_up.weight [2 hidden, dim] = [gate; up], no ffn_gate
   bool scale_embeddings = false;   // token embeddings times sqrt(dim)
+  bool qk_norm_full_width = false; // olmoe: attn_q_norm [n_heads * head_dim], attn_k_norm [n_kv_heads * head_dim]
+  // Mixture of experts: experts_required: expert_count must be present and positive (qwen2moe,
+  // qwen3moe, olmoe); otherwise a file may have experts (llama: Mixtral) or not. The other two
+  // are what llama.cpp's graph for the architecture fixes, whatever the file's keys say.
+  bool experts_required = false;
+  bool expert_weights_norm = false;  // renormalize the chosen experts' probabilities (qwen3moe, Mixtral)
+  bool shared_expert = false;        // ffn_{gate,up,down}_shexp with the sigmoid gate ffn_gate_inp_shexp (qwen2moe)
   // Metadata of the architecture's own (windows, softcaps, attention scale), read after the
   // common keys filled `config`; null when there is none.
   Status (*read_config)(const ArchKeys& keys, ModelConfig* config) = nullptr;
@@ -77,5 +84,8 @@ extern const ArchSpec kQwen3ArchSpec;
 extern const ArchSpec kGemma2ArchSpec;
 extern const ArchSpec kGemma3ArchSpec;
 extern const ArchSpec kPhi3ArchSpec;
+extern const ArchSpec kQwen2MoeArchSpec;
+extern const ArchSpec kQwen3MoeArchSpec;
+extern const ArchSpec kOlmoeArchSpec;
 
 }  // namespace kvsparse

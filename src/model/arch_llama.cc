@@ -4,11 +4,14 @@
 namespace kvsparse {
 
 // Llama 2/3 (with Llama 3.1's rope_freqs), TinyLlama, Mistral: nothing beyond the common path.
+// Mixtral is a llama file with expert_count: its experts' probabilities renormalize over the
+// chosen two (llama.cpp's llama graph, norm_w).
 const ArchSpec kLlamaArchSpec = {
     .arch = Arch::kLlama,
     .gguf_name = "llama",
-    .models = "Llama 2/3, TinyLlama, Mistral",
+    .models = "Llama 2/3, TinyLlama, Mistral, Mixtral",
     .rope_style = RopeStyle::kAdjacentPairs,
+    .expert_weights_norm = true,
 };
 
 // Qwen2 / Qwen2.5: Q/K/V biases, NeoX RoPE.

@@ -22,6 +22,10 @@ float ModelConfig::AttentionLogitScale(int layer) const {
   return base * magnitude * magnitude;
 }
 
+int ModelConfig::MaxFfnWidth() const {
+  return std::max({hidden_dim, IsMoe() ? expert_hidden_dim : 0, shared_expert_hidden_dim});
+}
+
 int ModelConfig::NumSlidingLayers() const {
   int n = 0;
   for (uint8_t sliding : sliding_layers) n += sliding != 0 ? 1 : 0;
@@ -102,6 +106,17 @@ StatusOr<std::unique_ptr<Model>> Model::LoadLlama2c(const std::string& path) {
 namespace {
 int64_t Elements(const WeightView& w) { return w.rows * w.cols; }
 size_t Bytes(const WeightView& w) { return static_cast<size_t>(w.rows) * DTypeRowBytes(w.type, w.cols); }
+// Calls f(matrix, is_routed_expert) for each MoE matrix of a layer: the router, the shared
+// expert's, and every expert's (none in a dense layer).
+template <typename F>
+void ForEachMoeMatrix(const LayerWeights& l, F f) {
+  for (const WeightView* w : {&l.router, &l.shared_gate, &l.shared_up, &l.shared_down}) {
+    if (w->data != nullptr) f(*w, false);
+  }
+  for (const std::vector<WeightView>* experts : {&l.expert_gate, &l.expert_up, &l.expert_down}) {
+    for (const WeightView& w : *experts) f(w, true);
+  }
+}
 }  // namespace
 
 int64_t Model::ParameterCount() const {
@@ -110,8 +125,10 @@ int64_t Model::ParameterCount() const {
   if (!c.tied_output) total += Elements(output);
   for (const LayerWeights& l : layers) {
     total += (c.post_norms ? 4 : 2) * static_cast<int64_t>(c.dim);  // attn_norm, ffn_norm (+ post-norms)
-    if (c.qk_norm) total += 2 * static_cast<int64_t>(c.head_dim);
+    if (c.qk_norm) total += c.qk_norm_full_width ? l.wq.rows + l.wk.rows : 2 * static_cast<int64_t>(c.head_dim);
     for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Elements(*w);
+    ForEachMoeMatrix(l, [&](const WeightView& w, bool) { total += Elements(w); });
+    if (l.shared_expert_gate != nullptr) total += c.dim;
     if (l.bq != nullptr) total += l.wq.rows;
     if (l.bk != nullptr) total += l.wk.rows;
     if (l.bv != nullptr) total += l.wv.rows;
@@ -126,8 +143,12 @@ size_t Model::WeightBytes() const {
   if (!c.tied_output) total += Bytes(output);
   for (const LayerWeights& l : layers) {
     total += (c.post_norms ? 4 : 2) * norm_bytes;
-    if (c.qk_norm) total += 2 * sizeof(float) * static_cast<size_t>(c.head_dim);
+    if (c.qk_norm) {
+      total += sizeof(float) * static_cast<size_t>(c.qk_norm_full_width ? l.wq.rows + l.wk.rows : 2 * c.head_dim);
+    }
     for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Bytes(*w);
+    ForEachMoeMatrix(l, [&](const WeightView& w, bool) { total += Bytes(w); });
+    if (l.shared_expert_gate != nullptr) total += norm_bytes;
     if (l.bq != nullptr) total += sizeof(float) * static_cast<size_t>(l.wq.rows);
     if (l.bk != nullptr) total += sizeof(float) * static_cast<size_t>(l.wk.rows);
     if (l.bv != nullptr) total += sizeof(float) * static_cast<size_t>(l.wv.rows);
@@ -135,9 +156,30 @@ size_t Model::WeightBytes() const {
   return total;
 }
 
+size_t Model::ActiveWeightBytesPerToken() const {
+  const ModelConfig& c = config_;
+  // The embedding table is read whole only when the output projection is tied to it.
+  const size_t embedding_row = DTypeRowBytes(token_embedding.type, token_embedding.cols);
+  size_t routed = 0;
+  for (const LayerWeights& l : layers) ForEachMoeMatrix(l, [&](const WeightView& w, bool expert) { routed += expert ? Bytes(w) : 0; });
+  size_t total = WeightBytes() - routed;
+  if (!c.tied_output) total -= Bytes(token_embedding) - embedding_row;
+  if (c.IsMoe()) total += routed / static_cast<size_t>(c.n_experts) * static_cast<size_t>(c.n_experts_used);
+  return total;
+}
+
+int64_t Model::ActiveParameterCount() const {
+  const ModelConfig& c = config_;
+  if (!c.IsMoe()) return ParameterCount();
+  int64_t routed = 0;
+  for (const LayerWeights& l : layers) ForEachMoeMatrix(l, [&](const WeightView& w, bool expert) { routed += expert ? Elements(w) : 0; });
+  return ParameterCount() - routed + routed / c.n_experts * c.n_experts_used;
+}
+
 std::string Model::Summary() const {
   std::string s = fmt::format("{} {:.2f}B {}", ArchName(config_.arch), ParameterCount() / 1e9,
                               DTypeName(layers.empty() ? DType::kF32 : layers[0].wq.type));
+  if (config_.IsMoe()) s += fmt::format(", {} of {} experts", config_.n_experts_used, config_.n_experts);
   if (kept_panel_bytes_ > 0) s += fmt::format(", kept panels {:.0f} MiB", kept_panel_bytes_ / 1048576.0);
   return s;
 }

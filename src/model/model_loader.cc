@@ -88,6 +88,7 @@ class GgufModelBuilder {
     config_.arch = spec_->arch;
     config_.rope_style = spec_->rope_style;
     config_.qk_norm = spec_->qk_norm;
+    config_.qk_norm_full_width = spec_->qk_norm_full_width;
     config_.post_norms = spec_->post_norms;
     config_.ffn_activation = spec_->ffn_activation;
     const std::string p = arch + ".";
@@ -147,6 +148,8 @@ class GgufModelBuilder {
       KVS_RETURN_IF_ERROR(spec_->read_config(ArchKeys(file_, p, source_), &config_));
     }
 
+    KVS_RETURN_IF_ERROR(ReadExperts(p));
+
     // Features we do not implement must fail loudly rather than compute garbage.
     if (file_.Find(p + "attention.value_length") != nullptr) {
       KVS_ASSIGN_OR_RETURN(const int value_length, RequiredCount(p + "attention.value_length"));
@@ -178,6 +181,59 @@ class GgufModelBuilder {
                                          source_, p, config_.rope_theta_sliding));
       }
       model_.rope_inv_freq_sliding = RopeInvFreq(config_.head_dim, config_.rope_theta_sliding);
+    }
+    return Status::Ok();
+  }
+
+  // An optional count: absent gives `dflt`; present must be a positive int ("<p>key").
+  StatusOr<int> OptionalCount(const std::string& key, int dflt) const {
+    const GgufValue* v = file_.Find(key);
+    if (v == nullptr) return dflt;
+    if (v->type == GgufType::kArray) {
+      return UnimplementedError(fmt::format("{}: metadata '{}' is an array (a value per layer); kvsparse reads one "
+                                            "value for every layer",
+                                            source_, key));
+    }
+    return RequiredCount(key);
+  }
+
+  // The mixture-of-experts keys (llama.cpp's names): expert_count, expert_used_count,
+  // expert_feed_forward_length, expert_shared_feed_forward_length.
+  Status ReadExperts(const std::string& p) {
+    const bool has_count = file_.Find(p + "expert_count") != nullptr;
+    if (!has_count && !spec_->experts_required) {
+      if (file_.FindTensor("blk.0.ffn_gate_inp.weight") != nullptr) {
+        return DataLossError(fmt::format("{}: the file has expert tensors (blk.0.ffn_gate_inp.weight) but no '{}"
+                                         "expert_count'",
+                                         source_, p));
+      }
+      return Status::Ok();
+    }
+    if (!has_count) {
+      return DataLossError(fmt::format("{}: required metadata key '{}expert_count' is missing ({} is a mixture of "
+                                       "experts)",
+                                       source_, p, spec_->gguf_name));
+    }
+    KVS_ASSIGN_OR_RETURN(const uint64_t count, file_.GetUInt(p + "expert_count"));
+    if (count == 0 && !spec_->experts_required) return Status::Ok();  // converters write 0 for dense llama files
+    // Real models have 8 to 384 experts; the bound keeps a hostile count from sizing tables.
+    constexpr uint64_t kMaxExperts = 4096;
+    if (count == 0 || count > kMaxExperts) {
+      return DataLossError(fmt::format("{}: metadata '{}expert_count' = {} is out of range [1, {}]", source_, p, count,
+                                       kMaxExperts));
+    }
+    config_.n_experts = static_cast<int>(count);
+    KVS_ASSIGN_OR_RETURN(config_.n_experts_used, RequiredCount(p + "expert_used_count"));
+    if (config_.n_experts_used > config_.n_experts) {
+      return DataLossError(fmt::format("{}: metadata '{}expert_used_count' = {} exceeds '{}expert_count' = {}", source_,
+                                       p, config_.n_experts_used, p, config_.n_experts));
+    }
+    // llama.cpp: the experts' width defaults to feed_forward_length (olmoe, Mixtral write only that).
+    KVS_ASSIGN_OR_RETURN(config_.expert_hidden_dim, OptionalCount(p + "expert_feed_forward_length", config_.hidden_dim));
+    config_.expert_weights_norm = spec_->expert_weights_norm;
+    if (spec_->shared_expert) {
+      KVS_ASSIGN_OR_RETURN(config_.shared_expert_hidden_dim,
+                           OptionalCount(p + "expert_shared_feed_forward_length", config_.hidden_dim));
     }
     return Status::Ok();
   }
@@ -392,15 +448,17 @@ class GgufModelBuilder {
       }
       KVS_ASSIGN_OR_RETURN(l.wo, Matrix(b + "attn_output.weight", dim, q_dim));
       if (spec.qk_norm) {
-        KVS_ASSIGN_OR_RETURN(l.q_norm, Vector(b + "attn_q_norm.weight", config_.head_dim));
-        KVS_ASSIGN_OR_RETURN(l.k_norm, Vector(b + "attn_k_norm.weight", config_.head_dim));
+        KVS_ASSIGN_OR_RETURN(l.q_norm, Vector(b + "attn_q_norm.weight", spec.qk_norm_full_width ? q_dim : config_.head_dim));
+        KVS_ASSIGN_OR_RETURN(l.k_norm, Vector(b + "attn_k_norm.weight", spec.qk_norm_full_width ? kv_dim : config_.head_dim));
       }
       if (spec.post_norms) {
         KVS_ASSIGN_OR_RETURN(l.post_attn_norm, Vector(b + "post_attention_norm.weight", dim));
         KVS_ASSIGN_OR_RETURN(l.post_ffn_norm, Vector(b + "post_ffw_norm.weight", dim));
       }
       KVS_ASSIGN_OR_RETURN(l.ffn_norm, Vector(b + "ffn_norm.weight", dim));
-      if (spec.fused_gate_up && file_.FindTensor(b + "ffn_gate.weight") == nullptr) {
+      if (config_.IsMoe()) {
+        KVS_RETURN_IF_ERROR(BindExperts(b, &l));
+      } else if (spec.fused_gate_up && file_.FindTensor(b + "ffn_gate.weight") == nullptr) {
         // ffn_up rows: the gate's, then the up projection's (llama.cpp's swiglu splits it so).
         KVS_ASSIGN_OR_RETURN(const WeightView gate_up, Matrix(b + "ffn_up.weight", 2 * hidden, dim));
         l.w_gate = Rows(gate_up, 0, hidden);
@@ -409,7 +467,9 @@ class GgufModelBuilder {
         KVS_ASSIGN_OR_RETURN(l.w_gate, Matrix(b + "ffn_gate.weight", hidden, dim));
         KVS_ASSIGN_OR_RETURN(l.w_up, Matrix(b + "ffn_up.weight", hidden, dim));
       }
-      KVS_ASSIGN_OR_RETURN(l.w_down, Matrix(b + "ffn_down.weight", dim, hidden));
+      if (!config_.IsMoe()) {
+        KVS_ASSIGN_OR_RETURN(l.w_down, Matrix(b + "ffn_down.weight", dim, hidden));
+      }
       struct Bias {
         const char* name;
         int64_t n;
@@ -420,6 +480,43 @@ class GgufModelBuilder {
         if (!spec.qkv_bias_required && file_.FindTensor(b + bias.name) == nullptr) continue;
         KVS_ASSIGN_OR_RETURN(*bias.dst, Vector(b + bias.name, bias.n));
       }
+    }
+    return Status::Ok();
+  }
+
+  // Each expert's [rows, cols] matrix of a 3-D tensor ne = [cols, rows, n_experts] (or, for a
+  // merged ffn_gate_up_exps, [cols, 2 rows, n_experts]: per expert the gate's rows, then the up's).
+  StatusOr<std::vector<WeightView>> ExpertMatrices(const std::string& name, int64_t rows, int64_t cols,
+                                                   int64_t first_row = 0, int64_t rows_per_expert = 0) const {
+    if (rows_per_expert == 0) rows_per_expert = rows;
+    KVS_ASSIGN_OR_RETURN(const GgufTensorInfo* t, Tensor(name, {cols, rows_per_expert, config_.n_experts}));
+    const WeightView all{*t->type, t->data, rows_per_expert * config_.n_experts, cols};
+    std::vector<WeightView> experts;
+    experts.reserve(static_cast<size_t>(config_.n_experts));
+    for (int e = 0; e < config_.n_experts; ++e) experts.push_back(Rows(all, e * rows_per_expert + first_row, rows));
+    return experts;
+  }
+
+  // A MoE layer's router, experts and (qwen2moe) shared expert.
+  Status BindExperts(const std::string& b, LayerWeights* l) {
+    const int64_t dim = config_.dim, expert_hidden = config_.expert_hidden_dim;
+    KVS_ASSIGN_OR_RETURN(l->router, Matrix(b + "ffn_gate_inp.weight", config_.n_experts, dim));
+    if (file_.FindTensor(b + "ffn_gate_up_exps.weight") != nullptr) {
+      KVS_ASSIGN_OR_RETURN(l->expert_gate,
+                           ExpertMatrices(b + "ffn_gate_up_exps.weight", expert_hidden, dim, 0, 2 * expert_hidden));
+      KVS_ASSIGN_OR_RETURN(l->expert_up, ExpertMatrices(b + "ffn_gate_up_exps.weight", expert_hidden, dim,
+                                                        expert_hidden, 2 * expert_hidden));
+    } else {
+      KVS_ASSIGN_OR_RETURN(l->expert_gate, ExpertMatrices(b + "ffn_gate_exps.weight", expert_hidden, dim));
+      KVS_ASSIGN_OR_RETURN(l->expert_up, ExpertMatrices(b + "ffn_up_exps.weight", expert_hidden, dim));
+    }
+    KVS_ASSIGN_OR_RETURN(l->expert_down, ExpertMatrices(b + "ffn_down_exps.weight", dim, expert_hidden));
+    if (spec_->shared_expert) {
+      const int64_t shared = config_.shared_expert_hidden_dim;
+      KVS_ASSIGN_OR_RETURN(l->shared_expert_gate, Vector(b + "ffn_gate_inp_shexp.weight", dim));
+      KVS_ASSIGN_OR_RETURN(l->shared_gate, Matrix(b + "ffn_gate_shexp.weight", shared, dim));
+      KVS_ASSIGN_OR_RETURN(l->shared_up, Matrix(b + "ffn_up_shexp.weight", shared, dim));
+      KVS_ASSIGN_OR_RETURN(l->shared_down, Matrix(b + "ffn_down_shexp.weight", dim, shared));
     }
     return Status::Ok();
   }

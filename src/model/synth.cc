@@ -4,6 +4,7 @@
 // at a time through GgufWriter.
 #include "kvsparse/synth.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -64,6 +65,14 @@ SynthShape WithYarn(SynthShape s, float factor, int original_context) {
 SynthShape WithLongRope(SynthShape s, int original_context) {
   s.long_rope = true;
   s.rope_original_context = original_context;
+  return s;
+}
+
+SynthShape WithExperts(SynthShape s, int n_experts, int n_used, int expert_hidden, int shared_hidden = 0) {
+  s.n_experts = n_experts;
+  s.n_experts_used = n_used;
+  s.expert_hidden_dim = expert_hidden;
+  s.shared_expert_hidden_dim = shared_hidden;
   return s;
 }
 
@@ -202,9 +211,22 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
   auto bad = [&](const std::string& what) {
     return InvalidArgumentError("synth shape '" + s.name + "': " + what);
   };
-  if (s.arch != "llama" && s.arch != "qwen2" && s.arch != "qwen3" && s.arch != "gemma2" && s.arch != "gemma3" &&
-      s.arch != "phi3") {
-    return bad("arch must be llama, qwen2, qwen3, gemma2, gemma3 or phi3, found '" + s.arch + "'");
+  static const char* const kArchs[] = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe",
+                                        "olmoe"};
+  if (std::find(std::begin(kArchs), std::end(kArchs), s.arch) == std::end(kArchs)) {
+    return bad("arch must be llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe or olmoe, found '" + s.arch +
+               "'");
+  }
+  const bool moe_arch = s.arch == "qwen2moe" || s.arch == "qwen3moe" || s.arch == "olmoe";
+  if ((moe_arch && s.n_experts == 0) || (s.n_experts > 0 && s.arch != "llama" && !moe_arch) ||
+      s.n_experts_used > s.n_experts || (s.n_experts > 0 && s.n_experts_used <= 0) ||
+      (s.shared_expert_hidden_dim > 0) != (s.arch == "qwen2moe") || s.expert_hidden_dim % 32 != 0 ||
+      s.shared_expert_hidden_dim % 32 != 0) {
+    return bad("experts: " + std::to_string(s.n_experts_used) + " of " + std::to_string(s.n_experts) +
+               " (widths " + std::to_string(s.expert_hidden_dim) + ", shared " +
+               std::to_string(s.shared_expert_hidden_dim) +
+               ") do not fit arch '" + s.arch + "' (qwen2moe, qwen3moe, olmoe need experts, llama may have them; "
+               "1 <= used <= experts; a shared expert only on qwen2moe; widths multiples of 32)");
   }
   // The checks every loaded model passes, so synth never writes a file the loader refuses.
   ModelConfig c;
@@ -273,6 +295,29 @@ const std::vector<SynthShape>& SynthShapes() {
                  16),
       // Phi-3 at test size: fused QKV and gate/up, LongRoPE (context 4096 over 1024: long factors).
       WithLongRope(Shape("tiny-phi3", "phi3", 1024, 256, 512, 3, 8, 8, 4096, 10000.0f, 1e-5f, false, false), 1024),
+      // Mixtures of experts, from their config.json files.
+      WithExperts(WithHeadDim(Shape("qwen3-30b-a3b", "qwen3moe", 151936, 2048, 6144, 48, 32, 4, 40960, 1000000.0f,
+                                    1e-6f, false, false),
+                              128),
+                  128, 8, 768),
+      WithExperts(Shape("olmoe-1b-7b", "olmoe", 50304, 2048, 1024, 16, 16, 16, 4096, 10000.0f, 1e-5f, false, false), 64,
+                  8, 1024),
+      WithExperts(Shape("mixtral-8x7b", "llama", 32000, 4096, 14336, 32, 32, 8, 32768, 1000000.0f, 1e-5f, false, false),
+                  8, 2, 14336),
+      WithExperts(Shape("qwen1.5-moe-a2.7b", "qwen2moe", 151936, 2048, 5632, 24, 16, 16, 8192, 1000000.0f, 1e-6f, false,
+                        true),
+                  60, 4, 1408, 5632),
+      // Their features at test size: 8 experts of 128 (2 chosen), per-head or whole-width Q/K
+      // norms, qwen2moe's biases and sigmoid-gated shared expert, Mixtral's adjacent-pair RoPE.
+      WithExperts(WithHeadDim(Shape("tiny-qwen3moe", "qwen3moe", 1024, 256, 768, 2, 8, 2, 1024, 1000000.0f, 1e-6f,
+                                    false, false),
+                              64),
+                  8, 2, 128),
+      WithExperts(Shape("tiny-qwen2moe", "qwen2moe", 1024, 256, 512, 2, 4, 4, 1024, 1000000.0f, 1e-6f, false, true), 8,
+                  2, 128, 256),
+      WithExperts(Shape("tiny-olmoe", "olmoe", 1024, 256, 128, 2, 4, 4, 1024, 10000.0f, 1e-5f, false, false), 8, 2, 128),
+      WithExperts(Shape("tiny-mixtral", "llama", 1024, 256, 128, 2, 4, 2, 1024, 1000000.0f, 1e-5f, false, false), 8, 2,
+                  128),
       // Qwen2.5 long-context files: YaRN factor 4 over a 256-token original context.
       WithYarn(Shape("tiny-qwen2-yarn", "qwen2", 512, 64, 128, 2, 4, 2, 1024, 1000000.0f, 1e-6f, true, true), 4.0f, 256),
   };
@@ -345,6 +390,20 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     w.SetU32(arch + ".rope.scaling.original_context_length", static_cast<uint32_t>(shape.rope_original_context));
   }
 
+  const int64_t n_experts = shape.n_experts;
+  const int64_t expert_hidden = shape.expert_hidden_dim > 0 ? shape.expert_hidden_dim : hidden;
+  if (n_experts > 0) {
+    w.SetU32(arch + ".expert_count", static_cast<uint32_t>(n_experts));
+    w.SetU32(arch + ".expert_used_count", static_cast<uint32_t>(shape.n_experts_used));
+    // llama (Mixtral) and olmoe files carry the experts' width as feed_forward_length only.
+    if (arch == "qwen2moe" || arch == "qwen3moe") {
+      w.SetU32(arch + ".expert_feed_forward_length", static_cast<uint32_t>(expert_hidden));
+    }
+    if (shape.shared_expert_hidden_dim > 0) {
+      w.SetU32(arch + ".expert_shared_feed_forward_length", static_cast<uint32_t>(shape.shared_expert_hidden_dim));
+    }
+  }
+
   if (!options.vocab_gguf.empty()) {
     KVS_RETURN_IF_ERROR(CopyVocab(options.vocab_gguf, shape, &w));
   } else {
@@ -361,13 +420,21 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
   mix_tensor.n_layers = n_layers;
   mix_tensor.model_has_output = !shape.tied_output;
   mix_tensor.n_gqa = shape.n_heads / shape.n_kv_heads;
-  auto add_matrix = [&](const std::string& name, int64_t rows, int64_t cols) {
+  // n_experts > 0: a 3-D tensor of that many [rows, cols] matrices (ne = {cols, rows, n_experts}).
+  // force_f32: kept unquantized whatever the mix (the router: llama-quantize never quantizes it).
+  auto add_matrix = [&](const std::string& name, int64_t rows, int64_t cols, int64_t n_matrices = 0,
+                        bool force_f32 = false) {
     mix_tensor.name = name;
     mix_tensor.cols = cols;
-    const DType type = MixTensorType(mix, mix_tensor);
+    const DType type = force_f32 ? DType::kF32 : MixTensorType(mix, mix_tensor);
     const uint64_t stream = next_stream();
     const float half_width = std::sqrt(3.0f / static_cast<float>(cols));
-    w.AddTensor(name, type, {cols, rows}, [=](void* dst, size_t nbytes) {
+    std::vector<int64_t> ne = {cols, rows};
+    if (n_matrices > 0) {
+      ne.push_back(n_matrices);
+      rows *= n_matrices;
+    }
+    w.AddTensor(name, type, ne, [=](void* dst, size_t nbytes) {
       const size_t row_bytes = DTypeRowBytes(type, cols);
       KVS_CHECK(row_bytes * static_cast<size_t>(rows) == nbytes);
       uint8_t* out = static_cast<uint8_t*>(dst);
@@ -426,19 +493,34 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     }
     add_matrix(b + "attn_output.weight", dim, q_dim);
     const bool gemma = arch == "gemma2" || arch == "gemma3";
-    if (arch == "qwen3" || arch == "gemma3") {
+    if (arch == "qwen3" || arch == "qwen3moe" || arch == "gemma3") {
       add_vector(b + "attn_q_norm.weight", head_dim, 1.0f, 0.05f);
       add_vector(b + "attn_k_norm.weight", head_dim, 1.0f, 0.05f);
+    } else if (arch == "olmoe") {  // over the whole projection
+      add_vector(b + "attn_q_norm.weight", q_dim, 1.0f, 0.05f);
+      add_vector(b + "attn_k_norm.weight", kv_dim, 1.0f, 0.05f);
     }
     if (gemma) add_vector(b + "post_attention_norm.weight", dim, 1.0f, 0.05f);
     add_vector(b + "ffn_norm.weight", dim, 1.0f, 0.05f);
-    if (fused) {
+    if (n_experts > 0) {
+      add_matrix(b + "ffn_gate_inp.weight", n_experts, dim, 0, /*force_f32=*/true);
+      add_matrix(b + "ffn_gate_exps.weight", expert_hidden, dim, n_experts);
+      add_matrix(b + "ffn_up_exps.weight", expert_hidden, dim, n_experts);
+      add_matrix(b + "ffn_down_exps.weight", dim, expert_hidden, n_experts);
+      if (shape.shared_expert_hidden_dim > 0) {
+        const int64_t shared = shape.shared_expert_hidden_dim;
+        add_vector(b + "ffn_gate_inp_shexp.weight", dim, 0.0f, std::sqrt(3.0f / static_cast<float>(dim)));
+        add_matrix(b + "ffn_gate_shexp.weight", shared, dim);
+        add_matrix(b + "ffn_up_shexp.weight", shared, dim);
+        add_matrix(b + "ffn_down_shexp.weight", dim, shared);
+      }
+    } else if (fused) {
       add_matrix(b + "ffn_up.weight", 2 * hidden, dim);
     } else {
       add_matrix(b + "ffn_gate.weight", hidden, dim);
       add_matrix(b + "ffn_up.weight", hidden, dim);
     }
-    add_matrix(b + "ffn_down.weight", dim, hidden);
+    if (n_experts == 0) add_matrix(b + "ffn_down.weight", dim, hidden);
     if (gemma) add_vector(b + "post_ffw_norm.weight", dim, 1.0f, 0.05f);
   }
   return w.Write(out_path);

@@ -29,7 +29,8 @@ AttentionShape LayerAttentionShape(const ModelConfig& c, int layer) {
 
 size_t Engine::ScratchBytesFor(const ModelConfig& config, int32_t rows) {
   const size_t r = static_cast<size_t>(std::max<int32_t>(rows, 1));
-  const size_t one_row_logits = static_cast<size_t>(config.dim) + static_cast<size_t>(config.n_vocab);
+  const size_t one_row_logits = static_cast<size_t>(config.dim) + static_cast<size_t>(config.n_vocab) +
+                                (config.IsMoe() ? static_cast<size_t>(config.n_experts) + 1 : 0);  // + expert_first
   return (r * Scratch::FloatsPerRow(config) + one_row_logits) * sizeof(float);
 }
 
@@ -184,7 +185,7 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
     n += b.n;
   }
   s.Reserve(c, n);
-  const int64_t dim = c.dim, hidden = c.hidden_dim;
+  const int64_t dim = c.dim;
   const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
   const bool parallel_rows = n >= kParallelRowThreshold;
@@ -252,7 +253,10 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
       if (w.bq != nullptr) ops::Add(q_row, w.bq, q_dim);
       if (w.bk != nullptr) ops::Add(k_row, w.bk, kv_dim);
       if (w.bv != nullptr) ops::Add(v_row, w.bv, kv_dim);
-      if (w.q_norm != nullptr) {  // qwen3: each head normalized on its own (in place is safe for RmsNorm)
+      if (w.q_norm != nullptr && c.qk_norm_full_width) {  // olmoe: the whole projection at once
+        ops::RmsNorm(q_row, w.q_norm, q_row, q_dim, c.rms_eps);
+        ops::RmsNorm(k_row, w.k_norm, k_row, kv_dim, c.rms_eps);
+      } else if (w.q_norm != nullptr) {  // qwen3: each head normalized on its own (in place is safe for RmsNorm)
         for (int h = 0; h < c.n_heads; ++h) {
           float* head = q_row + static_cast<size_t>(h) * c.head_dim;
           ops::RmsNorm(head, w.q_norm, head, c.head_dim, c.rms_eps);
@@ -285,16 +289,9 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
     ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
     add_residual(w.post_attn_norm);
 
-    // ---- feed-forward (SwiGLU, or GeGLU) ----
+    // ---- feed-forward (SwiGLU or GeGLU; or the experts) ----
     norm_rows(w.ffn_norm);
-    ops::MatMul(w.w_gate, s.normed.data(), n, s.gate.data(), n_threads_);
-    ops::MatMul(w.w_up, s.normed.data(), n, s.up.data(), n_threads_);
-    if (c.ffn_activation == FfnActivation::kGeluTanh) {
-      ops::GeluMul(s.gate.data(), s.up.data(), n * hidden);
-    } else {
-      ops::SiluMul(s.gate.data(), s.up.data(), n * hidden);
-    }
-    ops::MatMul(w.w_down, s.gate.data(), n, s.proj.data(), n_threads_);
+    FeedForward(layer, n);
     add_residual(w.post_ffn_norm);
   }
 

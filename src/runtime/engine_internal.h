@@ -51,6 +51,14 @@ inline AttentionShape WithHeads(const AttentionShape& shape, int n_heads, int n_
   s.n_kv_heads = n_kv_heads;
   return s;
 }
+
+// One token's expert choice, as llama.cpp's build_moe_ffn makes it for softmax gating: the
+// softmax of the router's logits [n_experts], the n_used most probable experts (the lower id
+// first among equals), their probabilities as weights, renormalized to sum 1 when `normalize`
+// (the sum clamped below at 2^-14, as llama.cpp clamps it), times `scale`.
+// experts, weights: [n_used].
+void RouteToExperts(const float* logits, int n_experts, int n_used, bool normalize, float scale, int32_t* experts,
+                    float* weights);
 }  // namespace engine_detail
 
 struct Engine::Entry {
@@ -118,12 +126,28 @@ struct Engine::Scratch {
   std::vector<PrefillSelection> selections;
   std::vector<float> head_row_max_sum;  // [jobs, rows, query heads per job, 2] (observing policies)
   std::vector<KeySelection> selection_views;
+  // MoE layers: the router's logits, each row's chosen experts and their weights, the (row,
+  // choice) slots grouped by expert (counting sort: expert e's are expert_slots[expert_first[e]
+  // .. expert_first[e + 1])), and one expert's rows gathered in and out.
+  std::vector<float> router_logits;     // [rows, n_experts]
+  std::vector<int32_t> chosen_expert;   // [rows, n_experts_used]
+  std::vector<float> chosen_weight;     // [rows, n_experts_used]
+  std::vector<int32_t> expert_slots;    // [rows * n_experts_used] row * n_experts_used + choice
+  std::vector<int32_t> expert_first;    // [n_experts + 1]
+  std::vector<float> expert_in;         // [rows, dim]
+  std::vector<float> expert_out;        // [rows, dim]
 
   // Floats per row of the buffers Reserve sizes (Engine::ScratchBytesFor): keep the two in step.
   static size_t FloatsPerRow(const ModelConfig& c) {
     const size_t q_dim = static_cast<size_t>(c.n_heads) * c.head_dim;
     const size_t kv_dim = static_cast<size_t>(c.n_kv_heads) * c.head_dim;
-    return 3 * static_cast<size_t>(c.dim) + 2 * q_dim + 2 * kv_dim + 2 * static_cast<size_t>(c.hidden_dim) + 1;
+    return 3 * static_cast<size_t>(c.dim) + 2 * q_dim + 2 * kv_dim + 2 * static_cast<size_t>(c.MaxFfnWidth()) + 1 +
+           MoeFloatsPerRow(c);
+  }
+  // (int32 entries count as one float each)
+  static size_t MoeFloatsPerRow(const ModelConfig& c) {
+    if (!c.IsMoe()) return 0;
+    return static_cast<size_t>(c.n_experts) + 3 * static_cast<size_t>(c.n_experts_used) + 2 * static_cast<size_t>(c.dim);
   }
   void Reserve(const ModelConfig& c, int32_t n) {
     if (n <= rows) return;
@@ -137,9 +161,19 @@ struct Engine::Scratch {
     v.resize(r * kv_dim);
     att.resize(r * q_dim);
     proj.resize(r * c.dim);
-    gate.resize(r * c.hidden_dim);
-    up.resize(r * c.hidden_dim);
+    gate.resize(r * c.MaxFfnWidth());
+    up.resize(r * c.MaxFfnWidth());
     positions.resize(r);
+    if (c.IsMoe()) {
+      const size_t used = static_cast<size_t>(c.n_experts_used);
+      router_logits.resize(r * c.n_experts);
+      chosen_expert.resize(r * used);
+      chosen_weight.resize(r * used);
+      expert_slots.resize(r * used);
+      expert_first.resize(static_cast<size_t>(c.n_experts) + 1);
+      expert_in.resize(r * c.dim);
+      expert_out.resize(r * c.dim);
+    }
     rows = n;
   }
 };

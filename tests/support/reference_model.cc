@@ -38,10 +38,14 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   KVS_ASSIGN_OR_RETURN(std::string_view arch_view, file->GetString("general.architecture"));
   const std::string arch(arch_view);
   const bool gemma = arch == "gemma2" || arch == "gemma3";
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && !gemma && arch != "phi3") {
+  const bool moe_arch = arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe";
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && !gemma && arch != "phi3" && !moe_arch) {
     return UnimplementedError("reference model: architecture " + arch);
   }
-  m->neox_rope_ = arch != "llama";
+  // llama.cpp's graphs: Mixtral (llama) and qwen3moe renormalize the chosen experts' weights.
+  m->expert_weights_norm_ = arch == "llama" || arch == "qwen3moe";
+  m->qk_norm_full_width_ = arch == "olmoe";
+  m->neox_rope_ = arch != "llama";  // qwen2moe, qwen3moe and olmoe rotate NEOX halves too
   m->gelu_ = gemma;
   const std::string p = arch + ".";
   KVS_ASSIGN_OR_RETURN(uint64_t dim, file->GetUInt(p + "embedding_length"));
@@ -51,6 +55,10 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   KVS_ASSIGN_OR_RETURN(uint64_t context, file->GetUInt(p + "context_length"));
   KVS_ASSIGN_OR_RETURN(m->eps_, file->GetFloat(p + "attention.layer_norm_rms_epsilon"));
   KVS_ASSIGN_OR_RETURN(double theta, file->GetFloatOr(p + "rope.freq_base", 10000.0));
+  KVS_ASSIGN_OR_RETURN(uint64_t n_experts, file->GetUIntOr(p + "expert_count", 0));
+  KVS_ASSIGN_OR_RETURN(uint64_t n_experts_used, file->GetUIntOr(p + "expert_used_count", 0));
+  m->n_experts_ = static_cast<int>(n_experts);
+  m->n_experts_used_ = static_cast<int>(n_experts_used);
   m->dim_ = static_cast<int>(dim);
   m->n_layers_ = static_cast<int>(n_layers);
   m->n_heads_ = static_cast<int>(n_heads);
@@ -174,7 +182,26 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
       KVS_RETURN_IF_ERROR(matrix(b + "attn_v.weight", &L.wv));
     }
     KVS_RETURN_IF_ERROR(matrix(b + "attn_output.weight", &L.wo));
-    if (file->FindTensor(b + "ffn_gate.weight") != nullptr) {
+    // Expert e's matrix: rows [e * rows, (e + 1) * rows) of the 3-D tensor read as 2-D.
+    auto experts = [&](const std::string& name, std::vector<Matrix>* out) -> Status {
+      Matrix all;
+      KVS_RETURN_IF_ERROR(matrix(name, &all));
+      const int64_t rows = all.rows / static_cast<int64_t>(n_experts);
+      for (uint64_t e = 0; e < n_experts; ++e) out->push_back(split(all, static_cast<int64_t>(e) * rows, rows));
+      return Status::Ok();
+    };
+    if (n_experts > 0) {
+      KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate_inp.weight", &L.router));
+      KVS_RETURN_IF_ERROR(experts(b + "ffn_gate_exps.weight", &L.expert_gate));
+      KVS_RETURN_IF_ERROR(experts(b + "ffn_up_exps.weight", &L.expert_up));
+      KVS_RETURN_IF_ERROR(experts(b + "ffn_down_exps.weight", &L.expert_down));
+      if (file->FindTensor(b + "ffn_gate_inp_shexp.weight") != nullptr) {
+        KVS_RETURN_IF_ERROR(vec(b + "ffn_gate_inp_shexp.weight", &L.shared_expert_gate));
+        KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate_shexp.weight", &L.shared_gate));
+        KVS_RETURN_IF_ERROR(matrix(b + "ffn_up_shexp.weight", &L.shared_up));
+        KVS_RETURN_IF_ERROR(matrix(b + "ffn_down_shexp.weight", &L.shared_down));
+      }
+    } else if (file->FindTensor(b + "ffn_gate.weight") != nullptr) {
       KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate.weight", &L.gate));
       KVS_RETURN_IF_ERROR(matrix(b + "ffn_up.weight", &L.up));
     } else {  // phi3: ffn_up holds the gate's rows, then the up projection's
@@ -183,8 +210,10 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
       L.gate = split(gate_up, 0, gate_up.rows / 2);
       L.up = split(gate_up, gate_up.rows / 2, gate_up.rows / 2);
     }
-    KVS_RETURN_IF_ERROR(matrix(b + "ffn_down.weight", &L.down));
-    if (arch == "qwen3" || arch == "gemma3") {
+    if (n_experts == 0) {
+      KVS_RETURN_IF_ERROR(matrix(b + "ffn_down.weight", &L.down));
+    }
+    if (arch == "qwen3" || arch == "qwen3moe" || arch == "olmoe" || arch == "gemma3") {
       KVS_RETURN_IF_ERROR(vec(b + "attn_q_norm.weight", &L.q_norm));
       KVS_RETURN_IF_ERROR(vec(b + "attn_k_norm.weight", &L.k_norm));
     }
@@ -246,6 +275,50 @@ void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos, const st
   }
 }
 
+std::vector<double> ReferenceModel::Ffn(const Matrix& gate_m, const Matrix& up_m, const Matrix& down_m,
+                                        const std::vector<double>& h) const {
+  std::vector<double> gate = Apply(gate_m, h);
+  const std::vector<double> up = Apply(up_m, h);
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const double g = gate[i];
+    const double act = gelu_ ? 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)))
+                             : g / (1.0 + std::exp(-g));
+    gate[i] = act * up[i];
+  }
+  return Apply(down_m, gate);
+}
+
+// The n_experts_used most probable experts by softmax of the router, weighted by their
+// probabilities (renormalized where the architecture does), plus the sigmoid-gated shared expert.
+std::vector<double> ReferenceModel::Moe(const Layer& L, const std::vector<double>& h) const {
+  const std::vector<double> logits = Apply(L.router, h);
+  const double top = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> prob(logits.size());
+  double total = 0;
+  for (size_t e = 0; e < logits.size(); ++e) total += (prob[e] = std::exp(logits[e] - top));
+  for (double& p : prob) p /= total;
+  std::vector<int> order(logits.size());
+  for (size_t e = 0; e < order.size(); ++e) order[e] = static_cast<int>(e);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return prob[a] > prob[b]; });
+  order.resize(static_cast<size_t>(n_experts_used_));
+  double chosen_sum = 0;
+  for (int e : order) chosen_sum += prob[e];
+  std::vector<double> out(static_cast<size_t>(dim_), 0.0);
+  for (int e : order) {
+    const double weight = expert_weights_norm_ ? prob[e] / chosen_sum : prob[e];
+    const std::vector<double> y = Ffn(L.expert_gate[e], L.expert_up[e], L.expert_down[e], h);
+    for (int d = 0; d < dim_; ++d) out[d] += weight * y[d];
+  }
+  if (!L.shared_expert_gate.empty()) {
+    double logit = 0;
+    for (int d = 0; d < dim_; ++d) logit += L.shared_expert_gate[d] * h[d];
+    const double gate = 1.0 / (1.0 + std::exp(-logit));
+    const std::vector<double> y = Ffn(L.shared_gate, L.shared_up, L.shared_down, h);
+    for (int d = 0; d < dim_; ++d) out[d] += gate * y[d];
+  }
+  return out;
+}
+
 std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) const {
   const size_t n = tokens.size();
   std::vector<std::vector<double>> x(n);  // [n][dim] residual stream
@@ -262,7 +335,10 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
       q[t] = Apply(L.wq, h, &L.bq);
       k[t] = Apply(L.wk, h, &L.bk);
       v[t] = Apply(L.wv, h, &L.bv);
-      if (!L.q_norm.empty()) {  // qwen3: RMSNorm per head before RoPE
+      if (!L.q_norm.empty() && qk_norm_full_width_) {  // olmoe: over the whole projection
+        q[t] = RmsNorm(q[t], L.q_norm);
+        k[t] = RmsNorm(k[t], L.k_norm);
+      } else if (!L.q_norm.empty()) {  // qwen3: RMSNorm per head before RoPE
         HeadNorm(q[t], n_heads_, L.q_norm);
         HeadNorm(k[t], n_kv_heads_, L.k_norm);
       }
@@ -299,15 +375,7 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
     }
     for (size_t t = 0; t < n; ++t) {
       const std::vector<double> h = RmsNorm(x[t], L.ffn_norm);
-      std::vector<double> gate = Apply(L.gate, h);
-      const std::vector<double> up = Apply(L.up, h);
-      for (size_t i = 0; i < gate.size(); ++i) {
-        const double g = gate[i];
-        const double act = gelu_ ? 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)))
-                                 : g / (1.0 + std::exp(-g));
-        gate[i] = act * up[i];
-      }
-      std::vector<double> down = Apply(L.down, gate);
+      std::vector<double> down = n_experts_ > 0 ? Moe(L, h) : Ffn(L.gate, L.up, L.down, h);
       if (!L.post_ffn_norm.empty()) down = RmsNorm(down, L.post_ffn_norm);
       for (int d = 0; d < dim_; ++d) x[t][static_cast<size_t>(d)] += down[static_cast<size_t>(d)];
     }

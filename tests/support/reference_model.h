@@ -1,5 +1,5 @@
-// A deliberately plain float64 forward pass for llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3
-// GGUF models, written
+// A deliberately plain float64 forward pass for llama (with or without experts) / qwen2 / qwen3 /
+// gemma2 / gemma3 / phi3 / qwen2moe / qwen3moe / olmoe GGUF models, written
 // independently of Model/Engine: its own metadata parsing, weights dequantized once with
 // ref::DequantizeRow into double matrices, RoPE written out from the formula for both
 // styles, and attention as an explicit causal loop. Tests compare Engine logits to it.
@@ -35,6 +35,11 @@ class ReferenceModel {
     std::vector<double> q_norm, k_norm;       // [head_dim] qwen3, gemma3; empty when absent
     std::vector<double> post_attn_norm, post_ffn_norm;  // [dim] gemma; empty when absent
     int window = 0;                           // sliding-window layer: keys with t - s < window; 0: all
+    // Mixture of experts: router [n_experts, dim], each expert's gate/up/down; shared expert.
+    Matrix router;
+    std::vector<Matrix> expert_gate, expert_up, expert_down;  // [n_experts]
+    Matrix shared_gate, shared_up, shared_down;
+    std::vector<double> shared_expert_gate;   // [dim] qwen2moe; empty when absent
     std::vector<double> freq;                 // [head_dim/2] this layer's rotation speeds
     double rope_magnitude = 1.0;              // YaRN mscale / LongRoPE attn_factor on q and k
   };
@@ -49,6 +54,13 @@ class ReferenceModel {
   // x [n_heads, head_dim]: rotated by pos * freq[i], times `magnitude`.
   void Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq, double magnitude) const;
 
+  // A gated SwiGLU/GeGLU FFN: down(act(gate h) * up h).
+  std::vector<double> Ffn(const Matrix& gate, const Matrix& up, const Matrix& down, const std::vector<double>& h) const;
+  std::vector<double> Moe(const Layer& L, const std::vector<double>& h) const;
+
+  int n_experts_ = 0, n_experts_used_ = 0;
+  bool expert_weights_norm_ = false;
+  bool qk_norm_full_width_ = false;  // olmoe
   bool neox_rope_ = false;
   bool gelu_ = false;               // GeGLU (gemma) instead of SwiGLU
   double embedding_scale_ = 1.0;

@@ -1,0 +1,138 @@
+// The feed-forward half of a layer: a dense gated FFN, or a mixture of experts. A MoE step
+// routes every row, groups the (row, expert) pairs by expert, and runs each chosen expert once
+// over its gathered rows, so a prompt chunk reads each expert's weights once, not once per
+// token, and a decode step reads only its n_experts_used experts.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "kvsparse/engine.h"
+#include "runtime/engine_internal.h"
+
+namespace kvsparse {
+
+namespace engine_detail {
+
+void RouteToExperts(const float* logits, int n_experts, int n_used, bool normalize, float scale, int32_t* experts,
+                    float* weights) {
+  // Softmax over every expert: the weights are probabilities of the full distribution.
+  float max_logit = -INFINITY;
+  for (int e = 0; e < n_experts; ++e) max_logit = std::max(max_logit, logits[e]);
+  double total = 0;
+  for (int e = 0; e < n_experts; ++e) total += std::exp(static_cast<double>(logits[e]) - max_logit);
+  // Partial selection of the n_used largest logits (the same order as the probabilities).
+  for (int k = 0; k < n_used; ++k) {
+    int best = -1;
+    for (int e = 0; e < n_experts; ++e) {
+      bool taken = false;
+      for (int j = 0; j < k && !taken; ++j) taken = experts[j] == e;
+      if (taken) continue;
+      // NaN logits never win over a number; a row of NaNs still picks distinct experts.
+      if (best < 0 || logits[e] > logits[best] || (std::isnan(logits[best]) && !std::isnan(logits[e]))) best = e;
+    }
+    experts[k] = best;
+    weights[k] = static_cast<float>(std::exp(static_cast<double>(logits[best]) - max_logit) / total);
+  }
+  if (normalize) {
+    double sum = 0;
+    for (int k = 0; k < n_used; ++k) sum += weights[k];
+    const double divisor = std::max(sum, 6.103515625e-5);
+    for (int k = 0; k < n_used; ++k) weights[k] = static_cast<float>(weights[k] / divisor);
+  }
+  if (scale != 1.0f) {
+    for (int k = 0; k < n_used; ++k) weights[k] *= scale;
+  }
+}
+
+}  // namespace engine_detail
+
+using namespace engine_detail;  // NOLINT
+
+void Engine::FeedForward(int layer, int32_t n) {
+  const ModelConfig& c = model_.config();
+  if (c.IsMoe()) return MixtureOfExperts(layer, n);
+  const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
+  Scratch& s = *scratch_;
+  const int64_t hidden = c.hidden_dim;
+  ops::MatMul(w.w_gate, s.normed.data(), n, s.gate.data(), n_threads_);
+  ops::MatMul(w.w_up, s.normed.data(), n, s.up.data(), n_threads_);
+  if (c.ffn_activation == FfnActivation::kGeluTanh) {
+    ops::GeluMul(s.gate.data(), s.up.data(), n * hidden);
+  } else {
+    ops::SiluMul(s.gate.data(), s.up.data(), n * hidden);
+  }
+  ops::MatMul(w.w_down, s.gate.data(), n, s.proj.data(), n_threads_);
+}
+
+void Engine::MixtureOfExperts(int layer, int32_t n) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
+  Scratch& s = *scratch_;
+  const int n_experts = c.n_experts, n_used = c.n_experts_used;
+  const size_t dim = static_cast<size_t>(c.dim);
+
+  // Route every row.
+  ops::MatMul(w.router, s.normed.data(), n, s.router_logits.data(), n_threads_);
+  if (router_observer_) router_observer_(layer, n, s.router_logits.data());
+  for (int32_t i = 0; i < n; ++i) {
+    const size_t r = static_cast<size_t>(i);
+    RouteToExperts(&s.router_logits[r * n_experts], n_experts, n_used, c.expert_weights_norm, c.expert_weights_scale,
+                   &s.chosen_expert[r * n_used], &s.chosen_weight[r * n_used]);
+  }
+  // Group the slots (row * n_used + choice) by expert: a counting sort, stable in row order.
+  std::vector<int32_t>& first = s.expert_first;
+  std::fill(first.begin(), first.end(), 0);
+  const int32_t n_slots = n * n_used;
+  for (int32_t slot = 0; slot < n_slots; ++slot) ++first[static_cast<size_t>(s.chosen_expert[slot]) + 1];
+  std::partial_sum(first.begin(), first.end(), first.begin());
+  for (int32_t slot = 0; slot < n_slots; ++slot) {
+    s.expert_slots[static_cast<size_t>(first[static_cast<size_t>(s.chosen_expert[slot])]++)] = slot;
+  }
+  // (first[e] now holds expert e's end; the starts are the previous expert's ends.)
+  std::rotate(first.rbegin(), first.rbegin() + 1, first.rend());
+  first[0] = 0;
+
+  // The shared expert first (qwen2moe), which sets s.proj; else s.proj starts at zero.
+  if (w.shared_gate.data != nullptr) {
+    const int64_t width = c.shared_expert_hidden_dim;
+    ops::MatMul(w.shared_gate, s.normed.data(), n, s.gate.data(), n_threads_);
+    ops::MatMul(w.shared_up, s.normed.data(), n, s.up.data(), n_threads_);
+    ops::SiluMul(s.gate.data(), s.up.data(), n * width);
+    ops::MatMul(w.shared_down, s.gate.data(), n, s.proj.data(), n_threads_);
+    for (int32_t i = 0; i < n; ++i) {
+      float* row = &s.proj[static_cast<size_t>(i) * dim];
+      const float logit = ops::Dot(&s.normed[static_cast<size_t>(i) * dim], w.shared_expert_gate, c.dim);
+      const float gate = 1.0f / (1.0f + std::exp(-logit));
+      for (size_t j = 0; j < dim; ++j) row[j] *= gate;
+    }
+  } else {
+    std::fill_n(s.proj.begin(), static_cast<size_t>(n) * dim, 0.0f);
+  }
+
+  // Each chosen expert over its gathered rows; its weighted output added back to each row.
+  const int64_t width = c.expert_hidden_dim;
+  for (int e = 0; e < n_experts; ++e) {
+    const int32_t begin = first[static_cast<size_t>(e)], count = first[static_cast<size_t>(e) + 1] - begin;
+    if (count == 0) continue;
+    const int32_t* slots = &s.expert_slots[static_cast<size_t>(begin)];
+    for (int32_t j = 0; j < count; ++j) {
+      const size_t row = static_cast<size_t>(slots[j] / n_used);
+      std::copy_n(&s.normed[row * dim], dim, &s.expert_in[static_cast<size_t>(j) * dim]);
+    }
+    ops::MatMul(w.expert_gate[static_cast<size_t>(e)], s.expert_in.data(), count, s.gate.data(), n_threads_);
+    ops::MatMul(w.expert_up[static_cast<size_t>(e)], s.expert_in.data(), count, s.up.data(), n_threads_);
+    ops::SiluMul(s.gate.data(), s.up.data(), count * width);
+    ops::MatMul(w.expert_down[static_cast<size_t>(e)], s.gate.data(), count, s.expert_out.data(), n_threads_);
+    for (int32_t j = 0; j < count; ++j) {
+      const size_t row = static_cast<size_t>(slots[j] / n_used);
+      const float weight = s.chosen_weight[static_cast<size_t>(slots[j])];
+      float* out = &s.proj[row * dim];
+      const float* y = &s.expert_out[static_cast<size_t>(j) * dim];
+      for (size_t d = 0; d < dim; ++d) out[d] += weight * y[d];
+    }
+  }
+}
+
+}  // namespace kvsparse

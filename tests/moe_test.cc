@@ -1,0 +1,189 @@
+// Mixtures of experts (qwen3moe, qwen2moe, olmoe, Mixtral as llama with experts): what the loader
+// reads, the router's choice against llama.cpp's rule, what a decode step reads, prompt and decode
+// paths against each other across batch shapes, and hostile expert metadata. The logits against
+// the float64 reference are in architectures_test.cc; llama.cpp's greedy ids in
+// llamacpp_greedy_test.cc.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "kvsparse/contiguous_kv_cache.h"
+#include "kvsparse/engine.h"
+#include "kvsparse/model.h"
+#include "kvsparse/runtime.h"
+#include "kvsparse/synth.h"
+#include "runtime/engine_internal.h"
+#include "support/shared_data.h"
+
+namespace kvsparse {
+namespace {
+
+std::string WriteShape(const std::string& shape, DType type = DType::kF32, const std::string& suffix = "") {
+  SynthOptions options;
+  options.weight_type = type;
+  const std::string path = testing::TempPath("moe_" + shape + suffix + ".gguf");
+  const Status written = WriteSynthModel(FindSynthShape(shape).value(), options, path);
+  EXPECT_TRUE(written.ok()) << written.ToString();
+  return path;
+}
+
+TEST(Moe, LoadsExpertsByName) {
+  struct Case {
+    const char* shape;
+    Arch arch;
+    bool norm, shared, full_width_norm;
+  };
+  for (const Case& k : {Case{"tiny-qwen3moe", Arch::kQwen3Moe, true, false, false},
+                        Case{"tiny-qwen2moe", Arch::kQwen2Moe, false, true, false},
+                        Case{"tiny-olmoe", Arch::kOlmoe, false, false, true},
+                        Case{"tiny-mixtral", Arch::kLlama, true, false, false}}) {
+    SCOPED_TRACE(k.shape);
+    auto model = Model::Load(WriteShape(k.shape));
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    const ModelConfig& c = (*model)->config();
+    EXPECT_EQ(c.arch, k.arch);
+    EXPECT_EQ(c.n_experts, 8);
+    EXPECT_EQ(c.n_experts_used, 2);
+    EXPECT_EQ(c.expert_hidden_dim, 128);
+    EXPECT_EQ(c.expert_weights_norm, k.norm);
+    EXPECT_EQ(c.qk_norm_full_width, k.full_width_norm);
+    EXPECT_EQ(c.shared_expert_hidden_dim, k.shared ? 256 : 0);
+    const LayerWeights& l = (*model)->layers[1];
+    EXPECT_EQ(l.w_gate.data, nullptr);  // no dense FFN
+    ASSERT_EQ(l.expert_gate.size(), 8u);
+    EXPECT_EQ(l.router.type, DType::kF32);
+    EXPECT_EQ(l.router.rows, 8);
+    // Each expert is a row range of the one 3-D tensor: nothing copied.
+    const size_t expert_bytes = 128 * DTypeRowBytes(l.expert_gate[0].type, 256);
+    EXPECT_EQ(static_cast<const uint8_t*>(l.expert_gate[3].data),
+              static_cast<const uint8_t*>(l.expert_gate[0].data) + 3 * expert_bytes);
+    EXPECT_EQ(l.expert_down[5].rows, 256);
+    EXPECT_EQ(l.expert_down[5].cols, 128);
+    EXPECT_EQ(l.shared_expert_gate != nullptr, k.shared);
+  }
+}
+
+// A decode step reads the router, the shared expert and 2 of the 8 experts of each layer.
+TEST(Moe, ActiveBytesCountTheChosenExperts) {
+  auto model = Model::Load(WriteShape("tiny-qwen3moe", DType::kQ8_0, "_q8"));
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const Model& m = **model;
+  size_t experts = 0;
+  for (const LayerWeights& l : m.layers) {
+    for (const auto* list : {&l.expert_gate, &l.expert_up, &l.expert_down}) {
+      for (const WeightView& w : *list) experts += static_cast<size_t>(w.rows) * DTypeRowBytes(w.type, w.cols);
+    }
+  }
+  const size_t embedding = static_cast<size_t>(m.token_embedding.rows) *
+                           DTypeRowBytes(m.token_embedding.type, m.token_embedding.cols);
+  const size_t embedding_row = DTypeRowBytes(m.token_embedding.type, m.token_embedding.cols);
+  EXPECT_EQ(m.ActiveWeightBytesPerToken(), m.WeightBytes() - embedding + embedding_row - experts + experts / 4);
+  EXPECT_NE(m.Summary().find("2 of 8 experts"), std::string::npos) << m.Summary();
+}
+
+TEST(Moe, RouteToExpertsFollowsLlamaCpp) {
+  const float logits[6] = {0.5f, 2.0f, -1.0f, 2.0f, 1.5f, -3.0f};
+  double total = 0;
+  for (float l : logits) total += std::exp(static_cast<double>(l));
+  int32_t experts[3];
+  float weights[3];
+  engine_detail::RouteToExperts(logits, 6, 3, /*normalize=*/false, 1.0f, experts, weights);
+  EXPECT_EQ(experts[0], 1);  // the lower id first among equals
+  EXPECT_EQ(experts[1], 3);
+  EXPECT_EQ(experts[2], 4);
+  EXPECT_NEAR(weights[0], std::exp(2.0) / total, 1e-6);
+  EXPECT_NEAR(weights[2], std::exp(1.5) / total, 1e-6);
+  engine_detail::RouteToExperts(logits, 6, 3, /*normalize=*/true, 2.5f, experts, weights);
+  const double chosen = 2 * std::exp(2.0) + std::exp(1.5);
+  EXPECT_NEAR(weights[0], 2.5 * std::exp(2.0) / chosen, 1e-6);
+  EXPECT_NEAR(weights[0] + weights[1] + weights[2], 2.5, 1e-5);
+  // NaN logits never crash the choice: distinct, valid experts.
+  const float nan_logits[4] = {NAN, 1.0f, NAN, 0.0f};
+  engine_detail::RouteToExperts(nan_logits, 4, 3, true, 1.0f, experts, weights);
+  EXPECT_EQ(experts[0], 1);
+  EXPECT_EQ(experts[1], 3);
+  EXPECT_TRUE(experts[2] == 0 || experts[2] == 2);
+}
+
+// Rows grouped by expert give each row what it gets alone: the whole prompt at once, token by
+// token, and two sequences batched in one step, with quantized weights.
+TEST(Moe, GroupedPromptEqualsDecode) {
+  auto model = Model::Load(WriteShape("tiny-qwen2moe", DType::kQ8_0, "_q8"));
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const Model& m = **model;
+  const int n = 24, vocab = m.config().n_vocab;
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < n; ++i) tokens.push_back((i * 53 + 7) % 1000);
+  std::vector<float> prompt(static_cast<size_t>(n) * vocab), decode(prompt.size());
+  {
+    ContiguousKvCache cache(ModelKvGeometry(m), KvStorage::kF32, 1, n);
+    Engine engine(m, &cache, 2);
+    ASSERT_TRUE(engine.Forward(0, tokens.data(), n, 0, prompt.data(), /*all_logits=*/true).ok());
+  }
+  {
+    ContiguousKvCache cache(ModelKvGeometry(m), KvStorage::kF32, 2, n);
+    Engine engine(m, &cache, 2);
+    for (int i = 0; i < n; ++i) {
+      // Sequence 1 runs the same tokens beside it in the same steps.
+      std::vector<float> other(static_cast<size_t>(vocab));
+      BatchSequence batch[2];
+      batch[0] = BatchSequence{0, &tokens[i], 1, i};
+      batch[0].logits = &decode[static_cast<size_t>(i) * vocab];
+      batch[1] = BatchSequence{1, &tokens[i], 1, i};
+      batch[1].logits = other.data();
+      ASSERT_TRUE(engine.ForwardBatch(batch).ok());
+      for (int j = 0; j < vocab; ++j) ASSERT_NEAR(other[j], decode[static_cast<size_t>(i) * vocab + j], 1e-5);
+    }
+  }
+  double worst = 0;
+  for (size_t i = 0; i < prompt.size(); ++i) worst = std::max(worst, static_cast<double>(std::fabs(prompt[i] - decode[i])));
+  // Q8_0 activations quantized per row: the paths differ in the last bits only.
+  EXPECT_LT(worst, 0.05);
+}
+
+// Rewrites the u32 value of metadata `key` in a GGUF file's bytes.
+void PatchU32(const std::string& path, const std::string& key, uint32_t value) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const uint64_t length = key.size();
+  const std::string needle = std::string(reinterpret_cast<const char*>(&length), sizeof(length)) + key;
+  const size_t at = bytes.find(needle);
+  ASSERT_NE(at, std::string::npos) << key;
+  const size_t value_at = at + needle.size() + sizeof(uint32_t);  // past the type tag
+  uint32_t type;
+  std::memcpy(&type, &bytes[at + needle.size()], sizeof(type));
+  ASSERT_EQ(type, 4u) << key << " is not a u32";
+  std::memcpy(&bytes[value_at], &value, sizeof(value));
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+TEST(Moe, BadExpertMetadataIsAnError) {
+  struct Case {
+    const char* key;
+    uint32_t value;
+    const char* message;
+  };
+  for (const Case& k : {Case{"qwen3moe.expert_count", 0, "'qwen3moe.expert_count' = 0 is out of range"},
+                        Case{"qwen3moe.expert_used_count", 9, "'qwen3moe.expert_used_count' = 9 exceeds"},
+                        Case{"qwen3moe.expert_used_count", 0, "'qwen3moe.expert_used_count' = 0 is out of range"},
+                        Case{"qwen3moe.expert_count", 7, "'blk.0.ffn_gate_inp.weight' has shape [256, 8], expected "
+                                                         "[256, 7]"},
+                        Case{"qwen3moe.expert_count", 100000, "out of range [1, 4096]"},
+                        Case{"qwen3moe.expert_feed_forward_length", 96,
+                             "'blk.0.ffn_gate_exps.weight' has shape [256, 128, 8], expected [256, 96, 8]"}}) {
+    SCOPED_TRACE(k.key);
+    const std::string path = WriteShape("tiny-qwen3moe", DType::kF32, "_bad");
+    PatchU32(path, k.key, k.value);
+    auto model = Model::Load(path);
+    ASSERT_FALSE(model.ok());
+    EXPECT_NE(model.status().message().find(k.message), std::string::npos) << model.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace kvsparse
