@@ -2,8 +2,6 @@
 // routes every row, groups the (row, expert) pairs by expert, and runs each chosen expert once
 // over its gathered rows, so a prompt chunk reads each expert's weights once, not once per
 // token, and a decode step reads only its n_experts_used experts.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <numeric>
