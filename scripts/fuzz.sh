@@ -50,7 +50,10 @@ run_one() {
         "$BUILD"/kvsparse synth --shape tiny-qwen2 --type f16 --layers 1 -o "$corpus/tiny-qwen2-f16.gguf" >/dev/null
       # A mixture of experts with a shared expert: expert keys and 3-D expert tensors to mutate.
       [ -f "$corpus/tiny-qwen2moe-q8_0.gguf" ] ||
-        "$BUILD"/kvsparse synth --shape tiny-qwen2moe --type q8_0 --layers 1 -o "$corpus/tiny-qwen2moe-q8_0.gguf" >/dev/null ;;
+        "$BUILD"/kvsparse synth --shape tiny-qwen2moe --type q8_0 --layers 1 -o "$corpus/tiny-qwen2moe-q8_0.gguf" >/dev/null
+      # Latent attention (MLA with q_lora) and sigmoid routing with its selection bias.
+      [ -f "$corpus/tiny-deepseek3-q8_0.gguf" ] ||
+        "$BUILD"/kvsparse synth --shape tiny-deepseek3 --type q8_0 --layers 1 -o "$corpus/tiny-deepseek3-q8_0.gguf" >/dev/null ;;
     tokenizer)
       # Each .inp test vector as a seed (selector byte 0x10 + i, no flags).
       if [ -d "$SHARED/vocab" ]; then

@@ -48,9 +48,10 @@ TEST_P(FuzzCorpus, SeedsAndRegressionsRunClean) {
 // GGUF seeds are written, not committed (a model is a few hundred KiB): a whole tiny model, then
 // prefixes and single-byte changes of it, as the fuzzer starts from.
 // The mixture of experts (expert keys, 3-D tensors, the shared expert) gets changes over its
-// metadata too, where the expert keys are.
+// metadata too, where the expert keys are, and so does deepseek2's latent attention (tiny-deepseek3:
+// q_lora, split attn_k_b / attn_v_b, sigmoid routing with exp_probs_b).
 TEST(FuzzCorpus, GgufHarnessOnAWrittenModel) {
-  for (const char* shape_name : {"tiny-llama", "tiny-qwen2moe"}) {
+  for (const char* shape_name : {"tiny-llama", "tiny-qwen2moe", "tiny-deepseek3"}) {
     SCOPED_TRACE(shape_name);
     auto shape = FindSynthShape(shape_name);
     ASSERT_TRUE(shape.ok());

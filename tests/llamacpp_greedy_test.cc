@@ -3,7 +3,8 @@
 // residual, qwen2 with biases, llama with GQA and Llama 3 RoPE factors, gemma2 with softcaps and
 // 16-token windows on every other layer, gemma3 with 5 sliding layers of 6 and their own RoPE base,
 // phi3 with fused projections and LongRoPE's short (context 512) and long (4096) factors, qwen2
-// with YaRN). The 48-token sequences pass the 16-token windows, so the windows are exercised; a
+// with YaRN, the mixtures of experts, deepseek2's latent attention with DeepSeek's YaRN, q_lora,
+// the split and the whole kv_b, sigmoid routing with its selection bias). The 48-token sequences pass the 16-token windows, so the windows are exercised; a
 // sliding-window model is also run through the paged runtime, whose sliding layers free their
 // pages as the window moves.
 //
@@ -113,13 +114,21 @@ TEST_P(LlamaCppGreedyTest, MatchesLlamaCppIds) {
   // (The margins are the prompt path's, as the engine computed them.)
   size_t steps = c.ids.size();
   std::vector<double> router_margins(static_cast<size_t>(n), INFINITY);  // [n] smallest over layers
-  auto observe_router = [&](int, int32_t rows, const float* router_logits) {
+  auto observe_router = [&](int layer, int32_t rows, const float* router_logits) {
     if (rows != n) return;  // (the prompt path runs all n rows in one step)
+    const float* selection_bias = (*model)->layers[static_cast<size_t>(layer)].expert_selection_bias;
     for (int32_t row = 0; row < rows; ++row) {
       std::vector<float> sorted(router_logits + static_cast<size_t>(row) * config.n_experts,
                                 router_logits + static_cast<size_t>(row + 1) * config.n_experts);
+      if (config.expert_gating == ExpertGating::kSigmoid) {  // DeepSeek-V3 chooses by sigmoid + bias
+        for (int e = 0; e < config.n_experts; ++e) {
+          sorted[e] = 1.0f / (1.0f + std::exp(-sorted[e])) + (selection_bias != nullptr ? selection_bias[e] : 0.0f);
+        }
+      }
       std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const double margin = sorted[config.n_experts_used - 1] - sorted[config.n_experts_used];
+      // (A sigmoid's slope is at most 1/4: its margins count four times as much as logits'.)
+      const double margin = (sorted[config.n_experts_used - 1] - sorted[config.n_experts_used]) *
+                            (config.expert_gating == ExpertGating::kSigmoid ? 4.0 : 1.0);
       router_margins[row] = std::min(router_margins[row], margin);
     }
   };
@@ -146,7 +155,7 @@ TEST_P(LlamaCppGreedyTest, MatchesLlamaCppIds) {
 
   std::vector<float> logits(static_cast<size_t>(n) * vocab);
   {
-    ContiguousKvCache cache(KvGeometry{config.n_layers, config.n_kv_heads, config.head_dim}, KvStorage::kF32, 1, n);
+    ContiguousKvCache cache(ModelKvGeometry(**model, /*with_windows=*/false), KvStorage::kF32, 1, n);
     Engine engine(**model, &cache, 2);
     if (config.IsMoe() && config.n_experts_used < config.n_experts) engine.SetRouterObserver(observe_router);
     ASSERT_TRUE(engine.Forward(0, tokens.data(), n, 0, logits.data(), /*all_logits=*/true).ok());
@@ -155,7 +164,7 @@ TEST_P(LlamaCppGreedyTest, MatchesLlamaCppIds) {
   }
 
   {
-    ContiguousKvCache cache(KvGeometry{config.n_layers, config.n_kv_heads, config.head_dim}, KvStorage::kF32, 1, n);
+    ContiguousKvCache cache(ModelKvGeometry(**model, /*with_windows=*/false), KvStorage::kF32, 1, n);
     Engine engine(**model, &cache, 2);
     for (int i = 0; i < n; ++i) {
       ASSERT_TRUE(engine.Forward(0, &tokens[i], 1, i, &logits[static_cast<size_t>(i) * vocab]).ok());

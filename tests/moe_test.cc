@@ -87,27 +87,54 @@ TEST(Moe, ActiveBytesCountTheChosenExperts) {
 }
 
 TEST(Moe, RouteToExpertsFollowsLlamaCpp) {
+  using engine_detail::RouterRule;
   const float logits[6] = {0.5f, 2.0f, -1.0f, 2.0f, 1.5f, -3.0f};
   double total = 0;
   for (float l : logits) total += std::exp(static_cast<double>(l));
   int32_t experts[3];
   float weights[3];
-  engine_detail::RouteToExperts(logits, 6, 3, /*normalize=*/false, 1.0f, experts, weights);
+  float probs[6];
+  engine_detail::RouteToExperts(logits, RouterRule{6, 3}, probs, experts, weights);
   EXPECT_EQ(experts[0], 1);  // the lower id first among equals
   EXPECT_EQ(experts[1], 3);
   EXPECT_EQ(experts[2], 4);
   EXPECT_NEAR(weights[0], std::exp(2.0) / total, 1e-6);
   EXPECT_NEAR(weights[2], std::exp(1.5) / total, 1e-6);
-  engine_detail::RouteToExperts(logits, 6, 3, /*normalize=*/true, 2.5f, experts, weights);
+  engine_detail::RouteToExperts(logits, RouterRule{6, 3, ExpertGating::kSoftmax, nullptr, true, 2.5f}, probs, experts,
+                                weights);
   const double chosen = 2 * std::exp(2.0) + std::exp(1.5);
   EXPECT_NEAR(weights[0], 2.5 * std::exp(2.0) / chosen, 1e-6);
   EXPECT_NEAR(weights[0] + weights[1] + weights[2], 2.5, 1e-5);
   // NaN logits never crash the choice: distinct, valid experts.
   const float nan_logits[4] = {NAN, 1.0f, NAN, 0.0f};
-  engine_detail::RouteToExperts(nan_logits, 4, 3, true, 1.0f, experts, weights);
+  engine_detail::RouteToExperts(nan_logits, RouterRule{4, 3, ExpertGating::kSoftmax, nullptr, true, 1.0f}, probs,
+                                experts, weights);
   EXPECT_EQ(experts[0], 1);
   EXPECT_EQ(experts[1], 3);
   EXPECT_TRUE(experts[2] == 0 || experts[2] == 2);
+}
+
+// DeepSeek-V3's rule: sigmoid weights, chosen by weight plus a selection bias that does not enter
+// the weights.
+TEST(Moe, SigmoidGatingWithSelectionBias) {
+  using engine_detail::RouterRule;
+  const float logits[4] = {1.0f, 0.0f, 2.0f, -1.0f};
+  const float bias[4] = {0.0f, 0.9f, 0.0f, 0.0f};
+  auto sigmoid = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
+  int32_t experts[2];
+  float weights[2];
+  float probs[4];
+  engine_detail::RouteToExperts(logits, RouterRule{4, 2, ExpertGating::kSigmoid, bias, false, 1.0f}, probs, experts,
+                                weights);
+  EXPECT_EQ(experts[0], 1);  // sigmoid(0) + 0.9 = 1.4 beats sigmoid(2) = 0.88
+  EXPECT_EQ(experts[1], 2);
+  EXPECT_NEAR(weights[0], sigmoid(0.0), 1e-6);
+  EXPECT_NEAR(weights[1], sigmoid(2.0), 1e-6);
+  engine_detail::RouteToExperts(logits, RouterRule{4, 2, ExpertGating::kSigmoid, nullptr, true, 2.0f}, probs, experts,
+                                weights);
+  EXPECT_EQ(experts[0], 2);
+  EXPECT_EQ(experts[1], 0);
+  EXPECT_NEAR(weights[0], 2.0 * sigmoid(2.0) / (sigmoid(2.0) + sigmoid(1.0)), 1e-6);
 }
 
 // Rows grouped by expert give each row what it gets alone: the whole prompt at once, token by
@@ -178,6 +205,34 @@ TEST(Moe, BadExpertMetadataIsAnError) {
                              "'blk.0.ffn_gate_exps.weight' has shape [256, 128, 8], expected [256, 96, 8]"}}) {
     SCOPED_TRACE(k.key);
     const std::string path = WriteShape("tiny-qwen3moe", DType::kF32, "_bad");
+    PatchU32(path, k.key, k.value);
+    auto model = Model::Load(path);
+    ASSERT_FALSE(model.ok());
+    EXPECT_NE(model.status().message().find(k.message), std::string::npos) << model.status().ToString();
+  }
+}
+
+// deepseek2's latent attention: each rank and length is checked against the tensors.
+TEST(Moe, BadLatentMetadataIsAnError) {
+  struct Case {
+    const char* shape;
+    const char* key;
+    uint32_t value;
+    const char* message;
+  };
+  for (const Case& k : {
+           Case{"tiny-deepseek3", "deepseek2.attention.kv_lora_rank", 0, "'deepseek2.attention.kv_lora_rank' = 0 is out of range"},
+           Case{"tiny-deepseek3", "deepseek2.attention.kv_lora_rank", 48, "MLA cache row is kv_lora_rank + rope dims = 48 + 16"},
+           Case{"tiny-deepseek3", "deepseek2.attention.q_lora_rank", 64, "'blk.0.attn_q_a.weight' has shape [256, 96], expected [256, 64]"},
+           Case{"tiny-deepseek3", "deepseek2.rope.dimension_count", 8, "kv_lora_rank + rope dims = 64 + 8"},
+           Case{"tiny-deepseek3", "deepseek2.attention.key_length_mla", 40, "'blk.0.attn_q_b.weight' has shape [96, 192], expected [96, 160]"},
+           Case{"tiny-deepseek3", "deepseek2.attention.value_length_mla", 16, "'blk.0.attn_v_b.weight' has shape [64, 32, 4], expected [64, 16, 4]"},
+           Case{"tiny-deepseek3", "deepseek2.expert_gating_func", 3, "'deepseek2.expert_gating_func' = 3 is not supported"},
+           Case{"tiny-deepseek3", "deepseek2.leading_dense_block_count", 9, "'deepseek2.leading_dense_block_count' = 9 is out of range [0, 2]"},
+           Case{"tiny-deepseek2-kvb", "deepseek2.attention.kv_lora_rank", 32, "'blk.0.attn_kv_a_mqa.weight' has shape [256, 80], expected [256, 48]"},
+       }) {
+    SCOPED_TRACE(std::string(k.shape) + " " + k.key);
+    const std::string path = WriteShape(k.shape, DType::kF32, "_bad");
     PatchU32(path, k.key, k.value);
     auto model = Model::Load(path);
     ASSERT_FALSE(model.ok());

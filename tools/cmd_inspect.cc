@@ -75,11 +75,19 @@ int Run(const std::string& path, bool show_tensors) {
   }
   std::printf("  active bytes  %.1f MiB read per decoded token (weights)\n", model.ActiveWeightBytesPerToken() / 1048576.0);
 
-  // K and V per token per layer: n_kv_heads * head_dim values each.
-  const double values = 2.0 * c.n_kv_heads * c.head_dim;
+  // K and V per token per layer: n_kv_heads * head_dim values each; under MLA one latent row.
+  const double values = static_cast<double>(c.KvValuesPerToken());
+  const double rows = c.IsMla() ? 1.0 : 2.0;
   const double f16 = values * 2;
-  const double int8 = values * 1 + 2.0 * c.n_kv_heads * 2;  // + one f16 scale per (token, kv head) for K and V
+  const double int8 = values * 1 + rows * c.n_kv_heads * 2;  // + one f16 scale per (token, kv head) for K and V
   std::printf("\nKV cache per token:\n");
+  std::printf("  KV bytes/token  f16 %.0f, int8 %.0f (all %d layers)\n", f16 * c.n_layers, int8 * c.n_layers, c.n_layers);
+  if (c.IsMla()) {
+    std::printf("  latent        %d + %d values per layer (kv_lora_rank + rotated key), one row serving as K and V; "
+                "expanded per head it would be %lld values\n",
+                c.kv_lora_rank, c.mla_rope_dim,
+                static_cast<long long>(c.n_heads) * (c.QueryHeadDim() + c.mla_v_head_dim));
+  }
   std::printf("  per layer     f16 %.0f B, int8 %.0f B (int8 = 1 B/value + f16 scale per token and head)\n", f16, int8);
   std::printf("  all layers    f16 %.1f KiB, int8 %.1f KiB\n", f16 * c.n_layers / 1024, int8 * c.n_layers / 1024);
   if (c.max_context > 0) {

@@ -126,7 +126,7 @@ int Run(const ServeArgs& a) {
   // Razor's retrieval heads (its heads file, or a probe of the model), once: the budget below and
   // every request's layers start from the resolved config.
   if (Status s = ResolveRetrievalHeads(model, a.n_threads, &config); !s.ok()) return Fail(s);
-  const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+  const KvGeometry geometry = ModelKvGeometry(model, /*with_windows=*/false);
 
   size_t budget_bytes = 0;
   if (a.kv_memory_mib > 0) {

@@ -148,6 +148,14 @@ class Engine {
   // step) plus the shared expert.
   void FeedForward(int layer, int32_t n);
   void MixtureOfExperts(int layer, int32_t n);
+  // s.normed in; Q, K, V into s.q / s.k / s.v with biases, Q/K norms and RoPE at s.positions.
+  void ProjectAttention(int layer, int32_t n);
+  // MLA layers (engine_mla.cc): s.normed in; the absorbed queries into s.q ([n, n_heads,
+  // head_dim]) and the latent cache rows into s.k ([n, head_dim]), rotated at s.positions.
+  void ProjectLatentAttention(int layer, int32_t n);
+  // s.att ([n, n_heads, head_dim], each head's first kv_lora_rank values the latent output)
+  // through each head's attn_v_b into s.mla_out ([n, n_heads * v_head_dim]), attn_output's input.
+  void LatentAttentionOutput(int layer, int32_t n);
   const Model& model_;
   KvCache* cache_;
   int n_threads_;

@@ -100,6 +100,12 @@ struct KvGeometry {
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
+  // MLA's latent cache (ModelConfig::IsMla): a token's value is its key row (the latent and the
+  // rotated key part; attention uses the latent's channels of the output), so no V is stored:
+  // spans' v and v_scale alias k and k_scale, and a token costs one row, not two.
+  bool values_in_keys = false;
+  // Rows of head_dim values a token stores per layer and KV head: K and V, or K alone.
+  int StoredRows() const { return values_in_keys ? 1 : 2; }
   // [n_layers] each layer's attention window (sliding-window layers of gemma2/gemma3; 0: a
   // global layer); empty: every layer global. A windowed layer's older tokens are freed a page
   // at a time as the window moves (SparseKvController::TrimToWindow).

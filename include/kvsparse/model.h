@@ -13,11 +13,15 @@
 
 namespace kvsparse {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kQwen2Moe, kQwen3Moe, kOlmoe };
+enum class Arch { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek2 };
 std::string_view ArchName(Arch a);
 
 // The FFN's gate activation: SwiGLU (llama, qwen, phi3) or GeGLU with tanh-approximated GELU (gemma).
 enum class FfnActivation { kSilu, kGeluTanh };
+
+// How a MoE router's logits become expert weights (llama.cpp's expert_gating_func): softmax over
+// every expert (Mixtral, Qwen, OLMoE, DeepSeek-V2) or each expert's sigmoid (DeepSeek-V3).
+enum class ExpertGating { kSoftmax, kSigmoid };
 
 // Weight types the forward pass computes with (what loaders accept and converters write).
 bool IsSupportedWeightType(DType t);
@@ -52,9 +56,38 @@ struct ModelConfig {
   bool expert_weights_norm = false;
   float expert_weights_scale = 1.0f;
   // qwen2moe: one shared expert of this width runs on every token, its output times
-  // sigmoid(ffn_gate_inp_shexp . x). 0: none.
+  // sigmoid(ffn_gate_inp_shexp . x); deepseek2: expert_shared_count experts of expert_hidden_dim
+  // fused into one of their summed width, ungated. 0: none.
   int shared_expert_hidden_dim = 0;
+  ExpertGating expert_gating = ExpertGating::kSoftmax;
+  // deepseek2: the first n_dense_lead_layers layers have a dense FFN of hidden_dim
+  // (leading_dense_block_count); the rest are MoE.
+  int n_dense_lead_layers = 0;
   bool IsMoe() const { return n_experts > 0; }
+  bool LayerIsMoe(int layer) const { return IsMoe() && layer >= n_dense_lead_layers; }
+
+  // Multi-head latent attention (deepseek2; DeepSeek-AI 2024, "DeepSeek-V2", section 2.1). A
+  // token's keys and values come from one latent of kv_lora_rank values (attn_kv_a_mqa, then
+  // attn_kv_a_norm) plus one rotated key part of mla_rope_dim values shared by every head. The
+  // engine runs it absorbed, as llama.cpp does: the cache holds [latent, rotated key part] per
+  // token as one KV head (n_kv_heads = 1, head_dim = kv_lora_rank + mla_rope_dim) that serves as
+  // the key and, its first kv_lora_rank values, as the value; attn_k_b maps each query head's
+  // non-rotated part into the latent and attn_v_b maps each head's output back out of it.
+  int kv_lora_rank = 0;    // 0: not MLA
+  int q_lora_rank = 0;     // 0: attn_q; else attn_q_a -> attn_q_a_norm -> attn_q_b
+  int mla_nope_dim = 0;    // a query head's non-rotated part (qk_nope_head_dim, 128)
+  int mla_rope_dim = 0;    // its rotated part (qk_rope_head_dim, 64): rope.dimension_count
+  int mla_v_head_dim = 0;  // a head's output width after attn_v_b (v_head_dim, 128)
+  // YaRN's magnitude factor on the rotated parts only (1 when the file has a log multiplier, as
+  // DeepSeek's do); the query scale carries the rest (attention_scale).
+  float mla_rope_magnitude = 1.0f;
+  bool IsMla() const { return kv_lora_rank > 0; }
+  // Values RoPE rotates in each query and key head: the rotated part under MLA, else head_dim.
+  int RopeDim() const { return IsMla() ? mla_rope_dim : head_dim; }
+  // Width of one query head as projected (before MLA's absorption) and of one head's output fed
+  // to attn_output.
+  int QueryHeadDim() const { return IsMla() ? mla_nope_dim + mla_rope_dim : head_dim; }
+  int OutputHeadDim() const { return IsMla() ? mla_v_head_dim : head_dim; }
   // The widest FFN buffer a token needs: the dense FFN's, or a MoE layer's expert or shared expert.
   int MaxFfnWidth() const;
 
@@ -89,6 +122,10 @@ struct ModelConfig {
   // A layer's attention-logit scale: attention_scale (or 1/sqrt(head_dim)) times the square of
   // the q/k magnitude factors that apply to it.
   float AttentionLogitScale(int layer) const;
+  // Values a token stores per layer: K and V of every KV head, or MLA's one latent row.
+  int64_t KvValuesPerToken() const {
+    return IsMla() ? head_dim : 2 * static_cast<int64_t>(n_kv_heads) * head_dim;
+  }
   // Bytes a dense cache holds for a sequence of n_tokens at bytes_per_value per K or V element,
   // laid out as llama.cpp lays it out: global layers every token, sliding layers their window.
   // The "% of dense" baseline, so that a sliding-window model is not flattered by comparing
@@ -118,7 +155,17 @@ struct LayerWeights {
   std::vector<WeightView> expert_gate, expert_up;     // [n_experts] each [expert_hidden, dim]
   std::vector<WeightView> expert_down;                // [n_experts] each [dim, expert_hidden]
   WeightView shared_gate, shared_up, shared_down;     // qwen2moe's shared expert ([shared_hidden, dim] ...)
-  const float* shared_expert_gate = nullptr;          // ffn_gate_inp_shexp [dim]
+  const float* shared_expert_gate = nullptr;          // ffn_gate_inp_shexp [dim] (null: ungated, deepseek2)
+  const float* expert_selection_bias = nullptr;       // exp_probs_b [n_experts]: added for the choice only
+
+  // MLA layers (ModelConfig::IsMla): wq is attn_q [n_heads * (nope + rope), dim] or, with a
+  // q_lora_rank, attn_q_b [n_heads * (nope + rope), q_lora_rank] after wq_a; wk is
+  // attn_kv_a_mqa [kv_lora_rank + rope, dim]; wv stays empty; wo is [dim, n_heads * v_head_dim].
+  WeightView wq_a;                       // attn_q_a [q_lora_rank, dim]
+  const float* q_a_norm = nullptr;       // [q_lora_rank]
+  const float* kv_a_norm = nullptr;      // [kv_lora_rank]
+  std::vector<WeightView> k_b;           // [n_heads] each [kv_lora_rank, nope]: query nope -> latent
+  std::vector<WeightView> v_b;           // [n_heads] each [v_head_dim, kv_lora_rank]: latent -> output
 };
 
 struct ModelLoadOptions {
@@ -143,8 +190,8 @@ class Model {
   std::vector<LayerWeights> layers;      // [n_layers]
   const float* output_norm = nullptr;    // [dim]
   WeightView output;                     // [n_vocab, dim] (== token_embedding when tied)
-  std::vector<float> rope_inv_freq;      // [head_dim/2] global layers; includes rope_freqs / scaling
-  std::vector<float> rope_inv_freq_sliding;  // [head_dim/2] sliding-window layers (empty: none)
+  std::vector<float> rope_inv_freq;      // [RopeDim()/2] global layers; includes rope_freqs / scaling
+  std::vector<float> rope_inv_freq_sliding;  // [RopeDim()/2] sliding-window layers (empty: none)
   // LongRoPE (phi3): the short- and long-context tables; rope_inv_freq is one of them, chosen by
   // the context the model runs with (SetContextLength), as llama.cpp does. Empty: not LongRoPE.
   std::vector<float> rope_inv_freq_short, rope_inv_freq_long;

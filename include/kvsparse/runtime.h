@@ -24,8 +24,9 @@ struct Runtime {
   SparseKvController* controller() const { return sparse.controller.get(); }
 };
 
-// The model's KV shape, with its sliding-window layers' windows.
-KvGeometry ModelKvGeometry(const Model& model);
+// The model's KV shape (MLA's latent rows included), with its sliding-window layers' windows
+// unless with_windows is false.
+KvGeometry ModelKvGeometry(const Model& model, bool with_windows = true);
 
 // On a model with sliding-window layers, a config's default method (and --kv-method) is for
 // the global layers: a sliding layer without an explicit JSON entry is reset to "full" (its

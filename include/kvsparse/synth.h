@@ -49,7 +49,23 @@ struct SynthShape {
   int n_experts = 0;
   int n_experts_used = 0;
   int expert_hidden_dim = 0;
-  int shared_expert_hidden_dim = 0;  // qwen2moe: ffn_*_shexp and ffn_gate_inp_shexp
+  int shared_expert_hidden_dim = 0;  // qwen2moe: ffn_*_shexp and ffn_gate_inp_shexp; deepseek2: n_shared * expert width
+  // deepseek2 (multi-head latent attention): kv_lora_rank > 0. The file is what llama.cpp's
+  // converter writes for the absorbed form (attn_k_b / attn_v_b), or with mla_unsplit_kv_b an
+  // older file's attn_kv_b and per-head key/value lengths.
+  int kv_lora_rank = 0;
+  int q_lora_rank = 0;        // 0: attn_q (DeepSeek-V2-Lite); else attn_q_a, attn_q_a_norm, attn_q_b
+  int mla_nope_dim = 0;
+  int mla_rope_dim = 0;
+  int mla_v_head_dim = 0;
+  bool mla_unsplit_kv_b = false;
+  int n_dense_lead_layers = 0;  // leading_dense_block_count
+  float yarn_log_multiplier = 0.0f;  // rope.scaling.yarn_log_multiplier (DeepSeek: 0.1 * mscale_all_dim)
+  // DeepSeek-V3's routing: sigmoid gating (expert_gating_func 2) with an exp_probs_b selection
+  // bias, renormalized and scaled weights.
+  bool sigmoid_gating = false;
+  float expert_weights_scale = 0.0f;  // written when > 0
+  bool expert_weights_norm = false;   // written when true
 };
 
 // Real shapes (tinyllama-1.1b, llama-3.2-1b, qwen2.5-0.5b, llama-3.1-8b, the MoE models

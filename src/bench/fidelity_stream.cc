@@ -10,6 +10,7 @@
 #include "bench/tasks_internal.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/engine.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/sampler.h"
 
 namespace kvsparse {
@@ -97,7 +98,7 @@ StatusOr<std::vector<int32_t>> SampleFidelityStream(const Model& model, int32_t 
                                                     int n_threads) {
   const ModelConfig& c = model.config();
   KVS_CHECK(length >= 1 && bos >= 0 && bos < c.n_vocab);
-  ContiguousKvCache cache(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, KvStorage::kF32, 1, length);
+  ContiguousKvCache cache(ModelKvGeometry(model, /*with_windows=*/false), KvStorage::kF32, 1, length);
   Engine engine(model, &cache, n_threads);
   SamplerParams params;
   params.temperature = 1.0f;  // the model's own distribution, untruncated

@@ -246,7 +246,7 @@ Status RunFidelitySample(const std::vector<int32_t>& stream, const Model& model,
                          RowAccumulator& acc) {
   const ModelConfig& c = model.config();
   const int32_t n = static_cast<int32_t>(stream.size());
-  ContiguousKvCache full_cache(KvGeometry{c.n_layers, c.n_kv_heads, c.head_dim}, KvStorage::kF32, 1, n);
+  ContiguousKvCache full_cache(ModelKvGeometry(model, /*with_windows=*/false), KvStorage::kF32, 1, n);
   Engine full(model, &full_cache, n_threads);
   KVS_RETURN_IF_ERROR(e.controller()->ResetSequence(0));
   e.controller()->ResetStats();

@@ -452,7 +452,7 @@ StatusOr<ServeBenchReport> RunServeBench(const Model& model, const ServeBenchCon
 
   // Every stream count must be admitted at once, or the figures would mix in queueing.
   {
-    const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+    const KvGeometry geometry = ModelKvGeometry(model, /*with_windows=*/false);
     KVS_ASSIGN_OR_RETURN(SparseKvSetup probe, CreateServingKv(geometry, throughput_kv, BudgetBytes(config)));
     const size_t reserve = probe.controller->SequenceReserveBytes(config.prompt_tokens, config.gen_tokens);
     const size_t chunk = probe.controller->ChunkReserveBytes(
@@ -500,7 +500,7 @@ StatusOr<ServeBenchReport> RunServeBench(const Model& model, const ServeBenchCon
     // The budget: load_dense_slots dense f16 requests at once (their reservations; dense
     // layers need no chunk reserve).
     KVS_ASSIGN_OR_RETURN(KvSparsityConfig dense, KvSparsityConfigFromFlags("full", "", "f16", c.n_layers));
-    const KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+    const KvGeometry geometry = ModelKvGeometry(model, /*with_windows=*/false);
     KVS_ASSIGN_OR_RETURN(SparseKvSetup probe, CreateServingKv(geometry, dense, size_t{1} << 30));
     report.load_requests = config.load_requests;
     report.load_prompt = config.load_prompt;

@@ -266,7 +266,7 @@ StatusOr<SpeedReport> RunSpeedBench(const Model& model, const SpeedBenchConfig& 
   Engine& engine = *runtime->engine;
   std::vector<float> logits(c.n_vocab);  // [n_vocab]
   const double dense_kv_bytes_per_token =
-      2.0 * c.n_layers * c.n_kv_heads * c.head_dim * KvStorageBits(config.kv_storage) / 8;
+      static_cast<double>(c.n_layers) * c.KvValuesPerToken() * KvStorageBits(config.kv_storage) / 8;
   // After a test's last repetition: the cache's size and the policy work of its timed part.
   auto finish = [&](SpeedResult& r, double policy_s, int64_t evictions, int reps) {
     r.kv_allocated_bytes = cache.AllocatedBytes();

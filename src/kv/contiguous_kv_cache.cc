@@ -18,7 +18,7 @@ size_t ContiguousKvCache::BytesFor(const KvGeometry& geometry, KvStorage storage
   if (!DenseCacheHolds(storage)) return 0;
   const size_t row_bytes = static_cast<size_t>(geometry.n_kv_heads) * geometry.head_dim * StorageElementBytes(storage);
   return static_cast<size_t>(n_seqs) * geometry.n_layers * static_cast<size_t>(max_tokens) *
-         (2 * row_bytes + sizeof(int32_t));
+         (geometry.StoredRows() * row_bytes + sizeof(int32_t));
 }
 
 ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage storage, int n_seqs, int32_t max_tokens)
@@ -33,7 +33,7 @@ ContiguousKvCache::ContiguousKvCache(const KvGeometry& geometry, KvStorage stora
   slots_.resize(static_cast<size_t>(n_seqs) * geometry.n_layers);
   for (Slot& s : slots_) {
     s.k.resize(row_bytes_ * max_tokens);
-    s.v.resize(row_bytes_ * max_tokens);
+    if (!geometry.values_in_keys) s.v.resize(row_bytes_ * max_tokens);  // (a latent row is its own value)
     s.positions.resize(row_bytes_ > 0 ? max_tokens : 0);
   }
 }
@@ -88,14 +88,15 @@ Status ContiguousKvCache::Append(int seq, int layer, int32_t n, const float* k, 
 
   const size_t n_elems = static_cast<size_t>(n) * geometry_.n_kv_heads * geometry_.head_dim;
   uint8_t* k_dst = s.k.data() + row_bytes_ * s.n;
-  uint8_t* v_dst = s.v.data() + row_bytes_ * s.n;
+  const bool store_v = !geometry_.values_in_keys;
+  uint8_t* v_dst = store_v ? s.v.data() + row_bytes_ * s.n : nullptr;
   if (storage_ == KvStorage::kF32) {
     std::memcpy(k_dst, k, n_elems * sizeof(float));
-    std::memcpy(v_dst, v, n_elems * sizeof(float));
+    if (store_v) std::memcpy(v_dst, v, n_elems * sizeof(float));
   } else {
     const DType type = storage_ == KvStorage::kBf16 ? DType::kBF16 : DType::kF16;
     ops::QuantizeRow(type, k, k_dst, static_cast<int64_t>(n_elems));
-    ops::QuantizeRow(type, v, v_dst, static_cast<int64_t>(n_elems));
+    if (store_v) ops::QuantizeRow(type, v, v_dst, static_cast<int64_t>(n_elems));
   }
   std::memcpy(s.positions.data() + s.n, positions, n * sizeof(int32_t));
   s.n += n;
@@ -132,7 +133,8 @@ void ContiguousKvCache::Spans(int seq, int layer, std::vector<KvSpan>* out) cons
   const Slot& s = slot(seq, layer);
   out->clear();
   if (s.n == 0) return;
-  out->push_back(KvSpan{.k = s.k.data(), .v = s.v.data(), .positions = s.positions.data(), .n = s.n});
+  const uint8_t* v = geometry_.values_in_keys ? s.k.data() : s.v.data();
+  out->push_back(KvSpan{.k = s.k.data(), .v = v, .positions = s.positions.data(), .n = s.n});
 }
 
 int32_t ContiguousKvCache::NumTokens(int seq, int layer) const { return slot(seq, layer).n; }
@@ -142,12 +144,14 @@ void ContiguousKvCache::Clear(int seq) {
   for (int layer = 0; layer < geometry_.n_layers; ++layer) slot(seq, layer).n = 0;
 }
 
-size_t ContiguousKvCache::AllocatedBytes() const { return slots_.size() * row_bytes_ * max_tokens_ * 2; }
+size_t ContiguousKvCache::AllocatedBytes() const {
+  return slots_.size() * row_bytes_ * max_tokens_ * geometry_.StoredRows();
+}
 
 size_t ContiguousKvCache::LiveBytes() const {
   size_t tokens = 0;
   for (const Slot& s : slots_) tokens += static_cast<size_t>(s.n);
-  return tokens * row_bytes_ * 2;
+  return tokens * row_bytes_ * geometry_.StoredRows();
 }
 
 }  // namespace kvsparse

@@ -20,8 +20,17 @@ bool IsKnownStorage(KvStorage s) { return static_cast<int>(s) >= 0 && static_cas
 
 // Storage `s` can hold rows of head_dim values: packed codes must fill whole bytes per (token,
 // kv head) row.
-Status CheckStorageFits(KvStorage s, int head_dim, const char* where) {
+Status CheckStorageFits(KvStorage s, const KvGeometry& geometry, const char* where) {
+  const int head_dim = geometry.head_dim;
   if (!IsKnownStorage(s)) return InvalidArgumentError(std::string(where) + ": unknown KV storage type");
+  // KIVI's rule quantizes keys per channel and values per token; an MLA latent row is both, and
+  // the attention kernels read values per token only.
+  if (geometry.values_in_keys && IsKiviStorage(s)) {
+    return UnimplementedError(std::string(where) + ": " + KvStorageName(s) +
+                              " cannot store an MLA latent cache (KIVI quantizes keys per channel and values per "
+                              "token, and a latent row is both key and value); use int8, fp8_e4m3, fp8_e5m2, bf16 or "
+                              "f16");
+  }
   if (!KvStorageFits(s, head_dim)) {
     const int per_byte = 8 / KvStorageBits(s);
     return InvalidArgumentError(std::string(where) + ": " + KvStorageName(s) + " packs " + std::to_string(per_byte) +
@@ -73,7 +82,7 @@ StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Create(const KvGeometry& g
                                 " (one per layer)");
   }
   for (KvStorage s : options.layer_storage) {
-    KVS_RETURN_IF_ERROR(CheckStorageFits(s, geometry.head_dim, "paged KV cache"));
+    KVS_RETURN_IF_ERROR(CheckStorageFits(s, geometry, "paged KV cache"));
   }
   const size_t n_per_head = options.layer_per_head.size();
   if (n_per_head > 1 && n_per_head != static_cast<size_t>(geometry.n_layers)) {
@@ -123,17 +132,20 @@ PagedKvCache::Layer PagedKvCache::MakeLayer(int l, KvStorage storage, bool per_h
   const size_t H = static_cast<size_t>(p.row_heads);
   p.row_bytes = KvRowBytes(storage, H * static_cast<size_t>(geometry_.head_dim));
   const bool int8 = HasTokenScales(storage);  // int8 or fp8: a scale per (token, kv head)
+  // A latent layer (values_in_keys) has no V section: V and its scales are K's.
+  const bool latent = geometry_.values_in_keys;
+  const size_t rows = static_cast<size_t>(geometry_.StoredRows());
   p.k_offset = 0;
-  p.v_offset = AlignTo64(P * p.row_bytes);
+  p.v_offset = latent ? p.k_offset : AlignTo64(P * p.row_bytes);
   p.positions_offset = p.v_offset + AlignTo64(P * p.row_bytes);
   size_t end = p.positions_offset + AlignTo64(P * sizeof(int32_t));
   if (int8) {
     p.k_scale_offset = end;
-    p.v_scale_offset = p.k_scale_offset + AlignTo64(P * H * sizeof(float));
+    p.v_scale_offset = latent ? p.k_scale_offset : p.k_scale_offset + AlignTo64(P * H * sizeof(float));
     end = p.v_scale_offset + AlignTo64(P * H * sizeof(float));
   }
   p.page_bytes = end;
-  p.token_bytes = 2 * p.row_bytes + sizeof(int32_t) + (int8 ? 2 * H * sizeof(float) : 0);
+  p.token_bytes = rows * p.row_bytes + sizeof(int32_t) + (int8 ? rows * H * sizeof(float) : 0);
   if (IsKiviStorage(storage)) SetKiviLayout(&layer);
   return layer;
 }
@@ -190,7 +202,7 @@ Status PagedKvCache::SetSequenceStorage(int seq, std::span<const KvStorage> laye
                                 " storage types; expected 1 (all layers) or " + std::to_string(geometry_.n_layers));
   }
   for (KvStorage st : layer_storage) {
-    KVS_RETURN_IF_ERROR(CheckStorageFits(st, geometry_.head_dim, "KV cache set-storage"));
+    KVS_RETURN_IF_ERROR(CheckStorageFits(st, geometry_, "KV cache set-storage"));
   }
   for (size_t ti = 0; ti < tables_per_seq_; ++ti) {
     if (tables_[static_cast<size_t>(seq) * tables_per_seq_ + ti].n != 0) {
@@ -309,15 +321,20 @@ void PagedKvCache::CopySlots(const Layer& L, PageId src, int32_t src_slot, PageI
   uint8_t* d = L.pool->data(dst);
   const size_t n = static_cast<size_t>(count);
   std::memmove(d + p.k_offset + dst_slot * p.row_bytes, s + p.k_offset + src_slot * p.row_bytes, n * p.row_bytes);
-  std::memmove(d + p.v_offset + dst_slot * p.row_bytes, s + p.v_offset + src_slot * p.row_bytes, n * p.row_bytes);
+  const bool own_v = p.v_offset != p.k_offset;  // (a latent layer's V is its K: moved once)
+  if (own_v) {
+    std::memmove(d + p.v_offset + dst_slot * p.row_bytes, s + p.v_offset + src_slot * p.row_bytes, n * p.row_bytes);
+  }
   std::memmove(d + p.positions_offset + dst_slot * sizeof(int32_t), s + p.positions_offset + src_slot * sizeof(int32_t),
                n * sizeof(int32_t));
   if (HasTokenScales(L.storage)) {
     const size_t scale_row = static_cast<size_t>(p.row_heads) * sizeof(float);  // [row_heads] f32
     std::memmove(d + p.k_scale_offset + dst_slot * scale_row, s + p.k_scale_offset + src_slot * scale_row,
                  n * scale_row);
-    std::memmove(d + p.v_scale_offset + dst_slot * scale_row, s + p.v_scale_offset + src_slot * scale_row,
-                 n * scale_row);
+    if (own_v) {
+      std::memmove(d + p.v_scale_offset + dst_slot * scale_row, s + p.v_scale_offset + src_slot * scale_row,
+                   n * scale_row);
+    }
   }
 }
 
@@ -336,43 +353,37 @@ void PagedKvCache::StoreRows(const Layer& L, uint8_t* page, int32_t slot, int32_
     const int32_t s = slot + c;
     const float* k_src = k + c * src_stride + head_offset;  // [tokens_per_call, row_heads, head_dim]
     const float* v_src = v + c * src_stride + head_offset;
-    uint8_t* k_dst = page + p.k_offset + s * p.row_bytes;
-    uint8_t* v_dst = page + p.v_offset + s * p.row_bytes;
     const int64_t values = rows * D;
-    switch (L.storage) {
-      case KvStorage::kF32:
-        std::memcpy(k_dst, k_src, values * sizeof(float));
-        std::memcpy(v_dst, v_src, values * sizeof(float));
-        break;
-      case KvStorage::kF16:
-        ops::QuantizeRow(DType::kF16, k_src, k_dst, values);
-        ops::QuantizeRow(DType::kF16, v_src, v_dst, values);
-        break;
-      case KvStorage::kBf16:
-        ops::QuantizeRow(DType::kBF16, k_src, k_dst, values);
-        ops::QuantizeRow(DType::kBF16, v_src, v_dst, values);
-        break;
-      case KvStorage::kInt8: {
-        float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + s * p.row_heads;  // [rows]
-        float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + s * p.row_heads;
-        ops::QuantizeKvRowsInt8(k_src, rows, D, reinterpret_cast<int8_t*>(k_dst), k_scale);
-        ops::QuantizeKvRowsInt8(v_src, rows, D, reinterpret_cast<int8_t*>(v_dst), v_scale);
-        break;
+    // One row group of K (or V) into its section; scales at scale_offset (int8, fp8).
+    auto store = [&](const float* src, size_t offset, size_t scale_offset) {
+      uint8_t* dst = page + offset + s * p.row_bytes;
+      float* scale = reinterpret_cast<float*>(page + scale_offset) + s * p.row_heads;  // [rows]
+      switch (L.storage) {
+        case KvStorage::kF32:
+          std::memcpy(dst, src, values * sizeof(float));
+          break;
+        case KvStorage::kF16:
+          ops::QuantizeRow(DType::kF16, src, dst, values);
+          break;
+        case KvStorage::kBf16:
+          ops::QuantizeRow(DType::kBF16, src, dst, values);
+          break;
+        case KvStorage::kInt8:
+          ops::QuantizeKvRowsInt8(src, rows, D, reinterpret_cast<int8_t*>(dst), scale);
+          break;
+        case KvStorage::kFp8E4M3:
+        case KvStorage::kFp8E5M2:
+          ops::QuantizeKvRowsFp8(L.storage, src, rows, D, dst, scale);
+          break;
+        case KvStorage::kInt8Kivi:
+        case KvStorage::kInt4Kivi:
+        case KvStorage::kInt2Kivi:
+          KVS_CHECK_MSG(false, "KIVI pages are written by AppendKivi");
+          break;
       }
-      case KvStorage::kFp8E4M3:
-      case KvStorage::kFp8E5M2: {
-        float* k_scale = reinterpret_cast<float*>(page + p.k_scale_offset) + s * p.row_heads;  // [rows]
-        float* v_scale = reinterpret_cast<float*>(page + p.v_scale_offset) + s * p.row_heads;
-        ops::QuantizeKvRowsFp8(L.storage, k_src, rows, D, k_dst, k_scale);
-        ops::QuantizeKvRowsFp8(L.storage, v_src, rows, D, v_dst, v_scale);
-        break;
-      }
-      case KvStorage::kInt8Kivi:
-      case KvStorage::kInt4Kivi:
-      case KvStorage::kInt2Kivi:
-        KVS_CHECK_MSG(false, "KIVI pages are written by AppendKivi");
-        break;
-    }
+    };
+    store(k_src, p.k_offset, p.k_scale_offset);
+    if (p.v_offset != p.k_offset) store(v_src, p.v_offset, p.v_scale_offset);  // a latent row is its own V
   }
 }
 
@@ -865,7 +876,7 @@ KvLiveBytesByPart PagedKvCache::LayerLiveBytesByPart(int layer) const {
   for (int profile = 0; profile < n_profiles(); ++profile) {
     const Layer& L = layers_[profile * geometry_.n_layers + layer];
     const size_t slots = static_cast<size_t>(L.live_slots);
-    const size_t values = 2 * L.layout.row_bytes, position = sizeof(int32_t);
+    const size_t values = static_cast<size_t>(geometry_.StoredRows()) * L.layout.row_bytes, position = sizeof(int32_t);
     bytes.values += slots * values;
     bytes.positions += slots * position;
     // Per-slot scales (int8, fp8: K and V; KIVI: V's scale and min), and each quantized KIVI

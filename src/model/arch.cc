@@ -27,9 +27,9 @@ StatusOr<float> ArchKeys::FloatOr(std::string_view key, float dflt) const {
 }
 
 std::span<const ArchSpec* const> KnownArchSpecs() {
-  static const std::array<const ArchSpec*, 9> specs = {
-      &kLlamaArchSpec, &kQwen2ArchSpec,    &kQwen3ArchSpec,    &kGemma2ArchSpec, &kGemma3ArchSpec,
-      &kPhi3ArchSpec,  &kQwen2MoeArchSpec, &kQwen3MoeArchSpec, &kOlmoeArchSpec};
+  static const std::array<const ArchSpec*, 10> specs = {
+      &kLlamaArchSpec,    &kQwen2ArchSpec,    &kQwen3ArchSpec, &kGemma2ArchSpec,   &kGemma3ArchSpec,
+      &kPhi3ArchSpec,     &kQwen2MoeArchSpec, &kQwen3MoeArchSpec, &kOlmoeArchSpec, &kDeepseek2ArchSpec};
   return specs;
 }
 

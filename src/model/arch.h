@@ -64,8 +64,8 @@ struct ArchSpec {
   bool experts_required = false;
   bool expert_weights_norm = false;  // renormalize the chosen experts' probabilities (qwen3moe, Mixtral)
   bool shared_expert = false;        // ffn_{gate,up,down}_shexp with the sigmoid gate ffn_gate_inp_shexp (qwen2moe)
-  // Metadata of the architecture's own (windows, softcaps, attention scale), read after the
-  // common keys filled `config`; null when there is none.
+  // Metadata of the architecture's own (windows, softcaps, attention scale, MLA), read after the
+  // common and expert keys filled `config`; null when there is none.
   Status (*read_config)(const ArchKeys& keys, ModelConfig* config) = nullptr;
 };
 
@@ -87,5 +87,6 @@ extern const ArchSpec kPhi3ArchSpec;
 extern const ArchSpec kQwen2MoeArchSpec;
 extern const ArchSpec kQwen3MoeArchSpec;
 extern const ArchSpec kOlmoeArchSpec;
+extern const ArchSpec kDeepseek2ArchSpec;
 
 }  // namespace kvsparse

@@ -33,7 +33,7 @@ int ModelConfig::NumSlidingLayers() const {
 }
 
 double ModelConfig::DenseKvBytes(int64_t n_tokens, double bytes_per_value) const {
-  const double per_token = 2.0 * n_kv_heads * head_dim * bytes_per_value;  // K and V of one layer
+  const double per_token = static_cast<double>(KvValuesPerToken()) * bytes_per_value;  // K and V (or MLA's latent) of one layer
   double bytes = 0;
   for (int layer = 0; layer < n_layers; ++layer) {
     const int64_t held = IsSliding(layer) ? std::min<int64_t>(n_tokens, sliding_window) : n_tokens;
@@ -108,6 +108,29 @@ int64_t Elements(const WeightView& w) { return w.rows * w.cols; }
 size_t Bytes(const WeightView& w) { return static_cast<size_t>(w.rows) * DTypeRowBytes(w.type, w.cols); }
 // Calls f(matrix, is_routed_expert) for each MoE matrix of a layer: the router, the shared
 // expert's, and every expert's (none in a dense layer).
+// Calls f(matrix) for each attention and dense FFN matrix of a layer (MLA's included).
+template <typename F>
+void ForEachDenseMatrix(const LayerWeights& l, F f) {
+  for (const WeightView* w : {&l.wq_a, &l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+    if (w->data != nullptr) f(*w);
+  }
+  for (const std::vector<WeightView>* heads : {&l.k_b, &l.v_b}) {
+    for (const WeightView& w : *heads) f(w);
+  }
+}
+// Floats of a layer's norms, biases and gate vectors.
+int64_t LayerVectorFloats(const ModelConfig& c, const LayerWeights& l) {
+  int64_t n = (c.post_norms ? 4 : 2) * static_cast<int64_t>(c.dim);  // attn_norm, ffn_norm (+ post-norms)
+  if (c.qk_norm) n += c.qk_norm_full_width ? l.wq.rows + l.wk.rows : 2 * static_cast<int64_t>(c.head_dim);
+  if (l.shared_expert_gate != nullptr) n += c.dim;
+  if (l.expert_selection_bias != nullptr) n += c.n_experts;
+  if (l.q_a_norm != nullptr) n += c.q_lora_rank;
+  if (l.kv_a_norm != nullptr) n += c.kv_lora_rank;
+  if (l.bq != nullptr) n += l.wq.rows;
+  if (l.bk != nullptr) n += l.wk.rows;
+  if (l.bv != nullptr) n += l.wv.rows;
+  return n;
+}
 template <typename F>
 void ForEachMoeMatrix(const LayerWeights& l, F f) {
   for (const WeightView* w : {&l.router, &l.shared_gate, &l.shared_up, &l.shared_down}) {
@@ -124,14 +147,9 @@ int64_t Model::ParameterCount() const {
   int64_t total = Elements(token_embedding) + c.dim;  // + output_norm
   if (!c.tied_output) total += Elements(output);
   for (const LayerWeights& l : layers) {
-    total += (c.post_norms ? 4 : 2) * static_cast<int64_t>(c.dim);  // attn_norm, ffn_norm (+ post-norms)
-    if (c.qk_norm) total += c.qk_norm_full_width ? l.wq.rows + l.wk.rows : 2 * static_cast<int64_t>(c.head_dim);
-    for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Elements(*w);
+    total += LayerVectorFloats(c, l);
+    ForEachDenseMatrix(l, [&](const WeightView& w) { total += Elements(w); });
     ForEachMoeMatrix(l, [&](const WeightView& w, bool) { total += Elements(w); });
-    if (l.shared_expert_gate != nullptr) total += c.dim;
-    if (l.bq != nullptr) total += l.wq.rows;
-    if (l.bk != nullptr) total += l.wk.rows;
-    if (l.bv != nullptr) total += l.wv.rows;
   }
   return total;
 }
@@ -142,16 +160,9 @@ size_t Model::WeightBytes() const {
   size_t total = Bytes(token_embedding) + norm_bytes;
   if (!c.tied_output) total += Bytes(output);
   for (const LayerWeights& l : layers) {
-    total += (c.post_norms ? 4 : 2) * norm_bytes;
-    if (c.qk_norm) {
-      total += sizeof(float) * static_cast<size_t>(c.qk_norm_full_width ? l.wq.rows + l.wk.rows : 2 * c.head_dim);
-    }
-    for (const WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) total += Bytes(*w);
+    total += sizeof(float) * static_cast<size_t>(LayerVectorFloats(c, l));
+    ForEachDenseMatrix(l, [&](const WeightView& w) { total += Bytes(w); });
     ForEachMoeMatrix(l, [&](const WeightView& w, bool) { total += Bytes(w); });
-    if (l.shared_expert_gate != nullptr) total += norm_bytes;
-    if (l.bq != nullptr) total += sizeof(float) * static_cast<size_t>(l.wq.rows);
-    if (l.bk != nullptr) total += sizeof(float) * static_cast<size_t>(l.wk.rows);
-    if (l.bv != nullptr) total += sizeof(float) * static_cast<size_t>(l.wv.rows);
   }
   return total;
 }

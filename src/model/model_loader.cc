@@ -144,14 +144,14 @@ class GgufModelBuilder {
                                        config_.n_layers, file_.tensors().size()));
     }
     if (spec_->scale_embeddings) config_.embedding_scale = std::sqrt(static_cast<float>(config_.dim));
+    KVS_RETURN_IF_ERROR(ReadExperts(p));
     if (spec_->read_config != nullptr) {
       KVS_RETURN_IF_ERROR(spec_->read_config(ArchKeys(file_, p, source_), &config_));
     }
 
-    KVS_RETURN_IF_ERROR(ReadExperts(p));
-
-    // Features we do not implement must fail loudly rather than compute garbage.
-    if (file_.Find(p + "attention.value_length") != nullptr) {
+    // Features we do not implement must fail loudly rather than compute garbage. (MLA's hook
+    // checked its own key and value sizes and its partial RoPE.)
+    if (!config_.IsMla() && file_.Find(p + "attention.value_length") != nullptr) {
       KVS_ASSIGN_OR_RETURN(const int value_length, RequiredCount(p + "attention.value_length"));
       if (value_length != config_.head_dim) {
         return UnimplementedError(fmt::format("{}: '{}attention.value_length' = {} differs from the key head size {}; "
@@ -159,7 +159,7 @@ class GgufModelBuilder {
                                               source_, p, value_length, config_.head_dim));
       }
     }
-    if (file_.Find(p + "rope.dimension_count") != nullptr) {
+    if (!config_.IsMla() && file_.Find(p + "rope.dimension_count") != nullptr) {
       KVS_ASSIGN_OR_RETURN(const int rope_dims, RequiredCount(p + "rope.dimension_count"));
       if (rope_dims != config_.head_dim) {
         return UnimplementedError(fmt::format("{}: '{}rope.dimension_count' = {} but head_dim = {}; partial RoPE is "
@@ -169,7 +169,7 @@ class GgufModelBuilder {
     }
     KVS_RETURN_IF_ERROR(CheckTokenizerSize());
 
-    model_.rope_inv_freq = RopeInvFreq(config_.head_dim, config_.rope_theta);
+    model_.rope_inv_freq = RopeInvFreq(config_.RopeDim(), config_.rope_theta);
     KVS_RETURN_IF_ERROR(ApplyRopeScaling(p));
     if (!config_.sliding_layers.empty() &&
         (config_.sliding_rope_unscaled || config_.rope_theta_sliding != config_.rope_theta)) {
@@ -180,7 +180,7 @@ class GgufModelBuilder {
                                          "positive, found {}",
                                          source_, p, config_.rope_theta_sliding));
       }
-      model_.rope_inv_freq_sliding = RopeInvFreq(config_.head_dim, config_.rope_theta_sliding);
+      model_.rope_inv_freq_sliding = RopeInvFreq(config_.RopeDim(), config_.rope_theta_sliding);
     }
     return Status::Ok();
   }
@@ -238,9 +238,9 @@ class GgufModelBuilder {
     return Status::Ok();
   }
 
-  // A per-frequency factor table [head_dim/2] (rope_freqs, rope_factors_short/long), checked.
+  // A per-frequency factor table [RopeDim()/2] (rope_freqs, rope_factors_short/long), checked.
   StatusOr<const float*> RopeFactors(const std::string& name) {
-    const int64_t n = config_.head_dim / 2;
+    const int64_t n = config_.RopeDim() / 2;
     KVS_ASSIGN_OR_RETURN(const float* factors, Vector(name, n));
     for (int64_t i = 0; i < n; ++i) {
       if (!(factors[i] > 0.f) || !std::isfinite(factors[i])) {
@@ -335,15 +335,41 @@ class GgufModelBuilder {
       yarn.beta_fast = static_cast<float>(beta_fast);
       yarn.beta_slow = static_cast<float>(beta_slow);
       yarn.log_multiplier = static_cast<float>(log_mul);
-      float mscale = ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq);
+      float mscale = ApplyYarn(yarn, config_.RopeDim(), &model_.rope_inv_freq);
       if (long_rope) {
-        ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq_short);
-        mscale = ApplyYarn(yarn, config_.head_dim, &model_.rope_inv_freq_long);
+        ApplyYarn(yarn, config_.RopeDim(), &model_.rope_inv_freq_short);
+        mscale = ApplyYarn(yarn, config_.RopeDim(), &model_.rope_inv_freq_long);
       }
       config_.rope_mscale = mscale;
     }
+    if (config_.IsMla()) {
+      KVS_ASSIGN_OR_RETURN(const double log_mul, file_.GetFloatOr(p + "rope.scaling.yarn_log_multiplier", 0.0));
+      SetMlaScales(type, factor, static_cast<float>(attn_factor), static_cast<float>(log_mul));
+    }
     if (long_rope) model_.SetContextLength(config_.max_context);  // llama.cpp's default: the training context
     return Status::Ok();
+  }
+
+  // deepseek2's RoPE magnitude and query scale, as llama.cpp's graph computes them: the rotated
+  // parts are multiplied by the rope's attn_factor (after llama.cpp cancels YaRN's own factor,
+  // 1 for DeepSeek's files, which have a log multiplier), and the scores by mscale^2 with
+  // mscale = attn_factor (1 + 0.1 ln s) (1 + m ln s), s the scaling factor and m the file's
+  // yarn_log_multiplier (0.1 mscale_all_dim). Only part of each head rotates, so the magnitude
+  // cannot move into the scale as it does for the other architectures.
+  void SetMlaScales(const std::string& type, float factor, float attn_factor, float log_mul) {
+    const bool yarn = type == "yarn";
+    const float s = type == "none" ? 1.0f : factor;
+    const float ln_s = std::log(s);
+    float rope_attn = attn_factor;
+    if (yarn) {
+      const float yarn_mscale = log_mul != 0.f || s <= 1.0f ? 1.0f : 1.0f + 0.1f * ln_s;
+      rope_attn = attn_factor * yarn_mscale / (1.0f + 0.1f * ln_s);
+    }
+    config_.mla_rope_magnitude = yarn ? rope_attn * (1.0f + 0.1f * ln_s) : rope_attn;
+    const float mscale = rope_attn * (1.0f + 0.1f * ln_s) * (1.0f + log_mul * ln_s);
+    config_.attention_scale = mscale * mscale / std::sqrt(static_cast<float>(config_.QueryHeadDim()));
+    config_.rope_mscale = 1.0f;
+    config_.rope_attn_factor = 1.0f;
   }
 
   Status CheckTokenizerSize() const {
@@ -435,7 +461,9 @@ class GgufModelBuilder {
       LayerWeights& l = model_.layers.emplace_back();
       const std::string b = fmt::format("blk.{}.", i);
       KVS_ASSIGN_OR_RETURN(l.attn_norm, Vector(b + "attn_norm.weight", dim));
-      if (spec.fused_qkv && file_.FindTensor(b + "attn_q.weight") == nullptr) {
+      if (config_.IsMla()) {
+        KVS_RETURN_IF_ERROR(BindLatentAttention(b, &l));
+      } else if (spec.fused_qkv && file_.FindTensor(b + "attn_q.weight") == nullptr) {
         // attn_qkv rows: Q's, then K's, then V's.
         KVS_ASSIGN_OR_RETURN(const WeightView qkv, Matrix(b + "attn_qkv.weight", q_dim + 2 * kv_dim, dim));
         l.wq = Rows(qkv, 0, q_dim);
@@ -446,7 +474,9 @@ class GgufModelBuilder {
         KVS_ASSIGN_OR_RETURN(l.wk, Matrix(b + "attn_k.weight", kv_dim, dim));
         KVS_ASSIGN_OR_RETURN(l.wv, Matrix(b + "attn_v.weight", kv_dim, dim));
       }
-      KVS_ASSIGN_OR_RETURN(l.wo, Matrix(b + "attn_output.weight", dim, q_dim));
+      if (!config_.IsMla()) {
+        KVS_ASSIGN_OR_RETURN(l.wo, Matrix(b + "attn_output.weight", dim, q_dim));
+      }
       if (spec.qk_norm) {
         KVS_ASSIGN_OR_RETURN(l.q_norm, Vector(b + "attn_q_norm.weight", spec.qk_norm_full_width ? q_dim : config_.head_dim));
         KVS_ASSIGN_OR_RETURN(l.k_norm, Vector(b + "attn_k_norm.weight", spec.qk_norm_full_width ? kv_dim : config_.head_dim));
@@ -456,7 +486,8 @@ class GgufModelBuilder {
         KVS_ASSIGN_OR_RETURN(l.post_ffn_norm, Vector(b + "post_ffw_norm.weight", dim));
       }
       KVS_ASSIGN_OR_RETURN(l.ffn_norm, Vector(b + "ffn_norm.weight", dim));
-      if (config_.IsMoe()) {
+      const bool moe_layer = config_.LayerIsMoe(i);
+      if (moe_layer) {
         KVS_RETURN_IF_ERROR(BindExperts(b, &l));
       } else if (spec.fused_gate_up && file_.FindTensor(b + "ffn_gate.weight") == nullptr) {
         // ffn_up rows: the gate's, then the up projection's (llama.cpp's swiglu splits it so).
@@ -467,7 +498,7 @@ class GgufModelBuilder {
         KVS_ASSIGN_OR_RETURN(l.w_gate, Matrix(b + "ffn_gate.weight", hidden, dim));
         KVS_ASSIGN_OR_RETURN(l.w_up, Matrix(b + "ffn_up.weight", hidden, dim));
       }
-      if (!config_.IsMoe()) {
+      if (!moe_layer) {
         KVS_ASSIGN_OR_RETURN(l.w_down, Matrix(b + "ffn_down.weight", dim, hidden));
       }
       struct Bias {
@@ -511,13 +542,83 @@ class GgufModelBuilder {
       KVS_ASSIGN_OR_RETURN(l->expert_up, ExpertMatrices(b + "ffn_up_exps.weight", expert_hidden, dim));
     }
     KVS_ASSIGN_OR_RETURN(l->expert_down, ExpertMatrices(b + "ffn_down_exps.weight", dim, expert_hidden));
-    if (spec_->shared_expert) {
+    if (file_.FindTensor(b + "exp_probs_b.bias") != nullptr) {
+      KVS_ASSIGN_OR_RETURN(l->expert_selection_bias, Vector(b + "exp_probs_b.bias", config_.n_experts));
+    }
+    if (config_.shared_expert_hidden_dim > 0) {
       const int64_t shared = config_.shared_expert_hidden_dim;
-      KVS_ASSIGN_OR_RETURN(l->shared_expert_gate, Vector(b + "ffn_gate_inp_shexp.weight", dim));
+      if (spec_->shared_expert) {  // qwen2moe's sigmoid gate; deepseek2's shared experts are ungated
+        KVS_ASSIGN_OR_RETURN(l->shared_expert_gate, Vector(b + "ffn_gate_inp_shexp.weight", dim));
+      }
       KVS_ASSIGN_OR_RETURN(l->shared_gate, Matrix(b + "ffn_gate_shexp.weight", shared, dim));
       KVS_ASSIGN_OR_RETURN(l->shared_up, Matrix(b + "ffn_up_shexp.weight", shared, dim));
       KVS_ASSIGN_OR_RETURN(l->shared_down, Matrix(b + "ffn_down_shexp.weight", dim, shared));
     }
+    return Status::Ok();
+  }
+
+  // deepseek2's attention: the query (directly, or through the q_lora_rank bottleneck), the
+  // latent and rotated key projection with its norm, the per-head absorption matrices and the
+  // output. attn_k_b / attn_v_b are bound as per-head row ranges; an older file's attn_kv_b
+  // ([n_heads * (nope + v_head), kv_lora_rank]) gives v_b as row ranges too, and k_b transposed
+  // into an owned f32 copy (absorption multiplies by its transpose).
+  Status BindLatentAttention(const std::string& b, LayerWeights* l) {
+    const ModelConfig& c = config_;
+    const int64_t dim = c.dim, heads = c.n_heads, rank = c.kv_lora_rank, nope = c.mla_nope_dim,
+                  v_head = c.mla_v_head_dim;
+    const int64_t q_dim = heads * c.QueryHeadDim();
+    if (file_.FindTensor(b + "attn_q_a.weight") != nullptr) {
+      if (c.q_lora_rank <= 0) {
+        return DataLossError(fmt::format("{}: tensor '{}attn_q_a.weight' is present but '{}.attention.q_lora_rank' is "
+                                         "{}; expected the query bottleneck's width",
+                                         source_, b, ArchName(c.arch), c.q_lora_rank));
+      }
+      KVS_ASSIGN_OR_RETURN(l->wq_a, Matrix(b + "attn_q_a.weight", c.q_lora_rank, dim));
+      KVS_ASSIGN_OR_RETURN(l->q_a_norm, Vector(b + "attn_q_a_norm.weight", c.q_lora_rank));
+      KVS_ASSIGN_OR_RETURN(l->wq, Matrix(b + "attn_q_b.weight", q_dim, c.q_lora_rank));
+    } else {
+      KVS_ASSIGN_OR_RETURN(l->wq, Matrix(b + "attn_q.weight", q_dim, dim));
+    }
+    KVS_ASSIGN_OR_RETURN(l->wk, Matrix(b + "attn_kv_a_mqa.weight", rank + c.mla_rope_dim, dim));
+    KVS_ASSIGN_OR_RETURN(l->kv_a_norm, Vector(b + "attn_kv_a_norm.weight", rank));
+    l->k_b.clear();
+    l->v_b.clear();
+    if (file_.FindTensor(b + "attn_k_b.weight") != nullptr) {
+      // ne = [nope, rank, heads]: head h's [rank, nope]; ne = [rank, v_head, heads]: its [v_head, rank].
+      KVS_ASSIGN_OR_RETURN(const GgufTensorInfo* kb, Tensor(b + "attn_k_b.weight", {nope, rank, heads}));
+      KVS_ASSIGN_OR_RETURN(const GgufTensorInfo* vb, Tensor(b + "attn_v_b.weight", {rank, v_head, heads}));
+      const WeightView k_all{*kb->type, kb->data, rank * heads, nope};
+      const WeightView v_all{*vb->type, vb->data, v_head * heads, rank};
+      for (int64_t h = 0; h < heads; ++h) {
+        l->k_b.push_back(Rows(k_all, h * rank, rank));
+        l->v_b.push_back(Rows(v_all, h * v_head, v_head));
+      }
+    } else if (file_.FindTensor(b + "attn_kv_b.weight") != nullptr) {
+      const GgufTensorInfo* t = file_.FindTensor(b + "attn_kv_b.weight");
+      if (t->ne.size() >= 1 && t->ne[0] != rank) {
+        return DataLossError(fmt::format("{}: tensor '{}attn_kv_b.weight' has {} columns but the latent "
+                                         "('{}.attention.kv_lora_rank') is {}",
+                                         source_, b, t->ne[0], ArchName(c.arch), rank));
+      }
+      KVS_ASSIGN_OR_RETURN(const WeightView kv_b, Matrix(b + "attn_kv_b.weight", heads * (nope + v_head), rank));
+      std::vector<float> row(static_cast<size_t>(rank));  // [rank]
+      for (int64_t h = 0; h < heads; ++h) {
+        std::vector<uint8_t> owned(static_cast<size_t>(rank * nope) * sizeof(float));
+        float* k_b = reinterpret_cast<float*>(owned.data());  // [rank, nope]
+        for (int64_t j = 0; j < nope; ++j) {
+          const WeightView r = Rows(kv_b, h * (nope + v_head) + j, 1);
+          ops::DequantizeRow(r.type, r.data, row.data(), rank);
+          for (int64_t i = 0; i < rank; ++i) k_b[i * nope + j] = row[static_cast<size_t>(i)];
+        }
+        l->k_b.push_back(WeightView{DType::kF32, ModelLoader::Own(model_, std::move(owned)), rank, nope});
+        l->v_b.push_back(Rows(kv_b, h * (nope + v_head) + nope, v_head));
+      }
+    } else {
+      return NotFoundError(fmt::format("{}: required tensors '{}attn_k_b.weight' and '{}attn_v_b.weight' (or an older "
+                                       "file's '{}attn_kv_b.weight') are missing",
+                                       source_, b, b, b));
+    }
+    KVS_ASSIGN_OR_RETURN(l->wo, Matrix(b + "attn_output.weight", dim, heads * v_head));
     return Status::Ok();
   }
 

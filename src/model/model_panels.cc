@@ -26,11 +26,11 @@ void Model::KeepPanels() {
     if (gguf_ != nullptr) gguf_->ReleasePages(w.data, static_cast<size_t>(w.rows) * DTypeRowBytes(w.type, w.cols));
   };
   for (LayerWeights& l : layers) {
-    for (WeightView* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down, &l.router, &l.shared_gate,
+    for (WeightView* w : {&l.wq_a, &l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down, &l.router, &l.shared_gate,
                           &l.shared_up, &l.shared_down}) {
       if (w->data != nullptr) keep(*w);
     }
-    for (std::vector<WeightView>* experts : {&l.expert_gate, &l.expert_up, &l.expert_down}) {
+    for (std::vector<WeightView>* experts : {&l.expert_gate, &l.expert_up, &l.expert_down, &l.k_b, &l.v_b}) {
       for (WeightView& w : *experts) keep(w);
     }
   }

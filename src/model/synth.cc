@@ -76,6 +76,37 @@ SynthShape WithExperts(SynthShape s, int n_experts, int n_used, int expert_hidde
   return s;
 }
 
+// DeepSeek's attention at the given sizes; the latent cache row is kv_lora + rope values.
+SynthShape WithLatentAttention(SynthShape s, int kv_lora, int q_lora, int nope, int rope, int v_head,
+                               int dense_lead) {
+  s.kv_lora_rank = kv_lora;
+  s.q_lora_rank = q_lora;
+  s.mla_nope_dim = nope;
+  s.mla_rope_dim = rope;
+  s.mla_v_head_dim = v_head;
+  s.n_dense_lead_layers = dense_lead;
+  return s;
+}
+
+SynthShape WithDeepseekYarn(SynthShape s, float factor, int original_context, float log_multiplier) {
+  s.rope_yarn_factor = factor;
+  s.rope_original_context = original_context;
+  s.yarn_log_multiplier = log_multiplier;
+  return s;
+}
+
+SynthShape WithV3Routing(SynthShape s, float scale) {
+  s.sigmoid_gating = true;
+  s.expert_weights_norm = true;
+  s.expert_weights_scale = scale;
+  return s;
+}
+
+SynthShape WithUnsplitKvB(SynthShape s) {
+  s.mla_unsplit_kv_b = true;
+  return s;
+}
+
 // splitmix64: a tiny, high-quality mixer; used as a counter-based generator.
 inline uint64_t SplitMix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -212,21 +243,33 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
     return InvalidArgumentError("synth shape '" + s.name + "': " + what);
   };
   static const char* const kArchs[] = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe",
-                                        "olmoe"};
+                                        "olmoe", "deepseek2"};
   if (std::find(std::begin(kArchs), std::end(kArchs), s.arch) == std::end(kArchs)) {
-    return bad("arch must be llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe or olmoe, found '" + s.arch +
-               "'");
+    return bad("arch must be llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe, olmoe or deepseek2, found '" +
+               s.arch + "'");
   }
   const bool moe_arch = s.arch == "qwen2moe" || s.arch == "qwen3moe" || s.arch == "olmoe";
-  if ((moe_arch && s.n_experts == 0) || (s.n_experts > 0 && s.arch != "llama" && !moe_arch) ||
+  const bool deepseek = s.arch == "deepseek2";
+  if ((moe_arch && s.n_experts == 0) || (s.n_experts > 0 && s.arch != "llama" && !moe_arch && !deepseek) ||
       s.n_experts_used > s.n_experts || (s.n_experts > 0 && s.n_experts_used <= 0) ||
-      (s.shared_expert_hidden_dim > 0) != (s.arch == "qwen2moe") || s.expert_hidden_dim % 32 != 0 ||
-      s.shared_expert_hidden_dim % 32 != 0) {
+      (s.shared_expert_hidden_dim > 0 && s.arch != "qwen2moe" && !deepseek) ||
+      (s.arch == "qwen2moe" && s.shared_expert_hidden_dim == 0) || s.expert_hidden_dim % 32 != 0 ||
+      s.shared_expert_hidden_dim % 32 != 0 ||
+      (deepseek && s.expert_hidden_dim > 0 && s.shared_expert_hidden_dim % s.expert_hidden_dim != 0)) {
     return bad("experts: " + std::to_string(s.n_experts_used) + " of " + std::to_string(s.n_experts) +
                " (widths " + std::to_string(s.expert_hidden_dim) + ", shared " +
                std::to_string(s.shared_expert_hidden_dim) +
-               ") do not fit arch '" + s.arch + "' (qwen2moe, qwen3moe, olmoe need experts, llama may have them; "
-               "1 <= used <= experts; a shared expert only on qwen2moe; widths multiples of 32)");
+               ") do not fit arch '" + s.arch + "' (qwen2moe, qwen3moe, olmoe need experts, llama and deepseek2 may "
+               "have them; 1 <= used <= experts; a shared expert only on qwen2moe and deepseek2 (a whole number of "
+               "experts there); widths multiples of 32)");
+  }
+  if (deepseek != (s.kv_lora_rank > 0) ||
+      (deepseek && (s.mla_rope_dim <= 0 || s.mla_rope_dim % 2 != 0 || s.mla_nope_dim % 32 != 0 ||
+                    s.mla_nope_dim <= 0 || s.mla_v_head_dim <= 0 || s.mla_v_head_dim % 32 != 0 ||
+                    s.kv_lora_rank % 32 != 0 || s.q_lora_rank % 32 != 0 || s.n_kv_heads != 1 ||
+                    s.n_dense_lead_layers < 0 || s.n_dense_lead_layers > n_layers))) {
+    return bad("latent attention: deepseek2 and only deepseek2 has a kv_lora_rank; ranks and head widths must be "
+               "multiples of 32, rope dims even, one KV head, at most n_layers dense lead layers");
   }
   // The checks every loaded model passes, so synth never writes a file the loader refuses.
   ModelConfig c;
@@ -236,7 +279,7 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
   c.n_layers = n_layers;
   c.n_heads = s.n_heads;
   c.n_kv_heads = s.n_kv_heads;
-  c.head_dim = s.head_dim > 0 ? s.head_dim : s.n_heads > 0 ? s.dim / s.n_heads : 0;
+  c.head_dim = deepseek ? s.kv_lora_rank + s.mla_rope_dim : s.head_dim > 0 ? s.head_dim : s.n_heads > 0 ? s.dim / s.n_heads : 0;
   c.max_context = s.context;
   c.rms_eps = s.rms_eps;
   c.rope_theta = s.rope_theta;
@@ -318,6 +361,30 @@ const std::vector<SynthShape>& SynthShapes() {
       WithExperts(Shape("tiny-olmoe", "olmoe", 1024, 256, 128, 2, 4, 4, 1024, 10000.0f, 1e-5f, false, false), 8, 2, 128),
       WithExperts(Shape("tiny-mixtral", "llama", 1024, 256, 128, 2, 4, 2, 1024, 1000000.0f, 1e-5f, false, false), 8, 2,
                   128),
+      // DeepSeek-V2-Lite (config.json): MLA with a 512 + 64 latent and no query bottleneck, one
+      // dense layer, 64 experts of 1408 (6 chosen) plus 2 shared, YaRN 40 over 4096.
+      WithDeepseekYarn(WithLatentAttention(WithExperts(Shape("deepseek-v2-lite", "deepseek2", 102400, 2048, 10944, 27, 16,
+                                                             1, 163840, 10000.0f, 1e-6f, false, false),
+                                                       64, 6, 1408, 2816),
+                                           512, 0, 128, 64, 128, 1),
+                       40.0f, 4096, 0.0707f),
+      // Its features at test size: the latent (64 + 16) and per-head sizes, a dense lead layer,
+      // shared experts, YaRN with its log multiplier; then the V3 form (query bottleneck, sigmoid
+      // gating with exp_probs_b, renormalized and scaled weights) and an older file's attn_kv_b.
+      WithDeepseekYarn(WithLatentAttention(WithExperts(Shape("tiny-deepseek2", "deepseek2", 1024, 256, 512, 3, 4, 1, 1024,
+                                                             10000.0f, 1e-6f, false, false),
+                                                       8, 2, 128, 256),
+                                           64, 0, 32, 16, 32, 1),
+                       4.0f, 256, 0.0707f),
+      WithV3Routing(WithLatentAttention(WithExperts(Shape("tiny-deepseek3", "deepseek2", 1024, 256, 512, 2, 4, 1, 1024,
+                                                          10000.0f, 1e-6f, false, false),
+                                                    8, 2, 128, 128),
+                                        64, 96, 32, 16, 32, 0),
+                    2.5f),
+      WithUnsplitKvB(WithLatentAttention(WithExperts(Shape("tiny-deepseek2-kvb", "deepseek2", 1024, 256, 512, 2, 4, 1,
+                                                           1024, 10000.0f, 1e-6f, false, false),
+                                                     8, 2, 128, 128),
+                                         64, 0, 32, 16, 32, 1)),
       // Qwen2.5 long-context files: YaRN factor 4 over a 256-token original context.
       WithYarn(Shape("tiny-qwen2-yarn", "qwen2", 512, 64, 128, 2, 4, 2, 1024, 1000000.0f, 1e-6f, true, true), 4.0f, 256),
   };
@@ -366,8 +433,27 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
   w.SetU32(arch + ".attention.head_count_kv", static_cast<uint32_t>(shape.n_kv_heads));
   w.SetF32(arch + ".attention.layer_norm_rms_epsilon", shape.rms_eps);
   w.SetF32(arch + ".rope.freq_base", shape.rope_theta);
-  w.SetU32(arch + ".rope.dimension_count", static_cast<uint32_t>(head_dim));
-  if (shape.head_dim > 0) {
+  const bool mla = shape.kv_lora_rank > 0;
+  if (mla) {  // as llama.cpp's converter writes deepseek2 (one KV head)
+    const int64_t rank = shape.kv_lora_rank, rope = shape.mla_rope_dim;
+    w.SetU32(arch + ".rope.dimension_count", static_cast<uint32_t>(rope));
+    w.SetU32(arch + ".attention.kv_lora_rank", static_cast<uint32_t>(rank));
+    w.SetU32(arch + ".attention.q_lora_rank", static_cast<uint32_t>(shape.q_lora_rank));
+    w.SetU32(arch + ".leading_dense_block_count", static_cast<uint32_t>(shape.n_dense_lead_layers));
+    if (shape.mla_unsplit_kv_b) {  // an older file: per-head sizes, n_heads KV heads
+      w.SetU32(arch + ".attention.head_count_kv", static_cast<uint32_t>(shape.n_heads));
+      w.SetU32(arch + ".attention.key_length", static_cast<uint32_t>(shape.mla_nope_dim + rope));
+      w.SetU32(arch + ".attention.value_length", static_cast<uint32_t>(shape.mla_v_head_dim));
+    } else {
+      w.SetU32(arch + ".attention.key_length", static_cast<uint32_t>(rank + rope));
+      w.SetU32(arch + ".attention.value_length", static_cast<uint32_t>(rank));
+      w.SetU32(arch + ".attention.key_length_mla", static_cast<uint32_t>(shape.mla_nope_dim + rope));
+      w.SetU32(arch + ".attention.value_length_mla", static_cast<uint32_t>(shape.mla_v_head_dim));
+    }
+  } else {
+    w.SetU32(arch + ".rope.dimension_count", static_cast<uint32_t>(head_dim));
+  }
+  if (shape.head_dim > 0 && !mla) {
     w.SetU32(arch + ".attention.key_length", static_cast<uint32_t>(head_dim));
     w.SetU32(arch + ".attention.value_length", static_cast<uint32_t>(head_dim));
   }
@@ -381,6 +467,9 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     w.SetString(arch + ".rope.scaling.type", "yarn");
     w.SetF32(arch + ".rope.scaling.factor", shape.rope_yarn_factor);
     w.SetU32(arch + ".rope.scaling.original_context_length", static_cast<uint32_t>(shape.rope_original_context));
+    if (shape.yarn_log_multiplier > 0) {
+      w.SetF32(arch + ".rope.scaling.yarn_log_multiplier", shape.yarn_log_multiplier);
+    }
   }
   if (shape.long_rope) {
     // Phi-3's converter: attn_factor = sqrt(1 + ln(context / original) / ln(original)).
@@ -396,10 +485,15 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     w.SetU32(arch + ".expert_count", static_cast<uint32_t>(n_experts));
     w.SetU32(arch + ".expert_used_count", static_cast<uint32_t>(shape.n_experts_used));
     // llama (Mixtral) and olmoe files carry the experts' width as feed_forward_length only.
-    if (arch == "qwen2moe" || arch == "qwen3moe") {
+    if (arch == "qwen2moe" || arch == "qwen3moe" || arch == "deepseek2") {
       w.SetU32(arch + ".expert_feed_forward_length", static_cast<uint32_t>(expert_hidden));
     }
-    if (shape.shared_expert_hidden_dim > 0) {
+    if (arch == "deepseek2") {  // shared experts as a count of expert widths
+      w.SetU32(arch + ".expert_shared_count", static_cast<uint32_t>(shape.shared_expert_hidden_dim / expert_hidden));
+      if (shape.expert_weights_scale > 0) w.SetF32(arch + ".expert_weights_scale", shape.expert_weights_scale);
+      if (shape.expert_weights_norm) w.SetBool(arch + ".expert_weights_norm", true);
+      if (shape.sigmoid_gating) w.SetU32(arch + ".expert_gating_func", 2);
+    } else if (shape.shared_expert_hidden_dim > 0) {
       w.SetU32(arch + ".expert_shared_feed_forward_length", static_cast<uint32_t>(shape.shared_expert_hidden_dim));
     }
   }
@@ -479,7 +573,25 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     mix_tensor.layer = l;
     add_vector(b + "attn_norm.weight", dim, 1.0f, 0.05f);
     const bool fused = arch == "phi3";  // llama.cpp's phi3 files fuse QKV and gate/up
-    if (fused) {
+    if (mla) {
+      const int64_t rank = shape.kv_lora_rank, nope = shape.mla_nope_dim, v_head = shape.mla_v_head_dim;
+      const int64_t heads = shape.n_heads, q_rows = heads * (nope + shape.mla_rope_dim);
+      if (shape.q_lora_rank > 0) {
+        add_matrix(b + "attn_q_a.weight", shape.q_lora_rank, dim);
+        add_vector(b + "attn_q_a_norm.weight", shape.q_lora_rank, 1.0f, 0.05f);
+        add_matrix(b + "attn_q_b.weight", q_rows, shape.q_lora_rank);
+      } else {
+        add_matrix(b + "attn_q.weight", q_rows, dim);
+      }
+      add_matrix(b + "attn_kv_a_mqa.weight", rank + shape.mla_rope_dim, dim);
+      add_vector(b + "attn_kv_a_norm.weight", rank, 1.0f, 0.05f);
+      if (shape.mla_unsplit_kv_b) {
+        add_matrix(b + "attn_kv_b.weight", heads * (nope + v_head), rank);
+      } else {
+        add_matrix(b + "attn_k_b.weight", rank, nope, heads);    // ne = {nope, rank, heads}
+        add_matrix(b + "attn_v_b.weight", v_head, rank, heads);  // ne = {rank, v_head, heads}
+      }
+    } else if (fused) {
       add_matrix(b + "attn_qkv.weight", q_dim + 2 * kv_dim, dim);
     } else {
       add_matrix(b + "attn_q.weight", q_dim, dim);
@@ -491,7 +603,7 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
       add_vector(b + "attn_k.bias", kv_dim, 0.0f, 0.1f);
       add_vector(b + "attn_v.bias", kv_dim, 0.0f, 0.1f);
     }
-    add_matrix(b + "attn_output.weight", dim, q_dim);
+    add_matrix(b + "attn_output.weight", dim, mla ? shape.n_heads * shape.mla_v_head_dim : q_dim);
     const bool gemma = arch == "gemma2" || arch == "gemma3";
     if (arch == "qwen3" || arch == "qwen3moe" || arch == "gemma3") {
       add_vector(b + "attn_q_norm.weight", head_dim, 1.0f, 0.05f);
@@ -502,14 +614,18 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     }
     if (gemma) add_vector(b + "post_attention_norm.weight", dim, 1.0f, 0.05f);
     add_vector(b + "ffn_norm.weight", dim, 1.0f, 0.05f);
-    if (n_experts > 0) {
+    const bool moe_layer = n_experts > 0 && l >= shape.n_dense_lead_layers;
+    if (moe_layer) {
       add_matrix(b + "ffn_gate_inp.weight", n_experts, dim, 0, /*force_f32=*/true);
+      if (shape.sigmoid_gating) add_vector(b + "exp_probs_b.bias", n_experts, 0.0f, 0.05f);
       add_matrix(b + "ffn_gate_exps.weight", expert_hidden, dim, n_experts);
       add_matrix(b + "ffn_up_exps.weight", expert_hidden, dim, n_experts);
       add_matrix(b + "ffn_down_exps.weight", dim, expert_hidden, n_experts);
       if (shape.shared_expert_hidden_dim > 0) {
         const int64_t shared = shape.shared_expert_hidden_dim;
-        add_vector(b + "ffn_gate_inp_shexp.weight", dim, 0.0f, std::sqrt(3.0f / static_cast<float>(dim)));
+        if (arch == "qwen2moe") {
+          add_vector(b + "ffn_gate_inp_shexp.weight", dim, 0.0f, std::sqrt(3.0f / static_cast<float>(dim)));
+        }
         add_matrix(b + "ffn_gate_shexp.weight", shared, dim);
         add_matrix(b + "ffn_up_shexp.weight", shared, dim);
         add_matrix(b + "ffn_down_shexp.weight", dim, shared);
@@ -520,7 +636,7 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
       add_matrix(b + "ffn_gate.weight", hidden, dim);
       add_matrix(b + "ffn_up.weight", hidden, dim);
     }
-    if (n_experts == 0) add_matrix(b + "ffn_down.weight", dim, hidden);
+    if (!moe_layer) add_matrix(b + "ffn_down.weight", dim, hidden);
     if (gemma) add_vector(b + "post_ffw_norm.weight", dim, 1.0f, 0.05f);
   }
   return w.Write(out_path);

@@ -9,6 +9,7 @@
 #include "kvsparse/engine.h"
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/model.h"
+#include "kvsparse/runtime.h"
 #include "kvsparse/synth.h"
 #include "support/shared_data.h"
 
@@ -28,7 +29,7 @@ void RunShape(const std::string& shape_name, DType type) {
   EXPECT_EQ(c.n_vocab, shape.n_vocab);
   EXPECT_EQ(c.n_layers, shape.n_layers);
   EXPECT_EQ(c.tied_output, shape.tied_output);
-  KvGeometry geometry{c.n_layers, c.n_kv_heads, c.head_dim};
+  const KvGeometry geometry = ModelKvGeometry(**model, /*with_windows=*/false);
   ContiguousKvCache cache(geometry, KvStorage::kF32, 1, 64);
   Engine engine(**model, &cache, 1);
   // Prefill 16 tokens, then decode 16 more greedily; every logit must stay finite.

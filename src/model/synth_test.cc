@@ -41,11 +41,15 @@ void CheckModel(const GgufFile& f, const SynthShape& s, DType weight_type, int n
   EXPECT_EQ(f.GetUInt(a + "block_count").value(), static_cast<uint64_t>(n_layers));
   EXPECT_EQ(f.GetUInt(a + "feed_forward_length").value(), static_cast<uint64_t>(s.hidden_dim));
   EXPECT_EQ(f.GetUInt(a + "attention.head_count").value(), static_cast<uint64_t>(s.n_heads));
-  EXPECT_EQ(f.GetUInt(a + "attention.head_count_kv").value(), static_cast<uint64_t>(s.n_kv_heads));
+  // (llama.cpp's older deepseek2 files, with the whole attn_kv_b, count one KV head per head.)
+  EXPECT_EQ(f.GetUInt(a + "attention.head_count_kv").value(),
+            static_cast<uint64_t>(s.mla_unsplit_kv_b ? s.n_heads : s.n_kv_heads));
   EXPECT_FLOAT_EQ(static_cast<float>(f.GetFloat(a + "attention.layer_norm_rms_epsilon").value()), s.rms_eps);
   EXPECT_FLOAT_EQ(static_cast<float>(f.GetFloat(a + "rope.freq_base").value()), s.rope_theta);
   const int64_t hd = s.head_dim > 0 ? s.head_dim : s.dim / s.n_heads;
-  EXPECT_EQ(f.GetUInt(a + "rope.dimension_count").value(), static_cast<uint64_t>(hd));
+  // MLA rotates only a tail of each head.
+  const int64_t rotated = s.kv_lora_rank > 0 ? s.mla_rope_dim : hd;
+  EXPECT_EQ(f.GetUInt(a + "rope.dimension_count").value(), static_cast<uint64_t>(rotated));
   EXPECT_EQ(f.GetUInt(a + "vocab_size").value(), static_cast<uint64_t>(s.n_vocab));
   EXPECT_EQ(f.GetStringArray("tokenizer.ggml.tokens").value()->size(), static_cast<size_t>(s.n_vocab));
 

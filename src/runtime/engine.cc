@@ -30,7 +30,7 @@ AttentionShape LayerAttentionShape(const ModelConfig& c, int layer) {
 size_t Engine::ScratchBytesFor(const ModelConfig& config, int32_t rows) {
   const size_t r = static_cast<size_t>(std::max<int32_t>(rows, 1));
   const size_t one_row_logits = static_cast<size_t>(config.dim) + static_cast<size_t>(config.n_vocab) +
-                                (config.IsMoe() ? static_cast<size_t>(config.n_experts) + 1 : 0);  // + expert_first
+                                (config.IsMoe() ? 2 * static_cast<size_t>(config.n_experts) + 1 : 0);  // + expert_first, router_probs
   return (r * Scratch::FloatsPerRow(config) + one_row_logits) * sizeof(float);
 }
 
@@ -46,6 +46,9 @@ Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvContro
                 fmt::format("KV cache geometry (layers {}, kv heads {}, head_dim {}) does not match the model "
                             "(layers {}, kv heads {}, head_dim {})",
                             g.n_layers, g.n_kv_heads, g.head_dim, c.n_layers, c.n_kv_heads, c.head_dim));
+  KVS_CHECK_MSG(g.values_in_keys == c.IsMla(),
+                c.IsMla() ? "an MLA model needs a latent KV cache (KvGeometry::values_in_keys; ModelKvGeometry sets it)"
+                          : "a latent KV cache (values_in_keys) serves only MLA models");
   // The kernel masks by the model's windows; a cache that frees pages by other windows would
   // drop tokens a query still sees.
   for (int layer = 0; layer < c.n_layers && !g.layer_window.empty(); ++layer) {
@@ -65,14 +68,20 @@ Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvContro
     }
     // Cache-position layers re-rotate surviving keys after an eviction: RoPE by the delta, with
     // this model's frequencies (copied, so the rotation does not depend on this Engine).
-    std::vector<std::vector<float>> layer_inv_freq;  // [n_layers][head_dim/2]
+    // Under MLA only each row's tail (the rotated key part) turns.
+    std::vector<std::vector<float>> layer_inv_freq;  // [n_layers][RopeDim()/2]
     for (int layer = 0; layer < c.n_layers; ++layer) {
       const float* f = model.RopeInvFreq(layer);
-      layer_inv_freq.emplace_back(f, f + c.head_dim / 2);
+      layer_inv_freq.emplace_back(f, f + c.RopeDim() / 2);
     }
-    controller->SetKeyRotation([inv_freq = std::move(layer_inv_freq), head_dim = c.head_dim, style = c.rope_style](
-                                   int layer, float* k, int64_t n_rows, int32_t delta) {
-      ops::Rope(k, static_cast<int>(n_rows), head_dim, delta, inv_freq[static_cast<size_t>(layer)].data(), style);
+    controller->SetKeyRotation([inv_freq = std::move(layer_inv_freq), head_dim = c.head_dim, rope_dim = c.RopeDim(),
+                                style = c.rope_style](int layer, float* k, int64_t n_rows, int32_t delta) {
+      const float* f = inv_freq[static_cast<size_t>(layer)].data();
+      if (rope_dim == head_dim) {
+        ops::Rope(k, static_cast<int>(n_rows), head_dim, delta, f, style);
+        return;
+      }
+      for (int64_t r = 0; r < n_rows; ++r) ops::Rope(k + r * head_dim + (head_dim - rope_dim), 1, rope_dim, delta, f, style);
     });
   }
 }
@@ -186,7 +195,6 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
   }
   s.Reserve(c, n);
   const int64_t dim = c.dim;
-  const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
   const bool parallel_rows = n >= kParallelRowThreshold;
   AttentionShape shape;  // per layer: LayerAttentionShape
@@ -227,7 +235,6 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
 
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
-    const float* inv_freq = model_.RopeInvFreq(layer);
     shape = LayerAttentionShape(c, layer);
     // RoPE positions of each sequence's rows in this layer, which are also their stored and
     // query positions: absolute, or (StreamingLLM cache positions) the places right after the
@@ -242,38 +249,17 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
 
     // ---- attention ----
     norm_rows(w.attn_norm);
-    ops::MatMul(w.wq, s.normed.data(), n, s.q.data(), n_threads_);
-    ops::MatMul(w.wk, s.normed.data(), n, s.k.data(), n_threads_);
-    ops::MatMul(w.wv, s.normed.data(), n, s.v.data(), n_threads_);
-#pragma omp parallel for num_threads(n_threads_ > 0 ? n_threads_ : omp_get_max_threads()) if (parallel_rows)
-    for (int32_t i = 0; i < n; ++i) {
-      float* q_row = &s.q[static_cast<size_t>(i) * q_dim];
-      float* k_row = &s.k[static_cast<size_t>(i) * kv_dim];
-      float* v_row = &s.v[static_cast<size_t>(i) * kv_dim];
-      if (w.bq != nullptr) ops::Add(q_row, w.bq, q_dim);
-      if (w.bk != nullptr) ops::Add(k_row, w.bk, kv_dim);
-      if (w.bv != nullptr) ops::Add(v_row, w.bv, kv_dim);
-      if (w.q_norm != nullptr && c.qk_norm_full_width) {  // olmoe: the whole projection at once
-        ops::RmsNorm(q_row, w.q_norm, q_row, q_dim, c.rms_eps);
-        ops::RmsNorm(k_row, w.k_norm, k_row, kv_dim, c.rms_eps);
-      } else if (w.q_norm != nullptr) {  // qwen3: each head normalized on its own (in place is safe for RmsNorm)
-        for (int h = 0; h < c.n_heads; ++h) {
-          float* head = q_row + static_cast<size_t>(h) * c.head_dim;
-          ops::RmsNorm(head, w.q_norm, head, c.head_dim, c.rms_eps);
-        }
-        for (int h = 0; h < c.n_kv_heads; ++h) {
-          float* head = k_row + static_cast<size_t>(h) * c.head_dim;
-          ops::RmsNorm(head, w.k_norm, head, c.head_dim, c.rms_eps);
-        }
-      }
-      const int32_t pos = s.positions[static_cast<size_t>(i)];
-      ops::Rope(q_row, c.n_heads, c.head_dim, pos, inv_freq, c.rope_style);
-      ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, inv_freq, c.rope_style);
+    if (c.IsMla()) {
+      ProjectLatentAttention(layer, n);
+    } else {
+      ProjectAttention(layer, n);
     }
     s.decode_batch.clear();
     for (const Entry& e : entries) {
       const size_t r = static_cast<size_t>(e.row0);
-      Status appended = cache_->Append(e.seq, layer, e.n, &s.k[r * kv_dim], &s.v[r * kv_dim], &s.positions[r]);
+      // An MLA row is its own value (the cache stores it once).
+      const float* v_rows = c.IsMla() ? &s.k[r * kv_dim] : &s.v[r * kv_dim];
+      Status appended = cache_->Append(e.seq, layer, e.n, &s.k[r * kv_dim], v_rows, &s.positions[r]);
       if (!appended.ok()) {
         return Status(appended.code(),
                       fmt::format("Forward: storing K/V of sequence {} layer {} (positions {}..{}): {}", e.seq, layer,
@@ -286,7 +272,12 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
       KVS_RETURN_IF_ERROR(Attend(e, layer, shape));
     }
     KVS_RETURN_IF_ERROR(AttendDecodeBatch(layer, shape));
-    ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
+    if (c.IsMla()) {
+      LatentAttentionOutput(layer, n);
+      ops::MatMul(w.wo, s.mla_out.data(), n, s.proj.data(), n_threads_);
+    } else {
+      ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
+    }
     add_residual(w.post_attn_norm);
 
     // ---- feed-forward (SwiGLU or GeGLU; or the experts) ----
@@ -331,6 +322,44 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
     j += rows;
   }
   return Status::Ok();
+}
+
+void Engine::ProjectAttention(int layer, int32_t n) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
+  Scratch& s = *scratch_;
+  const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+  const float* inv_freq = model_.RopeInvFreq(layer);
+  const bool parallel_rows = n >= kParallelRowThreshold;
+  ops::MatMul(w.wq, s.normed.data(), n, s.q.data(), n_threads_);
+  ops::MatMul(w.wk, s.normed.data(), n, s.k.data(), n_threads_);
+  ops::MatMul(w.wv, s.normed.data(), n, s.v.data(), n_threads_);
+#pragma omp parallel for num_threads(n_threads_ > 0 ? n_threads_ : omp_get_max_threads()) if (parallel_rows)
+  for (int32_t i = 0; i < n; ++i) {
+    float* q_row = &s.q[static_cast<size_t>(i) * q_dim];
+    float* k_row = &s.k[static_cast<size_t>(i) * kv_dim];
+    float* v_row = &s.v[static_cast<size_t>(i) * kv_dim];
+    if (w.bq != nullptr) ops::Add(q_row, w.bq, q_dim);
+    if (w.bk != nullptr) ops::Add(k_row, w.bk, kv_dim);
+    if (w.bv != nullptr) ops::Add(v_row, w.bv, kv_dim);
+    if (w.q_norm != nullptr && c.qk_norm_full_width) {  // olmoe: the whole projection at once
+      ops::RmsNorm(q_row, w.q_norm, q_row, q_dim, c.rms_eps);
+      ops::RmsNorm(k_row, w.k_norm, k_row, kv_dim, c.rms_eps);
+    } else if (w.q_norm != nullptr) {  // qwen3: each head normalized on its own (in place is safe for RmsNorm)
+      for (int h = 0; h < c.n_heads; ++h) {
+        float* head = q_row + static_cast<size_t>(h) * c.head_dim;
+        ops::RmsNorm(head, w.q_norm, head, c.head_dim, c.rms_eps);
+      }
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        float* head = k_row + static_cast<size_t>(h) * c.head_dim;
+        ops::RmsNorm(head, w.k_norm, head, c.head_dim, c.rms_eps);
+      }
+    }
+    const int32_t pos = s.positions[static_cast<size_t>(i)];
+    ops::Rope(q_row, c.n_heads, c.head_dim, pos, inv_freq, c.rope_style);
+    ops::Rope(k_row, c.n_kv_heads, c.head_dim, pos, inv_freq, c.rope_style);
+  }
 }
 
 Status Engine::Attend(const Entry& e, int layer, const AttentionShape& shape) {

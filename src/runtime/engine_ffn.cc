@@ -13,26 +13,41 @@ namespace kvsparse {
 
 namespace engine_detail {
 
-void RouteToExperts(const float* logits, int n_experts, int n_used, bool normalize, float scale, int32_t* experts,
-                    float* weights) {
-  // Softmax over every expert: the weights are probabilities of the full distribution.
-  float max_logit = -INFINITY;
-  for (int e = 0; e < n_experts; ++e) max_logit = std::max(max_logit, logits[e]);
-  double total = 0;
-  for (int e = 0; e < n_experts; ++e) total += std::exp(static_cast<double>(logits[e]) - max_logit);
-  // Partial selection of the n_used largest logits (the same order as the probabilities).
+void RouteToExperts(const float* logits, const RouterRule& rule, float* probs, int32_t* experts, float* weights) {
+  const int n_experts = rule.n_experts, n_used = rule.n_used;
+  if (rule.gating == ExpertGating::kSigmoid) {
+    for (int e = 0; e < n_experts; ++e) probs[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+  } else {  // softmax over every expert: the weights are probabilities of the full distribution
+    float max_logit = -INFINITY;
+    for (int e = 0; e < n_experts; ++e) max_logit = std::max(max_logit, logits[e]);
+    double total = 0;
+    for (int e = 0; e < n_experts; ++e) total += std::exp(static_cast<double>(logits[e]) - max_logit);
+    for (int e = 0; e < n_experts; ++e) {
+      probs[e] = static_cast<float>(std::exp(static_cast<double>(logits[e]) - max_logit) / total);
+    }
+  }
+  // Partial selection of the n_used best: by logit (the probabilities' order) or, with a
+  // selection bias (DeepSeek-V3), by probability plus bias; the weights stay unbiased.
+  auto score = [&](int e) { return rule.selection_bias != nullptr ? probs[e] + rule.selection_bias[e] : logits[e]; };
   for (int k = 0; k < n_used; ++k) {
     int best = -1;
+    float best_score = 0;
     for (int e = 0; e < n_experts; ++e) {
       bool taken = false;
       for (int j = 0; j < k && !taken; ++j) taken = experts[j] == e;
       if (taken) continue;
-      // NaN logits never win over a number; a row of NaNs still picks distinct experts.
-      if (best < 0 || logits[e] > logits[best] || (std::isnan(logits[best]) && !std::isnan(logits[e]))) best = e;
+      // NaN scores never win over a number; a row of NaNs still picks distinct experts.
+      const float v = score(e);
+      if (best < 0 || v > best_score || (std::isnan(best_score) && !std::isnan(v))) {
+        best = e;
+        best_score = v;
+      }
     }
     experts[k] = best;
-    weights[k] = static_cast<float>(std::exp(static_cast<double>(logits[best]) - max_logit) / total);
+    weights[k] = probs[best];
   }
+  const bool normalize = rule.normalize;
+  const float scale = rule.scale;
   if (normalize) {
     double sum = 0;
     for (int k = 0; k < n_used; ++k) sum += weights[k];
@@ -50,7 +65,7 @@ using namespace engine_detail;  // NOLINT
 
 void Engine::FeedForward(int layer, int32_t n) {
   const ModelConfig& c = model_.config();
-  if (c.IsMoe()) return MixtureOfExperts(layer, n);
+  if (c.LayerIsMoe(layer)) return MixtureOfExperts(layer, n);
   const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
   Scratch& s = *scratch_;
   const int64_t hidden = c.hidden_dim;
@@ -74,10 +89,12 @@ void Engine::MixtureOfExperts(int layer, int32_t n) {
   // Route every row.
   ops::MatMul(w.router, s.normed.data(), n, s.router_logits.data(), n_threads_);
   if (router_observer_) router_observer_(layer, n, s.router_logits.data());
+  const RouterRule rule{n_experts, n_used, c.expert_gating, w.expert_selection_bias, c.expert_weights_norm,
+                        c.expert_weights_scale};
   for (int32_t i = 0; i < n; ++i) {
     const size_t r = static_cast<size_t>(i);
-    RouteToExperts(&s.router_logits[r * n_experts], n_experts, n_used, c.expert_weights_norm, c.expert_weights_scale,
-                   &s.chosen_expert[r * n_used], &s.chosen_weight[r * n_used]);
+    RouteToExperts(&s.router_logits[r * n_experts], rule, s.router_probs.data(), &s.chosen_expert[r * n_used],
+                   &s.chosen_weight[r * n_used]);
   }
   // Group the slots (row * n_used + choice) by expert: a counting sort, stable in row order.
   std::vector<int32_t>& first = s.expert_first;
@@ -92,14 +109,15 @@ void Engine::MixtureOfExperts(int layer, int32_t n) {
   std::rotate(first.rbegin(), first.rbegin() + 1, first.rend());
   first[0] = 0;
 
-  // The shared expert first (qwen2moe), which sets s.proj; else s.proj starts at zero.
+  // The shared expert first (qwen2moe behind its sigmoid gate, deepseek2's ungated), which sets
+  // s.proj; else s.proj starts at zero.
   if (w.shared_gate.data != nullptr) {
     const int64_t width = c.shared_expert_hidden_dim;
     ops::MatMul(w.shared_gate, s.normed.data(), n, s.gate.data(), n_threads_);
     ops::MatMul(w.shared_up, s.normed.data(), n, s.up.data(), n_threads_);
     ops::SiluMul(s.gate.data(), s.up.data(), n * width);
     ops::MatMul(w.shared_down, s.gate.data(), n, s.proj.data(), n_threads_);
-    for (int32_t i = 0; i < n; ++i) {
+    for (int32_t i = 0; i < n && w.shared_expert_gate != nullptr; ++i) {
       float* row = &s.proj[static_cast<size_t>(i) * dim];
       const float logit = ops::Dot(&s.normed[static_cast<size_t>(i) * dim], w.shared_expert_gate, c.dim);
       const float gate = 1.0f / (1.0f + std::exp(-logit));

@@ -52,13 +52,21 @@ inline AttentionShape WithHeads(const AttentionShape& shape, int n_heads, int n_
   return s;
 }
 
-// One token's expert choice, as llama.cpp's build_moe_ffn makes it for softmax gating: the
-// softmax of the router's logits [n_experts], the n_used most probable experts (the lower id
-// first among equals), their probabilities as weights, renormalized to sum 1 when `normalize`
-// (the sum clamped below at 2^-14, as llama.cpp clamps it), times `scale`.
-// experts, weights: [n_used].
-void RouteToExperts(const float* logits, int n_experts, int n_used, bool normalize, float scale, int32_t* experts,
-                    float* weights);
+// How a MoE layer turns a token's router logits into expert weights (llama.cpp's build_moe_ffn).
+struct RouterRule {
+  int n_experts = 0;
+  int n_used = 0;
+  ExpertGating gating = ExpertGating::kSoftmax;
+  const float* selection_bias = nullptr;  // [n_experts] added to the probabilities for the choice only
+  bool normalize = false;
+  float scale = 1.0f;
+};
+// One token's expert choice: the gating's probabilities [n_experts] (softmax of the logits, or
+// each logit's sigmoid), the n_used best experts (by logit, or by probability + selection_bias
+// when there is one; the lower id first among equals), their probabilities as weights,
+// renormalized to sum 1 when `normalize` (the sum clamped below at 2^-14, as llama.cpp clamps
+// it), times `scale`. probs: [n_experts] scratch; experts, weights: [n_used].
+void RouteToExperts(const float* logits, const RouterRule& rule, float* probs, int32_t* experts, float* weights);
 }  // namespace engine_detail
 
 struct Engine::Entry {
@@ -130,19 +138,37 @@ struct Engine::Scratch {
   // choice) slots grouped by expert (counting sort: expert e's are expert_slots[expert_first[e]
   // .. expert_first[e + 1])), and one expert's rows gathered in and out.
   std::vector<float> router_logits;     // [rows, n_experts]
+  std::vector<float> router_probs;      // [n_experts] one row's gating probabilities
   std::vector<int32_t> chosen_expert;   // [rows, n_experts_used]
   std::vector<float> chosen_weight;     // [rows, n_experts_used]
   std::vector<int32_t> expert_slots;    // [rows * n_experts_used] row * n_experts_used + choice
   std::vector<int32_t> expert_first;    // [n_experts + 1]
   std::vector<float> expert_in;         // [rows, dim]
   std::vector<float> expert_out;        // [rows, dim]
+  // MLA layers: the projected queries before absorption, the query bottleneck, each head's rows
+  // gathered in and out of its absorption matrices (head-major, so heads run in parallel), and
+  // the per-head outputs fed to attn_output.
+  std::vector<float> mla_q;         // [rows, n_heads, nope + rope]
+  std::vector<float> mla_q_lora;    // [rows, q_lora_rank]
+  std::vector<float> mla_head_in;   // [n_heads, rows, max(nope, kv_lora_rank)]
+  std::vector<float> mla_head_out;  // [n_heads, rows, max(kv_lora_rank, v_head_dim)]
+  std::vector<float> mla_out;       // [rows, n_heads * v_head_dim]
 
   // Floats per row of the buffers Reserve sizes (Engine::ScratchBytesFor): keep the two in step.
   static size_t FloatsPerRow(const ModelConfig& c) {
     const size_t q_dim = static_cast<size_t>(c.n_heads) * c.head_dim;
     const size_t kv_dim = static_cast<size_t>(c.n_kv_heads) * c.head_dim;
     return 3 * static_cast<size_t>(c.dim) + 2 * q_dim + 2 * kv_dim + 2 * static_cast<size_t>(c.MaxFfnWidth()) + 1 +
-           MoeFloatsPerRow(c);
+           MoeFloatsPerRow(c) + MlaFloatsPerRow(c);
+  }
+  static size_t MlaHeadWidth(const ModelConfig& c) {
+    return static_cast<size_t>(std::max({c.mla_nope_dim, c.kv_lora_rank, c.mla_v_head_dim}));
+  }
+  static size_t MlaFloatsPerRow(const ModelConfig& c) {
+    if (!c.IsMla()) return 0;
+    const size_t heads = static_cast<size_t>(c.n_heads);
+    return heads * static_cast<size_t>(c.QueryHeadDim()) + static_cast<size_t>(c.q_lora_rank) +
+           2 * heads * MlaHeadWidth(c) + heads * static_cast<size_t>(c.mla_v_head_dim);
   }
   // (int32 entries count as one float each)
   static size_t MoeFloatsPerRow(const ModelConfig& c) {
@@ -167,12 +193,21 @@ struct Engine::Scratch {
     if (c.IsMoe()) {
       const size_t used = static_cast<size_t>(c.n_experts_used);
       router_logits.resize(r * c.n_experts);
+      router_probs.resize(static_cast<size_t>(c.n_experts));
       chosen_expert.resize(r * used);
       chosen_weight.resize(r * used);
       expert_slots.resize(r * used);
       expert_first.resize(static_cast<size_t>(c.n_experts) + 1);
       expert_in.resize(r * c.dim);
       expert_out.resize(r * c.dim);
+    }
+    if (c.IsMla()) {
+      const size_t heads = static_cast<size_t>(c.n_heads);
+      mla_q.resize(r * heads * c.QueryHeadDim());
+      mla_q_lora.resize(r * c.q_lora_rank);
+      mla_head_in.resize(heads * r * MlaHeadWidth(c));
+      mla_head_out.resize(heads * r * MlaHeadWidth(c));
+      mla_out.resize(r * heads * c.mla_v_head_dim);
     }
     rows = n;
   }

@@ -11,10 +11,11 @@
 
 namespace kvsparse {
 
-KvGeometry ModelKvGeometry(const Model& model) {
+KvGeometry ModelKvGeometry(const Model& model, bool with_windows) {
   const ModelConfig& c = model.config();
   KvGeometry g{c.n_layers, c.n_kv_heads, c.head_dim};
-  if (!c.sliding_layers.empty()) {
+  g.values_in_keys = c.IsMla();
+  if (with_windows && !c.sliding_layers.empty()) {
     for (int layer = 0; layer < c.n_layers; ++layer) g.layer_window.push_back(c.LayerWindow(layer));
   }
   return g;

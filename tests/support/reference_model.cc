@@ -39,13 +39,15 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   const std::string arch(arch_view);
   const bool gemma = arch == "gemma2" || arch == "gemma3";
   const bool moe_arch = arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe";
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && !gemma && arch != "phi3" && !moe_arch) {
+  const bool deepseek = arch == "deepseek2";
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && !gemma && arch != "phi3" && !moe_arch && !deepseek) {
     return UnimplementedError("reference model: architecture " + arch);
   }
   // llama.cpp's graphs: Mixtral (llama) and qwen3moe renormalize the chosen experts' weights.
   m->expert_weights_norm_ = arch == "llama" || arch == "qwen3moe";
   m->qk_norm_full_width_ = arch == "olmoe";
-  m->neox_rope_ = arch != "llama";  // qwen2moe, qwen3moe and olmoe rotate NEOX halves too
+  // qwen2moe, qwen3moe and olmoe rotate NEOX halves too; deepseek2 adjacent pairs, as llama.
+  m->neox_rope_ = arch != "llama" && arch != "deepseek2";
   m->gelu_ = gemma;
   const std::string p = arch + ".";
   KVS_ASSIGN_OR_RETURN(uint64_t dim, file->GetUInt(p + "embedding_length"));
@@ -66,6 +68,27 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   KVS_ASSIGN_OR_RETURN(uint64_t key_length, file->GetUIntOr(p + "attention.key_length", dim / n_heads));
   m->head_dim_ = static_cast<int>(key_length);
   m->query_scale_ = 1.0 / std::sqrt(static_cast<double>(m->head_dim_));
+  uint64_t n_dense_lead = 0;
+  if (deepseek) {
+    m->mla_ = true;
+    KVS_ASSIGN_OR_RETURN(uint64_t rank, file->GetUInt(p + "attention.kv_lora_rank"));
+    KVS_ASSIGN_OR_RETURN(uint64_t rope, file->GetUInt(p + "rope.dimension_count"));
+    KVS_ASSIGN_OR_RETURN(uint64_t key_mla, file->GetUIntOr(p + "attention.key_length_mla", key_length));
+    KVS_ASSIGN_OR_RETURN(uint64_t value_length, file->GetUIntOr(p + "attention.value_length", key_length));
+    KVS_ASSIGN_OR_RETURN(uint64_t value_mla, file->GetUIntOr(p + "attention.value_length_mla", value_length));
+    KVS_ASSIGN_OR_RETURN(n_dense_lead, file->GetUIntOr(p + "leading_dense_block_count", 0));
+    KVS_ASSIGN_OR_RETURN(m->expert_weights_scale_, file->GetFloatOr(p + "expert_weights_scale", 1.0));
+    KVS_ASSIGN_OR_RETURN(uint64_t gating, file->GetUIntOr(p + "expert_gating_func", 1));
+    m->sigmoid_gating_ = gating == 2;
+    if (file->Find(p + "expert_weights_norm") != nullptr) {
+      KVS_ASSIGN_OR_RETURN(m->expert_weights_norm_, file->GetBool(p + "expert_weights_norm"));
+    }
+    m->kv_lora_rank_ = static_cast<int>(rank);
+    m->mla_nope_ = static_cast<int>(key_mla - rope);
+    m->mla_v_head_ = static_cast<int>(value_mla);
+    m->head_dim_ = static_cast<int>(rope);  // RoPE turns only this part of each head
+    m->query_scale_ = 1.0 / std::sqrt(static_cast<double>(key_mla));
+  }
   if (gemma) {
     m->embedding_scale_ = std::sqrt(static_cast<double>(dim));
     KVS_ASSIGN_OR_RETURN(m->query_scale_, file->GetFloatOr(p + "attention.scale", m->query_scale_));
@@ -126,7 +149,17 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
     }
     return freq;
   };
-  const double yarn_mscale = scaling == "yarn" && factor > 1.0 ? 1.0 + 0.1 * std::log(factor) : 1.0;
+  double yarn_mscale = scaling == "yarn" && factor > 1.0 ? 1.0 + 0.1 * std::log(factor) : 1.0;
+  if (deepseek) {
+    // DeepSeek's YaRN (its modeling code): the rotated parts keep their length when the file has
+    // a log multiplier (0.1 mscale_all_dim), and the scores scale by (1 + that * ln factor)^2.
+    KVS_ASSIGN_OR_RETURN(const double log_mul, file->GetFloatOr(p + "rope.scaling.yarn_log_multiplier", 0.0));
+    const double ln_factor = scaling == "none" ? 0.0 : std::log(factor);
+    const double rotated = log_mul != 0.0 ? 1.0 : yarn_mscale;
+    const double mscale = rotated * (1.0 + log_mul * ln_factor);
+    m->query_scale_ *= mscale * mscale;
+    yarn_mscale = rotated;
+  }
 
   auto matrix = [&](const std::string& name, Matrix* out) -> Status {
     KVS_ASSIGN_OR_RETURN(out->w, ReadTensor(*file, name, &out->rows, &out->cols));
@@ -170,7 +203,40 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
     }
     KVS_RETURN_IF_ERROR(vec(b + "attn_norm.weight", &L.attn_norm));
     KVS_RETURN_IF_ERROR(vec(b + "ffn_norm.weight", &L.ffn_norm));
-    if (file->FindTensor(b + "attn_qkv.weight") != nullptr) {  // phi3: Q, K, V rows in one matrix
+    if (deepseek) {
+      if (file->FindTensor(b + "attn_q_a.weight") != nullptr) {
+        KVS_RETURN_IF_ERROR(matrix(b + "attn_q_a.weight", &L.wq_a));
+        KVS_RETURN_IF_ERROR(vec(b + "attn_q_a_norm.weight", &L.q_a_norm));
+        KVS_RETURN_IF_ERROR(matrix(b + "attn_q_b.weight", &L.wq));
+      } else {
+        KVS_RETURN_IF_ERROR(matrix(b + "attn_q.weight", &L.wq));
+      }
+      KVS_RETURN_IF_ERROR(matrix(b + "attn_kv_a_mqa.weight", &L.wkv_a));
+      KVS_RETURN_IF_ERROR(vec(b + "attn_kv_a_norm.weight", &L.kv_a_norm));
+      const int64_t rank = m->kv_lora_rank_, nope = m->mla_nope_, v_head = m->mla_v_head_;
+      if (file->FindTensor(b + "attn_kv_b.weight") != nullptr) {  // [heads * (nope + v_head), rank]
+        Matrix kv_b;
+        KVS_RETURN_IF_ERROR(matrix(b + "attn_kv_b.weight", &kv_b));
+        for (uint64_t h = 0; h < n_heads; ++h) {
+          L.k_up.push_back(split(kv_b, static_cast<int64_t>(h) * (nope + v_head), nope));
+          L.v_up.push_back(split(kv_b, static_cast<int64_t>(h) * (nope + v_head) + nope, v_head));
+        }
+      } else {  // attn_k_b: per head [rank, nope], the transpose of k_up; attn_v_b: per head [v_head, rank]
+        Matrix k_b, v_b;
+        KVS_RETURN_IF_ERROR(matrix(b + "attn_k_b.weight", &k_b));
+        KVS_RETURN_IF_ERROR(matrix(b + "attn_v_b.weight", &v_b));
+        for (uint64_t h = 0; h < n_heads; ++h) {
+          Matrix up{nope, rank, std::vector<double>(static_cast<size_t>(nope * rank))};
+          for (int64_t r = 0; r < rank; ++r) {
+            for (int64_t c = 0; c < nope; ++c) {
+              up.w[static_cast<size_t>(c * rank + r)] = k_b.w[static_cast<size_t>((h * rank + r) * nope + c)];
+            }
+          }
+          L.k_up.push_back(std::move(up));
+          L.v_up.push_back(split(v_b, static_cast<int64_t>(h) * v_head, v_head));
+        }
+      }
+    } else if (file->FindTensor(b + "attn_qkv.weight") != nullptr) {  // phi3: Q, K, V rows in one matrix
       Matrix qkv;
       KVS_RETURN_IF_ERROR(matrix(b + "attn_qkv.weight", &qkv));
       L.wq = split(qkv, 0, q_dim);
@@ -190,13 +256,19 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
       for (uint64_t e = 0; e < n_experts; ++e) out->push_back(split(all, static_cast<int64_t>(e) * rows, rows));
       return Status::Ok();
     };
-    if (n_experts > 0) {
+    L.moe = n_experts > 0 && l >= n_dense_lead;
+    if (L.moe) {
       KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate_inp.weight", &L.router));
+      if (file->FindTensor(b + "exp_probs_b.bias") != nullptr) {
+        KVS_RETURN_IF_ERROR(vec(b + "exp_probs_b.bias", &L.selection_bias));
+      }
       KVS_RETURN_IF_ERROR(experts(b + "ffn_gate_exps.weight", &L.expert_gate));
       KVS_RETURN_IF_ERROR(experts(b + "ffn_up_exps.weight", &L.expert_up));
       KVS_RETURN_IF_ERROR(experts(b + "ffn_down_exps.weight", &L.expert_down));
-      if (file->FindTensor(b + "ffn_gate_inp_shexp.weight") != nullptr) {
-        KVS_RETURN_IF_ERROR(vec(b + "ffn_gate_inp_shexp.weight", &L.shared_expert_gate));
+      if (file->FindTensor(b + "ffn_gate_shexp.weight") != nullptr) {
+        if (file->FindTensor(b + "ffn_gate_inp_shexp.weight") != nullptr) {
+          KVS_RETURN_IF_ERROR(vec(b + "ffn_gate_inp_shexp.weight", &L.shared_expert_gate));
+        }
         KVS_RETURN_IF_ERROR(matrix(b + "ffn_gate_shexp.weight", &L.shared_gate));
         KVS_RETURN_IF_ERROR(matrix(b + "ffn_up_shexp.weight", &L.shared_up));
         KVS_RETURN_IF_ERROR(matrix(b + "ffn_down_shexp.weight", &L.shared_down));
@@ -210,7 +282,7 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
       L.gate = split(gate_up, 0, gate_up.rows / 2);
       L.up = split(gate_up, gate_up.rows / 2, gate_up.rows / 2);
     }
-    if (n_experts == 0) {
+    if (!L.moe) {
       KVS_RETURN_IF_ERROR(matrix(b + "ffn_down.weight", &L.down));
     }
     if (arch == "qwen3" || arch == "qwen3moe" || arch == "olmoe" || arch == "gemma3") {
@@ -294,25 +366,32 @@ std::vector<double> ReferenceModel::Moe(const Layer& L, const std::vector<double
   const std::vector<double> logits = Apply(L.router, h);
   const double top = *std::max_element(logits.begin(), logits.end());
   std::vector<double> prob(logits.size());
-  double total = 0;
-  for (size_t e = 0; e < logits.size(); ++e) total += (prob[e] = std::exp(logits[e] - top));
-  for (double& p : prob) p /= total;
+  if (sigmoid_gating_) {
+    for (size_t e = 0; e < logits.size(); ++e) prob[e] = 1.0 / (1.0 + std::exp(-logits[e]));
+  } else {
+    double total = 0;
+    for (size_t e = 0; e < logits.size(); ++e) total += (prob[e] = std::exp(logits[e] - top));
+    for (double& p : prob) p /= total;
+  }
+  // The choice is by probability, plus DeepSeek-V3's selection bias; the weights stay unbiased.
+  std::vector<double> choice = prob;
+  for (size_t e = 0; e < L.selection_bias.size(); ++e) choice[e] += L.selection_bias[e];
   std::vector<int> order(logits.size());
   for (size_t e = 0; e < order.size(); ++e) order[e] = static_cast<int>(e);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return prob[a] > prob[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return choice[a] > choice[b]; });
   order.resize(static_cast<size_t>(n_experts_used_));
   double chosen_sum = 0;
   for (int e : order) chosen_sum += prob[e];
   std::vector<double> out(static_cast<size_t>(dim_), 0.0);
   for (int e : order) {
-    const double weight = expert_weights_norm_ ? prob[e] / chosen_sum : prob[e];
+    const double weight = (expert_weights_norm_ ? prob[e] / chosen_sum : prob[e]) * expert_weights_scale_;
     const std::vector<double> y = Ffn(L.expert_gate[e], L.expert_up[e], L.expert_down[e], h);
     for (int d = 0; d < dim_; ++d) out[d] += weight * y[d];
   }
-  if (!L.shared_expert_gate.empty()) {
+  if (!L.shared_gate.w.empty()) {  // qwen2moe's behind a sigmoid gate, deepseek2's ungated
     double logit = 0;
-    for (int d = 0; d < dim_; ++d) logit += L.shared_expert_gate[d] * h[d];
-    const double gate = 1.0 / (1.0 + std::exp(-logit));
+    for (int d = 0; d < dim_; ++d) logit += L.shared_expert_gate.empty() ? 0.0 : L.shared_expert_gate[d] * h[d];
+    const double gate = L.shared_expert_gate.empty() ? 1.0 : 1.0 / (1.0 + std::exp(-logit));
     const std::vector<double> y = Ffn(L.shared_gate, L.shared_up, L.shared_down, h);
     for (int d = 0; d < dim_; ++d) out[d] += gate * y[d];
   }
@@ -329,8 +408,14 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
   }
   const int group = n_heads_ / n_kv_heads_;
   for (const Layer& L : layers_) {
+    if (mla_) {
+      const std::vector<std::vector<double>> o = LatentAttention(L, x);
+      for (size_t t = 0; t < n; ++t) {
+        for (int d = 0; d < dim_; ++d) x[t][static_cast<size_t>(d)] += o[t][static_cast<size_t>(d)];
+      }
+    }
     std::vector<std::vector<double>> q(n), k(n), v(n);
-    for (size_t t = 0; t < n; ++t) {
+    for (size_t t = 0; t < n && !mla_; ++t) {
       const std::vector<double> h = RmsNorm(x[t], L.attn_norm);
       q[t] = Apply(L.wq, h, &L.bq);
       k[t] = Apply(L.wk, h, &L.bk);
@@ -345,7 +430,7 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
       Rope(q[t], n_heads_, static_cast<int>(t), L.freq, L.rope_magnitude);
       Rope(k[t], n_kv_heads_, static_cast<int>(t), L.freq, L.rope_magnitude);
     }
-    for (size_t t = 0; t < n; ++t) {
+    for (size_t t = 0; t < n && !mla_; ++t) {
       std::vector<double> att(static_cast<size_t>(n_heads_) * head_dim_, 0.0);
       for (int h = 0; h < n_heads_; ++h) {
         const int kv_head = h / group;
@@ -375,7 +460,7 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
     }
     for (size_t t = 0; t < n; ++t) {
       const std::vector<double> h = RmsNorm(x[t], L.ffn_norm);
-      std::vector<double> down = n_experts_ > 0 ? Moe(L, h) : Ffn(L.gate, L.up, L.down, h);
+      std::vector<double> down = L.moe ? Moe(L, h) : Ffn(L.gate, L.up, L.down, h);
       if (!L.post_ffn_norm.empty()) down = RmsNorm(down, L.post_ffn_norm);
       for (int d = 0; d < dim_; ++d) x[t][static_cast<size_t>(d)] += down[static_cast<size_t>(d)];
     }
@@ -390,6 +475,55 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
     logits.insert(logits.end(), row.begin(), row.end());
   }
   return logits;
+}
+
+std::vector<std::vector<double>> ReferenceModel::LatentAttention(const Layer& L,
+                                                                const std::vector<std::vector<double>>& x) const {
+  const size_t n = x.size();
+  const int nope = mla_nope_, rope = head_dim_, rank = kv_lora_rank_, v_head = mla_v_head_, qh = nope + rope;
+  // Per token: q [heads, nope + rope], k [heads, nope + rope] (the rotated part shared), v [heads, v_head].
+  std::vector<std::vector<double>> q(n), k(n), v(n);
+  for (size_t t = 0; t < n; ++t) {
+    const std::vector<double> h = RmsNorm(x[t], L.attn_norm);
+    q[t] = L.wq_a.w.empty() ? Apply(L.wq, h) : Apply(L.wq, RmsNorm(Apply(L.wq_a, h), L.q_a_norm));
+    const std::vector<double> kv_a = Apply(L.wkv_a, h);  // [rank + rope]
+    const std::vector<double> latent = RmsNorm(std::vector<double>(kv_a.begin(), kv_a.begin() + rank), L.kv_a_norm);
+    std::vector<double> k_pe(kv_a.begin() + rank, kv_a.end());
+    Rope(k_pe, 1, static_cast<int>(t), L.freq, L.rope_magnitude);
+    k[t].resize(static_cast<size_t>(n_heads_) * qh);
+    v[t].resize(static_cast<size_t>(n_heads_) * v_head);
+    for (int hd = 0; hd < n_heads_; ++hd) {
+      std::vector<double> q_pe(q[t].begin() + hd * qh + nope, q[t].begin() + (hd + 1) * qh);
+      Rope(q_pe, 1, static_cast<int>(t), L.freq, L.rope_magnitude);
+      std::copy(q_pe.begin(), q_pe.end(), q[t].begin() + hd * qh + nope);
+      const std::vector<double> k_nope = Apply(L.k_up[static_cast<size_t>(hd)], latent);
+      std::copy(k_nope.begin(), k_nope.end(), k[t].begin() + hd * qh);
+      std::copy(k_pe.begin(), k_pe.end(), k[t].begin() + hd * qh + nope);
+      const std::vector<double> vh = Apply(L.v_up[static_cast<size_t>(hd)], latent);
+      std::copy(vh.begin(), vh.end(), v[t].begin() + hd * v_head);
+    }
+  }
+  std::vector<std::vector<double>> out(n);
+  for (size_t t = 0; t < n; ++t) {
+    std::vector<double> att(static_cast<size_t>(n_heads_) * v_head, 0.0);
+    for (int hd = 0; hd < n_heads_; ++hd) {
+      std::vector<double> score(t + 1);
+      double max_score = -INFINITY;
+      for (size_t s = 0; s <= t; ++s) {
+        double dot = 0;
+        for (int d = 0; d < qh; ++d) dot += q[t][hd * qh + d] * k[s][hd * qh + d];
+        score[s] = dot * query_scale_;
+        max_score = std::max(max_score, score[s]);
+      }
+      double total = 0;
+      for (size_t s = 0; s <= t; ++s) total += (score[s] = std::exp(score[s] - max_score));
+      for (size_t s = 0; s <= t; ++s) {
+        for (int d = 0; d < v_head; ++d) att[hd * v_head + d] += score[s] / total * v[s][hd * v_head + d];
+      }
+    }
+    out[t] = Apply(L.wo, att);
+  }
+  return out;
 }
 
 double WorstRowError(const std::vector<float>& got, const std::vector<double>& want, size_t vocab) {

@@ -1,8 +1,9 @@
 // A deliberately plain float64 forward pass for llama (with or without experts) / qwen2 / qwen3 /
-// gemma2 / gemma3 / phi3 / qwen2moe / qwen3moe / olmoe GGUF models, written
+// gemma2 / gemma3 / phi3 / qwen2moe / qwen3moe / olmoe / deepseek2 GGUF models, written
 // independently of Model/Engine: its own metadata parsing, weights dequantized once with
 // ref::DequantizeRow into double matrices, RoPE written out from the formula for both
-// styles, and attention as an explicit causal loop. Tests compare Engine logits to it.
+// styles, and attention as an explicit causal loop (deepseek2's latent attention expanded to
+// per-head keys and values, the form the engine never computes). Tests compare Engine logits to it.
 // Only for tiny models (it holds every weight as double).
 #pragma once
 
@@ -42,6 +43,13 @@ class ReferenceModel {
     std::vector<double> shared_expert_gate;   // [dim] qwen2moe; empty when absent
     std::vector<double> freq;                 // [head_dim/2] this layer's rotation speeds
     double rope_magnitude = 1.0;              // YaRN mscale / LongRoPE attn_factor on q and k
+    std::vector<double> selection_bias;       // [n_experts] deepseek2 exp_probs_b; empty when absent
+    // deepseek2: attn_q (or q_a, its norm, q_b), kv_a_mqa and its norm, and per head the
+    // latent's key and value maps: k_nope = k_up[h] latent, v = v_up[h] latent.
+    Matrix wq_a, wkv_a;
+    std::vector<double> q_a_norm, kv_a_norm;
+    std::vector<Matrix> k_up, v_up;           // [n_heads] [nope, rank], [v_head, rank]
+    bool moe = false;                         // a MoE layer (deepseek2's leading layers are dense)
   };
 
   ReferenceModel() = default;
@@ -57,9 +65,15 @@ class ReferenceModel {
   // A gated SwiGLU/GeGLU FFN: down(act(gate h) * up h).
   std::vector<double> Ffn(const Matrix& gate, const Matrix& up, const Matrix& down, const std::vector<double>& h) const;
   std::vector<double> Moe(const Layer& L, const std::vector<double>& h) const;
+  // deepseek2's attention of every token, expanded: outputs after attn_output [n][dim].
+  std::vector<std::vector<double>> LatentAttention(const Layer& L, const std::vector<std::vector<double>>& x) const;
 
   int n_experts_ = 0, n_experts_used_ = 0;
   bool expert_weights_norm_ = false;
+  bool sigmoid_gating_ = false;
+  double expert_weights_scale_ = 1.0;
+  bool mla_ = false;
+  int kv_lora_rank_ = 0, mla_nope_ = 0, mla_v_head_ = 0;  // (head_dim_ is the rotated part under MLA)
   bool qk_norm_full_width_ = false;  // olmoe
   bool neox_rope_ = false;
   bool gelu_ = false;               // GeGLU (gemma) instead of SwiGLU
