@@ -138,9 +138,12 @@ TEST(Moe, SigmoidGatingWithSelectionBias) {
 }
 
 // Rows grouped by expert give each row what it gets alone: the whole prompt at once, token by
-// token, and two sequences batched in one step, with quantized weights.
-TEST(Moe, GroupedPromptEqualsDecode) {
-  auto model = Model::Load(WriteShape("tiny-qwen2moe", DType::kQ8_0, "_q8"));
+// token, and two sequences batched in one step, with quantized weights (deepseek2: the latent
+// cache and the absorbed projections over batched rows too).
+class MoeGroupedTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoeGroupedTest, GroupedPromptEqualsDecode) {
+  auto model = Model::Load(WriteShape(GetParam(), DType::kQ8_0, "_q8"));
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   const Model& m = **model;
   const int n = 24, vocab = m.config().n_vocab;
@@ -172,6 +175,13 @@ TEST(Moe, GroupedPromptEqualsDecode) {
   // Q8_0 activations quantized per row: the paths differ in the last bits only.
   EXPECT_LT(worst, 0.05);
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MoeGroupedTest, ::testing::Values("tiny-qwen2moe", "tiny-deepseek2", "tiny-deepseek3"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           for (char& ch : name) ch = ch == '-' ? '_' : ch;
+                           return name;
+                         });
 
 // Rewrites the u32 value of metadata `key` in a GGUF file's bytes.
 void PatchU32(const std::string& path, const std::string& key, uint32_t value) {

@@ -79,7 +79,7 @@ int Run(const std::string& path, bool show_tensors) {
   const double values = static_cast<double>(c.KvValuesPerToken());
   const double rows = c.IsMla() ? 1.0 : 2.0;
   const double f16 = values * 2;
-  const double int8 = values * 1 + rows * c.n_kv_heads * 2;  // + one f16 scale per (token, kv head) for K and V
+  const double int8 = values * 1 + rows * c.n_kv_heads * 4;  // + one f32 scale per (token, kv head) for K and V, as the paged cache stores it
   std::printf("\nKV cache per token:\n");
   std::printf("  KV bytes/token  f16 %.0f, int8 %.0f (all %d layers)\n", f16 * c.n_layers, int8 * c.n_layers, c.n_layers);
   if (c.IsMla()) {
@@ -88,7 +88,7 @@ int Run(const std::string& path, bool show_tensors) {
                 c.kv_lora_rank, c.mla_rope_dim,
                 static_cast<long long>(c.n_heads) * (c.QueryHeadDim() + c.mla_v_head_dim));
   }
-  std::printf("  per layer     f16 %.0f B, int8 %.0f B (int8 = 1 B/value + f16 scale per token and head)\n", f16, int8);
+  std::printf("  per layer     f16 %.0f B, int8 %.0f B (int8 = 1 B/value + f32 scale per token and head)\n", f16, int8);
   std::printf("  all layers    f16 %.1f KiB, int8 %.1f KiB\n", f16 * c.n_layers / 1024, int8 * c.n_layers / 1024);
   if (c.max_context > 0) {
     std::printf("  at context %d: f16 %.1f MiB, int8 %.1f MiB\n", c.max_context,

@@ -148,6 +148,7 @@ class Engine {
   // step) plus the shared expert.
   void FeedForward(int layer, int32_t n);
   void MixtureOfExperts(int layer, int32_t n);
+  void GroupedExperts(int layer, int32_t n);  // MixtureOfExperts for a few rows (engine_ffn.cc)
   // s.normed in; Q, K, V into s.q / s.k / s.v with biases, Q/K norms and RoPE at s.positions.
   void ProjectAttention(int layer, int32_t n);
   // MLA layers (engine_mla.cc): s.normed in; the absorbed queries into s.q ([n, n_heads,

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <cstdlib>
 #include <memory>
 
@@ -48,6 +49,18 @@ void QuantizeRow(DType type, const float* src, void* dst, int64_t n);
 // calling thread). With n_tokens <= 4 the weights are streamed once (decode, bandwidth-bound);
 // larger n_tokens use register-tiled GEMM (compute-bound).
 void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads);
+// One of several products MatMulMany runs together: y [n_tokens, w.rows] = x [n_tokens, w.cols] W^T.
+struct MatMulJob {
+  const WeightView* w = nullptr;
+  const float* x = nullptr;
+  int64_t n_tokens = 0;
+  float* y = nullptr;
+};
+// The jobs' products in one parallel region (each thread takes its share of every job's rows, as
+// MatMul splits one), so small products (a decode step's experts, Q/K/V) pay one fork and join
+// between them, not one each; jobs with the same input pack it once. Results equal MatMul's job by
+// job, bit for bit. Outputs must not overlap each other or any input.
+void MatMulMany(std::span<const MatMulJob> jobs, int n_threads);
 // Bytes of w packed into the active kernel family's panel layout (the many-token matmul path's
 // own, see matmul_panel-inl.h), or 0 when the family keeps no panels for w.type (it does for
 // Q8_0 on avx512, whose panels hold exactly the rows' bytes).

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvsparse/ops.h"
 #include "kvsparse/status.h"
@@ -184,62 +185,143 @@ void MatMulRows(const matmul::Kernel& kernel, const WeightView& w, const uint8_t
 
 }  // namespace
 
-namespace ops {
 
-void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads) {
+namespace {
+
+// One product's plan: its kernel, how its rows split into tiles, and its packed activations.
+struct PlannedProduct {
+  const matmul::Kernel* kernel = nullptr;
+  const WeightView* w = nullptr;
+  const float* x = nullptr;
+  int64_t n_tokens = 0;
+  float* y = nullptr;
+  int64_t tile_rows = 0;  // threads take whole row tiles, or whole panels when the panels are kept
+  int64_t row_tiles = 0;
+  void (*pack_token)(const float*, int64_t, uint8_t*) = nullptr;
+  size_t token_bytes = 0;  // of one packed (or f32) activation row
+  const uint8_t* packed = nullptr;
+};
+
+// Plans y = W x; false when there is nothing to multiply (the output is already written).
+bool PlanProduct(const WeightView& w, const float* x, int64_t n_tokens, float* y, PlannedProduct* plan) {
   KVS_CHECK(w.rows >= 0 && w.cols >= 0 && n_tokens >= 0);
-  if (w.rows == 0 || n_tokens == 0) return;
+  if (w.rows == 0 || n_tokens == 0) return false;
   if (w.cols == 0) {
     std::memset(y, 0, sizeof(float) * static_cast<size_t>(w.rows * n_tokens));
-    return;
+    return false;
   }
   KVS_CHECK_MSG(w.cols % DTypeBlockSize(w.type) == 0, "MatMul: cols must be a multiple of the weight block size");
   KVS_CHECK(w.data != nullptr && x != nullptr && y != nullptr);
   const matmul::Kernel& kernel = KernelFor(w.type);
-
   const bool kept_panels = UsesKeptPanels(kernel, w);
-  if (n_threads <= 0) n_threads = omp_get_max_threads();
-  // Threads take whole row tiles, or whole panels when the panels are kept.
-  const int64_t tile_rows = kept_panels ? kernel.panel_rows : matmul::kMaxTileRows;
-  const int64_t row_tiles = (w.rows + tile_rows - 1) / tile_rows;
-  if (w.rows * w.cols * n_tokens < kMinParallelMacs) n_threads = 1;
-  n_threads = static_cast<int>(std::min<int64_t>(n_threads, row_tiles));
-
-  const uint8_t* packed = reinterpret_cast<const uint8_t*>(x);
-  size_t token_bytes = sizeof(float) * static_cast<size_t>(w.cols);
-  uint8_t* scratch = nullptr;
+  plan->kernel = &kernel;
+  plan->w = &w;
+  plan->x = x;
+  plan->n_tokens = n_tokens;
+  plan->y = y;
+  plan->tile_rows = kept_panels ? kernel.panel_rows : matmul::kMaxTileRows;
+  plan->row_tiles = (w.rows + plan->tile_rows - 1) / plan->tile_rows;
+  plan->token_bytes = sizeof(float) * static_cast<size_t>(w.cols);
+  plan->packed = reinterpret_cast<const uint8_t*>(x);
   // Decode may use a kernel-specific compact single-token layout (see Kernel::pack_decode_token).
-  auto pack_token = kernel.pack_token;
+  plan->pack_token = kernel.pack_token;
   if (n_tokens == 1 && kernel.pack_decode_token != nullptr && !kept_panels) {
-    pack_token = kernel.pack_decode_token;
-    token_bytes = kernel.decode_token_bytes(w.cols);
-  } else if (pack_token != nullptr) {
-    token_bytes = kernel.packed_token_bytes(w.cols);
+    plan->pack_token = kernel.pack_decode_token;
+    plan->token_bytes = kernel.decode_token_bytes(w.cols);
+  } else if (plan->pack_token != nullptr) {
+    plan->token_bytes = kernel.packed_token_bytes(w.cols);
   }
-  if (pack_token != nullptr) {
-    scratch = PackScratch(token_bytes * static_cast<size_t>(n_tokens));
-    packed = scratch;
+  return true;
+}
+
+// Thread `id` of `n`'s contiguous share of the plan's row tiles.
+void RunShare(const PlannedProduct& p, int id, int n) {
+  const int64_t tile_begin = p.row_tiles * id / n;
+  const int64_t tile_end = p.row_tiles * (id + 1) / n;
+  const int64_t row_begin = tile_begin * p.tile_rows;
+  const int64_t row_end = std::min(p.w->rows, tile_end * p.tile_rows);
+  if (row_begin < row_end) {
+    MatMulRows(*p.kernel, *p.w, p.packed, p.token_bytes, p.n_tokens, p.y, row_begin, row_end);
+  }
+}
+
+}  // namespace
+
+namespace ops {
+
+void MatMul(const WeightView& w, const float* x, int64_t n_tokens, float* y, int n_threads) {
+  PlannedProduct p;
+  if (!PlanProduct(w, x, n_tokens, y, &p)) return;
+  if (n_threads <= 0) n_threads = omp_get_max_threads();
+  if (w.rows * w.cols * n_tokens < kMinParallelMacs) n_threads = 1;
+  n_threads = static_cast<int>(std::min<int64_t>(n_threads, p.row_tiles));
+
+  uint8_t* scratch = nullptr;
+  if (p.pack_token != nullptr) {
+    scratch = PackScratch(p.token_bytes * static_cast<size_t>(n_tokens));
+    p.packed = scratch;
   }
   // A few tokens pack in about a microsecond: do it here rather than pay a barrier in the region.
   const bool pack_in_parallel = scratch != nullptr && n_tokens >= 2 * n_threads;
   if (scratch != nullptr && !pack_in_parallel) {
-    for (int64_t t = 0; t < n_tokens; ++t) pack_token(x + t * w.cols, w.cols, scratch + t * token_bytes);
+    for (int64_t t = 0; t < n_tokens; ++t) p.pack_token(x + t * w.cols, w.cols, scratch + t * p.token_bytes);
   }
 
 #pragma omp parallel num_threads(n_threads)
   {
     if (pack_in_parallel) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < n_tokens; ++t) pack_token(x + t * w.cols, w.cols, scratch + t * token_bytes);
+      for (int64_t t = 0; t < n_tokens; ++t) p.pack_token(x + t * w.cols, w.cols, scratch + t * p.token_bytes);
     }
     // Contiguous row-tile ranges keep each thread's weight reads one sequential stream.
-    const int n = omp_get_num_threads();
-    const int id = omp_get_thread_num();
-    const int64_t tile_begin = row_tiles * id / n;
-    const int64_t tile_end = row_tiles * (id + 1) / n;
-    const int64_t row_begin = tile_begin * tile_rows;
-    const int64_t row_end = std::min(w.rows, tile_end * tile_rows);
-    if (row_begin < row_end) MatMulRows(kernel, w, packed, token_bytes, n_tokens, y, row_begin, row_end);
+    RunShare(p, omp_get_thread_num(), omp_get_num_threads());
+  }
+}
+
+void MatMulMany(std::span<const MatMulJob> jobs, int n_threads) {
+  std::vector<PlannedProduct> plans;
+  plans.reserve(jobs.size());
+  int64_t macs = 0, most_tiles = 0;
+  size_t pack_bytes = 0;
+  for (const MatMulJob& job : jobs) {
+    PlannedProduct p;
+    if (!PlanProduct(*job.w, job.x, job.n_tokens, job.y, &p)) continue;
+    macs += job.w->rows * job.w->cols * job.n_tokens;
+    most_tiles = std::max(most_tiles, p.row_tiles);
+    if (p.pack_token != nullptr) pack_bytes += (p.token_bytes * static_cast<size_t>(p.n_tokens) + 63) / 64 * 64;
+    plans.push_back(p);
+  }
+  if (plans.empty()) return;
+  // Activations pack once per distinct (input, layout): the products of one input (an expert's
+  // gate and up) share theirs.
+  uint8_t* scratch = pack_bytes > 0 ? PackScratch(pack_bytes) : nullptr;
+  size_t offset = 0;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    PlannedProduct& p = plans[i];
+    if (p.pack_token == nullptr) continue;
+    bool shared = false;
+    for (size_t j = 0; j < i && !shared; ++j) {
+      const PlannedProduct& q = plans[j];
+      if (q.x == p.x && q.n_tokens == p.n_tokens && q.pack_token == p.pack_token && q.w->cols == p.w->cols) {
+        p.packed = q.packed;
+        shared = true;
+      }
+    }
+    if (shared) continue;
+    uint8_t* dst = scratch + offset;
+    for (int64_t t = 0; t < p.n_tokens; ++t) p.pack_token(p.x + t * p.w->cols, p.w->cols, dst + t * p.token_bytes);
+    p.packed = dst;
+    offset += (p.token_bytes * static_cast<size_t>(p.n_tokens) + 63) / 64 * 64;
+  }
+  if (n_threads <= 0) n_threads = omp_get_max_threads();
+  if (macs < kMinParallelMacs) n_threads = 1;
+  n_threads = static_cast<int>(std::min<int64_t>(n_threads, most_tiles));
+  // Every thread takes its share of each product in turn: one fork and join for all of them,
+  // each share still one sequential stream.
+#pragma omp parallel num_threads(n_threads)
+  {
+    const int id = omp_get_thread_num(), n = omp_get_num_threads();
+    for (const PlannedProduct& p : plans) RunShare(p, id, n);
   }
 }
 

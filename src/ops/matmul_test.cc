@@ -294,6 +294,44 @@ TEST_P(MatMulTest, EmptyShapesDoNothing) {
   EXPECT_EQ(y[0], 7.f);
 }
 
+// MatMulMany runs several products in one region: each job's output is MatMul's, bit for bit,
+// with mixed types, ragged row counts, jobs sharing an input (packed once) and kept panels.
+TEST_P(MatMulTest, ManyProductsEqualSeparateOnes) {
+  const int64_t cols = 512;
+  const DType types[] = {DType::kQ4_K, DType::kQ8_0, DType::kQ5_0, DType::kQ6_K, DType::kF16, DType::kF32};
+  const int64_t row_counts[] = {67, 5, 256, 1, 130, 33};
+  for (int64_t n_tokens : {1, 3, 9}) {
+    for (int threads : {1, 2, 3}) {
+      std::vector<std::vector<uint8_t>> data;
+      std::vector<std::unique_ptr<KeptPanels>> kept;
+      std::vector<WeightView> views;
+      std::vector<std::vector<float>> inputs = {RandomFloats(n_tokens * cols, 11), RandomFloats(n_tokens * cols, 12)};
+      for (size_t j = 0; j < std::size(types); ++j) {
+        data.push_back(QuantizeMatrix(types[j], RandomFloats(row_counts[j] * cols, 20 + static_cast<uint32_t>(j)),
+                                      row_counts[j], cols));
+        views.push_back(WeightView{types[j], data.back().data(), row_counts[j], cols});
+      }
+      kept.push_back(std::make_unique<KeptPanels>(views[1], threads));  // Q8_0's kept panels, where kept
+      views.push_back(kept.back()->view);
+      std::vector<ops::MatMulJob> jobs;
+      std::vector<std::vector<float>> outputs(views.size()), separate(views.size());
+      for (size_t j = 0; j < views.size(); ++j) {
+        const float* x = inputs[j % 2 == 0 || j == 3 ? 0 : 1].data();  // jobs 0, 2, 3, 4, 6 share input 0
+        outputs[j].assign(static_cast<size_t>(n_tokens * views[j].rows), -1.f);
+        separate[j].assign(outputs[j].size(), -2.f);
+        jobs.push_back(ops::MatMulJob{&views[j], x, n_tokens, outputs[j].data()});
+        ops::MatMul(views[j], x, n_tokens, separate[j].data(), threads);
+      }
+      ops::MatMulMany(jobs, threads);
+      for (size_t j = 0; j < views.size(); ++j) {
+        EXPECT_EQ(outputs[j], separate[j]) << "job " << j << " (" << DTypeName(views[j].type) << ", "
+                                           << views[j].rows << " rows) n_tokens " << n_tokens << " threads "
+                                           << threads;
+      }
+    }
+  }
+}
+
 TEST_P(MatMulTest, ResultDoesNotDependOnThreadCount) {
   const int64_t rows = 67, cols = 512;
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1,

@@ -31,7 +31,7 @@ size_t Engine::ScratchBytesFor(const ModelConfig& config, int32_t rows) {
   const size_t r = static_cast<size_t>(std::max<int32_t>(rows, 1));
   const size_t one_row_logits = static_cast<size_t>(config.dim) + static_cast<size_t>(config.n_vocab) +
                                 (config.IsMoe() ? 2 * static_cast<size_t>(config.n_experts) + 1 : 0);  // + expert_first, router_probs
-  return (r * Scratch::FloatsPerRow(config) + one_row_logits) * sizeof(float);
+  return (r * Scratch::FloatsPerRow(config) + one_row_logits + Scratch::GroupedExpertFloats(config)) * sizeof(float);
 }
 
 Engine::Engine(const Model& model, KvCache* cache, int n_threads, SparseKvController* controller)
@@ -332,9 +332,10 @@ void Engine::ProjectAttention(int layer, int32_t n) {
   const int64_t kv_dim = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
   const float* inv_freq = model_.RopeInvFreq(layer);
   const bool parallel_rows = n >= kParallelRowThreshold;
-  ops::MatMul(w.wq, s.normed.data(), n, s.q.data(), n_threads_);
-  ops::MatMul(w.wk, s.normed.data(), n, s.k.data(), n_threads_);
-  ops::MatMul(w.wv, s.normed.data(), n, s.v.data(), n_threads_);
+  RunProducts({{&w.wq, s.normed.data(), n, s.q.data()},
+               {&w.wk, s.normed.data(), n, s.k.data()},
+               {&w.wv, s.normed.data(), n, s.v.data()}},
+              n_threads_);
 #pragma omp parallel for num_threads(n_threads_ > 0 ? n_threads_ : omp_get_max_threads()) if (parallel_rows)
   for (int32_t i = 0; i < n; ++i) {
     float* q_row = &s.q[static_cast<size_t>(i) * q_dim];

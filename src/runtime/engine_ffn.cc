@@ -69,8 +69,8 @@ void Engine::FeedForward(int layer, int32_t n) {
   const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
   Scratch& s = *scratch_;
   const int64_t hidden = c.hidden_dim;
-  ops::MatMul(w.w_gate, s.normed.data(), n, s.gate.data(), n_threads_);
-  ops::MatMul(w.w_up, s.normed.data(), n, s.up.data(), n_threads_);
+  RunProducts({{&w.w_gate, s.normed.data(), n, s.gate.data()}, {&w.w_up, s.normed.data(), n, s.up.data()}},
+              n_threads_);
   if (c.ffn_activation == FfnActivation::kGeluTanh) {
     ops::GeluMul(s.gate.data(), s.up.data(), n * hidden);
   } else {
@@ -108,6 +108,11 @@ void Engine::MixtureOfExperts(int layer, int32_t n) {
   // (first[e] now holds expert e's end; the starts are the previous expert's ends.)
   std::rotate(first.rbegin(), first.rbegin() + 1, first.rend());
   first[0] = 0;
+
+  if (n <= Scratch::kGroupedExpertRows) {
+    GroupedExperts(layer, n);
+    return;
+  }
 
   // The shared expert first (qwen2moe behind its sigmoid gate, deepseek2's ungated), which sets
   // s.proj; else s.proj starts at zero.
@@ -148,6 +153,70 @@ void Engine::MixtureOfExperts(int layer, int32_t n) {
       const float* y = &s.expert_out[static_cast<size_t>(j) * dim];
       for (size_t d = 0; d < dim; ++d) out[d] += weight * y[d];
     }
+  }
+}
+
+// A few rows (decode): every chosen expert and the shared one in two MatMulMany calls, gate and
+// up, then down, so the step pays two forks and joins for its experts, not three per expert. The
+// products and sums are MixtureOfExperts' own, in the same order: the results are the same bits.
+void Engine::GroupedExperts(int layer, int32_t n) {
+  const ModelConfig& c = model_.config();
+  const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
+  Scratch& s = *scratch_;
+  const int n_experts = c.n_experts, n_used = c.n_experts_used;
+  const size_t dim = static_cast<size_t>(c.dim);
+  const size_t width = static_cast<size_t>(c.expert_hidden_dim);
+  const std::vector<int32_t>& first = s.expert_first;
+  const int32_t n_slots = n * n_used;
+  // Slot k of the expert order: its row's FFN input at grouped_in[k].
+  for (int32_t k = 0; k < n_slots; ++k) {
+    const size_t row = static_cast<size_t>(s.expert_slots[static_cast<size_t>(k)] / n_used);
+    std::copy_n(&s.normed[row * dim], dim, &s.grouped_in[static_cast<size_t>(k) * dim]);
+  }
+  std::vector<ops::MatMulJob>& jobs = s.matmul_jobs;
+  jobs.clear();
+  const bool shared = w.shared_gate.data != nullptr;
+  if (shared) {
+    jobs.push_back({&w.shared_gate, s.normed.data(), n, s.gate.data()});
+    jobs.push_back({&w.shared_up, s.normed.data(), n, s.up.data()});
+  }
+  for (int e = 0; e < n_experts; ++e) {
+    const int32_t begin = first[static_cast<size_t>(e)], count = first[static_cast<size_t>(e) + 1] - begin;
+    if (count == 0) continue;
+    const size_t at = static_cast<size_t>(begin);
+    jobs.push_back({&w.expert_gate[static_cast<size_t>(e)], &s.grouped_in[at * dim], count, &s.grouped_gate[at * width]});
+    jobs.push_back({&w.expert_up[static_cast<size_t>(e)], &s.grouped_in[at * dim], count, &s.grouped_up[at * width]});
+  }
+  ops::MatMulMany(jobs, n_threads_);
+  if (shared) ops::SiluMul(s.gate.data(), s.up.data(), n * c.shared_expert_hidden_dim);
+  ops::SiluMul(s.grouped_gate.data(), s.grouped_up.data(), static_cast<int64_t>(n_slots) * c.expert_hidden_dim);
+  jobs.clear();
+  if (shared) jobs.push_back({&w.shared_down, s.gate.data(), n, s.proj.data()});
+  for (int e = 0; e < n_experts; ++e) {
+    const int32_t begin = first[static_cast<size_t>(e)], count = first[static_cast<size_t>(e) + 1] - begin;
+    if (count == 0) continue;
+    const size_t at = static_cast<size_t>(begin);
+    jobs.push_back({&w.expert_down[static_cast<size_t>(e)], &s.grouped_gate[at * width], count,
+                    &s.grouped_out[at * dim]});
+  }
+  ops::MatMulMany(jobs, n_threads_);
+  if (shared) {
+    for (int32_t i = 0; i < n && w.shared_expert_gate != nullptr; ++i) {
+      float* row = &s.proj[static_cast<size_t>(i) * dim];
+      const float logit = ops::Dot(&s.normed[static_cast<size_t>(i) * dim], w.shared_expert_gate, c.dim);
+      const float gate = 1.0f / (1.0f + std::exp(-logit));
+      for (size_t j = 0; j < dim; ++j) row[j] *= gate;
+    }
+  } else {
+    std::fill_n(s.proj.begin(), static_cast<size_t>(n) * dim, 0.0f);
+  }
+  // Added back in expert order, as MixtureOfExperts adds them.
+  for (int32_t k = 0; k < n_slots; ++k) {
+    const int32_t slot = s.expert_slots[static_cast<size_t>(k)];
+    const float weight = s.chosen_weight[static_cast<size_t>(slot)];
+    float* out = &s.proj[static_cast<size_t>(slot / n_used) * dim];
+    const float* y = &s.grouped_out[static_cast<size_t>(k) * dim];
+    for (size_t d = 0; d < dim; ++d) out[d] += weight * y[d];
   }
 }
 

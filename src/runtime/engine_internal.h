@@ -5,12 +5,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <span>
 #include <vector>
 
 #include "kvsparse/attention.h"
 #include "kvsparse/engine.h"
 #include "kvsparse/kv_cache.h"
 #include "kvsparse/model.h"
+#include "kvsparse/ops.h"
 #include "kvsparse/sparse_prefill.h"
 
 namespace kvsparse {
@@ -67,6 +70,23 @@ struct RouterRule {
 // renormalized to sum 1 when `normalize` (the sum clamped below at 2^-14, as llama.cpp clamps
 // it), times `scale`. probs: [n_experts] scratch; experts, weights: [n_used].
 void RouteToExperts(const float* logits, const RouterRule& rule, float* probs, int32_t* experts, float* weights);
+// A step with at most this many rows (decode, small batches) runs its small products together.
+constexpr int32_t kFewRows = 16;
+
+// Products of one step on the same or different inputs: with few rows, in one parallel region
+// (MatMulMany: a decode step's Q/K/V, gate/up and experts each cost a fork and join that is a
+// measurable share of their time); else one MatMul each (MatMul packs many rows in parallel).
+// Either way the same bits.
+inline void RunProducts(std::initializer_list<ops::MatMulJob> jobs, int n_threads) {
+  int64_t most_rows = 0;
+  for (const ops::MatMulJob& job : jobs) most_rows = std::max(most_rows, job.n_tokens);
+  if (most_rows <= kFewRows) {
+    ops::MatMulMany(std::span<const ops::MatMulJob>(jobs.begin(), jobs.size()), n_threads);
+    return;
+  }
+  for (const ops::MatMulJob& job : jobs) ops::MatMul(*job.w, job.x, job.n_tokens, job.y, n_threads);
+}
+
 }  // namespace engine_detail
 
 struct Engine::Entry {
@@ -145,6 +165,13 @@ struct Engine::Scratch {
   std::vector<int32_t> expert_first;    // [n_experts + 1]
   std::vector<float> expert_in;         // [rows, dim]
   std::vector<float> expert_out;        // [rows, dim]
+  // Steps of at most kGroupedExpertRows rows (decode) run every chosen expert at once: all slots'
+  // rows gathered in expert order, their gate/up and down products in two MatMulMany calls.
+  std::vector<float> grouped_in;        // [slots, dim]
+  std::vector<float> grouped_gate;      // [slots, expert_hidden_dim]
+  std::vector<float> grouped_up;        // [slots, expert_hidden_dim]
+  std::vector<float> grouped_out;       // [slots, dim]
+  std::vector<ops::MatMulJob> matmul_jobs;  // the products one MatMulMany call runs
   // MLA layers: the projected queries before absorption, the query bottleneck, each head's rows
   // gathered in and out of its absorption matrices (head-major, so heads run in parallel), and
   // the per-head outputs fed to attn_output.
@@ -154,6 +181,13 @@ struct Engine::Scratch {
   std::vector<float> mla_head_out;  // [n_heads, rows, max(kv_lora_rank, v_head_dim)]
   std::vector<float> mla_out;       // [rows, n_heads * v_head_dim]
 
+  static constexpr int32_t kGroupedExpertRows = engine_detail::kFewRows;
+  // Floats of the grouped-expert buffers, whatever the step's rows (Engine::ScratchBytesFor).
+  static size_t GroupedExpertFloats(const ModelConfig& c) {
+    if (!c.IsMoe()) return 0;
+    const size_t slots = static_cast<size_t>(kGroupedExpertRows) * static_cast<size_t>(c.n_experts_used);
+    return slots * (2 * static_cast<size_t>(c.dim) + 2 * static_cast<size_t>(c.expert_hidden_dim));
+  }
   // Floats per row of the buffers Reserve sizes (Engine::ScratchBytesFor): keep the two in step.
   static size_t FloatsPerRow(const ModelConfig& c) {
     const size_t q_dim = static_cast<size_t>(c.n_heads) * c.head_dim;
@@ -200,6 +234,13 @@ struct Engine::Scratch {
       expert_first.resize(static_cast<size_t>(c.n_experts) + 1);
       expert_in.resize(r * c.dim);
       expert_out.resize(r * c.dim);
+      if (grouped_in.empty()) {
+        const size_t slots = static_cast<size_t>(kGroupedExpertRows) * used;
+        grouped_in.resize(slots * c.dim);
+        grouped_gate.resize(slots * c.expert_hidden_dim);
+        grouped_up.resize(slots * c.expert_hidden_dim);
+        grouped_out.resize(slots * c.dim);
+      }
     }
     if (c.IsMla()) {
       const size_t heads = static_cast<size_t>(c.n_heads);

@@ -28,18 +28,19 @@ void Engine::ProjectLatentAttention(int layer, int32_t n) {
   const bool parallel_rows = n >= kParallelRowThreshold;
 
   // Queries [n, heads, nope + rope], directly or through the q_lora_rank bottleneck.
+  // (The cache rows [n, rank + rope] come from the same input: kv_a_mqa runs beside.)
   if (w.wq_a.data != nullptr) {
-    ops::MatMul(w.wq_a, s.normed.data(), n, s.mla_q_lora.data(), n_threads_);
+    RunProducts({{&w.wq_a, s.normed.data(), n, s.mla_q_lora.data()}, {&w.wk, s.normed.data(), n, s.k.data()}},
+                n_threads_);
     for (int32_t i = 0; i < n; ++i) {
       float* r = &s.mla_q_lora[static_cast<size_t>(i) * c.q_lora_rank];
       ops::RmsNorm(r, w.q_a_norm, r, c.q_lora_rank, c.rms_eps);
     }
     ops::MatMul(w.wq, s.mla_q_lora.data(), n, s.mla_q.data(), n_threads_);
   } else {
-    ops::MatMul(w.wq, s.normed.data(), n, s.mla_q.data(), n_threads_);
+    RunProducts({{&w.wq, s.normed.data(), n, s.mla_q.data()}, {&w.wk, s.normed.data(), n, s.k.data()}}, n_threads_);
   }
   // The cache rows [n, rank + rope]: the normed latent and the rotated key part.
-  ops::MatMul(w.wk, s.normed.data(), n, s.k.data(), n_threads_);
   const float magnitude = c.mla_rope_magnitude;
 #pragma omp parallel for num_threads(threads) if (parallel_rows)
   for (int32_t i = 0; i < n; ++i) {
