@@ -63,6 +63,16 @@ void RouteToExperts(const float* logits, const RouterRule& rule, float* probs, i
 
 using namespace engine_detail;  // NOLINT
 
+// qwen2moe's shared expert output rows [n, dim] times sigmoid(gate . x) of their FFN inputs x [n, dim].
+static void ScaleBySharedExpertGate(const float* gate_weights, const float* x, int32_t n, int64_t dim, float* out) {
+  for (int32_t i = 0; i < n; ++i) {
+    float* row = out + static_cast<size_t>(i) * dim;
+    const float logit = ops::Dot(x + static_cast<size_t>(i) * dim, gate_weights, dim);
+    const float gate = 1.0f / (1.0f + std::exp(-logit));
+    for (int64_t j = 0; j < dim; ++j) row[j] *= gate;
+  }
+}
+
 void Engine::FeedForward(int layer, int32_t n) {
   const ModelConfig& c = model_.config();
   if (c.LayerIsMoe(layer)) return MixtureOfExperts(layer, n);
@@ -122,12 +132,7 @@ void Engine::MixtureOfExperts(int layer, int32_t n) {
     ops::MatMul(w.shared_up, s.normed.data(), n, s.up.data(), n_threads_);
     ops::SiluMul(s.gate.data(), s.up.data(), n * width);
     ops::MatMul(w.shared_down, s.gate.data(), n, s.proj.data(), n_threads_);
-    for (int32_t i = 0; i < n && w.shared_expert_gate != nullptr; ++i) {
-      float* row = &s.proj[static_cast<size_t>(i) * dim];
-      const float logit = ops::Dot(&s.normed[static_cast<size_t>(i) * dim], w.shared_expert_gate, c.dim);
-      const float gate = 1.0f / (1.0f + std::exp(-logit));
-      for (size_t j = 0; j < dim; ++j) row[j] *= gate;
-    }
+    if (w.shared_expert_gate != nullptr) ScaleBySharedExpertGate(w.shared_expert_gate, s.normed.data(), n, c.dim, s.proj.data());
   } else {
     std::fill_n(s.proj.begin(), static_cast<size_t>(n) * dim, 0.0f);
   }
@@ -201,12 +206,7 @@ void Engine::GroupedExperts(int layer, int32_t n) {
   }
   ops::MatMulMany(jobs, n_threads_);
   if (shared) {
-    for (int32_t i = 0; i < n && w.shared_expert_gate != nullptr; ++i) {
-      float* row = &s.proj[static_cast<size_t>(i) * dim];
-      const float logit = ops::Dot(&s.normed[static_cast<size_t>(i) * dim], w.shared_expert_gate, c.dim);
-      const float gate = 1.0f / (1.0f + std::exp(-logit));
-      for (size_t j = 0; j < dim; ++j) row[j] *= gate;
-    }
+    if (w.shared_expert_gate != nullptr) ScaleBySharedExpertGate(w.shared_expert_gate, s.normed.data(), n, c.dim, s.proj.data());
   } else {
     std::fill_n(s.proj.begin(), static_cast<size_t>(n) * dim, 0.0f);
   }
