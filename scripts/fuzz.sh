@@ -53,7 +53,10 @@ run_one() {
         "$BUILD"/kvsparse synth --shape tiny-qwen2moe --type q8_0 --layers 1 -o "$corpus/tiny-qwen2moe-q8_0.gguf" >/dev/null
       # Latent attention (MLA with q_lora) and sigmoid routing with its selection bias.
       [ -f "$corpus/tiny-deepseek3-q8_0.gguf" ] ||
-        "$BUILD"/kvsparse synth --shape tiny-deepseek3 --type q8_0 --layers 1 -o "$corpus/tiny-deepseek3-q8_0.gguf" >/dev/null ;;
+        "$BUILD"/kvsparse synth --shape tiny-deepseek3 --type q8_0 --layers 1 -o "$corpus/tiny-deepseek3-q8_0.gguf" >/dev/null
+      # gpt-oss: sinks, biases, per-expert bias tables, MXFP4 expert blocks (type 39).
+      [ -f "$corpus/tiny-gpt-oss-mxfp4_moe.gguf" ] ||
+        "$BUILD"/kvsparse synth --shape tiny-gpt-oss --type mxfp4_moe --layers 1 -o "$corpus/tiny-gpt-oss-mxfp4_moe.gguf" >/dev/null ;;
     tokenizer)
       # Each .inp test vector as a seed (selector byte 0x10 + i, no flags).
       if [ -d "$SHARED/vocab" ]; then

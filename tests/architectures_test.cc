@@ -168,7 +168,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ArchitectureReferenceTest,
                          ::testing::Combine(::testing::Values("tiny-gemma2", "tiny-gemma3", "tiny-phi3",
                                                               "tiny-qwen2-yarn", "tiny-qwen3moe", "tiny-qwen2moe",
                                                               "tiny-olmoe", "tiny-mixtral", "tiny-deepseek2",
-                                                              "tiny-deepseek3", "tiny-deepseek2-kvb"),
+                                                              "tiny-deepseek3", "tiny-deepseek2-kvb", "tiny-gpt-oss"),
                                             ::testing::ValuesIn(testing::EndToEndFamilies())),
                          ParamName);
 

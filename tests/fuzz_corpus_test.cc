@@ -49,14 +49,16 @@ TEST_P(FuzzCorpus, SeedsAndRegressionsRunClean) {
 // prefixes and single-byte changes of it, as the fuzzer starts from.
 // The mixture of experts (expert keys, 3-D tensors, the shared expert) gets changes over its
 // metadata too, where the expert keys are, and so does deepseek2's latent attention (tiny-deepseek3:
-// q_lora, split attn_k_b / attn_v_b, sigmoid routing with exp_probs_b).
+// q_lora, split attn_k_b / attn_v_b, sigmoid routing with exp_probs_b) and gpt-oss (sinks, bias
+// tables, MXFP4 expert blocks).
 TEST(FuzzCorpus, GgufHarnessOnAWrittenModel) {
-  for (const char* shape_name : {"tiny-llama", "tiny-qwen2moe", "tiny-deepseek3"}) {
+  for (const char* shape_name : {"tiny-llama", "tiny-qwen2moe", "tiny-deepseek3", "tiny-gpt-oss"}) {
     SCOPED_TRACE(shape_name);
     auto shape = FindSynthShape(shape_name);
     ASSERT_TRUE(shape.ok());
     SynthOptions options;
     options.n_layers_override = 1;
+    if (std::string_view(shape_name) == "tiny-gpt-oss") options.mix = "mxfp4_moe";
     const std::string path = testing::TempPath(std::string("fuzz_corpus_") + shape_name + ".gguf");
     ASSERT_TRUE(WriteSynthModel(*shape, options, path).ok());
     std::ifstream f(path, std::ios::binary);

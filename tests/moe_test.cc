@@ -5,6 +5,7 @@
 // llamacpp_greedy_test.cc.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -14,6 +15,8 @@
 
 #include "kvsparse/contiguous_kv_cache.h"
 #include "kvsparse/engine.h"
+#include "kvsparse/kv_config.h"
+#include "kvsparse/kv_policies.h"
 #include "kvsparse/model.h"
 #include "kvsparse/runtime.h"
 #include "kvsparse/synth.h"
@@ -220,6 +223,83 @@ TEST(Moe, BadExpertMetadataIsAnError) {
     ASSERT_FALSE(model.ok());
     EXPECT_NE(model.status().message().find(k.message), std::string::npos) << model.status().ToString();
   }
+}
+
+// gpt-oss's sinks reach every attention path: each method (shared tables, per-head tables with
+// Quest's per-query-head jobs, razor's compensation merge, the decode batch) runs a prompt chunk
+// and decode steps on tiny-gpt-oss to finite logits, at f16 and int8 pages; a path that dropped a
+// job's sinks would abort in AttentionBatch. The full cache equals the contiguous one's logits.
+TEST(Moe, EveryMethodRunsWithSinks) {
+  auto model = Model::Load(WriteShape("tiny-gpt-oss"));
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const ModelConfig& c = (*model)->config();
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < 40; ++i) tokens.push_back((i * 37 + 11) % 1000);
+  const int n = static_cast<int>(tokens.size());
+  const size_t vocab = static_cast<size_t>(c.n_vocab);
+  std::vector<float> reference(static_cast<size_t>(n) * vocab), logits;
+  {
+    ContiguousKvCache cache(ModelKvGeometry(**model), KvStorage::kF32, 1, n);
+    Engine engine(**model, &cache, 2);
+    ASSERT_TRUE(engine.Forward(0, tokens.data(), n, 0, reference.data(), /*all_logits=*/true).ok());
+  }
+  auto run = [&](const std::string& method, const std::string& type) -> Status {
+    auto flags = KvSparsityConfigFromFlags(method, method == "full" ? "" : "0.5", type, c.n_layers);
+    KVS_RETURN_IF_ERROR(flags.status());
+    auto runtime = CreateRuntime(**model, &*flags, KvStorage::kF32, 1, n, 2);
+    KVS_RETURN_IF_ERROR(runtime.status());
+    logits.assign(static_cast<size_t>(n) * vocab, 0.0f);
+    KVS_RETURN_IF_ERROR((*runtime)->engine->Forward(0, tokens.data(), 24, 0, logits.data(), true));
+    for (int i = 24; i < n; ++i) {
+      KVS_RETURN_IF_ERROR((*runtime)->engine->Forward(0, &tokens[i], 1, i, &logits[static_cast<size_t>(i) * vocab]));
+    }
+    return Status::Ok();
+  };
+  ASSERT_TRUE(run("full", "f32").ok());
+  double worst = 0;
+  for (size_t i = 0; i < logits.size(); ++i) worst = std::max(worst, std::abs(double{logits[i]} - reference[i]));
+  EXPECT_LT(worst, 1e-3) << "paged full cache against the contiguous one";
+  const std::string names = ValidKvMethodNames();  // "full, streaming_llm, ..."
+  for (size_t start = 0; start < names.size();) {
+    const size_t end = std::min(names.find(", ", start), names.size());
+    const std::string method = names.substr(start, end - start);
+    start = end + 2;
+    for (const char* type : {"f16", "int8"}) {
+      const Status status = run(method, type);
+      ASSERT_TRUE(status.ok()) << method << " " << type << ": " << status.ToString();
+      for (float v : logits) ASSERT_TRUE(std::isfinite(v)) << method << " " << type;
+    }
+  }
+}
+
+// gpt-oss: the expert width against the experts' tensors and their bias tables; an MXFP4 tensor
+// whose blocks are read as another type's (17-byte blocks where 18 are expected) is refused.
+TEST(Moe, BadGptOssInputIsAnError) {
+  {
+    const std::string path = WriteShape("tiny-gpt-oss", DType::kF32, "_bad");
+    PatchU32(path, "gpt-oss.expert_feed_forward_length", 96);
+    auto model = Model::Load(path);
+    ASSERT_FALSE(model.ok());
+    EXPECT_NE(model.status().message().find("expected [256, 96, 8]"), std::string::npos) << model.status().ToString();
+  }
+  const std::string path = WriteShape("tiny-gpt-oss", DType::kMXFP4, "_bad_mxfp4");
+  ASSERT_TRUE(Model::Load(path).ok());
+  // The tensor info: name, n_dims (u32), n_dims x i64 dims, then the ggml type (u32).
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string name = "blk.0.ffn_up_exps.weight";
+  const size_t at = bytes.find(name);
+  ASSERT_NE(at, std::string::npos);
+  const size_t type_at = at + name.size() + sizeof(uint32_t) + 3 * sizeof(int64_t);
+  uint32_t type;
+  std::memcpy(&type, &bytes[type_at], sizeof(type));
+  ASSERT_EQ(type, 39u);  // MXFP4
+  const uint32_t iq4_nl = 20;
+  std::memcpy(&bytes[type_at], &iq4_nl, sizeof(iq4_nl));
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  auto model = Model::Load(path);
+  ASSERT_FALSE(model.ok());
+  EXPECT_NE(model.status().message().find(name), std::string::npos) << model.status().ToString();
 }
 
 // deepseek2's latent attention: each rank and length is checked against the tensors.

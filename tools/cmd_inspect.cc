@@ -71,7 +71,14 @@ int Run(const std::string& path, bool show_tensors) {
     std::printf("  experts       %d, %d per token, width %d%s; %s\n", c.n_experts, c.n_experts_used,
                 c.expert_hidden_dim,
                 c.shared_expert_hidden_dim > 0 ? fmt::format(", shared expert width {}", c.shared_expert_hidden_dim).c_str() : "",
-                c.expert_weights_norm ? "chosen weights renormalized" : "softmax weights");
+                c.expert_gating == ExpertGating::kSoftmaxChosen ? "softmax over the chosen experts"
+                : c.expert_gating == ExpertGating::kSigmoid     ? "sigmoid weights"
+                : c.expert_weights_norm                         ? "chosen weights renormalized"
+                                                                : "softmax weights");
+  }
+  if (c.NumSlidingLayers() > 0) {
+    std::printf("  windows       %d of %d layers attend to the last %d positions\n", c.NumSlidingLayers(), c.n_layers,
+                c.sliding_window);
   }
   std::printf("  active bytes  %.1f MiB read per decoded token (weights)\n", model.ActiveWeightBytesPerToken() / 1048576.0);
 

@@ -227,7 +227,8 @@ void RegisterServe(CLI::App& app, int* exit_code) {
   cmd->add_option("--api-key", args->api_key, "require 'Authorization: Bearer KEY' (all endpoints but /health)")
       ->envname("KVSPARSE_API_KEY");
   cmd->add_option("--chat-template", args->chat_template,
-                  "llama2, llama3, chatml, mistral, gemma or phi3 (default: detected from the GGUF tokenizer.chat_template)");
+                  "llama2, llama3, chatml, mistral, gemma, phi3, deepseek2, deepseek3 or gpt-oss (default: detected from the GGUF "
+                  "tokenizer.chat_template)");
   cmd->add_option("--alias", args->model_id, "model id clients name (default: the model file's name)");
   cmd->add_option("--queue", args->queue, "requests that may wait for a slot; more get 503")
       ->capture_default_str()

@@ -30,6 +30,12 @@ struct AttentionShape {
   // bf16 KV on the avx512 family where the CPU has AVX512_BF16 (Bf16DotsEnabled, isa.h): q.k as
   // bf16 dot products, the query rounded to bf16 (DESIGN.md, "bf16 dots"); p.v stays f32.
   bool integer_dots = false;
+  // Attention sinks (gpt-oss; Xiao et al. 2023's sink as a learned logit): [n_heads] one logit
+  // per query head that joins every row's softmax denominator, natural-log domain, and
+  // contributes no value: out = sum_t e^(s_t) v_t / (e^(sink) + sum_t e^(s_t)). Null: none. Read
+  // by Attention; AttentionBatch takes each job's own (AttentionJob::sinks) and refuses a shape
+  // that carries them, so a job cannot silently lose its heads' sinks.
+  const float* sinks = nullptr;
 };
 
 namespace ops {
@@ -43,7 +49,9 @@ namespace ops {
 // A query that attends to no token (none at or before its position, or none inside its window)
 // gets zeros.
 // row_max_sum (optional): [n_q, n_heads, 2] each row's softmax statistics, natural-log
-//   domain: max_t s_t and sum_t exp(s_t - max) over the attended tokens (-inf and 0 when none).
+//   domain: max_t s_t and sum_t exp(s_t - max) over the attended tokens (-inf and 0 when none);
+//   with sinks, the max and the sum take the row's sink in as one more term (the sum stays the
+//   output's denominator, so a merge of further tokens stays exact).
 //   ops::AttentionScores (attention_scores.h) consumes them.
 // raw_scores (optional): [n_q, n_heads, n_tokens] (n_tokens = all tokens of the spans, in span
 //   order) each row's scores s_t in the log2 domain, log2(e) * s_t, and -inf for tokens the
@@ -89,6 +97,8 @@ struct AttentionJob {
   // Optional: the job's own query positions [n_q] instead of the call's (one decode row of each
   // of several sequences in one call).
   const int32_t* q_pos = nullptr;
+  // Optional: the sink logits of the job's shape.n_heads query heads (AttentionShape::sinks).
+  const float* sinks = nullptr;
 };
 
 namespace ops {

@@ -27,6 +27,7 @@ enum class DType : uint32_t {
   kIQ4_NL = 20,
   kIQ4_XS = 23,
   kBF16 = 30,
+  kMXFP4 = 39,  // OCP microscaling FP4 (gpt-oss's expert weights)
 };
 
 inline constexpr int kQK8_0 = 32;   // elements per Q8_0 block
@@ -34,6 +35,7 @@ inline constexpr int kQK4_0 = 32;   // elements per Q4_0 block
 inline constexpr int kQK4_1 = 32;   // elements per Q4_1 block
 inline constexpr int kQK5_0 = 32;   // elements per Q5_0 / Q5_1 block
 inline constexpr int kQK4_NL = 32;  // elements per IQ4_NL block
+inline constexpr int kQK_MXFP4 = 32;  // elements per MXFP4 block
 inline constexpr int kQK_K = 256;   // elements per K-quant super-block
 inline constexpr int kKScaleBytes = 12;
 
@@ -140,6 +142,24 @@ struct BlockIQ4_NL {
   uint8_t qs[kQK4_NL / 2];
 };
 static_assert(sizeof(BlockIQ4_NL) == 18);
+
+// MXFP4 (OCP Microscaling Formats v1.0): 32 E2M1 values sharing one E8M0 power-of-two scale.
+// ggml stores the E2M1 codes doubled as int8 levels (kMxfp4Values) and halves the scale, so
+// value = 2^(e - 128) * kMxfp4Values[nibble]; Q4_0's nibble layout (element e < 16 the low
+// nibble of qs[e], e >= 16 the high nibble of qs[e - 16]).
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+struct BlockMXFP4 {
+  uint8_t e;  // E8M0 exponent
+  uint8_t qs[kQK_MXFP4 / 2];
+};
+static_assert(sizeof(BlockMXFP4) == 17);
+// 2^(e - 128) as f32, exact for every e (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is subnormal).
+inline float Mxfp4Scale(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // ggml block_iq4_xs: 8 sub-blocks of 32 with 6-bit scales (low 4 bits in scales_l, two per byte;
 // top 2 bits in scales_h), each sub-block laid out as IQ4_NL; value = d * (ls - 32) * level.

@@ -13,15 +13,19 @@
 
 namespace kvsparse {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek2 };
+enum class Arch { kLlama, kQwen2, kQwen3, kGemma2, kGemma3, kPhi3, kQwen2Moe, kQwen3Moe, kOlmoe, kDeepseek2, kGptOss };
 std::string_view ArchName(Arch a);
 
 // The FFN's gate activation: SwiGLU (llama, qwen, phi3) or GeGLU with tanh-approximated GELU (gemma).
-enum class FfnActivation { kSilu, kGeluTanh };
+// The gated FFN's activation: SwiGLU silu(gate) * up, GeGLU gelu_tanh(gate) * up, or gpt-oss's
+// clamped SwiGLU (kSwigluClamped): g = min(gate, 7), u = clamp(up, -7, 7),
+// g * sigmoid(1.702 g) * (u + 1) (the constants of OpenAI's reference and llama.cpp).
+enum class FfnActivation { kSilu, kGeluTanh, kSwigluClamped };
 
 // How a MoE router's logits become expert weights (llama.cpp's expert_gating_func): softmax over
-// every expert (Mixtral, Qwen, OLMoE, DeepSeek-V2) or each expert's sigmoid (DeepSeek-V3).
-enum class ExpertGating { kSoftmax, kSigmoid };
+// every expert (Mixtral, Qwen, OLMoE, DeepSeek-V2), each expert's sigmoid (DeepSeek-V3), or a
+// softmax over the chosen experts' logits only (gpt-oss: llama.cpp's SOFTMAX_WEIGHT).
+enum class ExpertGating { kSoftmax, kSigmoid, kSoftmaxChosen };
 
 // Weight types the forward pass computes with (what loaders accept and converters write).
 bool IsSupportedWeightType(DType t);
@@ -139,6 +143,10 @@ struct LayerWeights {
   const float* bq = nullptr;         // [n_heads*head_dim] (qwen2 only)
   const float* bk = nullptr;         // [n_kv_heads*head_dim]
   const float* bv = nullptr;         // [n_kv_heads*head_dim]
+  const float* bo = nullptr;         // [dim] attn_output.bias (gpt-oss)
+  // gpt-oss's attention sinks (attn_sinks [n_heads]): one learned logit per query head that
+  // joins each row's softmax denominator and carries no value (AttentionShape::sinks).
+  const float* attn_sinks = nullptr;
   const float* q_norm = nullptr;     // [head_dim] qwen3/gemma3: RMSNorm weight of every query head, before RoPE
   const float* k_norm = nullptr;     // [head_dim] the same for every key head
   const float* post_attn_norm = nullptr;  // [dim] gemma2/3: RMSNorm of the attention output
@@ -157,6 +165,13 @@ struct LayerWeights {
   WeightView shared_gate, shared_up, shared_down;     // qwen2moe's shared expert ([shared_hidden, dim] ...)
   const float* shared_expert_gate = nullptr;          // ffn_gate_inp_shexp [dim] (null: ungated, deepseek2)
   const float* expert_selection_bias = nullptr;       // exp_probs_b [n_experts]: added for the choice only
+  // gpt-oss: the router's bias (ffn_gate_inp.bias [n_experts], added to its logits) and each
+  // expert's biases on gate/up (ffn_{gate,up}_exps.bias [n_experts, expert_hidden]) and down
+  // (ffn_down_exps.bias [n_experts, dim]), added right after each product. Null: none.
+  const float* router_bias = nullptr;
+  const float* expert_gate_bias = nullptr;
+  const float* expert_up_bias = nullptr;
+  const float* expert_down_bias = nullptr;
 
   // MLA layers (ModelConfig::IsMla): wq is attn_q [n_heads * (nope + rope), dim] or, with a
   // q_lora_rank, attn_q_b [n_heads * (nope + rope), q_lora_rank] after wq_a; wk is

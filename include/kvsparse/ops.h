@@ -100,6 +100,9 @@ void QuantizeKeysInt8(const float* keys, int64_t n_keys, int dim, Int8Keys* out,
 void ScoreMatrixInt8(const float* rows, int64_t n_rows, const Int8Keys& keys, float* out, int n_threads);
 
 // ---- vector kernels ----
+// gpt-oss's SwiGLU constants (OpenAI's reference model; llama.cpp's swiglu_oai).
+inline constexpr float kSwigluAlpha = 1.702f;
+inline constexpr float kSwigluLimit = 7.0f;
 float Dot(const float* a, const float* b, int64_t n);
 // out[i] = x[i] / sqrt(mean(x^2) + eps) * weight[i]
 void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps);
@@ -110,6 +113,9 @@ void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_fre
 void SiluMul(float* gate, const float* up, int64_t n);
 // gate[i] = gelu(gate[i]) * up[i], GELU's tanh approximation (GeGLU: Gemma)
 void GeluMul(float* gate, const float* up, int64_t n);
+// gpt-oss's clamped SwiGLU (FfnActivation::kSwigluClamped): g = min(gate[i], 7),
+// u = clamp(up[i], -7, 7), gate[i] = g * sigmoid(1.702 g) * (u + 1)
+void SwigluClampedMul(float* gate, const float* up, int64_t n);
 // x[i] = cap * tanh(x[i] / cap) (Gemma 2's logit softcapping); cap > 0
 void SoftcapInPlace(float* x, int64_t n, float cap);
 // In-place numerically stable softmax.
@@ -148,6 +154,7 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float e
 void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_freq, RopeStyle style);
 void SiluMul(float* gate, const float* up, int64_t n);
 void GeluMul(float* gate, const float* up, int64_t n);
+void SwigluClampedMul(float* gate, const float* up, int64_t n);
 void SoftcapInPlace(float* x, int64_t n, float cap);
 void Softmax(float* x, int64_t n);
 void Add(float* y, const float* x, int64_t n);

@@ -24,7 +24,7 @@ struct QuantMix {
 };
 
 // Mixes (q2_k, q3_k_s/m/l, q4_k_s/m, q5_k_s/m, q6_k, iq4_nl, iq4_xs, q4_0, q4_1, q5_0, q5_1,
-// q8_0) and pure types (any weight type name). Errors name the valid choices.
+// q8_0, mxfp4_moe: the experts MXFP4, everything else Q8_0) and pure types (any weight type name). Errors name the valid choices.
 StatusOr<QuantMix> FindQuantMix(std::string_view name);
 std::string QuantMixNames();  // "q2_k, q3_k_s, ..."
 // Every matrix `type` (llama-quantize --pure; an unquantized file for f32/f16/bf16).
@@ -38,6 +38,7 @@ struct MixTensor {
   int n_layers = 0;
   bool model_has_output = true;  // false: the classifier is tied to token_embd, which gets output's rule
   int n_gqa = 1;                 // n_heads / n_kv_heads
+  bool expert_stack = false;     // a 3-D tensor of one matrix per expert (ffn_*_exps)
 };
 
 // The type llama-quantize gives this tensor under `mix`. A pure mix gives `base` where the row

@@ -15,7 +15,7 @@ struct DTypeInfo {
   size_t block_bytes;
 };
 
-constexpr std::array<DTypeInfo, 16> kDTypes = {{
+constexpr std::array<DTypeInfo, 17> kDTypes = {{
     {DType::kF32, "f32", 1, sizeof(float)},
     {DType::kF16, "f16", 1, sizeof(f16_bits)},
     {DType::kQ4_0, "q4_0", kQK4_0, sizeof(BlockQ4_0)},
@@ -32,6 +32,7 @@ constexpr std::array<DTypeInfo, 16> kDTypes = {{
     {DType::kIQ4_NL, "iq4_nl", kQK4_NL, sizeof(BlockIQ4_NL)},
     {DType::kIQ4_XS, "iq4_xs", kQK_K, sizeof(BlockIQ4_XS)},
     {DType::kBF16, "bf16", 1, sizeof(bf16_bits)},
+    {DType::kMXFP4, "mxfp4", kQK_MXFP4, sizeof(BlockMXFP4)},
 }};
 
 const DTypeInfo* FindInfo(DType t) {

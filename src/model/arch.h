@@ -45,6 +45,11 @@ class ArchKeys {
   std::string source_;  // "GGUF model 'x.gguf'"
 };
 
+// attention.sliding_window (absent: dflt_window; 0: no sliding layers) and the period form of
+// attention.sliding_window_pattern (absent: default_period): one of every `period` layers is
+// global, the last of each group (llama.cpp's swa pattern); period 0 makes every layer slide.
+Status ReadSlidingWindow(const ArchKeys& keys, int32_t dflt_window, int default_period, ModelConfig* c);
+
 struct ArchSpec {
   Arch arch = Arch::kLlama;
   std::string_view gguf_name;  // general.architecture
@@ -64,6 +69,12 @@ struct ArchSpec {
   bool experts_required = false;
   bool expert_weights_norm = false;  // renormalize the chosen experts' probabilities (qwen3moe, Mixtral)
   bool shared_expert = false;        // ffn_{gate,up,down}_shexp with the sigmoid gate ffn_gate_inp_shexp (qwen2moe)
+  // gpt-oss: biases on Q/K/V and the attention output, on the router and on every expert's
+  // gate/up/down, all required; attn_sinks [n_heads]; the FFN's norm is named
+  // post_attention_norm (llama.cpp's name for it there).
+  bool gpt_oss_biases = false;
+  bool attention_sinks = false;
+  std::string_view ffn_norm_tensor = "ffn_norm";
   // Metadata of the architecture's own (windows, softcaps, attention scale, MLA), read after the
   // common and expert keys filled `config`; null when there is none.
   Status (*read_config)(const ArchKeys& keys, ModelConfig* config) = nullptr;
@@ -88,5 +99,6 @@ extern const ArchSpec kQwen2MoeArchSpec;
 extern const ArchSpec kQwen3MoeArchSpec;
 extern const ArchSpec kOlmoeArchSpec;
 extern const ArchSpec kDeepseek2ArchSpec;
+extern const ArchSpec kGptOssArchSpec;
 
 }  // namespace kvsparse

@@ -12,13 +12,6 @@ namespace kvsparse {
 
 namespace {
 
-// One of every `period` layers is global, the last of each group (llama.cpp's swa pattern:
-// layer i slides when i % period < period - 1); period 0 makes every layer slide.
-void SetSlidingPattern(int period, ModelConfig* c) {
-  c->sliding_layers.assign(static_cast<size_t>(c->n_layers), 0);
-  for (int i = 0; i < c->n_layers; ++i) c->sliding_layers[i] = period == 0 || i % period < period - 1 ? 1 : 0;
-}
-
 // Gemma's query scale is 1/sqrt(head_dim), except on the 27B models, whose
 // query_pre_attn_scalar is dim / n_heads (gemma_pytorch config.py). A file's attention.scale wins.
 Status ReadQueryScale(const ArchKeys& keys, int n_layers_27b, ModelConfig* c) {
@@ -29,24 +22,6 @@ Status ReadQueryScale(const ArchKeys& keys, int n_layers_27b, ModelConfig* c) {
     return DataLossError(fmt::format("{}: '{}attention.scale' must be positive, found {}", keys.source(),
                                      keys.prefix(), c->attention_scale));
   }
-  return Status::Ok();
-}
-
-Status ReadSlidingWindow(const ArchKeys& keys, int32_t dflt_window, int default_period, ModelConfig* c) {
-  KVS_ASSIGN_OR_RETURN(const std::optional<int32_t> window, keys.Count("attention.sliding_window"));
-  c->sliding_window = window.value_or(dflt_window);
-  if (c->sliding_window == 0) {  // no sliding layers (llama.cpp: swa_type none)
-    c->sliding_layers.clear();
-    return Status::Ok();
-  }
-  if (keys.Has("attention.sliding_window_pattern") &&
-      keys.file().Find(keys.prefix() + "attention.sliding_window_pattern")->type == GgufType::kArray) {
-    return UnimplementedError(fmt::format("{}: '{}attention.sliding_window_pattern' is an array (per-layer pattern); "
-                                          "kvsparse reads the period form (one integer)",
-                                          keys.source(), keys.prefix()));
-  }
-  KVS_ASSIGN_OR_RETURN(const std::optional<int32_t> period, keys.Count("attention.sliding_window_pattern"));
-  SetSlidingPattern(period.value_or(default_period), c);
   return Status::Ok();
 }
 

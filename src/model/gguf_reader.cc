@@ -1,6 +1,7 @@
 // GGUF v2/v3 reader: maps the file read-only and validates every byte it exposes.
 // All arithmetic on untrusted sizes is overflow-checked; nothing is allocated from an
 // untrusted count before that count has been bounded by the bytes actually present.
+#include <algorithm>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -435,6 +436,24 @@ class GgufParser {
                              std::to_string(size_) + ")");
       }
       info.data = base_ + data_start + info.offset;
+    }
+    // No two tensors may share bytes (ggml lays them out one after another): an overlap means a
+    // tensor's type or shape claims more data than it was written with (an MXFP4 tensor read as
+    // an 18-byte-block type, say).
+    std::vector<const GgufTensorInfo*> by_offset;
+    by_offset.reserve(f_.tensors_.size());
+    for (const GgufTensorInfo& info : f_.tensors_) by_offset.push_back(&info);
+    std::sort(by_offset.begin(), by_offset.end(),
+              [](const GgufTensorInfo* a, const GgufTensorInfo* b) { return a->offset < b->offset; });
+    for (size_t i = 1; i < by_offset.size(); ++i) {
+      const GgufTensorInfo& prev = *by_offset[i - 1];
+      const GgufTensorInfo& next = *by_offset[i];
+      if (next.offset - prev.offset < prev.nbytes) {
+        return DataLossError(Where() + "tensor " + Quote(prev.name) + ": data [" + std::to_string(prev.offset) +
+                             ", +" + std::to_string(prev.nbytes) + ") (type " + std::string(GgmlTypeName(prev.ggml_type)) +
+                             ") overlaps tensor " + Quote(next.name) + " at " + std::to_string(next.offset) +
+                             "; its type or shape does not match its data");
+      }
     }
     return Status::Ok();
   }

@@ -64,6 +64,7 @@ bool IsSupportedWeightType(DType t) {
     case DType::kQ6_K:
     case DType::kIQ4_NL:
     case DType::kIQ4_XS:
+    case DType::kMXFP4:
       return true;
     case DType::kQ8_K:  // activation-side only
       return false;
@@ -72,7 +73,7 @@ bool IsSupportedWeightType(DType t) {
 }
 
 std::string_view SupportedWeightTypeNames() {
-  return "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs";
+  return "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs, mxfp4";
 }
 
 Model::~Model() = default;

@@ -421,15 +421,25 @@ class GgufModelBuilder {
   }
 
   // f32 vector of n elements; other float types (and misaligned f32) are converted into an owned copy.
-  StatusOr<const float*> Vector(const std::string& name, int64_t n) {
-    KVS_ASSIGN_OR_RETURN(const GgufTensorInfo* t, Tensor(name, {n}));
+  StatusOr<const float*> Vector(const std::string& name, int64_t n) { return Floats(name, {n}); }
+
+  // The same for a tensor of shape ne (a per-expert bias table [n_experts, n]: ne = {n, n_experts}).
+  StatusOr<const float*> Floats(const std::string& name, std::initializer_list<int64_t> ne) {
+    KVS_ASSIGN_OR_RETURN(const GgufTensorInfo* t, Tensor(name, ne));
+    int64_t n = 1;
+    for (int64_t d : ne) n *= d;
     const bool aligned = reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0;
     if (*t->type == DType::kF32 && aligned) return static_cast<const float*>(t->data);
     std::vector<uint8_t> owned(static_cast<size_t>(n) * sizeof(float));
     if (*t->type == DType::kF32) {
       std::memcpy(owned.data(), t->data, owned.size());
     } else {
-      ops::DequantizeRow(*t->type, t->data, reinterpret_cast<float*>(owned.data()), n);
+      const int64_t row = *ne.begin();
+      const size_t row_bytes = DTypeRowBytes(*t->type, row);
+      for (int64_t r = 0; r < n / row; ++r) {
+        ops::DequantizeRow(*t->type, static_cast<const uint8_t*>(t->data) + r * row_bytes,
+                           reinterpret_cast<float*>(owned.data()) + r * row, row);
+      }
     }
     return reinterpret_cast<const float*>(ModelLoader::Own(model_, std::move(owned)));
   }
@@ -485,7 +495,10 @@ class GgufModelBuilder {
         KVS_ASSIGN_OR_RETURN(l.post_attn_norm, Vector(b + "post_attention_norm.weight", dim));
         KVS_ASSIGN_OR_RETURN(l.post_ffn_norm, Vector(b + "post_ffw_norm.weight", dim));
       }
-      KVS_ASSIGN_OR_RETURN(l.ffn_norm, Vector(b + "ffn_norm.weight", dim));
+      KVS_ASSIGN_OR_RETURN(l.ffn_norm, Vector(b + std::string(spec.ffn_norm_tensor) + ".weight", dim));
+      if (spec.attention_sinks) {
+        KVS_ASSIGN_OR_RETURN(l.attn_sinks, Vector(b + "attn_sinks.weight", config_.n_heads));
+      }
       const bool moe_layer = config_.LayerIsMoe(i);
       if (moe_layer) {
         KVS_RETURN_IF_ERROR(BindExperts(b, &l));
@@ -507,8 +520,9 @@ class GgufModelBuilder {
         const float** dst;
       };
       for (const Bias& bias : {Bias{"attn_q.bias", q_dim, &l.bq}, Bias{"attn_k.bias", kv_dim, &l.bk},
-                               Bias{"attn_v.bias", kv_dim, &l.bv}}) {
-        if (!spec.qkv_bias_required && file_.FindTensor(b + bias.name) == nullptr) continue;
+                               Bias{"attn_v.bias", kv_dim, &l.bv}, Bias{"attn_output.bias", dim, &l.bo}}) {
+        const bool required = spec.gpt_oss_biases || (spec.qkv_bias_required && bias.dst != &l.bo);
+        if (!required && file_.FindTensor(b + bias.name) == nullptr) continue;
         KVS_ASSIGN_OR_RETURN(*bias.dst, Vector(b + bias.name, bias.n));
       }
     }
@@ -544,6 +558,13 @@ class GgufModelBuilder {
     KVS_ASSIGN_OR_RETURN(l->expert_down, ExpertMatrices(b + "ffn_down_exps.weight", dim, expert_hidden));
     if (file_.FindTensor(b + "exp_probs_b.bias") != nullptr) {
       KVS_ASSIGN_OR_RETURN(l->expert_selection_bias, Vector(b + "exp_probs_b.bias", config_.n_experts));
+    }
+    if (spec_->gpt_oss_biases) {
+      const int64_t n_experts = config_.n_experts;
+      KVS_ASSIGN_OR_RETURN(l->router_bias, Vector(b + "ffn_gate_inp.bias", n_experts));
+      KVS_ASSIGN_OR_RETURN(l->expert_gate_bias, Floats(b + "ffn_gate_exps.bias", {expert_hidden, n_experts}));
+      KVS_ASSIGN_OR_RETURN(l->expert_up_bias, Floats(b + "ffn_up_exps.bias", {expert_hidden, n_experts}));
+      KVS_ASSIGN_OR_RETURN(l->expert_down_bias, Floats(b + "ffn_down_exps.bias", {dim, n_experts}));
     }
     if (config_.shared_expert_hidden_dim > 0) {
       const int64_t shared = config_.shared_expert_hidden_dim;

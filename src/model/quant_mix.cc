@@ -11,7 +11,7 @@ namespace {
 enum FileType : uint32_t {
   kAllF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 7, kQ5_0 = 8, kQ5_1 = 9, kQ2_K = 10, kQ3_K_S = 11,
   kQ3_K_M = 12, kQ3_K_L = 13, kQ4_K_S = 14, kQ4_K_M = 15, kQ5_K_S = 16, kQ5_K_M = 17, kQ6_K = 18, kQ2_K_S = 21,
-  kIQ4_NL = 25, kIQ4_XS = 30, kBF16 = 32,
+  kIQ4_NL = 25, kIQ4_XS = 30, kBF16 = 32, kMXFP4_MOE = 38,
 };
 
 struct MixInfo {
@@ -27,8 +27,9 @@ constexpr std::array<MixInfo, 15> kMixes = {{
     {"q6_k", kQ6_K, DType::kQ6_K},       {"iq4_nl", kIQ4_NL, DType::kIQ4_NL}, {"iq4_xs", kIQ4_XS, DType::kIQ4_XS},
     {"q4_0", kQ4_0, DType::kQ4_0},       {"q4_1", kQ4_1, DType::kQ4_1},       {"q8_0", kQ8_0, DType::kQ8_0},
 }};
-// q5_0 / q5_1 are mixes too; listed apart to keep the table's columns short.
-constexpr std::array<MixInfo, 2> kLegacyMixes = {{{"q5_0", kQ5_0, DType::kQ5_0}, {"q5_1", kQ5_1, DType::kQ5_1}}};
+// q5_0 / q5_1 and mxfp4_moe are mixes too; listed apart to keep the table's columns short.
+constexpr std::array<MixInfo, 3> kLegacyMixes = {
+    {{"q5_0", kQ5_0, DType::kQ5_0}, {"q5_1", kQ5_1, DType::kQ5_1}, {"mxfp4_moe", kMXFP4_MOE, DType::kMXFP4}}};
 
 // llama_ftype of a file whose matrices are all `t` (llama-quantize --pure, or an unquantized one).
 uint32_t PureFileType(DType t) {
@@ -99,6 +100,12 @@ DType MixTensorType(const QuantMix& mix, const MixTensor& t) {
     return DType::kF32;
   }
   const uint32_t ft = mix.file_type;
+  if (ft == kMXFP4_MOE) {  // experts MXFP4, every other matrix Q8_0 (llama-quantize's MXFP4_MOE)
+    for (DType type : {t.expert_stack ? DType::kMXFP4 : DType::kQ8_0, DType::kQ8_0, DType::kF16}) {
+      if (Fits(type, t.cols)) return type;
+    }
+    return DType::kF32;
+  }
   DType type = mix.base;
   const std::string_view name = t.name;
   if (name == "output.weight" || (!t.model_has_output && name == "token_embd.weight")) {

@@ -163,6 +163,7 @@ std::vector<float> Llama3RopeFactors(int64_t head_dim, float theta, float factor
 std::vector<std::string> ChatSpecialTokens(const std::string& arch) {
   if (arch == "phi3") return {"<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"};
   if (arch == "gemma2" || arch == "gemma3") return {"<start_of_turn>", "<end_of_turn>"};
+  if (arch == "gpt-oss") return {"<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"};
   return {};
 }
 
@@ -243,12 +244,15 @@ Status ValidateShape(const SynthShape& s, int n_layers) {
     return InvalidArgumentError("synth shape '" + s.name + "': " + what);
   };
   static const char* const kArchs[] = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe",
-                                        "olmoe", "deepseek2"};
+                                        "olmoe", "deepseek2", "gpt-oss"};
   if (std::find(std::begin(kArchs), std::end(kArchs), s.arch) == std::end(kArchs)) {
-    return bad("arch must be llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe, olmoe or deepseek2, found '" +
-               s.arch + "'");
+    return bad("arch must be llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe, olmoe, deepseek2 or gpt-oss, "
+               "found '" + s.arch + "'");
   }
-  const bool moe_arch = s.arch == "qwen2moe" || s.arch == "qwen3moe" || s.arch == "olmoe";
+  const bool moe_arch = s.arch == "qwen2moe" || s.arch == "qwen3moe" || s.arch == "olmoe" || s.arch == "gpt-oss";
+  if (s.arch == "gpt-oss" && (s.sliding_window <= 0 || !s.qkv_bias)) {
+    return bad("gpt-oss slides a window over every other layer and has Q/K/V biases");
+  }
   const bool deepseek = s.arch == "deepseek2";
   if ((moe_arch && s.n_experts == 0) || (s.n_experts > 0 && s.arch != "llama" && !moe_arch && !deepseek) ||
       s.n_experts_used > s.n_experts || (s.n_experts > 0 && s.n_experts_used <= 0) ||
@@ -385,6 +389,21 @@ const std::vector<SynthShape>& SynthShapes() {
                                                            1024, 10000.0f, 1e-6f, false, false),
                                                      8, 2, 128, 128),
                                          64, 0, 32, 16, 32, 1)),
+      // gpt-oss-20b (config.json): 24 layers of 64 heads of 64 over 2880 (8 KV heads), 128-token
+      // windows on the even layers, 32 experts of 2880 (4 chosen), YaRN 32 over 4096.
+      WithYarn(WithWindow(WithExperts(WithHeadDim(Shape("gpt-oss-20b", "gpt-oss", 201088, 2880, 2880, 24, 64, 8,
+                                                        131072, 150000.0f, 1e-5f, false, true),
+                                                  64),
+                                      32, 4, 2880),
+                          128),
+               32.0f, 4096),
+      // Its features at test size: a sliding (16 tokens) and a global layer, sinks, biases, YaRN.
+      WithYarn(WithWindow(WithExperts(WithHeadDim(Shape("tiny-gpt-oss", "gpt-oss", 1024, 256, 128, 2, 4, 2, 1024,
+                                                        150000.0f, 1e-5f, false, true),
+                                                  64),
+                                      8, 2, 128),
+                          16),
+               4.0f, 256),
       // Qwen2.5 long-context files: YaRN factor 4 over a 256-token original context.
       WithYarn(Shape("tiny-qwen2-yarn", "qwen2", 512, 64, 128, 2, 4, 2, 1024, 1000000.0f, 1e-6f, true, true), 4.0f, 256),
   };
@@ -485,7 +504,7 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     w.SetU32(arch + ".expert_count", static_cast<uint32_t>(n_experts));
     w.SetU32(arch + ".expert_used_count", static_cast<uint32_t>(shape.n_experts_used));
     // llama (Mixtral) and olmoe files carry the experts' width as feed_forward_length only.
-    if (arch == "qwen2moe" || arch == "qwen3moe" || arch == "deepseek2") {
+    if (arch == "qwen2moe" || arch == "qwen3moe" || arch == "deepseek2" || arch == "gpt-oss") {
       w.SetU32(arch + ".expert_feed_forward_length", static_cast<uint32_t>(expert_hidden));
     }
     if (arch == "deepseek2") {  // shared experts as a count of expert widths
@@ -520,6 +539,7 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
                         bool force_f32 = false) {
     mix_tensor.name = name;
     mix_tensor.cols = cols;
+    mix_tensor.expert_stack = n_matrices > 0;
     const DType type = force_f32 ? DType::kF32 : MixTensorType(mix, mix_tensor);
     const uint64_t stream = next_stream();
     const float half_width = std::sqrt(3.0f / static_cast<float>(cols));
@@ -543,12 +563,16 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
       }
     });
   };
-  // An f32 vector: norms ~1 (center 1), biases ~0.
-  auto add_vector = [&](const std::string& name, int64_t n, float center, float half_width) {
+  // An f32 vector: norms ~1 (center 1), biases ~0; with n_rows > 0 a table of that many
+  // (gpt-oss's per-expert biases, ne = {n, n_rows}).
+  auto add_vector = [&](const std::string& name, int64_t n, float center, float half_width, int64_t n_rows = 0) {
     const uint64_t stream = next_stream();
-    w.AddTensor(name, DType::kF32, {n}, [=](void* dst, size_t nbytes) {
-      KVS_CHECK(nbytes == static_cast<size_t>(n) * sizeof(float));
-      UniformRow(stream, 0, center, half_width, static_cast<float*>(dst), n);
+    std::vector<int64_t> ne = {n};
+    if (n_rows > 0) ne.push_back(n_rows);
+    const int64_t total = n * std::max<int64_t>(n_rows, 1);
+    w.AddTensor(name, DType::kF32, ne, [=](void* dst, size_t nbytes) {
+      KVS_CHECK(nbytes == static_cast<size_t>(total) * sizeof(float));
+      UniformRow(stream, 0, center, half_width, static_cast<float*>(dst), total);
     });
   };
 
@@ -605,6 +629,11 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
     }
     add_matrix(b + "attn_output.weight", dim, mla ? shape.n_heads * shape.mla_v_head_dim : q_dim);
     const bool gemma = arch == "gemma2" || arch == "gemma3";
+    const bool gpt_oss = arch == "gpt-oss";
+    if (gpt_oss) {
+      add_vector(b + "attn_output.bias", dim, 0.0f, 0.1f);
+      add_vector(b + "attn_sinks.weight", shape.n_heads, 0.0f, 2.0f);  // logits of the scores' size
+    }
     if (arch == "qwen3" || arch == "qwen3moe" || arch == "gemma3") {
       add_vector(b + "attn_q_norm.weight", head_dim, 1.0f, 0.05f);
       add_vector(b + "attn_k_norm.weight", head_dim, 1.0f, 0.05f);
@@ -613,10 +642,16 @@ Status WriteSynthModel(const SynthShape& shape, const SynthOptions& options, con
       add_vector(b + "attn_k_norm.weight", kv_dim, 1.0f, 0.05f);
     }
     if (gemma) add_vector(b + "post_attention_norm.weight", dim, 1.0f, 0.05f);
-    add_vector(b + "ffn_norm.weight", dim, 1.0f, 0.05f);
+    add_vector(b + (gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight"), dim, 1.0f, 0.05f);
     const bool moe_layer = n_experts > 0 && l >= shape.n_dense_lead_layers;
     if (moe_layer) {
       add_matrix(b + "ffn_gate_inp.weight", n_experts, dim, 0, /*force_f32=*/true);
+      if (gpt_oss) {
+        add_vector(b + "ffn_gate_inp.bias", n_experts, 0.0f, 0.5f);
+        add_vector(b + "ffn_gate_exps.bias", expert_hidden, 0.0f, 0.1f, n_experts);
+        add_vector(b + "ffn_up_exps.bias", expert_hidden, 0.0f, 0.1f, n_experts);
+        add_vector(b + "ffn_down_exps.bias", dim, 0.0f, 0.1f, n_experts);
+      }
       if (shape.sigmoid_gating) add_vector(b + "exp_probs_b.bias", n_experts, 0.0f, 0.05f);
       add_matrix(b + "ffn_gate_exps.weight", expert_hidden, dim, n_experts);
       add_matrix(b + "ffn_up_exps.weight", expert_hidden, dim, n_experts);

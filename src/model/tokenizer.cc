@@ -30,6 +30,7 @@ constexpr std::string_view kSpmSpace = "\xE2\x96\x81";  // U+2581 "▁"
 constexpr std::string_view kEndOfTurnTexts[] = {
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
     "<EOT>", "<|EOT|>", "_<EOT>", "<\xEF\xBD\x9C" "end\xE2\x96\x81" "of\xE2\x96\x81" "sentence\xEF\xBD\x9C>",
+    "<|return|>", "<|call|>",  // gpt-oss's harmony: the final answer's and a tool call's ends
 };
 
 std::string EscapeSpaces(std::string_view text, bool add_prefix) {

@@ -80,6 +80,7 @@ struct UnitOutput {
   float* row_max_sum = nullptr;          // [n_q, n_heads, 2] or null
   const PartialState* partial = nullptr;
   float* raw_scores = nullptr;           // [n_q, n_heads, n_tokens] or null: written by every unit
+  const float* sinks = nullptr;          // [n_heads] or null: folded in where a row is finished
 };
 
 // Runs one (query tile, token chunk) unit over every kv head. Walking all heads of a token
@@ -451,11 +452,13 @@ void RunUnit(const Plan& plan, const SegmentPlan& segment, const float* q, int32
       std::copy(a, a + d, output.partial->acc + row_index * dp);
     } else {
       float* o = output.out + row_index * d;
-      const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible token -> zeros
+      float row_m = m[r], row_l = l;
+      float inv = l > 0.f ? 1.f / l : 0.f;  // no visible token -> zeros
+      if (output.sinks != nullptr && l > 0.f) inv = FoldSink(output.sinks[row_head(r)], &row_m, &row_l);
       for (int c = 0; c < d; ++c) o[c] = a[c] * inv;
       if (output.row_max_sum != nullptr) {
-        output.row_max_sum[2 * row_index] = m[r] * kLn2;  // -inf when no token is visible
-        output.row_max_sum[2 * row_index + 1] = l;
+        output.row_max_sum[2 * row_index] = row_m * kLn2;  // -inf when no token is visible
+        output.row_max_sum[2 * row_index + 1] = row_l;
       }
     }
   }
@@ -569,8 +572,12 @@ void MergeChunks(const JobPlan& jp, const PartialState* partials, int32_t n_q, c
       const float* a = partials[c].acc + row * plan.dp;
       for (int e = 0; e < d; ++e) o[e] += a[e] * w;
     }
+    float inv = 1.f / l_total;
+    if (job.sinks != nullptr) {
+      inv = FoldSink(job.sinks[row % plan.shape.n_heads], &m_max, &l_total);
+      if (job.row_max_sum != nullptr) job.row_max_sum[2 * row] = m_max * kLn2;
+    }
     if (job.row_max_sum != nullptr) job.row_max_sum[2 * row + 1] = l_total;
-    const float inv = 1.f / l_total;
     for (int e = 0; e < d; ++e) o[e] *= inv;
   }
 }
@@ -582,6 +589,7 @@ void AttentionBatchImpl(const AttentionShape& shape, int row_heads, KvStorage st
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK_MSG(shape.n_heads % shape.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   KVS_CHECK(n_q >= 0 && n_jobs >= 0);
+  KVS_CHECK_MSG(shape.sinks == nullptr, "AttentionBatch: attention sinks go in each job (AttentionJob::sinks)");
   if (n_q == 0 || n_jobs == 0) return;
   if (n_threads <= 0) n_threads = omp_get_max_threads();
 
@@ -642,7 +650,7 @@ void AttentionBatchImpl(const AttentionShape& shape, int row_heads, KvStorage st
     const int tile = jp.plan.n_tiles - 1 - local / jp.n_chunks;
     const AttentionJob& job = jobs[j];
     UnitOutput output{job.out, job.row_max_sum, jp.n_chunks > 1 ? &partial_of[partial_first[j] + chunk] : nullptr,
-                      job.raw_scores};
+                      job.raw_scores, job.sinks};
     const SegmentPlan& segment = jp.segments[jp.chunk_of[chunk].first];
     if (masked) {
       RunUnit<true>(jp.plan, segment, job.q, n_q, tile, jp.chunk_of[chunk].second, output);
@@ -667,7 +675,10 @@ void AttentionImpl(const AttentionShape& shape, KvStorage storage, const float* 
   job.out = out;
   job.row_max_sum = row_max_sum;
   job.raw_scores = raw_scores;
-  AttentionBatchImpl(shape, shape.n_kv_heads, storage, q_pos, n_q, &job, 1, n_threads);
+  job.sinks = shape.sinks;
+  AttentionShape job_shape = shape;
+  job_shape.sinks = nullptr;
+  AttentionBatchImpl(job_shape, shape.n_kv_heads, storage, q_pos, n_q, &job, 1, n_threads);
 }
 
 bool UsesIntegerDotsImpl(KvStorage storage, int head_dim) {

@@ -37,6 +37,19 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Folds an attention sink (AttentionShape::sinks, natural-log logit) into a finished row's
+// softmax state, max *m in the log2 domain and sum *l > 0: the sink becomes one more term of the
+// sum, both re-based on the larger of the two maxima. Returns the factor that turns the row's
+// accumulated values (relative to the old max) into its output: e^(old m - new m) / new l.
+inline float FoldSink(float sink, float* m, float* l) {
+  const float sink2 = sink * kLog2e;
+  const float m_new = std::max(*m, sink2);
+  const float rebase = std::exp2(*m - m_new);
+  *l = *l * rebase + std::exp2(sink2 - m_new);
+  *m = m_new;
+  return rebase / *l;
+}
+
 // Heap buffer aligned for 64-byte vector loads; grows, never shrinks (reused per thread).
 class AlignedBuffer {
  public:

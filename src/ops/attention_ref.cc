@@ -17,7 +17,8 @@ namespace {
 // Attention whose kv heads are heads first_kv_head .. of span rows holding row_heads heads.
 void AttentionOverHeads(const AttentionShape& shape, int row_heads, int first_kv_head, KvStorage storage,
                         const float* q, const int32_t* q_pos, int32_t n_q, const KvSpan* spans, int32_t n_spans,
-                        float* out, float* row_max_sum, float* raw_scores, const KeySelection* selection) {
+                        float* out, float* row_max_sum, float* raw_scores, const KeySelection* selection,
+                        const float* sinks) {
   KVS_CHECK(shape.n_heads > 0 && shape.n_kv_heads > 0 && shape.head_dim > 0);
   KVS_CHECK(shape.n_heads % shape.n_kv_heads == 0);
   KVS_CHECK(first_kv_head >= 0 && first_kv_head + shape.n_kv_heads <= row_heads);
@@ -76,7 +77,9 @@ void AttentionOverHeads(const AttentionShape& shape, int row_heads, int first_kv
       }
       double max_score = -std::numeric_limits<double>::infinity();
       for (double sc : scores) max_score = std::max(max_score, sc);
-      double sum = 0;
+      // A sink is one more logit in the denominator, with no value.
+      if (sinks != nullptr) max_score = std::max(max_score, static_cast<double>(sinks[h]));
+      double sum = sinks != nullptr ? std::exp(sinks[h] - max_score) : 0.0;
       for (double& sc : scores) {
         sc = std::exp(sc - max_score);
         sum += sc;
@@ -106,15 +109,16 @@ void AttentionOverHeads(const AttentionShape& shape, int row_heads, int first_kv
 void Attention(const AttentionShape& shape, KvStorage storage, const float* q, const int32_t* q_pos, int32_t n_q,
                const KvSpan* spans, int32_t n_spans, float* out, float* row_max_sum, float* raw_scores) {
   AttentionOverHeads(shape, shape.n_kv_heads, 0, storage, q, q_pos, n_q, spans, n_spans, out, row_max_sum, raw_scores,
-                     /*selection=*/nullptr);
+                     /*selection=*/nullptr, shape.sinks);
 }
 
 void AttentionBatch(const AttentionShape& shape, int row_heads, KvStorage storage, const int32_t* q_pos, int32_t n_q,
                     const AttentionJob* jobs, int32_t n_jobs) {
+  KVS_CHECK_MSG(shape.sinks == nullptr, "AttentionBatch: attention sinks go in each job (AttentionJob::sinks)");
   for (int32_t j = 0; j < n_jobs; ++j) {
     const AttentionJob& job = jobs[j];
     AttentionOverHeads(shape, row_heads, job.first_kv_head, storage, job.q, job.q_pos != nullptr ? job.q_pos : q_pos,
-                       n_q, job.spans, job.n_spans, job.out, job.row_max_sum, job.raw_scores, job.selection);
+                       n_q, job.spans, job.n_spans, job.out, job.row_max_sum, job.raw_scores, job.selection, job.sinks);
   }
 }
 

@@ -619,6 +619,68 @@ struct BatchBuffers {
   }
 };
 
+// Attention sinks (gpt-oss): each head's logit joins the denominator. Against the reference over
+// every storage type, decode and a chunk (a row that sees nothing stays zero), one thread and
+// three (the split-K merge folds the sink once); the statistics include the sink; a batch's jobs
+// take their own heads' sinks; sinks change the result.
+TEST_P(AttentionTest, SinksMatchReference) {
+  std::mt19937 rng(57);
+  const std::vector<float> sinks = {-1.5f, 0.3f, 2.5f, -0.2f, 1.1f, 4.0f, -3.0f, 0.9f};  // [8 heads]
+  for (KvStorage storage : kAllStorage) {
+    AttentionShape shape{8, 2, 64, 0.125f};
+    SpanSet set = MakeSpans(storage, {300, 7, 400}, 2, 64, rng);
+    const int32_t last = LastPosition(set);
+    for (int n_q : {1, 5}) {
+      std::vector<int32_t> q_pos(n_q);
+      for (int i = 0; i < n_q; ++i) q_pos[i] = last - (n_q - 1 - i) * 90;
+      if (n_q == 5) q_pos[0] = -3;  // sees nothing
+      std::vector<float> q = RandomQueries(static_cast<size_t>(n_q) * 8 * 64, rng, 2.f);
+      std::vector<float> plain(q.size()), want(q.size()), want_stats(static_cast<size_t>(n_q) * 8 * 2);
+      ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, plain.data());
+      shape.sinks = sinks.data();
+      ref::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, want.data(), want_stats.data());
+      double moved = 0;
+      for (size_t i = 0; i < want.size(); ++i) moved = std::max(moved, static_cast<double>(std::fabs(want[i] - plain[i])));
+      EXPECT_GT(moved, 1e-3) << "the sinks change the output";
+      for (int n_threads : {1, 3}) {
+        std::vector<float> got(q.size(), 5.f), got_stats(want_stats.size(), 7.f);
+        ops::Attention(shape, storage, q.data(), q_pos.data(), n_q, set.spans.data(), 3, got.data(), n_threads,
+                       got_stats.data());
+        const std::string what = std::string(KvStorageName(storage)) + " n_q " + std::to_string(n_q) + " threads " +
+                                 std::to_string(n_threads);
+        ExpectBatchClose(got, want, got_stats, want_stats, {}, {}, what);
+        if (HasFatalFailure()) return;
+        // The same rows as two batch jobs of 4 query heads each (one kv head each), with their own sinks.
+        std::vector<float> q_jobs(q.size()), got_jobs(q.size(), 5.f), stats_jobs(want_stats.size(), 7.f);
+        AttentionJob jobs[2];
+        for (int j = 0; j < 2; ++j) {
+          for (int i = 0; i < n_q; ++i) {
+            std::copy_n(&q[(static_cast<size_t>(i) * 8 + 4 * j) * 64], 4 * 64, &q_jobs[(j * n_q + i) * 4 * 64]);
+          }
+          jobs[j].spans = set.spans.data();
+          jobs[j].n_spans = 3;
+          jobs[j].first_kv_head = j;
+          jobs[j].q = &q_jobs[static_cast<size_t>(j) * n_q * 4 * 64];
+          jobs[j].out = &got_jobs[static_cast<size_t>(j) * n_q * 4 * 64];
+          jobs[j].row_max_sum = &stats_jobs[static_cast<size_t>(j) * n_q * 4 * 2];
+          jobs[j].sinks = sinks.data() + 4 * j;
+        }
+        ops::AttentionBatch(AttentionShape{4, 1, 64, 0.125f}, 2, storage, q_pos.data(), n_q, jobs, 2, n_threads);
+        std::vector<float> ungrouped(q.size()), ungrouped_stats(want_stats.size());
+        for (int j = 0; j < 2; ++j) {
+          for (int i = 0; i < n_q; ++i) {
+            std::copy_n(&got_jobs[(j * n_q + i) * 4 * 64], 4 * 64, &ungrouped[(static_cast<size_t>(i) * 8 + 4 * j) * 64]);
+            std::copy_n(&stats_jobs[(j * n_q + i) * 4 * 2], 4 * 2, &ungrouped_stats[(static_cast<size_t>(i) * 8 + 4 * j) * 2]);
+          }
+        }
+        ExpectBatchClose(ungrouped, want, ungrouped_stats, want_stats, {}, {}, what + " as jobs");
+        if (HasFatalFailure()) return;
+      }
+      shape.sinks = nullptr;
+    }
+  }
+}
+
 // Jobs over their own ragged spans (a per-head layer's heads: rows of one head; Quest's query
 // heads: runs of shared rows, each reading its own kv head) against the scalar twin, on every
 // storage type, decode and a few queries, one thread and several.

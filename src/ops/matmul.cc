@@ -43,6 +43,7 @@ const Kernel* KernelFor(DType type) {
     case DType::kQ6_K: return &KernelQ6_K();
     case DType::kIQ4_NL: return &KernelIQ4_NL();
     case DType::kIQ4_XS: return &KernelIQ4_XS();
+    case DType::kMXFP4: return &KernelMXFP4();
     case DType::kF32: return &KernelF32();
     case DType::kF16: return &KernelF16();
     case DType::kBF16: return &KernelBF16();

@@ -28,6 +28,8 @@
 // The nibble layout shared by Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL (element e < 16 is the low
 // nibble of qs[e], e >= 16 the high nibble of qs[e - 16]; Q5's fifth bit of e is bit e of the
 // little-endian uint32 qh) has its loads here too.
+#include <concepts>
+
 #if defined(KVS_OPS_MATMUL_PACKED_Q8_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KVS_OPS_MATMUL_PACKED_Q8_INL_H_
 #undef KVS_OPS_MATMUL_PACKED_Q8_INL_H_
@@ -120,6 +122,22 @@ constexpr int ScaleBlendOf(Q8Order order) {
 }
 #endif
 
+// Whether weight type B gives its blocks' scales itself (B::Scale(block), f32: MXFP4's E8M0
+// exponent) rather than as an f16 field d.
+template <class B>
+concept WeightsWithOwnScale = requires(const typename B::Block& b) {
+  { B::Scale(b) } -> std::same_as<float>;
+};
+
+#if KVS_ISA_AVX512
+// The f32 lanes (as a mask) that take the second block of a step's pair.
+constexpr __mmask16 SecondBlockLanesOf(Q8Order order) {
+  int mask = 0;
+  for (int i = 0; i < 16; ++i) mask |= BlockOfLane(order, i) << i;
+  return static_cast<__mmask16>(mask);
+}
+#endif
+
 template <class B>
 struct PackedQ8Steps {
   using Block = typename B::Block;
@@ -128,6 +146,14 @@ struct PackedQ8Steps {
   static constexpr bool kHasMin = WeightsWithMin<B>;
   // With a min the weights need no bias: the min terms take the place of ggml's Q8_1 sums.
   static_assert(!kHasMin || B::kOffset == 0);
+
+  static float ScaleOf(const Block& b) {
+    if constexpr (WeightsWithOwnScale<B>) {
+      return B::Scale(b);
+    } else {
+      return F16ToF32(b.d);
+    }
+  }
 
   static const Block* RowBlocks(const TileArgs& a, int r) {
     return reinterpret_cast<const Block*>(a.w + r * a.w_row_bytes);
@@ -139,8 +165,13 @@ struct PackedQ8Steps {
   // The f32 scale of each int32 lane: [d0 | d1] per BlockOfLane, as f16 from two broadcasts and a
   // blend, then one widening convert.
   static __m512 Scales(const Block& b0, const Block& b1) {
-    return _mm512_cvtph_ps(_mm256_blend_epi32(_mm256_set1_epi16(static_cast<short>(b0.d)),
-                                              _mm256_set1_epi16(static_cast<short>(b1.d)), kScaleBlend));
+    if constexpr (WeightsWithOwnScale<B>) {
+      return _mm512_mask_blend_ps(SecondBlockLanesOf(B::kOrder), _mm512_set1_ps(B::Scale(b0)),
+                                  _mm512_set1_ps(B::Scale(b1)));
+    } else {
+      return _mm512_cvtph_ps(_mm256_blend_epi32(_mm256_set1_epi16(static_cast<short>(b0.d)),
+                                                _mm256_set1_epi16(static_cast<short>(b1.d)), kScaleBlend));
+    }
   }
   // Lane i of the compact layout's scale pair [d0, d1] for int32 lane i.
   static __m512i CompactSpread() {
@@ -299,7 +330,11 @@ struct PackedQ8Steps {
       if (a.w_prefetch)
         _mm_prefetch(reinterpret_cast<const char*>(a.w_prefetch + r * a.w_row_bytes + b * sizeof(Block)), _MM_HINT_T1);
       w[r] = B::Load(block);
-      w_scale[r] = _mm256_set1_ps(_cvtsh_ss(block.d));
+      if constexpr (WeightsWithOwnScale<B>) {
+        w_scale[r] = _mm256_set1_ps(B::Scale(block));
+      } else {
+        w_scale[r] = _mm256_set1_ps(_cvtsh_ss(block.d));
+      }
     }
     for (int t = 0; t < T; ++t) {
       const uint8_t* step = a.x + t * a.x_token_bytes + b * kStepBytes;
@@ -342,7 +377,7 @@ struct PackedQ8Steps {
       const float x_scale = reinterpret_cast<const float*>(step + kStepScaleOffset)[0];
       for (int r = 0; r < R; ++r) {
         const Block& block = RowBlocks(a, r)[b];
-        acc[r][t] += static_cast<float>(B::Dot(block, xq)) * (F16ToF32(block.d) * x_scale);
+        acc[r][t] += static_cast<float>(B::Dot(block, xq)) * (ScaleOf(block) * x_scale);
       }
     }
   }

@@ -41,7 +41,8 @@ std::optional<DType> ActivationType(DType weight) {
     case DType::kQ4_1:
     case DType::kQ5_0:
     case DType::kQ5_1:
-    case DType::kIQ4_NL: return DType::kQ8_0;
+    case DType::kIQ4_NL:
+    case DType::kMXFP4: return DType::kQ8_0;
     case DType::kQ2_K:
     case DType::kQ3_K:
     case DType::kQ4_K:
@@ -186,6 +187,7 @@ TEST_P(MatMulTest, Q4_1MatchesReference) { RunQ8ActivationShapes(DType::kQ4_1); 
 TEST_P(MatMulTest, Q5_0MatchesReference) { RunQ8ActivationShapes(DType::kQ5_0); }
 TEST_P(MatMulTest, Q5_1MatchesReference) { RunQ8ActivationShapes(DType::kQ5_1); }
 TEST_P(MatMulTest, IQ4_NLMatchesReference) { RunQ8ActivationShapes(DType::kIQ4_NL); }
+TEST_P(MatMulTest, MXFP4MatchesReference) { RunQ8ActivationShapes(DType::kMXFP4); }
 
 // 256-element super-blocks: 1, 3 and 11 (odd), 16 and 22 of them.
 void RunSuperBlockShapes(DType type) {
@@ -209,7 +211,7 @@ TEST_P(MatMulTest, LargeShapesCrossTokenBlocks) {
   uint32_t seed = 77;
   // (Every quantized type: on avx512 this is 2 threads x 2+ panels each, the last ragged.)
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1, DType::kIQ4_NL, DType::kQ2_K,
-                     DType::kQ3_K, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS, DType::kF16}) {
+                     DType::kQ3_K, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_XS, DType::kMXFP4, DType::kF16}) {
     CheckCase({type, 130, 2048, 200, 2}, seed++);
   }
 }
@@ -335,7 +337,8 @@ TEST_P(MatMulTest, ManyProductsEqualSeparateOnes) {
 TEST_P(MatMulTest, ResultDoesNotDependOnThreadCount) {
   const int64_t rows = 67, cols = 512;
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kF16, DType::kQ4_1, DType::kQ5_0, DType::kQ5_1,
-                     DType::kQ2_K, DType::kQ3_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_NL, DType::kIQ4_XS}) {
+                     DType::kQ2_K, DType::kQ3_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_NL, DType::kIQ4_XS,
+                     DType::kMXFP4}) {
     for (int64_t n_tokens : {1, 3, 9}) {
       const std::vector<float> w_f32 = RandomFloats(rows * cols, 5);
       const std::vector<uint8_t> w_data = QuantizeMatrix(type, w_f32, rows, cols);

@@ -28,6 +28,7 @@ const Kernel& KernelQ3_K();
 const Kernel& KernelQ5_K();
 const Kernel& KernelQ6_K();
 const Kernel& KernelIQ4_NL();
+const Kernel& KernelMXFP4();
 const Kernel& KernelIQ4_XS();
 const Kernel& KernelF32();
 const Kernel& KernelF16();

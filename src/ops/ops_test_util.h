@@ -63,6 +63,8 @@ inline std::vector<uint8_t> RandomBitsMatrix(DType type, int64_t rows, int64_t c
       case DType::kIQ4_XS: set_f16(block, offsetof(BlockIQ4_XS, d), true); break;
       case DType::kQ4_0: set_f16(block, offsetof(BlockQ4_0, d), true); break;
       case DType::kQ8_0: set_f16(block, offsetof(BlockQ8_0, d), true); break;
+      // Exponents around those of real weights (2^-18 .. 2^-1 per level unit).
+      case DType::kMXFP4: block[offsetof(BlockMXFP4, e)] = static_cast<uint8_t>(110 + rng() % 18); break;
       default: break;
     }
   }

@@ -46,12 +46,14 @@ void QuantizeRowQ3_KRef(const float* x, BlockQ3_K* y, int64_t n);
 void QuantizeRowQ5_KRef(const float* x, BlockQ5_K* y, int64_t n);
 void QuantizeRowQ6_KRef(const float* x, BlockQ6_K* y, int64_t n);
 void QuantizeRowIQ4_NLRef(const float* x, BlockIQ4_NL* y, int64_t n);
+void QuantizeRowMXFP4Ref(const float* x, BlockMXFP4* y, int64_t n);
 void QuantizeRowIQ4_XSRef(const float* x, BlockIQ4_XS* y, int64_t n);
 void DequantizeRowQ2_KRef(const BlockQ2_K* x, float* y, int64_t n);
 void DequantizeRowQ3_KRef(const BlockQ3_K* x, float* y, int64_t n);
 void DequantizeRowQ5_KRef(const BlockQ5_K* x, float* y, int64_t n);
 void DequantizeRowQ6_KRef(const BlockQ6_K* x, float* y, int64_t n);
 void DequantizeRowIQ4_NLRef(const BlockIQ4_NL* x, float* y, int64_t n);
+void DequantizeRowMXFP4Ref(const BlockMXFP4* x, float* y, int64_t n);
 void DequantizeRowIQ4_XSRef(const BlockIQ4_XS* x, float* y, int64_t n);
 
 }  // namespace kvsparse::quant

@@ -156,6 +156,18 @@ std::vector<float> PlainIQ4_NL(const BlockIQ4_NL& b) {
   return y;
 }
 
+std::vector<float> PlainMXFP4(const BlockMXFP4& b) {
+  std::vector<float> y;
+  // E2M1 (1 sign, 2 exponent, 1 mantissa bits) times 2^(e - 127), from the OCP format's definition.
+  for (int e = 0; e < 32; ++e) {
+    const int code = Nibble(b, e);
+    const int magnitude = code & 7, exponent = magnitude >> 1, mantissa = magnitude & 1;
+    const double e2m1 = exponent == 0 ? 0.5 * mantissa : std::ldexp(1.0 + 0.5 * mantissa, exponent - 1);
+    y.push_back(static_cast<float>((code & 8 ? -1 : 1) * e2m1 * std::ldexp(1.0, b.e - 127)));
+  }
+  return y;
+}
+
 template <class Block>
 void CheckLayout(DType type, std::vector<float> (*plain)(const Block&)) {
   SCOPED_TRACE(std::string(DTypeName(type)));
@@ -188,6 +200,7 @@ TEST(QuantizeLayoutTest, DequantizationFollowsGgmlLayout) {
   CheckLayout<BlockQ5_K>(DType::kQ5_K, PlainQ5_K);
   CheckLayout<BlockQ6_K>(DType::kQ6_K, PlainQ6_K);
   CheckLayout<BlockIQ4_XS>(DType::kIQ4_XS, PlainIQ4_XS);
+  CheckLayout<BlockMXFP4>(DType::kMXFP4, PlainMXFP4);
 }
 
 // The reference quantizers: the round trip stays close (relative RMS per row) and a zero row
@@ -199,7 +212,8 @@ TEST(QuantizeLayoutTest, QuantizersRoundTrip) {
   };
   for (const Bound& bound : {Bound{DType::kQ4_1, 0.12}, Bound{DType::kQ5_0, 0.08}, Bound{DType::kQ5_1, 0.06},
                              Bound{DType::kIQ4_NL, 0.15}, Bound{DType::kQ2_K, 0.45}, Bound{DType::kQ3_K, 0.25},
-                             Bound{DType::kQ5_K, 0.06}, Bound{DType::kQ6_K, 0.04}, Bound{DType::kIQ4_XS, 0.15}}) {
+                             Bound{DType::kQ5_K, 0.06}, Bound{DType::kQ6_K, 0.04}, Bound{DType::kIQ4_XS, 0.15},
+                             Bound{DType::kMXFP4, 0.2}}) {
     SCOPED_TRACE(std::string(DTypeName(bound.type)));
     for (int64_t n : {256, 768, 2816}) {
       const std::vector<float> x = testing::RandomFloats(n, static_cast<uint32_t>(n) + 3, 2.f);

@@ -231,6 +231,7 @@ void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
     case DType::kQ6_K: return quant::DequantizeRowQ6_KRef(static_cast<const BlockQ6_K*>(src), dst, n);
     case DType::kIQ4_NL: return quant::DequantizeRowIQ4_NLRef(static_cast<const BlockIQ4_NL*>(src), dst, n);
     case DType::kIQ4_XS: return quant::DequantizeRowIQ4_XSRef(static_cast<const BlockIQ4_XS*>(src), dst, n);
+    case DType::kMXFP4: return quant::DequantizeRowMXFP4Ref(static_cast<const BlockMXFP4*>(src), dst, n);
   }
   KVS_CHECK_MSG(false, "DequantizeRow: unsupported dtype");
 }
@@ -258,6 +259,7 @@ void QuantizeRow(DType type, const float* src, void* dst, int64_t n) {
     case DType::kQ6_K: return quant::QuantizeRowQ6_KRef(src, static_cast<BlockQ6_K*>(dst), n);
     case DType::kIQ4_NL: return quant::QuantizeRowIQ4_NLRef(src, static_cast<BlockIQ4_NL*>(dst), n);
     case DType::kIQ4_XS: return quant::QuantizeRowIQ4_XSRef(src, static_cast<BlockIQ4_XS*>(dst), n);
+    case DType::kMXFP4: return quant::QuantizeRowMXFP4Ref(src, static_cast<BlockMXFP4*>(dst), n);
   }
   KVS_CHECK_MSG(false, "QuantizeRow: unsupported dtype");
 }

@@ -253,4 +253,42 @@ void DequantizeRowIQ4_NLRef(const BlockIQ4_NL* x, float* y, int64_t n) {
   }
 }
 
+// MXFP4 as ggml's quantize_row_mxfp4_ref: the shared exponent puts the block's largest
+// magnitude in [4, 8) times 2^(e - 128) (so 12, the largest level, may round it), each value to
+// its nearest level (the first of equals).
+KVS_NO_FP_CONTRACT void QuantizeRowMXFP4Ref(const float* x, BlockMXFP4* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQK_MXFP4; ++b, x += kQK_MXFP4) {
+    float amax = 0.f;
+    for (int i = 0; i < kQK_MXFP4; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const uint8_t e = amax > 0.f ? static_cast<uint8_t>(std::floor(std::log2(amax)) - 2 + 127) : 0;
+    const float d = Mxfp4Scale(e);
+    auto nearest = [d](float v) {
+      int best = 0;
+      float best_err = std::fabs(kMxfp4Values[0] * d - v);
+      for (int i = 1; i < 16; ++i) {
+        const float err = std::fabs(kMxfp4Values[i] * d - v);
+        if (err < best_err) {
+          best = i;
+          best_err = err;
+        }
+      }
+      return static_cast<uint8_t>(best);
+    };
+    y[b].e = e;
+    for (int j = 0; j < kQK_MXFP4 / 2; ++j) {
+      y[b].qs[j] = static_cast<uint8_t>(nearest(x[j]) | nearest(x[j + kQK_MXFP4 / 2]) << 4);
+    }
+  }
+}
+
+void DequantizeRowMXFP4Ref(const BlockMXFP4* x, float* y, int64_t n) {
+  for (int64_t b = 0; b < n / kQK_MXFP4; ++b, y += kQK_MXFP4) {
+    const float d = Mxfp4Scale(x[b].e);
+    for (int e = 0; e < 16; ++e) {
+      y[e] = d * static_cast<float>(kMxfp4Values[x[b].qs[e] & 0xF]);
+      y[e + 16] = d * static_cast<float>(kMxfp4Values[x[b].qs[e] >> 4]);
+    }
+  }
+}
+
 }  // namespace kvsparse::quant

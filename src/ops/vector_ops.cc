@@ -165,6 +165,25 @@ void GeluMulImpl(float* gate, const float* up, int64_t n) {
   });
 }
 
+// gpt-oss's SwiGLU: the gate capped above and the linear part clamped at kSwigluLimit, the
+// sigmoid sharpened by kSwigluAlpha, the linear part shifted by one (OpenAI's reference model).
+void SwigluClampedMulImpl(float* gate, const float* up, int64_t n) {
+  const DF d;
+  const auto one = hn::Set(d, 1.f), alpha = hn::Set(d, kSwigluAlpha), limit = hn::Set(d, kSwigluLimit);
+  const auto max_exp_arg = hn::Set(d, 88.f);  // as SiluMul: exp(-alpha g) past 88 overflows
+  ForEachVector(n, [&](int64_t i, auto m, bool full) {
+    const auto g = hn::Min(LoadTail(m, d, gate + i), limit);
+    const auto u = hn::Clamp(LoadTail(m, d, up + i), hn::Neg(limit), limit);
+    const auto e = hn::Exp(d, hn::Min(hn::Neg(hn::Mul(alpha, g)), max_exp_arg));
+    const auto v = hn::Mul(hn::Div(g, hn::Add(one, e)), hn::Add(u, one));
+    if (full) {
+      hn::StoreU(v, d, gate + i);
+    } else {
+      hn::BlendedStore(v, m, d, gate + i);
+    }
+  });
+}
+
 void SoftcapInPlaceImpl(float* x, int64_t n, float cap) {
   const DF d;
   const auto vcap = hn::Set(d, cap), inv = hn::Set(d, 1.f / cap);
@@ -233,6 +252,7 @@ HWY_EXPORT(RmsNormImpl);
 HWY_EXPORT(RopeImpl);
 HWY_EXPORT(SiluMulImpl);
 HWY_EXPORT(GeluMulImpl);
+HWY_EXPORT(SwigluClampedMulImpl);
 HWY_EXPORT(SoftcapInPlaceImpl);
 HWY_EXPORT(SoftmaxImpl);
 HWY_EXPORT(AddImpl);
@@ -246,6 +266,7 @@ void Rope(float* x, int n_heads, int head_dim, int32_t pos, const float* inv_fre
 }
 void SiluMul(float* gate, const float* up, int64_t n) { KVS_DISPATCH(SiluMulImpl)(gate, up, n); }
 void GeluMul(float* gate, const float* up, int64_t n) { KVS_DISPATCH(GeluMulImpl)(gate, up, n); }
+void SwigluClampedMul(float* gate, const float* up, int64_t n) { KVS_DISPATCH(SwigluClampedMulImpl)(gate, up, n); }
 void SoftcapInPlace(float* x, int64_t n, float cap) { KVS_DISPATCH(SoftcapInPlaceImpl)(x, n, cap); }
 void Softmax(float* x, int64_t n) { KVS_DISPATCH(SoftmaxImpl)(x, n); }
 void Add(float* y, const float* x, int64_t n) { KVS_DISPATCH(AddImpl)(y, x, n); }

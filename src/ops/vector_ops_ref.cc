@@ -53,6 +53,15 @@ void GeluMul(float* gate, const float* up, int64_t n) {
   }
 }
 
+void SwigluClampedMul(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = std::min(static_cast<double>(gate[i]), static_cast<double>(ops::kSwigluLimit));
+    const double u = std::clamp(static_cast<double>(up[i]), -static_cast<double>(ops::kSwigluLimit),
+                                static_cast<double>(ops::kSwigluLimit));
+    gate[i] = static_cast<float>(g / (1.0 + std::exp(-static_cast<double>(ops::kSwigluAlpha) * g)) * (u + 1.0));
+  }
+}
+
 void SoftcapInPlace(float* x, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(cap * std::tanh(static_cast<double>(x[i]) / cap));
 }

@@ -127,6 +127,21 @@ TEST_P(VectorOpsTest, SiluMulMatchesReference) {
   }
 }
 
+TEST_P(VectorOpsTest, SwigluClampedMulMatchesReference) {
+  for (int64_t n : kSizes) {
+    auto g = RandomFloats(n, 27, 10.f);  // past the clamp at 7 both ways
+    const auto up = RandomFloats(n, 28, 10.f);
+    if (n > 3) {
+      g[0] = -200.f;  // exp(-alpha g) would overflow
+      g[1] = 200.f;
+    }
+    auto g_ref = g;
+    ops::SwigluClampedMul(g.data(), up.data(), n);
+    ref::SwigluClampedMul(g_ref.data(), up.data(), n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(g[i], g_ref[i], 4e-6 * std::fabs(g_ref[i]) + 1e-30) << n << " " << i;
+  }
+}
+
 TEST_P(VectorOpsTest, GeluMulMatchesReference) {
   for (int64_t n : kSizes) {
     auto g = RandomFloats(n, 17, 6.f);

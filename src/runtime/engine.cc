@@ -236,6 +236,7 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
   for (int layer = 0; layer < c.n_layers; ++layer) {
     const LayerWeights& w = model_.layers[static_cast<size_t>(layer)];
     shape = LayerAttentionShape(c, layer);
+    shape.sinks = w.attn_sinks;
     // RoPE positions of each sequence's rows in this layer, which are also their stored and
     // query positions: absolute, or (StreamingLLM cache positions) the places right after the
     // layer's live tokens.
@@ -277,6 +278,9 @@ Status Engine::ForwardBatch(std::span<const BatchSequence> batch) {
       ops::MatMul(w.wo, s.mla_out.data(), n, s.proj.data(), n_threads_);
     } else {
       ops::MatMul(w.wo, s.att.data(), n, s.proj.data(), n_threads_);
+    }
+    if (w.bo != nullptr) {
+      for (int32_t i = 0; i < n; ++i) ops::Add(&s.proj[static_cast<size_t>(i) * dim], w.bo, dim);
     }
     add_residual(w.post_attn_norm);
 
@@ -419,10 +423,12 @@ Status Engine::AttendDecodeBatch(int layer, const AttentionShape& shape) {
       AttentionJob job{spans.data(), static_cast<int32_t>(spans.size()), 0, s.q.data() + e.row0 * row_floats,
                        s.att.data() + e.row0 * row_floats};
       job.q_pos = s.positions.data() + e.row0;
+      job.sinks = shape.sinks;
       s.decode_jobs.push_back(job);
     }
-    ops::AttentionBatch(shape, shape.n_kv_heads, storage, s.decode_jobs[0].q_pos, 1, s.decode_jobs.data(),
-                        static_cast<int32_t>(s.decode_jobs.size()), n_threads_);
+    ops::AttentionBatch(WithHeads(shape, shape.n_heads, shape.n_kv_heads), shape.n_kv_heads, storage,
+                        s.decode_jobs[0].q_pos, 1, s.decode_jobs.data(), static_cast<int32_t>(s.decode_jobs.size()),
+                        n_threads_);
   }
   if (controller_ != nullptr) {
     for (const Entry* e : s.decode_batch) {
@@ -542,6 +548,7 @@ Status Engine::SparsePrefillAttention(const Entry& e, int layer, const Attention
                        s.att_head.data() + j * job_stride};
     if (scores) job.row_max_sum = s.head_row_max_sum.data() + static_cast<size_t>(j) * n * job_heads * 2;
     job.selection = &s.selection_views[j];
+    job.sinks = JobSinks(shape, j * job_heads);
   }
   const Clock::time_point attention_start = Clock::now();
   ops::AttentionBatch(job_shape, per_head ? 1 : n_kv, storage, q_pos, n, s.jobs.data(), n_jobs, n_threads_);
@@ -609,6 +616,7 @@ Status Engine::SparseAttention(const Entry& e, int layer, const AttentionShape& 
       const std::vector<KvSpan>& runs = s.query_spans[static_cast<size_t>(h)];
       s.jobs[j] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), h / group,
                                q + static_cast<size_t>(h) * shape.head_dim, att + static_cast<size_t>(h) * shape.head_dim};
+      s.jobs[j].sinks = JobSinks(shape, h);
     }
     ops::AttentionBatch(WithHeads(shape, heads_per_job, 1), shape.n_kv_heads, storage, q_pos,
                         1, s.jobs.data(), n_jobs, n_threads_);
@@ -694,6 +702,7 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
         const std::vector<KvSpan>& runs = s.query_spans[static_cast<size_t>(qh)];
         s.jobs[qh] = AttentionJob{runs.data(), static_cast<int32_t>(runs.size()), 0,
                                   q_rows + static_cast<size_t>(qh) * d, att_rows + static_cast<size_t>(qh) * d};
+        s.jobs[qh].sinks = JobSinks(shape, qh);
       }
       ops::AttentionBatch(WithHeads(shape, 1, 1), 1, storage, q_pos, 1, s.jobs.data(), shape.n_heads,
                           n_threads_);
@@ -742,6 +751,7 @@ Status Engine::PerHeadAttention(const Entry& e, int layer, const AttentionShape&
                          att_all + h * head_stride};
       if (with_stats) job.row_max_sum = s.row_max_sum.data() + static_cast<size_t>(h) * n * group * 2;
       if (scores && decode) job.raw_scores = s.raw_scores.data() + s.raw_offset[h];
+      job.sinks = JobSinks(shape, h * group);
     }
     const Clock::time_point start = Clock::now();
     ops::AttentionBatch(head_shape, 1, storage, q_pos, n, s.jobs.data(), n_kv, n_threads_);

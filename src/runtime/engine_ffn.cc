@@ -17,6 +17,8 @@ void RouteToExperts(const float* logits, const RouterRule& rule, float* probs, i
   const int n_experts = rule.n_experts, n_used = rule.n_used;
   if (rule.gating == ExpertGating::kSigmoid) {
     for (int e = 0; e < n_experts; ++e) probs[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+  } else if (rule.gating == ExpertGating::kSoftmaxChosen) {  // the logits choose; the softmax comes after
+    std::copy_n(logits, n_experts, probs);
   } else {  // softmax over every expert: the weights are probabilities of the full distribution
     float max_logit = -INFINITY;
     for (int e = 0; e < n_experts; ++e) max_logit = std::max(max_logit, logits[e]);
@@ -46,6 +48,14 @@ void RouteToExperts(const float* logits, const RouterRule& rule, float* probs, i
     experts[k] = best;
     weights[k] = probs[best];
   }
+  if (rule.gating == ExpertGating::kSoftmaxChosen) {
+    const float max_logit = *std::max_element(weights, weights + n_used);
+    double total = 0;
+    for (int k = 0; k < n_used; ++k) total += std::exp(static_cast<double>(weights[k]) - max_logit);
+    for (int k = 0; k < n_used; ++k) {
+      weights[k] = static_cast<float>(std::exp(static_cast<double>(weights[k]) - max_logit) / total);
+    }
+  }
   const bool normalize = rule.normalize;
   const float scale = rule.scale;
   if (normalize) {
@@ -73,6 +83,20 @@ static void ScaleBySharedExpertGate(const float* gate_weights, const float* x, i
   }
 }
 
+// gate[i] = act(gate[i]) * up[i] for the model's gated FFN activation.
+static void GatedActivation(FfnActivation activation, float* gate, const float* up, int64_t n) {
+  switch (activation) {
+    case FfnActivation::kSilu: return ops::SiluMul(gate, up, n);
+    case FfnActivation::kGeluTanh: return ops::GeluMul(gate, up, n);
+    case FfnActivation::kSwigluClamped: return ops::SwigluClampedMul(gate, up, n);
+  }
+}
+
+// Adds row `bias` [width] to each of n rows [n, width] (gpt-oss's expert biases).
+static void AddRowBias(const float* bias, int64_t width, int32_t n, float* rows) {
+  for (int32_t i = 0; i < n; ++i) ops::Add(rows + static_cast<size_t>(i) * width, bias, width);
+}
+
 void Engine::FeedForward(int layer, int32_t n) {
   const ModelConfig& c = model_.config();
   if (c.LayerIsMoe(layer)) return MixtureOfExperts(layer, n);
@@ -81,11 +105,7 @@ void Engine::FeedForward(int layer, int32_t n) {
   const int64_t hidden = c.hidden_dim;
   RunProducts({{&w.w_gate, s.normed.data(), n, s.gate.data()}, {&w.w_up, s.normed.data(), n, s.up.data()}},
               n_threads_);
-  if (c.ffn_activation == FfnActivation::kGeluTanh) {
-    ops::GeluMul(s.gate.data(), s.up.data(), n * hidden);
-  } else {
-    ops::SiluMul(s.gate.data(), s.up.data(), n * hidden);
-  }
+  GatedActivation(c.ffn_activation, s.gate.data(), s.up.data(), n * hidden);
   ops::MatMul(w.w_down, s.gate.data(), n, s.proj.data(), n_threads_);
 }
 
@@ -98,6 +118,7 @@ void Engine::MixtureOfExperts(int layer, int32_t n) {
 
   // Route every row.
   ops::MatMul(w.router, s.normed.data(), n, s.router_logits.data(), n_threads_);
+  if (w.router_bias != nullptr) AddRowBias(w.router_bias, n_experts, n, s.router_logits.data());
   if (router_observer_) router_observer_(layer, n, s.router_logits.data());
   const RouterRule rule{n_experts, n_used, c.expert_gating, w.expert_selection_bias, c.expert_weights_norm,
                         c.expert_weights_scale};
@@ -149,8 +170,13 @@ void Engine::MixtureOfExperts(int layer, int32_t n) {
     }
     ops::MatMul(w.expert_gate[static_cast<size_t>(e)], s.expert_in.data(), count, s.gate.data(), n_threads_);
     ops::MatMul(w.expert_up[static_cast<size_t>(e)], s.expert_in.data(), count, s.up.data(), n_threads_);
-    ops::SiluMul(s.gate.data(), s.up.data(), count * width);
+    if (w.expert_gate_bias != nullptr) {
+      AddRowBias(w.expert_gate_bias + e * width, width, count, s.gate.data());
+      AddRowBias(w.expert_up_bias + e * width, width, count, s.up.data());
+    }
+    GatedActivation(c.ffn_activation, s.gate.data(), s.up.data(), count * width);
     ops::MatMul(w.expert_down[static_cast<size_t>(e)], s.gate.data(), count, s.expert_out.data(), n_threads_);
+    if (w.expert_down_bias != nullptr) AddRowBias(w.expert_down_bias + e * c.dim, c.dim, count, s.expert_out.data());
     for (int32_t j = 0; j < count; ++j) {
       const size_t row = static_cast<size_t>(slots[j] / n_used);
       const float weight = s.chosen_weight[static_cast<size_t>(slots[j])];
@@ -193,8 +219,19 @@ void Engine::GroupedExperts(int layer, int32_t n) {
     jobs.push_back({&w.expert_up[static_cast<size_t>(e)], &s.grouped_in[at * dim], count, &s.grouped_up[at * width]});
   }
   ops::MatMulMany(jobs, n_threads_);
+  // Each expert's biases on its own rows (they lie in expert order).
+  auto add_expert_biases = [&](const float* table, size_t row_width, float* rows) {
+    if (table == nullptr) return;
+    for (int e = 0; e < n_experts; ++e) {
+      const int32_t begin = first[static_cast<size_t>(e)], count = first[static_cast<size_t>(e) + 1] - begin;
+      AddRowBias(table + e * row_width, static_cast<int64_t>(row_width), count, rows + begin * row_width);
+    }
+  };
+  add_expert_biases(w.expert_gate_bias, width, s.grouped_gate.data());
+  add_expert_biases(w.expert_up_bias, width, s.grouped_up.data());
   if (shared) ops::SiluMul(s.gate.data(), s.up.data(), n * c.shared_expert_hidden_dim);
-  ops::SiluMul(s.grouped_gate.data(), s.grouped_up.data(), static_cast<int64_t>(n_slots) * c.expert_hidden_dim);
+  GatedActivation(c.ffn_activation, s.grouped_gate.data(), s.grouped_up.data(),
+                  static_cast<int64_t>(n_slots) * c.expert_hidden_dim);
   jobs.clear();
   if (shared) jobs.push_back({&w.shared_down, s.gate.data(), n, s.proj.data()});
   for (int e = 0; e < n_experts; ++e) {
@@ -205,6 +242,7 @@ void Engine::GroupedExperts(int layer, int32_t n) {
                     &s.grouped_out[at * dim]});
   }
   ops::MatMulMany(jobs, n_threads_);
+  add_expert_biases(w.expert_down_bias, dim, s.grouped_out.data());
   if (shared) {
     if (w.shared_expert_gate != nullptr) ScaleBySharedExpertGate(w.shared_expert_gate, s.normed.data(), n, c.dim, s.proj.data());
   } else {

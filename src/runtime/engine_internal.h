@@ -48,11 +48,19 @@ inline void UngroupRows(const float* grouped, int32_t n, int n_kv_heads, size_t 
 }
 
 // The same attention with other head counts (the per-head and per-query-head calls).
+// A shape of a subset of a layer's heads: its sinks (the layer's [n_heads]) do not index the
+// subset's heads, so they are dropped; AttentionBatch jobs carry their own heads' sinks
+// (JobSinks).
 inline AttentionShape WithHeads(const AttentionShape& shape, int n_heads, int n_kv_heads) {
   AttentionShape s = shape;
   s.n_heads = n_heads;
   s.n_kv_heads = n_kv_heads;
+  s.sinks = nullptr;
   return s;
+}
+// The sinks of a job whose query heads start at the layer's `first_head` (null: the layer has none).
+inline const float* JobSinks(const AttentionShape& layer_shape, int first_head) {
+  return layer_shape.sinks != nullptr ? layer_shape.sinks + first_head : nullptr;
 }
 
 // How a MoE layer turns a token's router logits into expert weights (llama.cpp's build_moe_ffn).

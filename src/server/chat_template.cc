@@ -9,14 +9,22 @@
 namespace kvsparse::server {
 namespace {
 
-constexpr std::array<std::pair<ChatTemplate, std::string_view>, 6> kTemplateNames = {{
+constexpr std::array<std::pair<ChatTemplate, std::string_view>, 9> kTemplateNames = {{
     {ChatTemplate::kLlama2, "llama2"},
     {ChatTemplate::kLlama3, "llama3"},
     {ChatTemplate::kChatml, "chatml"},
     {ChatTemplate::kMistral, "mistral"},
     {ChatTemplate::kGemma, "gemma"},
     {ChatTemplate::kPhi3, "phi3"},
+    {ChatTemplate::kDeepseek2, "deepseek2"},
+    {ChatTemplate::kDeepseek3, "deepseek3"},
+    {ChatTemplate::kHarmony, "gpt-oss"},
 }};
+
+// DeepSeek's full-width markers (U+FF5C and U+2581 inside).
+constexpr std::string_view kDeepseekEnd = "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>";
+constexpr std::string_view kDeepseekUser = "<\xef\xbd\x9c" "User\xef\xbd\x9c>";
+constexpr std::string_view kDeepseekAssistant = "<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>";
 
 bool Contains(std::string_view haystack, std::string_view needle) {
   return haystack.find(needle) != std::string_view::npos;
@@ -40,6 +48,37 @@ void AppendChatml(const std::vector<ChatMessage>& messages, bool add_generation_
     out += "<|im_end|>\n";
   }
   if (add_generation_prompt) out += "<|im_start|>assistant\n";
+}
+
+// DeepSeek-V2 (plain "User:" / "Assistant:" turns) and V3 (full-width markers): the system
+// text opens the prompt as it stands.
+void AppendDeepseek(const std::vector<ChatMessage>& messages, bool v3, bool add_generation_prompt, std::string& out) {
+  for (const ChatMessage& m : messages) {
+    if (m.role == "system") {
+      out += m.content;
+      out += "\n\n";
+    } else if (m.role == "user") {
+      out += v3 ? kDeepseekUser : "User: ";
+      out += m.content;
+      if (!v3) out += "\n\n";
+    } else {
+      out += v3 ? kDeepseekAssistant : "Assistant: ";
+      out += m.content;
+      out += kDeepseekEnd;
+    }
+  }
+  if (add_generation_prompt) out += v3 ? kDeepseekAssistant : "Assistant:";
+}
+
+void AppendHarmony(const std::vector<ChatMessage>& messages, bool add_generation_prompt, std::string& out) {
+  for (const ChatMessage& m : messages) {
+    out += "<|start|>";
+    out += m.role;
+    out += "<|message|>";
+    out += m.content;
+    out += m.role == "assistant" ? "<|return|>" : "<|end|>";
+  }
+  if (add_generation_prompt) out += "<|start|>assistant";
 }
 
 void AppendLlama3(const std::vector<ChatMessage>& messages, bool add_generation_prompt, std::string& out) {
@@ -165,6 +204,14 @@ ChatTemplate DetectChatTemplate(std::string_view jinja_template, bool* recognize
   if (Contains(jinja_template, "<|start_header_id|>") && Contains(jinja_template, "<|end_header_id|>")) {
     return found(ChatTemplate::kLlama3);
   }
+  if (Contains(jinja_template, "'Assistant: ' + message['content'] + eos_token")) return found(ChatTemplate::kDeepseek2);
+  if (Contains(jinja_template, kDeepseekAssistant) && Contains(jinja_template, kDeepseekUser) &&
+      Contains(jinja_template, kDeepseekEnd)) {
+    return found(ChatTemplate::kDeepseek3);
+  }
+  if (Contains(jinja_template, "<|start|>") && Contains(jinja_template, "<|channel|>")) {
+    return found(ChatTemplate::kHarmony);
+  }
   if (recognized != nullptr) *recognized = false;
   return ChatTemplate::kChatml;
 }
@@ -190,6 +237,9 @@ StatusOr<std::string> ApplyChatTemplate(ChatTemplate chat_template, const std::v
     case ChatTemplate::kMistral: AppendInst(messages, /*system_block=*/false, out); break;
     case ChatTemplate::kGemma: AppendGemma(messages, add_generation_prompt, out); break;
     case ChatTemplate::kPhi3: AppendPhi3(messages, add_generation_prompt, out); break;
+    case ChatTemplate::kDeepseek2: AppendDeepseek(messages, /*v3=*/false, add_generation_prompt, out); break;
+    case ChatTemplate::kDeepseek3: AppendDeepseek(messages, /*v3=*/true, add_generation_prompt, out); break;
+    case ChatTemplate::kHarmony: AppendHarmony(messages, add_generation_prompt, out); break;
   }
   return out;
 }

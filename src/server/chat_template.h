@@ -26,9 +26,17 @@ enum class ChatTemplate {
              // (Gemma, Gemma 2, Gemma 3). No system turn: the system text, trimmed, and "\n\n" open
              // the next user turn. Every message is trimmed, as in llama.cpp
   kPhi3,     // <|role|>\n content <|end|>\n, system included (Phi-3, Phi-3.5 mini)
+  kDeepseek2,  // "User: " content "\n\n", "Assistant: " content <｜end▁of▁sentence｜>, the system
+               // text and "\n\n" as it stands; the prompt ends with "Assistant:" (DeepSeek-V2)
+  kDeepseek3,  // <｜User｜> content, <｜Assistant｜> content <｜end▁of▁sentence｜>, the system text
+               // and "\n\n"; the prompt ends with <｜Assistant｜> (DeepSeek-V3, R1)
+  kHarmony,    // gpt-oss's harmony format as llama.cpp's built-in writes it: <|start|>role
+               // <|message|> content, then <|end|> (<|return|> after an assistant turn); the prompt
+               // ends with <|start|>assistant, so the model writes its channel itself
 };
 
-// "llama2", "llama3", "chatml", "mistral", "gemma", "phi3" (llama.cpp's names for these formats).
+// "llama2", "llama3", "chatml", "mistral", "gemma", "phi3", "deepseek2", "deepseek3", "gpt-oss"
+// (llama.cpp's names for these formats).
 std::string_view ChatTemplateName(ChatTemplate chat_template);
 
 // Inverse of ChatTemplateName (exact, lower case); the error lists the valid names.
@@ -38,7 +46,9 @@ StatusOr<ChatTemplate> ParseChatTemplateName(std::string_view name);
 // substrings llama.cpp looks for, tested in llama.cpp's order: "<|im_start|>" (chatml, so Qwen2/3
 // templates with <think> handling are chatml too), "[INST]" (llama2 with "<<SYS>>", else
 // mistral), "<|assistant|>" with "<|end|>" (phi3), "<start_of_turn>" (gemma), then
-// "<|start_header_id|>" with "<|end_header_id|>" (llama3). A string that is exactly a template
+// "<|start_header_id|>" with "<|end_header_id|>" (llama3), "'Assistant: ' + message['content'] +
+// eos_token" (deepseek2), <｜Assistant｜> with <｜User｜> and <｜end▁of▁sentence｜> (deepseek3), then
+// "<|start|>" with "<|channel|>" (gpt-oss's harmony). A string that is exactly a template
 // name selects it. An empty or unrecognised template falls back to chatml; `recognized`
 // (optional) tells which happened, so the server can log the fallback.
 ChatTemplate DetectChatTemplate(std::string_view jinja_template, bool* recognized = nullptr);

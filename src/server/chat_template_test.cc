@@ -24,8 +24,9 @@ std::string Apply(ChatTemplate t, const std::vector<ChatMessage>& messages, bool
   return prompt.ok() ? *prompt : std::string();
 }
 
-constexpr ChatTemplate kAllTemplates[] = {ChatTemplate::kLlama2, ChatTemplate::kLlama3, ChatTemplate::kChatml,
-                                          ChatTemplate::kMistral, ChatTemplate::kGemma,  ChatTemplate::kPhi3};
+constexpr ChatTemplate kAllTemplates[] = {ChatTemplate::kLlama2,    ChatTemplate::kLlama3,    ChatTemplate::kChatml,
+                                          ChatTemplate::kMistral,   ChatTemplate::kGemma,     ChatTemplate::kPhi3,
+                                          ChatTemplate::kDeepseek2, ChatTemplate::kDeepseek3, ChatTemplate::kHarmony};
 
 TEST(ChatTemplate, NamesRoundTrip) {
   for (ChatTemplate t : kAllTemplates) {
@@ -39,7 +40,7 @@ TEST(ChatTemplate, NamesRoundTrip) {
   EXPECT_EQ(ChatTemplateName(ChatTemplate::kMistral), "mistral");
   EXPECT_EQ(ChatTemplateName(ChatTemplate::kGemma), "gemma");
   EXPECT_EQ(ChatTemplateName(ChatTemplate::kPhi3), "phi3");
-  for (const char* name : {"llama2", "llama3", "chatml", "mistral", "gemma", "phi3"}) {
+  for (const char* name : {"llama2", "llama3", "chatml", "mistral", "gemma", "phi3", "deepseek2", "deepseek3", "gpt-oss"}) {
     StatusOr<ChatTemplate> parsed = ParseChatTemplateName(name);
     ASSERT_TRUE(parsed.ok()) << name;
     EXPECT_EQ(ChatTemplateName(*parsed), name);
@@ -52,7 +53,7 @@ TEST(ChatTemplate, UnknownNameListsValidNames) {
   EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument);
   const std::string& message = parsed.status().message();
   EXPECT_NE(message.find("vicuna"), std::string::npos);
-  for (const char* name : {"llama2", "llama3", "chatml", "mistral", "gemma", "phi3"}) {
+  for (const char* name : {"llama2", "llama3", "chatml", "mistral", "gemma", "phi3", "deepseek2", "deepseek3", "gpt-oss"}) {
     EXPECT_NE(message.find(name), std::string::npos) << name;
   }
   EXPECT_FALSE(ParseChatTemplateName("ChatML").ok());  // exact names only
@@ -337,6 +338,40 @@ TEST(ChatTemplate, Qwen3TemplateFormatsAsChatml) {
   // llama.cpp's built-in formatter writes no <think> block: the model decides whether to think.
   EXPECT_EQ(Apply(t, {{"system", "sys"}, {"user", "Hello"}}),
             "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n");
+}
+
+// The MoE models' formats, as llama.cpp's built-in formatter writes them (llm_chat_apply_template:
+// DEEPSEEK_2, DEEPSEEK_3, OPENAI_MOE), detected from signature lines of their Jinja templates.
+TEST(ChatTemplate, DeepseekAndHarmony) {
+  const std::string end = "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>";
+  const std::string user = "<\xef\xbd\x9c" "User\xef\xbd\x9c>", assistant = "<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>";
+  EXPECT_EQ(Apply(ChatTemplate::kDeepseek2, Conversation()),
+            "You are a helpful assistant.\n\nUser: Hello\n\nAssistant: Hi there" + end +
+                "User: Who are you?\n\nAssistant:");
+  EXPECT_EQ(Apply(ChatTemplate::kDeepseek3, Conversation()),
+            "You are a helpful assistant.\n\n" + user + "Hello" + assistant + "Hi there" + end + user + "Who are you?" +
+                assistant);
+  EXPECT_EQ(Apply(ChatTemplate::kHarmony, Conversation()),
+            "<|start|>system<|message|>You are a helpful assistant.<|end|><|start|>user<|message|>Hello<|end|>"
+            "<|start|>assistant<|message|>Hi there<|return|><|start|>user<|message|>Who are you?<|end|>"
+            "<|start|>assistant");
+  EXPECT_EQ(Apply(ChatTemplate::kHarmony, {{"user", "x"}}, false), "<|start|>user<|message|>x<|end|>");
+  struct Case {
+    std::string jinja;
+    ChatTemplate expected;
+  };
+  const Case cases[] = {
+      {"{% if message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n\\n' }}{% elif message['role'] == "
+       "'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token }}{% endif %}",
+       ChatTemplate::kDeepseek2},
+      {"{{'" + user + "' + message['content']}}{{'" + assistant + "' + content + '" + end + "'}}", ChatTemplate::kDeepseek3},
+      {"{{- \"<|start|>assistant<|channel|>final<|message|>\" }}", ChatTemplate::kHarmony},
+  };
+  for (const Case& c : cases) {
+    bool recognized = false;
+    EXPECT_EQ(DetectChatTemplate(c.jinja, &recognized), c.expected) << c.jinja;
+    EXPECT_TRUE(recognized) << c.jinja;
+  }
 }
 
 TEST(ChatTemplate, ContentIsCopiedVerbatim) {

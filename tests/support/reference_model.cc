@@ -40,7 +40,10 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   const bool gemma = arch == "gemma2" || arch == "gemma3";
   const bool moe_arch = arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe";
   const bool deepseek = arch == "deepseek2";
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && !gemma && arch != "phi3" && !moe_arch && !deepseek) {
+  const bool gpt_oss = arch == "gpt-oss";
+  m->gpt_oss_ = gpt_oss;
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && !gemma && arch != "phi3" && !moe_arch && !deepseek &&
+      !gpt_oss) {
     return UnimplementedError("reference model: architecture " + arch);
   }
   // llama.cpp's graphs: Mixtral (llama) and qwen3moe renormalize the chosen experts' weights.
@@ -104,6 +107,9 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
   if (gemma) {
     KVS_ASSIGN_OR_RETURN(window, file->GetUIntOr(p + "attention.sliding_window", arch == "gemma2" ? 4096 : 0));
     KVS_ASSIGN_OR_RETURN(period, file->GetUIntOr(p + "attention.sliding_window_pattern", arch == "gemma2" ? 2 : 6));
+  } else if (gpt_oss) {  // the even layers slide
+    KVS_ASSIGN_OR_RETURN(window, file->GetUInt(p + "attention.sliding_window"));
+    KVS_ASSIGN_OR_RETURN(period, file->GetUIntOr(p + "attention.sliding_window_pattern", 2));
   }
   KVS_ASSIGN_OR_RETURN(double theta_sliding,
                        file->GetFloatOr(p + "rope.freq_base_swa", arch == "gemma3" ? 10000.0 : theta));
@@ -202,7 +208,23 @@ StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Load(const std::string
       L.rope_magnitude = attn_factor * yarn_mscale;
     }
     KVS_RETURN_IF_ERROR(vec(b + "attn_norm.weight", &L.attn_norm));
-    KVS_RETURN_IF_ERROR(vec(b + "ffn_norm.weight", &L.ffn_norm));
+    KVS_RETURN_IF_ERROR(vec(b + (gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight"), &L.ffn_norm));
+    if (gpt_oss) {
+      KVS_RETURN_IF_ERROR(vec(b + "attn_output.bias", &L.bo));
+      KVS_RETURN_IF_ERROR(vec(b + "attn_sinks.weight", &L.sinks));
+      KVS_RETURN_IF_ERROR(vec(b + "ffn_gate_inp.bias", &L.router_bias));
+      // [n_experts, n] tables, read as one vector and cut per expert.
+      auto table = [&](const std::string& name, std::vector<std::vector<double>>* out) -> Status {
+        std::vector<double> all;
+        KVS_RETURN_IF_ERROR(vec(name, &all));
+        const size_t n = all.size() / n_experts;
+        for (uint64_t e = 0; e < n_experts; ++e) out->emplace_back(all.begin() + e * n, all.begin() + (e + 1) * n);
+        return Status::Ok();
+      };
+      KVS_RETURN_IF_ERROR(table(b + "ffn_gate_exps.bias", &L.expert_gate_bias));
+      KVS_RETURN_IF_ERROR(table(b + "ffn_up_exps.bias", &L.expert_up_bias));
+      KVS_RETURN_IF_ERROR(table(b + "ffn_down_exps.bias", &L.expert_down_bias));
+    }
     if (deepseek) {
       if (file->FindTensor(b + "attn_q_a.weight") != nullptr) {
         KVS_RETURN_IF_ERROR(matrix(b + "attn_q_a.weight", &L.wq_a));
@@ -348,25 +370,33 @@ void ReferenceModel::Rope(std::vector<double>& x, int n_heads, int pos, const st
 }
 
 std::vector<double> ReferenceModel::Ffn(const Matrix& gate_m, const Matrix& up_m, const Matrix& down_m,
-                                        const std::vector<double>& h) const {
-  std::vector<double> gate = Apply(gate_m, h);
-  const std::vector<double> up = Apply(up_m, h);
+                                        const std::vector<double>& h, const std::vector<double>* gate_bias,
+                                        const std::vector<double>* up_bias, const std::vector<double>* down_bias) const {
+  std::vector<double> gate = Apply(gate_m, h, gate_bias);
+  const std::vector<double> up = Apply(up_m, h, up_bias);
   for (size_t i = 0; i < gate.size(); ++i) {
     const double g = gate[i];
+    if (gpt_oss_) {  // OpenAI's reference: alpha 1.702, both parts clamped at 7, the linear one shifted by 1
+      const double gc = std::min(g, 7.0), uc = std::clamp(up[i], -7.0, 7.0);
+      gate[i] = gc / (1.0 + std::exp(-1.702 * gc)) * (uc + 1.0);
+      continue;
+    }
     const double act = gelu_ ? 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)))
                              : g / (1.0 + std::exp(-g));
     gate[i] = act * up[i];
   }
-  return Apply(down_m, gate);
+  return Apply(down_m, gate, down_bias);
 }
 
 // The n_experts_used most probable experts by softmax of the router, weighted by their
 // probabilities (renormalized where the architecture does), plus the sigmoid-gated shared expert.
 std::vector<double> ReferenceModel::Moe(const Layer& L, const std::vector<double>& h) const {
-  const std::vector<double> logits = Apply(L.router, h);
+  const std::vector<double> logits = Apply(L.router, h, &L.router_bias);
   const double top = *std::max_element(logits.begin(), logits.end());
   std::vector<double> prob(logits.size());
-  if (sigmoid_gating_) {
+  if (gpt_oss_) {  // the logits choose; the chosen ones' softmax weighs (below)
+    prob = logits;
+  } else if (sigmoid_gating_) {
     for (size_t e = 0; e < logits.size(); ++e) prob[e] = 1.0 / (1.0 + std::exp(-logits[e]));
   } else {
     double total = 0;
@@ -380,12 +410,21 @@ std::vector<double> ReferenceModel::Moe(const Layer& L, const std::vector<double
   for (size_t e = 0; e < order.size(); ++e) order[e] = static_cast<int>(e);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return choice[a] > choice[b]; });
   order.resize(static_cast<size_t>(n_experts_used_));
+  if (gpt_oss_) {
+    const double chosen_top = prob[order[0]];
+    double total = 0;
+    for (int e : order) total += std::exp(prob[e] - chosen_top);
+    for (int e : order) prob[e] = std::exp(prob[e] - chosen_top) / total;
+  }
   double chosen_sum = 0;
   for (int e : order) chosen_sum += prob[e];
   std::vector<double> out(static_cast<size_t>(dim_), 0.0);
   for (int e : order) {
     const double weight = (expert_weights_norm_ ? prob[e] / chosen_sum : prob[e]) * expert_weights_scale_;
-    const std::vector<double> y = Ffn(L.expert_gate[e], L.expert_up[e], L.expert_down[e], h);
+    const bool biased = !L.expert_gate_bias.empty();
+    const std::vector<double> y = Ffn(L.expert_gate[e], L.expert_up[e], L.expert_down[e], h,
+                                      biased ? &L.expert_gate_bias[e] : nullptr, biased ? &L.expert_up_bias[e] : nullptr,
+                                      biased ? &L.expert_down_bias[e] : nullptr);
     for (int d = 0; d < dim_; ++d) out[d] += weight * y[d];
   }
   if (!L.shared_gate.w.empty()) {  // qwen2moe's behind a sigmoid gate, deepseek2's ungated
@@ -447,14 +486,16 @@ std::vector<double> ReferenceModel::Forward(const std::vector<int32_t>& tokens) 
           if (attn_softcap_ > 0) score[s] = attn_softcap_ * std::tanh(score[s] / attn_softcap_);
           max_score = std::max(max_score, score[s]);
         }
-        double total = 0;
+        // gpt-oss's sink: one more logit in the denominator, without a value.
+        if (!L.sinks.empty()) max_score = std::max(max_score, L.sinks[static_cast<size_t>(h)]);
+        double total = L.sinks.empty() ? 0.0 : std::exp(L.sinks[static_cast<size_t>(h)] - max_score);
         for (size_t s = first; s <= t; ++s) total += (score[s] = std::exp(score[s] - max_score));
         for (size_t s = first; s <= t; ++s) {
           const double* vh = &v[s][static_cast<size_t>(kv_head) * head_dim_];
           for (int d = 0; d < head_dim_; ++d) att[static_cast<size_t>(h) * head_dim_ + d] += score[s] / total * vh[d];
         }
       }
-      std::vector<double> o = Apply(L.wo, att);
+      std::vector<double> o = Apply(L.wo, att, &L.bo);
       if (!L.post_attn_norm.empty()) o = RmsNorm(o, L.post_attn_norm);
       for (int d = 0; d < dim_; ++d) x[t][static_cast<size_t>(d)] += o[static_cast<size_t>(d)];
     }

@@ -32,7 +32,11 @@ class ReferenceModel {
   struct Layer {
     std::vector<double> attn_norm, ffn_norm;  // [dim]
     Matrix wq, wk, wv, wo, gate, up, down;
-    std::vector<double> bq, bk, bv;           // empty when absent
+    std::vector<double> bq, bk, bv, bo;       // empty when absent (bo: gpt-oss)
+    std::vector<double> sinks;                // [n_heads] gpt-oss attention sinks; empty when absent
+    // gpt-oss: the router's bias [n_experts] and each expert's gate/up [hidden] and down [dim] biases.
+    std::vector<double> router_bias;
+    std::vector<std::vector<double>> expert_gate_bias, expert_up_bias, expert_down_bias;  // [n_experts]
     std::vector<double> q_norm, k_norm;       // [head_dim] qwen3, gemma3; empty when absent
     std::vector<double> post_attn_norm, post_ffn_norm;  // [dim] gemma; empty when absent
     int window = 0;                           // sliding-window layer: keys with t - s < window; 0: all
@@ -63,7 +67,9 @@ class ReferenceModel {
   void Rope(std::vector<double>& x, int n_heads, int pos, const std::vector<double>& freq, double magnitude) const;
 
   // A gated SwiGLU/GeGLU FFN: down(act(gate h) * up h).
-  std::vector<double> Ffn(const Matrix& gate, const Matrix& up, const Matrix& down, const std::vector<double>& h) const;
+  std::vector<double> Ffn(const Matrix& gate, const Matrix& up, const Matrix& down, const std::vector<double>& h,
+                          const std::vector<double>* gate_bias = nullptr, const std::vector<double>* up_bias = nullptr,
+                          const std::vector<double>* down_bias = nullptr) const;
   std::vector<double> Moe(const Layer& L, const std::vector<double>& h) const;
   // deepseek2's attention of every token, expanded: outputs after attn_output [n][dim].
   std::vector<std::vector<double>> LatentAttention(const Layer& L, const std::vector<std::vector<double>>& x) const;
@@ -77,6 +83,7 @@ class ReferenceModel {
   bool qk_norm_full_width_ = false;  // olmoe
   bool neox_rope_ = false;
   bool gelu_ = false;               // GeGLU (gemma) instead of SwiGLU
+  bool gpt_oss_ = false;            // clamped SwiGLU, softmax over the chosen experts' logits
   double embedding_scale_ = 1.0;
   double query_scale_ = 0.0;        // scores = query_scale * q.k
   double attn_softcap_ = 0.0, final_softcap_ = 0.0;
