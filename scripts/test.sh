@@ -2,7 +2,7 @@
 # Builds kvsparse and runs every test: the Release suite (kernel tests and end-to-end golden tests
 # once per kernel family the CPU runs), a check that only the kernel families use AVX, kernel and
 # golden tests on emulated older CPUs (AVX2-only, no AVX), the whole suite again under
-# AddressSanitizer + UBSan, and each libFuzzer harness for a minute. Usage: bash scripts/test.sh
+# AddressSanitizer + UBSan, and each libFuzzer harness for 45 seconds. Usage: bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
@@ -31,7 +31,7 @@ phase "asan build"
 LSAN_OPTIONS="suppressions=$PWD/fuzz/lsan.supp:print_suppressions=0" ASAN_OPTIONS=detect_leaks=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS" --timeout 900
 phase "asan tests"
-# Each libFuzzer harness for a minute on its seeds (fixed seed: a failure here reproduces), two
+# Each libFuzzer harness for 45 seconds on its seeds (fixed seed: a failure here reproduces), two
 # at a time; scripts/fuzz.sh runs them for longer by hand.
-FUZZ_BUILD=build-asan FUZZ_JOBS="$JOBS" FUZZ_SEED=1 bash scripts/fuzz.sh "${FUZZ_SECONDS:-60}"
+FUZZ_BUILD=build-asan FUZZ_JOBS="$JOBS" FUZZ_SEED=1 bash scripts/fuzz.sh "${FUZZ_SECONDS:-45}"
 phase "fuzz"
