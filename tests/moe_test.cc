@@ -108,6 +108,12 @@ TEST(Moe, RouteToExpertsFollowsLlamaCpp) {
   const double chosen = 2 * std::exp(2.0) + std::exp(1.5);
   EXPECT_NEAR(weights[0], 2.5 * std::exp(2.0) / chosen, 1e-6);
   EXPECT_NEAR(weights[0] + weights[1] + weights[2], 2.5, 1e-5);
+  // gpt-oss: the same choice, weighted by the softmax of the chosen logits only.
+  engine_detail::RouteToExperts(logits, RouterRule{6, 3, ExpertGating::kSoftmaxChosen}, probs, experts, weights);
+  EXPECT_EQ(experts[0], 1);
+  EXPECT_EQ(experts[2], 4);
+  EXPECT_NEAR(weights[0], std::exp(2.0) / chosen, 1e-6);
+  EXPECT_NEAR(weights[2], std::exp(1.5) / chosen, 1e-6);
   // NaN logits never crash the choice: distinct, valid experts.
   const float nan_logits[4] = {NAN, 1.0f, NAN, 0.0f};
   engine_detail::RouteToExperts(nan_logits, RouterRule{4, 3, ExpertGating::kSoftmax, nullptr, true, 1.0f}, probs,

@@ -98,8 +98,12 @@ int Run(const std::string& path, bool show_tensors) {
   std::printf("  per layer     f16 %.0f B, int8 %.0f B (int8 = 1 B/value + f32 scale per token and head)\n", f16, int8);
   std::printf("  all layers    f16 %.1f KiB, int8 %.1f KiB\n", f16 * c.n_layers / 1024, int8 * c.n_layers / 1024);
   if (c.max_context > 0) {
-    std::printf("  at context %d: f16 %.1f MiB, int8 %.1f MiB\n", c.max_context,
-                f16 * c.n_layers * c.max_context / 1048576.0, int8 * c.n_layers * c.max_context / 1048576.0);
+    // Sliding layers hold only their window (DenseKvBytes), as llama.cpp's cache does.
+    const double per_value_f16 = f16 / values, per_value_int8 = int8 / values;
+    std::printf("  at context %d: f16 %.1f MiB, int8 %.1f MiB%s\n", c.max_context,
+                c.DenseKvBytes(c.max_context, per_value_f16) / 1048576.0,
+                c.DenseKvBytes(c.max_context, per_value_int8) / 1048576.0,
+                c.NumSlidingLayers() > 0 ? " (sliding layers hold their window)" : "");
   }
   std::printf("\nkernels: %s\n", IsaSummary().c_str());
   return 0;

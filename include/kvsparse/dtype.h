@@ -2,6 +2,8 @@
 // so GGUF tensor data can be used in place (mmap) without conversion.
 #pragma once
 
+#include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -153,13 +155,14 @@ struct BlockMXFP4 {
   uint8_t qs[kQK_MXFP4 / 2];
 };
 static_assert(sizeof(BlockMXFP4) == 17);
-// 2^(e - 128) as f32, exact for every e (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is subnormal).
-inline float Mxfp4Scale(uint8_t e) {
-  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+// 2^(e - 128) as f32 for every e, exact (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is subnormal): a
+// table, so a kernel's scale is one broadcast load.
+inline constexpr std::array<float, 256> kMxfp4Scales = [] {
+  std::array<float, 256> table{};
+  for (uint32_t e = 0; e < 256; ++e) table[e] = std::bit_cast<float>(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+  return table;
+}();
+inline float Mxfp4Scale(uint8_t e) { return kMxfp4Scales[e]; }
 
 // ggml block_iq4_xs: 8 sub-blocks of 32 with 6-bit scales (low 4 bits in scales_l, two per byte;
 // top 2 bits in scales_h), each sub-block laid out as IQ4_NL; value = d * (ls - 32) * level.

@@ -164,6 +164,7 @@ KVS_MATVEC(q5_K, DType::kQ5_K);
 KVS_MATVEC(q6_K, DType::kQ6_K);
 KVS_MATVEC(iq4_nl, DType::kIQ4_NL);
 KVS_MATVEC(iq4_xs, DType::kIQ4_XS);
+KVS_MATVEC(mxfp4, DType::kMXFP4);
 KVS_MATVEC(f16, DType::kF16);
 KVS_MATVEC(bf16, DType::kBF16);
 KVS_MATVEC(f32, DType::kF32);

@@ -76,7 +76,8 @@ struct RouterRule {
 // each logit's sigmoid), the n_used best experts (by logit, or by probability + selection_bias
 // when there is one; the lower id first among equals), their probabilities as weights,
 // renormalized to sum 1 when `normalize` (the sum clamped below at 2^-14, as llama.cpp clamps
-// it), times `scale`. probs: [n_experts] scratch; experts, weights: [n_used].
+// it), times `scale`. kSoftmaxChosen (gpt-oss): the n_used best logits, weighted by the softmax
+// of those logits alone. probs: [n_experts] scratch; experts, weights: [n_used].
 void RouteToExperts(const float* logits, const RouterRule& rule, float* probs, int32_t* experts, float* weights);
 // A step with at most this many rows (decode, small batches) runs its small products together.
 constexpr int32_t kFewRows = 16;
