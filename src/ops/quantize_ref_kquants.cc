@@ -260,7 +260,9 @@ KVS_NO_FP_CONTRACT void QuantizeRowMXFP4Ref(const float* x, BlockMXFP4* y, int64
   for (int64_t b = 0; b < n / kQK_MXFP4; ++b, x += kQK_MXFP4) {
     float amax = 0.f;
     for (int i = 0; i < kQK_MXFP4; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const uint8_t e = amax > 0.f ? static_cast<uint8_t>(std::floor(std::log2(amax)) - 2 + 127) : 0;
+    // (Clamped to the format's exponents, so tiny or huge blocks cannot overflow the cast.)
+    const float exponent = std::clamp(std::floor(std::log2(amax)) - 2 + 127, 0.f, 254.f);
+    const uint8_t e = amax > 0.f ? static_cast<uint8_t>(exponent) : 0;
     const float d = Mxfp4Scale(e);
     auto nearest = [d](float v) {
       int best = 0;
