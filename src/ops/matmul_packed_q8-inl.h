@@ -122,6 +122,48 @@ constexpr int ScaleBlendOf(Q8Order order) {
 }
 #endif
 
+// The block arithmetic of 32 4-bit codes in the nibble layout above that index a table of 16
+// signed levels (IQ4_NL, MXFP4; value = scale * kLevels[code]), looked up by a byte shuffle.
+// avx512 looks up (level + 128) as unsigned bytes for vpdpbusd with `init` = -128 * sum(x) (4
+// products of at most 255 * 127 per int32 lane, no saturation); avx2's maddubs would saturate its
+// int16 pairs for IQ4_NL's levels, so it takes the signed levels with the sign trick and no bias.
+// The types add their scale (an f16 d, or B::Scale) and, where they pack panels, PanelCodes.
+template <class BlockT, const int8_t* kLevels>
+struct NibbleLevelBlocks {
+  using Block = BlockT;
+#if KVS_ISA_AVX512
+  static constexpr int kOffset = 128;
+  static constexpr Q8Order kOrder = Q8Order::kQ4NibbleHalves;
+  // The levels as (level + 128) u8: flipping the sign bit of the int8 table adds 128.
+  static __m512i BiasedLevels() {
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevels))),
+                            _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  static __m512i Load(const Block& b0, const Block& b1) {
+    return _mm512_shuffle_epi8(BiasedLevels(), NibblesOfPair(b0.qs, b1.qs));
+  }
+  static __m512i DotCompact(const Block& b0, const Block& b1, __m512i xq) {
+    return UnbiasedDot(Load(b0, b1), xq, kOffset);
+  }
+#elif KVS_ISA_AVX2
+  static constexpr int kOffset = 0;
+  static constexpr Q8Order kOrder = Q8Order::kNatural;
+  static __m256i Load(const Block& b) {
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevels)));
+    return _mm256_shuffle_epi8(levels, Nibbles(b.qs));
+  }
+  static __m256i Dot(__m256i w, __m256i xq, __m256i /*init*/) { return SignedDot(w, xq); }
+#else
+  static constexpr int kOffset = 0;
+  static constexpr Q8Order kOrder = Q8Order::kNatural;
+  static int32_t Dot(const Block& b, const int8_t* xq) {
+    int32_t dot = 0;
+    for (int e = 0; e < 32; ++e) dot += kLevels[NibbleAt(b.qs, e)] * xq[e];
+    return dot;
+  }
+#endif
+};
+
 // Whether weight type B gives its blocks' scales itself (B::Scale(block), f32: MXFP4's E8M0
 // exponent) rather than as an f16 field d.
 template <class B>
